@@ -1,0 +1,40 @@
+"""Errors a user or a file can cause. Each maps to exit code 2 in the CLI and prints as one line.
+
+Internal invariants use `assert`; everything here is something the user can fix.
+"""
+
+
+class VdError(Exception):
+    """Base of every error vd reports to a user as bad input (exit code 2)."""
+
+
+class UsageError(VdError, ValueError):
+    """A flag or argument that cannot work (an unknown forward, a bad K list, ...)."""
+
+
+class GoldenError(VdError):
+    """Something is wrong with a golden store."""
+
+
+class GoldenNotFoundError(GoldenError, FileNotFoundError):
+    """The golden path does not exist."""
+
+
+class NotAGoldenError(GoldenError):
+    """The path exists but holds no vd golden (no zarr group or no vd metadata)."""
+
+
+class GoldenCorruptError(GoldenError):
+    """A golden whose bytes fail their checksum, whose chunks are missing or whose arrays disagree."""
+
+
+class GoldenExistsError(GoldenError, FileExistsError):
+    """Recording over an existing golden without --refresh."""
+
+
+class ModelSpecError(VdError, LookupError):
+    """A --model SPEC that names nothing vd can load."""
+
+
+class ModelMismatchError(VdError):
+    """The model's fingerprint or shape differs from the golden's."""

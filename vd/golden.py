@@ -1,0 +1,277 @@
+"""The golden store: a zarr v3 group holding a recording's steps and every logits row, with metadata.
+
+Layout (FORMAT.md is the reference; ``FORMAT_VERSION`` marks it):
+
+    <golden>.zarr/            group; attrs["vd"] = metadata (model, forward, dtype, K list, environment, ...)
+      prompt                  int32 (P,)
+      k<K>/                   group; attrs: k, steps, bootstrap, committed_is_greedy
+        prefill               logits (P, V)      one chunk
+        logits                logits (S, K, V)   one chunk per step
+        tokens                int32 (S, K)       each step's [last, d1 .. d_{K-1}]
+        accepted              int32 (S,)
+        step_ms               float64 (S,)
+
+bfloat16 logits are stored as their uint16 bit patterns (zarr has no bfloat16); float16/float32 as
+themselves. Every array is Zstd level 1 plus a CRC32C checksum (shared notes storage.md). A golden is
+written beside its destination and renamed into place when complete, so a reader never sees half of
+one; readers still check the ``complete`` flag, every chunk's presence and every checksum, and refuse
+instead of reading zeros. This module leaves out what the rows mean: it stores and loads arrays.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from vd.errors import (
+    GoldenCorruptError,
+    GoldenError,
+    GoldenExistsError,
+    GoldenNotFoundError,
+    NotAGoldenError,
+)
+from vd.loop import Step
+
+FORMAT = "vd-golden"
+FORMAT_VERSION = 1
+
+# logical dtype -> (numpy storage dtype, description)
+ENCODINGS: dict[str, tuple[np.dtype, str]] = {
+    "bfloat16": (np.dtype("<u2"), "bfloat16 as its uint16 bit pattern, little-endian"),
+    "float16": (np.dtype("<f2"), "IEEE float16, little-endian"),
+    "float32": (np.dtype("<f4"), "IEEE float32, little-endian"),
+}
+_TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The logical name vd stores for a torch logits dtype."""
+    return _TORCH_NAMES[dtype]
+
+
+def to_storage(t: torch.Tensor) -> np.ndarray:
+    """Logits on any device to their storage array (bf16 becomes uint16 bits), on the host."""
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def as_bits(a: np.ndarray) -> np.ndarray:
+    """A storage array viewed as unsigned integers of its width, for byte-exact comparison."""
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def to_float(a: np.ndarray, logical: str) -> np.ndarray:
+    """A storage array's values as float32 (exact for every supported dtype)."""
+    if logical == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class KRecord:
+    """One verify width's recording."""
+
+    k: int
+    bootstrap: int
+    tokens: np.ndarray  # int32 [S, K]
+    accepted: np.ndarray  # int32 [S]
+    prefill: np.ndarray  # storage [P, V]
+    logits: np.ndarray  # storage [S, K, V]
+    step_ms: np.ndarray  # float64 [S]
+    committed_is_greedy: bool | None = None
+
+    @property
+    def steps(self) -> list[Step]:
+        """The step log as `vd.loop.Step` values."""
+        return [Step(tuple(int(t) for t in row), int(a)) for row, a in zip(self.tokens, self.accepted)]
+
+
+@dataclass(frozen=True, slots=True)
+class Golden:
+    """A golden read back: its metadata (``attrs["vd"]``), prompt tokens and one record per K."""
+
+    path: Path
+    meta: Mapping
+    prompt: list[int]
+    runs: Mapping[int, KRecord]
+
+    @property
+    def logical_dtype(self) -> str:
+        return self.meta["logits"]["dtype"]
+
+
+def _codecs() -> list:
+    return [ZstdCodec(level=1), Crc32cCodec()]
+
+
+def _write_array(group: zarr.Group, name: str, data: np.ndarray, chunks: tuple[int, ...], **attrs) -> None:
+    group.create_array(
+        name, data=data, chunks=chunks, compressors=_codecs(), fill_value=0,
+        config={"write_empty_chunks": True}, attributes=attrs or None,
+    )
+
+
+def _json_safe(obj):
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _existing_golden_meta(path: Path) -> Mapping | None:
+    """The vd metadata of the golden at ``path``; None when the path holds no golden."""
+    try:
+        attrs = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r").attrs
+        meta = attrs.get("vd")
+    except Exception:  # anything unreadable is "not a golden" here; open_golden reports details
+        return None
+    return meta if isinstance(meta, Mapping) and meta.get("format") == FORMAT else None
+
+
+def check_target(path: Path, refresh: bool) -> None:
+    """Refuse a record destination before any work: an existing golden without ``refresh``, or an
+    existing path that is not a golden (which even ``refresh`` never replaces)."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if _existing_golden_meta(path) is None:
+        raise GoldenError(f"{path} exists and is not a vd golden; refusing to replace it")
+    if not refresh:
+        raise GoldenExistsError(f"{path} already holds a golden; pass --refresh to replace it")
+
+
+def write_golden(
+    path: Path, meta: Mapping, prompt: list[int], records: list[KRecord], *, refresh: bool = False
+) -> None:
+    """Write a complete golden beside ``path``, then rename it into place.
+
+    With ``refresh`` an existing golden is replaced only once the new one is complete; without it an
+    existing golden is refused and left intact.
+    """
+    path = Path(path)
+    check_target(path, refresh)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        root = zarr.create_group(zarr.storage.LocalStore(tmp), zarr_format=3)
+        _write_array(root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),))
+        for r in records:
+            g = root.create_group(f"k{r.k}")
+            s, k, v = r.logits.shape
+            _write_array(g, "prefill", r.prefill, r.prefill.shape)
+            _write_array(g, "logits", r.logits, (1, k, v))
+            _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k))
+            _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),))
+            _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),))
+            g.attrs.update({"k": r.k, "steps": s, "bootstrap": int(r.bootstrap),
+                            "committed_is_greedy": r.committed_is_greedy})
+        full = dict(meta)
+        full.update(format=FORMAT, format_version=FORMAT_VERSION,
+                    created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+        root.attrs["vd"] = _json_safe(full)
+        root.attrs["vd"] = {**root.attrs["vd"], "complete": True}  # set last
+        _publish(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename the complete ``tmp`` onto ``path``; an old golden is moved aside first, then removed."""
+    if not path.exists():
+        os.replace(tmp, path)
+        return
+    old = path.parent / f".{path.name}.replaced-{uuid.uuid4().hex[:8]}"
+    os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        os.replace(old, path)  # put the old golden back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _read(group: zarr.Group, name: str, where: str) -> np.ndarray:
+    try:
+        arr = group[name]
+    except KeyError as e:
+        raise GoldenCorruptError(f"{where}: array {name!r} is missing") from e
+    if not isinstance(arr, zarr.Array):
+        raise GoldenCorruptError(f"{where}: {name!r} is not an array")
+    # zarr 3.1 reads a missing chunk back as the fill value; a golden never has one, so refuse.
+    if arr.nchunks_initialized != arr.nchunks:
+        raise GoldenCorruptError(
+            f"{where}/{name}: {arr.nchunks - arr.nchunks_initialized} of {arr.nchunks} chunks are missing"
+        )
+    try:
+        return np.asarray(arr[...])
+    except Exception as e:  # checksum mismatch (ValueError), truncated or undecodable chunk bytes
+        raise GoldenCorruptError(f"{where}/{name}: cannot read its chunks: {str(e).splitlines()[0]}") from e
+
+
+def open_golden(path: str | os.PathLike) -> Golden:
+    """Read and check a whole golden; raise a `GoldenError` subclass naming what is wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise GoldenNotFoundError(f"{path} does not exist")
+    if not path.is_dir():
+        raise NotAGoldenError(f"{path} is not a vd golden (a golden is a zarr directory)")
+    if not (path / "zarr.json").is_file():
+        raise NotAGoldenError(f"{path} is not a vd golden (no zarr.json)")
+    try:
+        root = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r")
+        meta = root.attrs.get("vd")
+    except Exception as e:  # malformed zarr.json: JSON or metadata errors of many kinds
+        raise GoldenCorruptError(f"{path}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
+    if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
+        raise NotAGoldenError(f"{path} is a zarr group but not a vd golden (no vd metadata)")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise GoldenError(f"{path} has golden format {version}; this vd reads up to {FORMAT_VERSION}")
+    if meta.get("complete") is not True:
+        raise GoldenCorruptError(f"{path} is incomplete (its recording never finished)")
+    logical = meta.get("logits", {}).get("dtype")
+    if logical not in ENCODINGS:
+        raise GoldenCorruptError(f"{path}: unknown logits dtype {logical!r}")
+    prompt = _read(root, "prompt", str(path)).astype(np.int64).tolist()
+    runs = {}
+    for k in meta.get("k", []):
+        where = f"{path}/k{k}"
+        try:
+            g = root[f"k{k}"]
+        except KeyError as e:
+            raise GoldenCorruptError(f"{where} is missing") from e
+        rec = KRecord(
+            k=k, bootstrap=int(g.attrs.get("bootstrap", -1)),
+            tokens=_read(g, "tokens", where), accepted=_read(g, "accepted", where),
+            prefill=_read(g, "prefill", where), logits=_read(g, "logits", where),
+            step_ms=_read(g, "step_ms", where), committed_is_greedy=g.attrs.get("committed_is_greedy"),
+        )
+        _check_shapes(rec, meta, len(prompt), ENCODINGS[logical][0], where)
+        runs[k] = rec
+    if not runs:
+        raise GoldenCorruptError(f"{path} holds no verify widths")
+    return Golden(path=path, meta=meta, prompt=prompt, runs=runs)
+
+
+def _check_shapes(r: KRecord, meta: Mapping, p: int, storage: np.dtype, where: str) -> None:
+    s, k, v = meta.get("steps"), r.k, meta.get("vocab_size")
+    expect = {"tokens": (s, k), "accepted": (s,), "prefill": (p, v), "logits": (s, k, v), "step_ms": (s,)}
+    for name, shape in expect.items():
+        got = getattr(r, name).shape
+        if got != shape:
+            raise GoldenCorruptError(f"{where}/{name}: shape {got}, expected {shape}")
+    for name in ("prefill", "logits"):
+        if getattr(r, name).dtype != storage:
+            raise GoldenCorruptError(f"{where}/{name}: dtype {getattr(r, name).dtype}, expected {storage}")
+    if ((r.accepted < 0) | (r.accepted > k - 1)).any():
+        raise GoldenCorruptError(f"{where}/accepted: counts outside 0..{k - 1}")

@@ -1,0 +1,183 @@
+"""The one verify step loop that recording and replaying share, and the feeds that choose its tokens.
+
+One function, `run_verify`, owns prefill → verify K tokens in one forward → accept → rewind the rejected
+rows → commit → next `last`, as in the seed (``met circuit diff --verify``). A feed only decides tokens:
+
+* `ReferenceFeed`: drafts are the model's own greedy continuation, with draft ``1 + s % (K-1)`` bumped by
+  one (mod vocab) on every odd step ``s``, so full and partial accepts both occur;
+* `ReplayFeed`: exactly the stored tokens, accept counts and bootstrap token.
+
+A drafter feed (an MTP head proposing drafts) plugs in through the same hooks: `Feed.start` after the
+prefill and `Feed.after_commit` after each step, where it saves hidden state, trims and proposes.
+The loop leaves out storage and comparison: it returns the rows it computed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from vd.protocol import VerifyModel
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One verify step's inputs ``[last, d1 .. d_{K-1}]`` and how many drafts it accepted."""
+
+    tokens: tuple[int, ...]
+    accepted: int
+
+
+@dataclass(slots=True)
+class Run:
+    """What one pass of the loop computed.
+
+    ``prefill`` is ``[P, V]``; ``rows[s]`` is step ``s``'s ``[K, V]``; both stay on the model's device
+    and dtype. ``computed`` holds the accept count the run's own argmaxes gave at each step (equal to
+    ``steps[s].accepted`` except where a replay forced the stored count). ``step_ms`` times each verify
+    forward including its argmax read-back.
+    """
+
+    k: int
+    prefill: torch.Tensor
+    rows: list[torch.Tensor] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    computed: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    bootstrap: int = -1
+
+    def committed(self) -> list[int]:
+        """The generated sequence this run committed: each step's ``last`` and accepted drafts."""
+        out: list[int] = []
+        for st in self.steps:
+            out.extend(st.tokens[: st.accepted + 1])
+        return out
+
+
+def accepted(tokens: Sequence[int], argmaxes: Sequence[int]) -> int:
+    """Leading drafts the verify accepted: draft ``j`` stands when row ``j - 1``'s argmax is it."""
+    n = 0
+    for j in range(1, len(tokens)):
+        if argmaxes[j - 1] != tokens[j]:
+            break
+        n += 1
+    return n
+
+
+def reference_drafts(greedy: Sequence[int], p: int, s: int, k: int, vocab: int) -> list[int]:
+    """The drafts of step ``s`` at committed position ``p``: ``greedy[p+1 .. p+k-1]``, with draft
+    ``1 + s % (k-1)`` bumped by one on an odd step (a position past ``greedy`` drafts token 0)."""
+    out = []
+    for j in range(1, k):
+        t = greedy[p + j] if p + j < len(greedy) else 0
+        out.append((t + 1) % vocab if s % 2 == 1 and j == 1 + s % (k - 1) else t)
+    return out
+
+
+class Feed:
+    """How a run picks each step. The base class is the neutral hook set; subclasses choose tokens."""
+
+    def start(self, model: VerifyModel, last: int) -> int:
+        """After the prefill: the token the first step starts from (the bootstrap token)."""
+        return last
+
+    def tokens(self, s: int, last: int, p: int, k: int, vocab: int) -> list[int]:
+        """Step ``s``'s verify input, given ``last`` and the committed count ``p`` of generated tokens."""
+        raise NotImplementedError
+
+    def accept(self, s: int, computed: int) -> int:
+        """The accept count to commit at step ``s``, given what the argmaxes accepted."""
+        return computed
+
+    def next_last(self, s: int, computed: int) -> int:
+        """The ``last`` of step ``s + 1``, given the argmax of row ``accepted``."""
+        return computed
+
+    def after_commit(self, model: VerifyModel, s: int, accepted: int, last: int) -> None:
+        """After step ``s`` is committed (a drafter saves hidden state, trims and proposes here)."""
+
+
+class ReferenceFeed(Feed):
+    """Drafts from the model's greedy continuation, one corrupted on odd steps."""
+
+    def __init__(self, greedy: Sequence[int]):
+        self.greedy = list(greedy)
+
+    def tokens(self, s: int, last: int, p: int, k: int, vocab: int) -> list[int]:
+        return [last, *reference_drafts(self.greedy, p, s, k, vocab)]
+
+
+class ReplayFeed(Feed):
+    """Exactly these steps, after this bootstrap token."""
+
+    def __init__(self, steps: Sequence[Step], bootstrap: int):
+        self.steps = list(steps)
+        self.bootstrap = bootstrap
+
+    def start(self, model: VerifyModel, last: int) -> int:
+        return self.bootstrap
+
+    def tokens(self, s: int, last: int, p: int, k: int, vocab: int) -> list[int]:
+        return list(self.steps[s].tokens)
+
+    def accept(self, s: int, computed: int) -> int:
+        return self.steps[s].accepted
+
+    def next_last(self, s: int, computed: int) -> int:
+        return self.steps[s + 1].tokens[0] if s + 1 < len(self.steps) else computed
+
+
+def _argmax(rows: torch.Tensor) -> list[int]:
+    # torch.argmax returns the first maximal index, so ties resolve the same way everywhere.
+    return rows.argmax(dim=-1).tolist()
+
+
+@torch.inference_mode()
+def continuation(model: VerifyModel, prompt: Sequence[int], n: int) -> list[int]:
+    """The model's greedy continuation of ``prompt``, ``n`` tokens, by plain one-token decode."""
+    model.reset()
+    out = [_argmax(model.forward(prompt)[-1:])[0]]
+    while len(out) < n:
+        out.append(_argmax(model.forward([out[-1]]))[0])
+    return out
+
+
+@torch.inference_mode()
+def run_verify(
+    model: VerifyModel,
+    prompt: Sequence[int],
+    k: int,
+    steps: int,
+    feed: Feed,
+    on_step: Callable[[int], None] | None = None,
+) -> Run:
+    """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them."""
+    vocab = model.vocab_size
+    model.reset()
+    prefill = model.forward(prompt)  # [P, V]
+    last = feed.start(model, _argmax(prefill[-1:])[0])
+    run = Run(k=k, prefill=prefill, bootstrap=last)
+    p = 0  # generated tokens committed so far
+    for s in range(steps):
+        tokens = feed.tokens(s, last, p, k, vocab)
+        assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
+        t0 = time.perf_counter()
+        rows = model.forward(tokens)  # [K, V]
+        outs = _argmax(rows)  # reads back to the host, so the forward has finished
+        run.step_ms.append((time.perf_counter() - t0) * 1e3)
+        computed = accepted(tokens, outs)
+        na = feed.accept(s, computed)
+        # As a scheduler does: rewind the rejected rows, keep [last, accepted drafts] committed.
+        model.rewind(k - 1 - na)
+        last = feed.next_last(s, outs[na])
+        p += na + 1
+        run.rows.append(rows)
+        run.steps.append(Step(tuple(int(t) for t in tokens), na))
+        run.computed.append(computed)
+        feed.after_commit(model, s, na, last)
+        if on_step is not None:
+            on_step(s)
+    return run

