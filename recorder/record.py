@@ -1,0 +1,160 @@
+"""Record a golden: greedy continuation, then for each K the reference feed through the shared loop,
+then one complete write of the zarr store.
+
+A reference that never had both a full and a partial accept at some K is not written (it could not
+tell a broken commit or rewind from a working one) unless the caller allows it; the caller learns why.
+This module leaves out comparison and verdicts: those are the replayer's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vd import env
+from vd.compare import thin_reason
+from vd.errors import UsageError
+from vd.golden import ENCODINGS, KRecord, check_target, dtype_name, to_storage, write_golden
+from vd.loop import ReferenceFeed, continuation, run_verify
+from vd.models import DEFAULT_MODEL, load_model
+from vd.protocol import VerifyModel
+
+DEFAULT_PROMPT = (
+    "Speculative decoding lets a small draft propose several tokens that the large model then "
+    "verifies in a single forward pass. Explain why the output stays the same:"
+)
+DEFAULT_KS = (2, 3, 4)
+DEFAULT_STEPS = 16
+MAX_K = 16
+
+
+@dataclass(slots=True)
+class RecordResult:
+    """What a recording did: where it went (None when refused), its accept counts and timings."""
+
+    path: Path | None
+    accepted: dict[int, list[int]]
+    thin: list[str]
+    committed_is_greedy: dict[int, bool]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def check_ks(ks: Sequence[int]) -> list[int]:
+    """A usable K list: each 2..MAX_K, no repeats."""
+    ks = list(ks)
+    if not ks:
+        raise UsageError("--k needs at least one verify width")
+    bad = [k for k in ks if not 2 <= k <= MAX_K]
+    if bad:
+        raise UsageError(f"verify width K must be 2..{MAX_K}; got {bad}")
+    if len(set(ks)) != len(ks):
+        raise UsageError(f"repeated verify width in --k {ks}")
+    return ks
+
+
+def record(
+    out: str | Path,
+    *,
+    model: VerifyModel | None = None,
+    model_spec: str = DEFAULT_MODEL,
+    prompt: str = DEFAULT_PROMPT,
+    ks: Sequence[int] = DEFAULT_KS,
+    steps: int = DEFAULT_STEPS,
+    forward: str | None = None,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    threads: int | None = None,
+    refresh: bool = False,
+    allow_thin: bool = False,
+    on_step: Callable[[int], None] | None = None,
+    on_phase: Callable[[str, int], None] | None = None,
+) -> RecordResult:
+    """Record the reference feed of ``model`` (or the model ``model_spec`` names) into ``out``.
+
+    ``on_phase(name, total_steps)`` announces each phase and ``on_step`` ticks within it, for a progress
+    bar. A passed-in ``model`` is used as it is (its device and dtype win over the arguments).
+    """
+    out = Path(out)
+    ks = check_ks(ks)
+    if steps < 1:
+        raise UsageError(f"--steps must be at least 1; got {steps}")
+    check_target(out, refresh)  # fail before the expensive part
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads must be at least 1; got {threads}")
+        torch.set_num_threads(threads)
+    phase = on_phase or (lambda name, total: None)
+    seconds: dict[str, float] = {}
+
+    t = time.perf_counter()
+    if model is None:
+        phase("loading model", 0)
+        model = load_model(model_spec, device=device, dtype=dtype)
+    seconds["load"] = time.perf_counter() - t
+    forward = forward or model.default_forward()
+    if forward not in model.forwards():
+        raise UsageError(f"model has no forward {forward!r}; it offers {', '.join(model.forwards())}")
+    model.set_forward(forward)
+    tokens = model.encode(prompt)
+    if not tokens:
+        raise UsageError("the prompt encodes to no tokens")
+
+    t = time.perf_counter()
+    n = steps * max(ks) + 1
+    phase("greedy continuation", 0)
+    greedy = continuation(model, tokens, n)
+    seconds["continuation"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    records, thin, same = [], [], {}
+    for k in ks:
+        phase(f"recording K={k}", steps)
+        run = run_verify(model, tokens, k, steps, ReferenceFeed(greedy), on_step=on_step)
+        committed = run.committed()
+        same[k] = committed == greedy[: len(committed)]
+        records.append(KRecord(
+            k=k, bootstrap=run.bootstrap,
+            tokens=np.array([s.tokens for s in run.steps], dtype=np.int32),
+            accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
+            prefill=to_storage(run.prefill),
+            logits=to_storage(torch.stack(run.rows)),
+            step_ms=np.array(run.step_ms, dtype=np.float64),
+            committed_is_greedy=same[k],
+        ))
+        reason = thin_reason(k, [s.accepted for s in run.steps])
+        if reason:
+            thin.append(reason)
+    seconds["verify"] = time.perf_counter() - t
+    accepted = {r.k: r.accepted.tolist() for r in records}
+    if thin and not allow_thin:
+        return RecordResult(None, accepted, thin, same, seconds)
+
+    t = time.perf_counter()
+    phase("writing golden", 0)
+    ident = model.identity()
+    logical = dtype_name(model.dtype)
+    meta = {
+        "model": {"spec": model_spec, "name": ident.name, "fingerprint": ident.fingerprint,
+                  "details": dict(ident.details)},
+        "forward": forward,
+        "forward_description": model.forwards()[forward],
+        "feed": "reference",
+        "dtype": logical,
+        "device": model.device.type,
+        "k": ks,
+        "steps": steps,
+        "vocab_size": model.vocab_size,
+        "prompt_text": prompt,
+        "greedy": greedy,
+        "thin": thin,
+        "logits": {"dtype": logical, "encoding": ENCODINGS[logical][1]},
+        "environment": env.capture(model.device),
+    }
+    write_golden(out, meta, tokens, records, refresh=refresh)
+    seconds["write"] = time.perf_counter() - t
+    return RecordResult(out, accepted, thin, same, seconds)

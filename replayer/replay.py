@@ -1,0 +1,187 @@
+"""Replay a golden against a model and judge it: PASS or FAIL, with reasons and a JSON-ready report.
+
+For each K and each forward asked for, the shared loop runs the replay feed (the stored tokens, accept
+counts and bootstrap token, so every run verifies the same inputs and commits the same prefixes) and
+every row is compared with the golden, byte for byte. Then, under the last forward, the detection
+control changes the last draft of step ``steps // 2`` and must see a difference; and a reference
+without both a full and a partial accept at every K fails as too thin. The report keeps the seed's
+fields (graphs, mtp, steps, variants, verify[k, accepted, comparisons, timings, detection_control],
+verdict, reasons). This module leaves out rendering: the CLI prints what it returns.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from vd import env
+from vd.compare import compare_run, histogram, thin_reason
+from vd.errors import ModelMismatchError, UsageError
+from vd.golden import Golden, open_golden
+from vd.loop import ReplayFeed, Step, run_verify
+from vd.models import check_device, load_model
+from vd.protocol import VerifyModel
+
+
+def control_steps(steps: Sequence[Step], vocab: int) -> list[Step]:
+    """The detection control's input: the last draft of step ``len(steps) // 2`` bumped by one."""
+    changed = list(steps)
+    at = len(steps) // 2
+    tokens = list(changed[at].tokens)
+    tokens[-1] = (tokens[-1] + 1) % vocab
+    changed[at] = Step(tuple(tokens), changed[at].accepted)
+    return changed
+
+
+def _timing(variant: str, step_ms: Sequence[float]) -> dict:
+    return {
+        "variant": variant,
+        "steps": len(step_ms),
+        "step_ms_median": statistics.median(step_ms) if step_ms else None,
+        "step_ms_max": max(step_ms) if step_ms else None,
+        "total_ms": sum(step_ms),
+    }
+
+
+def _open_model(golden: Golden, spec: str | None, device: str | None) -> VerifyModel:
+    meta = golden.meta
+    dev = device or meta["device"]
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(
+            f"{golden.path} was recorded on {dev} and this machine has no CUDA device; "
+            "pass --device cpu to replay it on the CPU"
+        )
+    return load_model(spec or meta["model"]["spec"], device=check_device(dev), dtype=meta["dtype"])
+
+
+def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> list[str]:
+    """Refuse a model that cannot be compared; a different fingerprint only with ``allow_mismatch``."""
+    meta = golden.meta
+    if model.vocab_size != meta["vocab_size"]:
+        raise ModelMismatchError(
+            f"model has vocab {model.vocab_size}, golden {golden.path} has {meta['vocab_size']}"
+        )
+    got, want = model.identity().fingerprint, meta["model"]["fingerprint"]
+    if got == want:
+        return []
+    if not allow_mismatch:
+        raise ModelMismatchError(
+            f"model fingerprint {got[:19]}… differs from golden's {want[:19]}… "
+            "(pass --allow-model-mismatch to compare anyway)"
+        )
+    return [f"model fingerprint differs from the golden's ({got} vs {want}); allowed by the user"]
+
+
+def replay(
+    golden_path: str | Path,
+    *,
+    model: VerifyModel | None = None,
+    model_spec: str | None = None,
+    forwards: Sequence[str] = (),
+    device: str | None = None,
+    threads: int | None = None,
+    allow_model_mismatch: bool = False,
+    control: bool = True,
+    on_phase: Callable[[str, int], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> dict:
+    """Replay ``golden_path`` and return the report (``report["verdict"]`` is PASS or FAIL).
+
+    Bad input (a missing or corrupt golden, an unknown model or forward, a fingerprint mismatch) raises
+    a `vd.errors.VdError` before any comparison.
+    """
+    phase = on_phase or (lambda name, total: None)
+    golden = open_golden(golden_path)
+    meta = golden.meta
+    recorded_env = meta.get("environment", {})
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be at least 1; got {threads}")
+    # CPU kernels can split work by thread count: replay with the recording's unless told otherwise.
+    torch.set_num_threads(threads or recorded_env.get("threads") or torch.get_num_threads())
+    if model is None:
+        phase("loading model", 0)
+        model = _open_model(golden, model_spec, device)
+    notes = _check_model(golden, model, allow_model_mismatch)
+    forwards = list(forwards) or [meta["forward"]]
+    offered = model.forwards()
+    unknown = [f for f in forwards if f not in offered]
+    if unknown:
+        raise UsageError(f"model has no forward {', '.join(map(repr, unknown))}; it offers {', '.join(offered)}")
+
+    logical, vocab, steps = golden.logical_dtype, model.vocab_size, meta["steps"]
+    verify, reasons = [], []
+    t_start = time.perf_counter()
+    for k, rec in golden.runs.items():
+        log, comparisons, timings = rec.steps, [], [_timing(f"{meta['forward']} (golden)", rec.step_ms.tolist())]
+        for name in forwards:
+            phase(f"K={k} {name}", steps)
+            model.set_forward(name)
+            run = run_verify(model, golden.prompt, k, steps, ReplayFeed(log, rec.bootstrap), on_step=on_step)
+            c = compare_run(name, rec, run, logical)
+            comparisons.append(c)
+            timings.append(_timing(name, run.step_ms))
+            if not c.equal:
+                reasons.append(
+                    f"verify K={k}, {name}: prefill equal {c.prefill_equal}, {c.mismatched_steps} of "
+                    f"{c.steps} steps differ (first at {_where(c.first_mismatch or c.prefill_first_mismatch)})"
+                )
+        entry = {
+            "k": k,
+            "accepted": rec.accepted.tolist(),
+            "accept_histogram": histogram(k, rec.accepted.tolist()),
+            "comparisons": [c.to_json() for c in comparisons],
+            "timings": timings,
+            "detection_control": None,
+        }
+        if control:
+            phase(f"K={k} control", steps)  # runs under the last forward, still selected
+            run = run_verify(model, golden.prompt, k, steps,
+                             ReplayFeed(control_steps(log, vocab), rec.bootstrap), on_step=on_step)
+            dc = compare_run(f"{forwards[-1]}, one draft changed", rec, run, logical)
+            at = steps // 2
+            # It must see a difference at the very step whose draft changed, whatever else differs.
+            fired = at in dc.mismatched_step_list
+            entry["detection_control"] = {**dc.to_json(), "changed_step": at, "fired": fired}
+            if not fired:
+                reasons.append(f"verify K={k}: the detection control saw no difference at step {at} "
+                               "after changing its last draft")
+        thin = thin_reason(k, rec.accepted.tolist())
+        if thin:
+            reasons.append(thin)
+        verify.append(entry)
+
+    replayed_env = env.capture(model.device)
+    env_diff = env.numerics_differences(recorded_env, replayed_env)
+    if reasons and env_diff and any(c["mismatched_steps"] or not c["prefill_equal"]
+                                    for v in verify for c in v["comparisons"]):
+        reasons.append("the replaying environment differs from the recording's in "
+                       + "; ".join(env_diff) + " — bitwise differences may come from that")
+    return {
+        "golden": str(golden.path),
+        "model": {"spec": meta["model"]["spec"], "name": meta["model"]["name"],
+                  "fingerprint": meta["model"]["fingerprint"], "replayed_with": model.identity().name},
+        "graphs": "eager",
+        "mtp": False,
+        "feed": meta.get("feed", "reference"),
+        "steps": steps,
+        "dtype": logical,
+        "variants": [{"name": n, "description": offered[n], "golden": n == meta["forward"]} for n in forwards],
+        "golden_forward": meta["forward"],
+        "verify": verify,
+        "verdict": "FAIL" if reasons else "PASS",
+        "reasons": reasons,
+        "notes": notes,
+        "environment": {"recorded": recorded_env, "replayed": replayed_env, "numerics_differences": env_diff},
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+def _where(m) -> str:
+    if m is None:
+        return "-"
+    step = "prefill" if m.step is None else f"step {m.step}"
+    return f"{step} row {m.row} index {m.index}: golden {m.golden!r}, got {m.got!r}"

@@ -1,0 +1,256 @@
+"""The `vd` command line: record, replay, show, models, forwards.
+
+Command bodies are a few lines over `recorder.record`, `replayer.replay` and `vd.golden`. Exit codes are
+decided here alone: 0 PASS, 1 FAIL (a difference, a thin reference, a blind control), 2 bad input or
+usage, printed as one line on stderr. Progress goes to stderr (only on a terminal); results to stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from typer.core import TyperGroup
+
+from vd.errors import UsageError, VdError
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD = 0, 1, 2
+
+
+# typer 0.2x vendors click; older releases use click itself. Find the base either way.
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+class _Group(TyperGroup):
+    """Turns every user-caused error into one stderr line and exit code 2, for the CLI and CliRunner."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.Exit as e:
+            sys.exit(e.exit_code)
+        except _ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            if type(e).__name__ != "NoArgsIsHelpError":  # typer has printed the help already
+                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+                typer.echo(f"vd: error: {e.format_message()}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("vd: aborted", err=True)
+            sys.exit(130)
+        except VdError as e:
+            typer.echo(f"vd: error: {e}", err=True)
+            sys.exit(EXIT_BAD)
+        sys.exit(rv if isinstance(rv, int) else EXIT_PASS)
+
+
+app = typer.Typer(
+    cls=_Group,
+    help="Record-and-replay golden files for the logits of an LLM's speculative-decoding verify path.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# Markup off (model names hold brackets); wide when piped so lines and tables stay whole in logs.
+out = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
+
+
+class _Bar:
+    """A progress bar on stderr, one task per phase; silent when stderr is not a terminal."""
+
+    def __init__(self):
+        self.progress = Progress(
+            TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=err, transient=True, disable=not err.is_terminal,
+        )
+        self.task = None
+
+    def phase(self, name: str, total: int) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, completed=self.progress.tasks[self.task].total or 1)
+        self.task = self.progress.add_task(name, total=total or None)
+
+    def step(self, _s: int) -> None:
+        self.progress.advance(self.task)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise UsageError(f"--k takes comma-separated integers like 2,3,4; got {text!r}") from e
+
+
+@app.command()
+def record(
+    out_path: Annotated[Path, typer.Argument(metavar="OUT", help="Golden to write (a .zarr directory).")],
+    model: Annotated[str, typer.Option(help="Model SPEC: preset, checkpoint dir, .gguf, module:factory.")] = "smollm2",
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (default: vd's built-in prompt).")] = None,
+    k: Annotated[str, typer.Option("--k", help="Verify widths, comma-separated.")] = "2,3,4",
+    steps: Annotated[int, typer.Option(help="Verify steps per K.")] = 16,
+    forward: Annotated[str | None, typer.Option(help="Forward to record with (default: the model's).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32.")] = "bfloat16",
+    threads: Annotated[int | None, typer.Option(help="CPU threads (default: torch's).")] = None,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden.")] = False,
+    allow_thin: Annotated[bool, typer.Option("--allow-thin", help="Store a reference without both "
+                                             "full and partial accepts (replay will fail it).")] = False,
+) -> int:
+    """Record a golden: the reference feed at each K, every logits row, in a zarr store."""
+    from recorder import DEFAULT_PROMPT
+    from recorder import record as do_record
+
+    with _Bar() as bar:
+        r = do_record(out_path, model_spec=model, prompt=prompt or DEFAULT_PROMPT, ks=_parse_ks(k),
+                      steps=steps, forward=forward, device=device, dtype=dtype, threads=threads,
+                      refresh=refresh, allow_thin=allow_thin, on_phase=bar.phase, on_step=bar.step)
+    for kk, acc in r.accepted.items():
+        same = "" if r.committed_is_greedy[kk] else "  (committed sequence left the greedy continuation)"
+        out.print(f"K={kk}: accepted {acc}{same}")
+    if r.path is None:
+        for reason in r.thin:
+            err.print(f"vd: {reason}")
+        err.print("vd: reference too thin; nothing written (pass --allow-thin to store it anyway)")
+        return EXIT_FAIL
+    for reason in r.thin:
+        err.print(f"vd: warning: {reason}")
+    size = sum(f.stat().st_size for f in r.path.rglob("*") if f.is_file())
+    out.print(f"recorded {r.path} ({size / 1e6:.1f} MB) in {sum(r.seconds.values()):.1f} s")
+    return EXIT_PASS
+
+
+def _json_default(o):
+    return str(o)
+
+
+def _finite(obj):
+    """JSON has no NaN or infinity: write them as strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _summary(report: dict) -> None:
+    t = Table(title=f"vd replay {report['golden']}", title_justify="left")
+    for col in ("K", "forward", "prefill", "steps differ", "first mismatch", "max |Δ|", "step ms", "control"):
+        t.add_column(col)
+    for v in report["verify"]:
+        dc = v["detection_control"]
+        control = "-" if dc is None else ("fired" if dc["fired"] else "BLIND")
+        for c, tm in zip(v["comparisons"], v["timings"][1:]):
+            m = c["first_mismatch"]
+            first = "-" if m is None else f"step {m['step']} row {m['row']} [{m['index']}]"
+            t.add_row(str(v["k"]), c["variant"], "equal" if c["prefill_equal"] else "DIFFERS",
+                      f"{c['mismatched_steps']}/{c['steps']}", first, f"{c['max_abs_diff']:.4g}",
+                      f"{tm['step_ms_median']:.2f}", control)
+    out.print(t)
+    for reason in report["reasons"]:
+        out.print(f"  - {reason}")
+    out.print(report["verdict"], style="bold")
+
+
+@app.command()
+def replay(
+    golden: Annotated[Path, typer.Argument(help="Golden to replay (a .zarr directory).")],
+    model: Annotated[str | None, typer.Option(help="Model SPEC (default: the golden's).")] = None,
+    forward: Annotated[list[str] | None, typer.Option(help="Forward to replay; repeat for several "
+                                                      "(default: the golden's).")] = None,
+    report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the golden's).")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads (default: the golden's).")] = None,
+    allow_model_mismatch: Annotated[bool, typer.Option("--allow-model-mismatch",
+                                    help="Compare even if the model's fingerprint differs.")] = False,
+) -> int:
+    """Replay a golden's steps through a forward and diff every row: PASS (0) or FAIL (1)."""
+    from replayer import replay as do_replay
+
+    if report is not None and report.is_dir():
+        raise UsageError(f"--report {report} is a directory; give a file path")
+    with _Bar() as bar:
+        result = do_replay(golden, model_spec=model, forwards=forward or (), device=device, threads=threads,
+                           allow_model_mismatch=allow_model_mismatch, on_phase=bar.phase, on_step=bar.step)
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps(_finite(result), indent=2, default=_json_default) + "\n")
+    _summary(result)
+    return EXIT_PASS if result["verdict"] == "PASS" else EXIT_FAIL
+
+
+@app.command()
+def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) -> int:
+    """Print a golden's model, environment, settings, steps and accept counts."""
+    from vd.compare import histogram
+    from vd.golden import open_golden
+
+    g = open_golden(golden)
+    m = g.meta
+    e = m.get("environment", {})
+    out.print(f"{g.path}  (format {m['format_version']}, created {m.get('created')})")
+    out.print(f"model     {m['model']['name']}  [{m['model']['spec']}]")
+    out.print(f"          {m['model']['fingerprint']}")
+    out.print(f"forward   {m['forward']}: {m.get('forward_description', '')}")
+    out.print(f"settings  feed {m.get('feed')}, dtype {m['dtype']}, device {m['device']}, K {m['k']}, "
+              f"{m['steps']} steps, vocab {m['vocab_size']}, prompt {len(g.prompt)} tokens")
+    out.print(f"prompt    {m.get('prompt_text', '')!r}")
+    out.print(f"recorded  vd {e.get('vd')}, torch {e.get('torch')}, transformers {e.get('transformers')}, "
+              f"zarr {e.get('zarr')}, python {e.get('python')} on {e.get('host')}")
+    gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
+    out.print(f"          CPU {e.get('cpu_model')} ({e.get('cpu_capability')}), {e.get('threads')} threads{gpu}")
+    for k, r in g.runs.items():
+        acc = r.accepted.tolist()
+        hist = ", ".join(f"{i}:{n}" for i, n in enumerate(histogram(k, acc)))
+        flag = "" if r.committed_is_greedy in (True, None) else "  (left the greedy continuation)"
+        out.print(f"K={k}  accepted {acc}  histogram {{{hist}}}  bootstrap {r.bootstrap}{flag}")
+    return EXIT_PASS
+
+
+@app.command()
+def models() -> int:
+    """List the model presets and the SPEC forms --model accepts."""
+    from vd.models import PRESETS
+
+    t = Table(title="presets", title_justify="left")
+    t.add_column("name")
+    t.add_column("what it is")
+    for p in PRESETS.values():
+        t.add_row(p.name, p.summary)
+    out.print(t)
+    out.print("Other SPECs: a local HF checkpoint directory; a .gguf file; a plug-in "
+              "'package.module:factory' or 'path/to/file.py:factory' returning a vd.protocol.VerifyModel.")
+    return EXIT_PASS
+
+
+@app.command()
+def forwards(
+    model: Annotated[str, typer.Option(help="Model SPEC.")] = "smollm2",
+) -> int:
+    """List the forwards a model offers and what each runs."""
+    from vd.models import forwards_of
+
+    for name, desc in forwards_of(model).items():
+        out.print(f"{name:<10} {desc}")
+    return EXIT_PASS
+
+
+def main() -> None:
+    """Console entry point."""
+    app()
