@@ -1,0 +1,13 @@
+"""A plug-in for tests: tiny-llama's architecture and vocabulary with other random weights (seed 7),
+so its fingerprint differs from tiny-llama's while every shape matches."""
+
+from transformers import LlamaConfig
+
+from vd.models.hf import build_random
+from vd.models.presets import PRESETS
+
+
+def factory(device, dtype):
+    cfg = PRESETS["tiny-llama"].build(device, dtype).config
+    return build_random(LlamaConfig(**cfg.to_dict()), seed=7, name="tiny-llama reseeded", device=device,
+                        dtype=dtype)

@@ -1,0 +1,35 @@
+"""Every adapter vd ships, and the plug-in path, pass the shipped conformance class."""
+
+from pathlib import Path
+
+import pytest
+
+from vd.models import load_model
+from vd.testing import ModelConformance
+
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+class TestTinyLlama(ModelConformance):
+    @pytest.fixture(scope="class")
+    def model(self):
+        return load_model("tiny-llama")
+
+
+class TestTinyQwen2Float32(ModelConformance):
+    @pytest.fixture(scope="class")
+    def model(self):
+        return load_model("tiny-qwen2", dtype="float32")
+
+
+class TestPluginFile(ModelConformance):
+    @pytest.fixture(scope="class")
+    def model(self):
+        return load_model(f"{PLUGINS / 'perturb.py'}:factory")
+
+
+@pytest.mark.slow
+class TestSmolLM2(ModelConformance):
+    @pytest.fixture(scope="class")
+    def model(self, smollm2):
+        return smollm2

@@ -1,0 +1,66 @@
+"""The step loop and its feeds: the seed's accept and draft rules, and that a reference run commits
+exactly the model's plain greedy continuation (checked against HF's own generate)."""
+
+import pytest
+import torch
+
+from vd.loop import ReferenceFeed, ReplayFeed, Step, accepted, continuation, reference_drafts, run_verify
+from vd.models import load_model
+
+
+def test_accepted_counts_leading_matches():
+    # draft j stands when row j-1's argmax is it
+    assert accepted([9, 1, 2, 3], [1, 2, 3, 4]) == 3
+    assert accepted([9, 1, 2, 3], [1, 5, 3, 4]) == 1
+    assert accepted([9, 1, 2, 3], [0, 2, 3, 4]) == 0
+    assert accepted([9, 1], [1, 7]) == 1
+
+
+def test_reference_drafts_bump_one_on_odd_steps():
+    greedy = list(range(100, 120))
+    assert reference_drafts(greedy, 0, 0, 4, 1000) == [101, 102, 103]  # even step: untouched
+    assert reference_drafts(greedy, 0, 1, 4, 1000) == [101, 103, 103]  # s=1: draft 1 + 1 % 3 = 2
+    assert reference_drafts(greedy, 0, 3, 4, 1000) == [102, 102, 103]  # s=3: draft 1 + 3 % 3 = 1
+    assert reference_drafts(greedy, 4, 5, 3, 1000) == [105, 107]  # s=5, K=3: draft 1 + 5 % 2 = 2
+    assert reference_drafts([5, 999], 0, 1, 2, 1000) == [0]  # the bump wraps mod vocab
+    assert reference_drafts([5], 0, 0, 3, 1000) == [0, 0]  # past the continuation: token 0
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+def fp32_model(request):
+    return load_model(request.param, dtype="float32")
+
+
+def _hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                               min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_reference_commits_hf_greedy(fp32_model, k):
+    prompt = fp32_model.encode("Verify the greedy equivalence of the reference feed.")
+    steps = 12
+    greedy = continuation(fp32_model, prompt, steps * k + 1)
+    run = run_verify(fp32_model, prompt, k, steps, ReferenceFeed(greedy))
+    committed = run.committed()
+    hf = _hf_greedy(fp32_model, prompt, len(committed))
+    assert committed == hf, f"first difference at {next(i for i, (a, b) in enumerate(zip(committed, hf)) if a != b)}"
+    assert greedy[: len(committed)] == hf
+    full = [s.accepted == k - 1 for s in run.steps]
+    assert any(full) and not all(full), [s.accepted for s in run.steps]
+
+
+def test_replay_feed_forces_tokens_and_accepts(fp32_model):
+    prompt = fp32_model.encode("forced schedule")
+    greedy = continuation(fp32_model, prompt, 3 * 6 + 1)
+    ref = run_verify(fp32_model, prompt, 3, 6, ReferenceFeed(greedy))
+    rep = run_verify(fp32_model, prompt, 3, 6, ReplayFeed(ref.steps, ref.bootstrap))
+    assert rep.steps == ref.steps
+    assert all(torch.equal(a, b) for a, b in zip(ref.rows, rep.rows))
+    # A forced schedule is kept even where the model would have decided otherwise.
+    forced = [Step(s.tokens, 0) for s in ref.steps]
+    rep0 = run_verify(fp32_model, prompt, 3, 6, ReplayFeed(forced, ref.bootstrap))
+    assert [s.accepted for s in rep0.steps] == [0] * 6
+    assert rep0.computed[0] == ref.steps[0].accepted

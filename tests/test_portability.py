@@ -1,0 +1,45 @@
+"""The golden committed for tests replays here, and where a machine's numerics differ (another CPU
+vector ISA, here forced with ATEN_CPU_CAPABILITY) the report says so instead of failing silently."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMMITTED = Path(__file__).parent / "data" / "tiny-llama-v1.zarr"
+
+
+def _replay(tmp_path, env_extra):
+    report = tmp_path / "r.json"
+    env = {**os.environ, **env_extra}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from vd.cli import main; main()", "replay", str(COMMITTED), "--report", str(report)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads(report.read_text())
+
+
+def _judge(code, r):
+    diffs = r["environment"]["numerics_differences"]
+    if not diffs:
+        assert code == 0 and r["verdict"] == "PASS", r["reasons"]
+    elif code == 1:
+        assert any("replaying environment differs" in x for x in r["reasons"]), r["reasons"]
+    return diffs
+
+
+def test_committed_golden_replays_here(tmp_path):
+    code, r = _replay(tmp_path, {})
+    _judge(code, r)
+    assert r["environment"]["recorded"]["threads"] == 1 == r["environment"]["replayed"]["threads"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ATEN_CPU_CAPABILITY is an x86 Linux switch")
+def test_other_vector_isa_is_explained(tmp_path):
+    code, r = _replay(tmp_path, {"ATEN_CPU_CAPABILITY": "default"})
+    diffs = _judge(code, r)
+    assert any(d.startswith("cpu_capability") for d in diffs), diffs
