@@ -1,0 +1,120 @@
+"""Benchmark: vd's record and replay wall time against a bare loop of the same forward, and the
+golden's bytes against raw bf16 bytes, on the embedded default model on the CPU.
+
+The bare loops run the same model calls (prefill, the same verify steps with the same tokens, the same
+rewinds; for recording also the greedy continuation) with no storage and no comparison. Each variant
+runs ``--reps`` times, interleaved, and the medians and their ratios are reported. Writes JSON.
+
+    python tools/bench_cpu.py --out tools/bench_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from recorder import DEFAULT_PROMPT, record
+from replayer import replay
+from vd import env
+from vd.golden import open_golden
+from vd.loop import continuation
+from vd.models import load_model
+
+
+@torch.inference_mode()
+def bare_verify(model, prompt, golden) -> None:
+    """Prefill then the golden's steps: forward, argmax, rewind. Nothing stored, nothing compared."""
+    for k, rec in golden.runs.items():
+        model.reset()
+        model.forward(prompt).argmax(-1).tolist()
+        for tokens, na in zip(rec.tokens.tolist(), rec.accepted.tolist()):
+            model.forward(tokens).argmax(-1).tolist()
+            model.rewind(k - 1 - int(na))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("tools/bench_cpu.json"))
+    a = ap.parse_args()
+
+    model = load_model(a.model)
+    prompt = model.encode(DEFAULT_PROMPT)
+    ks = (2, 3, 4)
+    work = Path(tempfile.mkdtemp(prefix="vd-bench-"))
+    times: dict[str, list[float]] = {n: [] for n in
+                                     ("bare_record", "record", "bare_replay", "replay", "replay_with_control")}
+    try:
+        path = work / "g.zarr"
+        for _ in range(a.reps):
+            t = time.perf_counter()
+            record(path, model=model, model_spec=a.model, ks=ks, steps=a.steps, refresh=True)
+            times["record"].append(time.perf_counter() - t)
+            golden = open_golden(path)
+
+            t = time.perf_counter()
+            continuation(model, prompt, a.steps * max(ks) + 1)
+            bare_verify(model, prompt, golden)
+            times["bare_record"].append(time.perf_counter() - t)
+
+            t = time.perf_counter()
+            bare_verify(model, prompt, golden)
+            times["bare_replay"].append(time.perf_counter() - t)
+
+            t = time.perf_counter()
+            assert replay(path, model=model, control=False)["verdict"] == "PASS"
+            times["replay"].append(time.perf_counter() - t)
+
+            t = time.perf_counter()
+            assert replay(path, model=model)["verdict"] == "PASS"
+            times["replay_with_control"].append(time.perf_counter() - t)
+
+        golden = open_golden(path)
+        raw = sum((r.prefill.size + r.logits.size) * 2 for r in golden.runs.values())
+        stored = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        logits_stored = sum(f.stat().st_size for k in ks for name in ("prefill", "logits")
+                            for f in (path / f"k{k}" / name).rglob("*") if f.is_file())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {n: statistics.median(v) for n, v in times.items()}
+    e = env.capture(model.device)
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {f: e[f] for f in ("cpu_model", "cpu_capability", "cpu_count", "threads", "torch",
+                                      "transformers", "zarr", "python", "platform")},
+        "model": a.model, "dtype": "bfloat16", "forward": "eager", "k": list(ks), "steps": a.steps,
+        "reps": a.reps,
+        "seconds_median": med,
+        "seconds_all": times,
+        "record_ratio": med["record"] / med["bare_record"],
+        "replay_ratio": med["replay"] / med["bare_replay"],
+        "replay_with_control_ratio": med["replay_with_control"] / med["bare_replay"],
+        "golden_bytes": stored,
+        "golden_logits_bytes": logits_stored,
+        "raw_bf16_logits_bytes": raw,
+        "logits_compression_ratio": raw / logits_stored,
+        "notes": "record includes the greedy continuation and the zarr write; bare_record the same "
+                 "continuation and verify steps with no storage. replay includes reading the golden and "
+                 "the byte comparison; replay_with_control adds the detection-control pass (one more "
+                 "replay of every K), which the CLI always runs.",
+    }
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("seconds_median", "record_ratio", "replay_ratio",
+                                             "replay_with_control_ratio", "logits_compression_ratio")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
