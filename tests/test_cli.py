@@ -4,10 +4,12 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import zarr
 
+from vd.golden import to_float
 from vd.models import load_model
 
 PLUGINS = Path(__file__).parent / "plugins"
@@ -86,8 +88,7 @@ def test_one_edited_element_is_the_first_mismatch(cli, tiny_copy, tmp_path):
     assert by_k[2]["mismatched_steps"] == 0 and by_k[4]["mismatched_steps"] == 0
     c = by_k[3]
     assert c["prefill_equal"] and c["mismatched_steps"] == 1 and c["mismatched_step_list"] == [5]
-    golden = torch.tensor([original ^ 1], dtype=torch.int16).view(torch.bfloat16).item()
-    got = torch.tensor([original], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).item()
+    golden, got = (float(to_float(np.array([b], dtype=np.uint16), "bfloat16")[0]) for b in (original ^ 1, original))
     assert c["first_mismatch"] == {"step": 5, "row": 2, "index": 100, "golden": golden, "got": got}
     assert c["max_abs_diff"] == abs(golden - got)
     assert any("K=3, eager" in x and "step 5 row 2 index 100" in x for x in r["reasons"])
