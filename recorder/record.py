@@ -1,5 +1,9 @@
-"""Record a golden: greedy continuation, then for each K the reference feed through the shared loop,
-then one complete write of the zarr store.
+"""Record a golden: greedy continuation, then for each K the reference feed (or the drafter feed, with
+an MTP head) through the shared loop, then one complete write of the zarr store.
+
+The greedy continuation is computed for both feeds: the reference drafts from it, and for either feed
+the golden notes whether each K's committed sequence equals it (it must, unless a verify row's argmax
+differs from plain decode's).
 
 A reference that never had both a full and a partial accept at some K is not written (it could not
 tell a broken commit or rewind from a working one) unless the caller allows it; the caller learns why.
@@ -20,17 +24,17 @@ from vd import env
 from vd.compare import thin_reason
 from vd.errors import UsageError
 from vd.golden import ENCODINGS, KRecord, check_target, dtype_name, to_storage, write_golden
-from vd.loop import ReferenceFeed, continuation, run_verify
+from vd.loop import DrafterFeed, ReferenceFeed, continuation, run_verify
 from vd.models import DEFAULT_MODEL, load_model
-from vd.protocol import VerifyModel
+from vd.protocol import DraftHead, VerifyModel
 
-DEFAULT_PROMPT = (
-    "Speculative decoding lets a small draft propose several tokens that the large model then "
-    "verifies in a single forward pass. Explain why the output stays the same:"
-)
+# An ordinary instruction for the instruct model. (An earlier two-sentence prompt sent SmolLM2 into a
+# continuation its draft head rarely predicted: no full accept at K=4 in 16 steps.)
+DEFAULT_PROMPT = "Explain how speculative decoding speeds up a large language model."
 DEFAULT_KS = (2, 3, 4)
 DEFAULT_STEPS = 16
 MAX_K = 16
+FEEDS = ("reference", "mtp")
 
 
 @dataclass(slots=True)
@@ -66,6 +70,8 @@ def record(
     ks: Sequence[int] = DEFAULT_KS,
     steps: int = DEFAULT_STEPS,
     forward: str | None = None,
+    feed: str = "reference",
+    head: str | None = None,
     device: str = "cpu",
     dtype: str = "bfloat16",
     threads: int | None = None,
@@ -74,13 +80,16 @@ def record(
     on_step: Callable[[int], None] | None = None,
     on_phase: Callable[[str, int], None] | None = None,
 ) -> RecordResult:
-    """Record the reference feed of ``model`` (or the model ``model_spec`` names) into ``out``.
+    """Record ``feed`` (``reference`` or ``mtp``) of ``model`` (or the model ``model_spec`` names, with
+    the MTP head file ``head`` attached if given) into ``out``.
 
     ``on_phase(name, total_steps)`` announces each phase and ``on_step`` ticks within it, for a progress
     bar. A passed-in ``model`` is used as it is (its device and dtype win over the arguments).
     """
     out = Path(out)
     ks = check_ks(ks)
+    if feed not in FEEDS:
+        raise UsageError(f"unknown feed {feed!r} (choose from {', '.join(FEEDS)})")
     if steps < 1:
         raise UsageError(f"--steps must be at least 1; got {steps}")
     check_target(out, refresh)  # fail before the expensive part
@@ -94,8 +103,11 @@ def record(
     t = time.perf_counter()
     if model is None:
         phase("loading model", 0)
-        model = load_model(model_spec, device=device, dtype=dtype)
+        model = load_model(model_spec, device=device, dtype=dtype, head=head)
     seconds["load"] = time.perf_counter() - t
+    if feed == "mtp" and not isinstance(model, DraftHead):
+        raise UsageError(f"model {model_spec} has no MTP draft head: use an -mtp preset, a checkpoint "
+                         "with MTP layers, or --head FILE")
     forward = forward or model.default_forward()
     if forward not in model.forwards():
         raise UsageError(f"model has no forward {forward!r}; it offers {', '.join(model.forwards())}")
@@ -114,9 +126,15 @@ def record(
     records, thin, same = [], [], {}
     for k in ks:
         phase(f"recording K={k}", steps)
-        run = run_verify(model, tokens, k, steps, ReferenceFeed(greedy), on_step=on_step)
+        chooser = ReferenceFeed(greedy) if feed == "reference" else DrafterFeed(k, steps)
+        run = run_verify(model, tokens, k, steps, chooser, on_step=on_step)
         committed = run.committed()
         same[k] = committed == greedy[: len(committed)]
+        mtp = {}
+        if feed == "mtp":
+            mtp = dict(bootstrap_logits=to_storage(run.bootstrap_row),
+                       drafts=np.array(run.drafts, dtype=np.int32).reshape(steps, k - 1),
+                       draft_logits=to_storage(torch.stack(run.draft_rows)), decoded=run.committed_before[0])
         records.append(KRecord(
             k=k, bootstrap=run.bootstrap,
             tokens=np.array([s.tokens for s in run.steps], dtype=np.int32),
@@ -124,7 +142,7 @@ def record(
             prefill=to_storage(run.prefill),
             logits=to_storage(torch.stack(run.rows)),
             step_ms=np.array(run.step_ms, dtype=np.float64),
-            committed_is_greedy=same[k],
+            committed_is_greedy=same[k], **mtp,
         ))
         reason = thin_reason(k, [s.accepted for s in run.steps])
         if reason:
@@ -139,11 +157,12 @@ def record(
     ident = model.identity()
     logical = dtype_name(model.dtype)
     meta = {
-        "model": {"spec": model_spec, "name": ident.name, "fingerprint": ident.fingerprint,
+        "model": {"spec": model_spec, "head": head, "name": ident.name, "fingerprint": ident.fingerprint,
                   "details": dict(ident.details)},
         "forward": forward,
         "forward_description": model.forwards()[forward],
-        "feed": "reference",
+        "feed": feed,
+        "mtp": dict(model.head_info()) if feed == "mtp" else None,
         "dtype": logical,
         "device": model.device.type,
         "k": ks,

@@ -2,7 +2,9 @@
 
 For each K and each forward asked for, the shared loop runs the replay feed (the stored tokens, accept
 counts and bootstrap token, so every run verifies the same inputs and commits the same prefixes) and
-every row is compared with the golden, byte for byte. Then, under the last forward, the detection
+every row is compared with the golden, byte for byte. A golden of the drafter feed replays with the
+model's MTP head still running, so its drafts and draft logits are compared too. Then, under the last
+forward, the detection
 control changes the last draft of step ``steps // 2`` and must see a difference; and a reference
 without both a full and a partial accept at every K fails as too thin. The report keeps the seed's
 fields (graphs, mtp, steps, variants, verify[k, accepted, comparisons, timings, detection_control],
@@ -22,9 +24,9 @@ from vd import env
 from vd.compare import compare_run, histogram, thin_reason
 from vd.errors import ModelMismatchError, UsageError
 from vd.golden import Golden, open_golden
-from vd.loop import ReplayFeed, Step, run_verify
+from vd.loop import DrafterFeed, ReplayFeed, Step, run_verify
 from vd.models import check_device, load_model
-from vd.protocol import VerifyModel
+from vd.protocol import DraftHead, VerifyModel
 
 
 def control_steps(steps: Sequence[Step], vocab: int) -> list[Step]:
@@ -47,7 +49,7 @@ def _timing(variant: str, step_ms: Sequence[float]) -> dict:
     }
 
 
-def _open_model(golden: Golden, spec: str | None, device: str | None) -> VerifyModel:
+def _open_model(golden: Golden, spec: str | None, head: str | None, device: str | None) -> VerifyModel:
     meta = golden.meta
     dev = device or meta["device"]
     if dev.startswith("cuda") and not torch.cuda.is_available():
@@ -55,7 +57,9 @@ def _open_model(golden: Golden, spec: str | None, device: str | None) -> VerifyM
             f"{golden.path} was recorded on {dev} and this machine has no CUDA device; "
             "pass --device cpu to replay it on the CPU"
         )
-    return load_model(spec or meta["model"]["spec"], device=check_device(dev), dtype=meta["dtype"])
+    if head is None and spec is None:
+        head = meta["model"].get("head")  # another SPEC brings its own head, if any
+    return load_model(spec or meta["model"]["spec"], device=check_device(dev), dtype=meta["dtype"], head=head)
 
 
 def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> list[str]:
@@ -65,15 +69,22 @@ def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> li
         raise ModelMismatchError(
             f"model has vocab {model.vocab_size}, golden {golden.path} has {meta['vocab_size']}"
         )
-    got, want = model.identity().fingerprint, meta["model"]["fingerprint"]
-    if got == want:
-        return []
-    if not allow_mismatch:
-        raise ModelMismatchError(
-            f"model fingerprint {got[:19]}… differs from golden's {want[:19]}… "
-            "(pass --allow-model-mismatch to compare anyway)"
-        )
-    return [f"model fingerprint differs from the golden's ({got} vs {want}); allowed by the user"]
+    pairs = [("model", model.identity().fingerprint, meta["model"]["fingerprint"])]
+    if meta.get("feed") == "mtp":
+        if not isinstance(model, DraftHead):
+            raise ModelMismatchError(f"{golden.path} was recorded with an MTP draft head and this model has none")
+        pairs.append(("MTP head", model.head_info()["fingerprint"], meta["mtp"]["fingerprint"]))
+    notes = []
+    for what, got, want in pairs:
+        if got == want:
+            continue
+        if not allow_mismatch:
+            raise ModelMismatchError(
+                f"{what} fingerprint {got[:19]}… differs from golden's {want[:19]}… "
+                "(pass --allow-model-mismatch to compare anyway)"
+            )
+        notes.append(f"{what} fingerprint differs from the golden's ({got} vs {want}); allowed by the user")
+    return notes
 
 
 def replay(
@@ -81,6 +92,7 @@ def replay(
     *,
     model: VerifyModel | None = None,
     model_spec: str | None = None,
+    head: str | None = None,
     forwards: Sequence[str] = (),
     device: str | None = None,
     threads: int | None = None,
@@ -104,7 +116,7 @@ def replay(
     torch.set_num_threads(threads or recorded_env.get("threads") or torch.get_num_threads())
     if model is None:
         phase("loading model", 0)
-        model = _open_model(golden, model_spec, device)
+        model = _open_model(golden, model_spec, head, device)
     notes = _check_model(golden, model, allow_model_mismatch)
     forwards = list(forwards) or [meta["forward"]]
     offered = model.forwards()
@@ -113,6 +125,12 @@ def replay(
         raise UsageError(f"model has no forward {', '.join(map(repr, unknown))}; it offers {', '.join(offered)}")
 
     logical, vocab, steps = golden.logical_dtype, model.vocab_size, meta["steps"]
+    mtp = meta.get("feed") == "mtp"
+
+    def feed(k: int, log: list[Step], bootstrap: int):
+        forced = ReplayFeed(log, bootstrap, golden.runs[k].decoded)
+        return DrafterFeed(k, steps, forced) if mtp else forced
+
     verify, reasons = [], []
     t_start = time.perf_counter()
     for k, rec in golden.runs.items():
@@ -120,14 +138,20 @@ def replay(
         for name in forwards:
             phase(f"K={k} {name}", steps)
             model.set_forward(name)
-            run = run_verify(model, golden.prompt, k, steps, ReplayFeed(log, rec.bootstrap), on_step=on_step)
+            run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step)
             c = compare_run(name, rec, run, logical)
             comparisons.append(c)
             timings.append(_timing(name, run.step_ms))
-            if not c.equal:
+            if not c.prefill_equal or c.mismatched_steps:
                 reasons.append(
                     f"verify K={k}, {name}: prefill equal {c.prefill_equal}, {c.mismatched_steps} of "
                     f"{c.steps} steps differ (first at {_where(c.first_mismatch or c.prefill_first_mismatch)})"
+                )
+            if c.bootstrap_equal is False or c.draft_mismatched_steps:
+                reasons.append(
+                    f"draft head K={k}, {name}: bootstrap row equal {c.bootstrap_equal}, "
+                    f"{c.draft_mismatched_steps} of {c.steps} steps' draft rows differ "
+                    f"(first at {_where(c.draft_first_mismatch)})"
                 )
         entry = {
             "k": k,
@@ -139,8 +163,8 @@ def replay(
         }
         if control:
             phase(f"K={k} control", steps)  # runs under the last forward, still selected
-            run = run_verify(model, golden.prompt, k, steps,
-                             ReplayFeed(control_steps(log, vocab), rec.bootstrap), on_step=on_step)
+            run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
+                             on_step=on_step)
             dc = compare_run(f"{forwards[-1]}, one draft changed", rec, run, logical)
             at = steps // 2
             # It must see a difference at the very step whose draft changed, whatever else differs.
@@ -156,7 +180,7 @@ def replay(
 
     replayed_env = env.capture(model.device)
     env_diff = env.numerics_differences(recorded_env, replayed_env)
-    if reasons and env_diff and any(c["mismatched_steps"] or not c["prefill_equal"]
+    if reasons and env_diff and any(c["mismatched_steps"] or not c["prefill_equal"] or c["draft_mismatched_steps"]
                                     for v in verify for c in v["comparisons"]):
         reasons.append("the replaying environment differs from the recording's in "
                        + "; ".join(env_diff) + " — bitwise differences may come from that")
@@ -165,7 +189,11 @@ def replay(
         "model": {"spec": meta["model"]["spec"], "name": meta["model"]["name"],
                   "fingerprint": meta["model"]["fingerprint"], "replayed_with": model.identity().name},
         "graphs": "eager",
-        "mtp": False,
+        "mtp": mtp,
+        "head": meta.get("mtp"),
+        # Measured (tests/test_mtp.py): a process's first propose equals every later one here, so unlike
+        # the seed's engine no discarded warm-up run precedes the recording or the replay.
+        "warmup": False,
         "feed": meta.get("feed", "reference"),
         "steps": steps,
         "dtype": logical,

@@ -104,6 +104,9 @@ def record(
     k: Annotated[str, typer.Option("--k", help="Verify widths, comma-separated.")] = "2,3,4",
     steps: Annotated[int, typer.Option(help="Verify steps per K.")] = 16,
     forward: Annotated[str | None, typer.Option(help="Forward to record with (default: the model's).")] = None,
+    feed: Annotated[str, typer.Option(help="reference (greedy drafts, one corrupted on odd steps) or mtp "
+                                      "(drafts from the model's MTP head).")] = "reference",
+    head: Annotated[str | None, typer.Option(help="Attach this MTP head (.safetensors) to an HF model.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32.")] = "bfloat16",
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: torch's).")] = None,
@@ -117,7 +120,7 @@ def record(
 
     with _Bar() as bar:
         r = do_record(out_path, model_spec=model, prompt=prompt or DEFAULT_PROMPT, ks=_parse_ks(k),
-                      steps=steps, forward=forward, device=device, dtype=dtype, threads=threads,
+                      steps=steps, forward=forward, feed=feed, head=head, device=device, dtype=dtype, threads=threads,
                       refresh=refresh, allow_thin=allow_thin, on_phase=bar.phase, on_step=bar.step)
     for kk, acc in r.accepted.items():
         same = "" if r.committed_is_greedy[kk] else "  (committed sequence left the greedy continuation)"
@@ -151,7 +154,10 @@ def _finite(obj):
 
 def _summary(report: dict) -> None:
     t = Table(title=f"vd replay {report['golden']}", title_justify="left")
-    for col in ("K", "forward", "prefill", "steps differ", "first mismatch", "max |Δ|", "step ms", "control"):
+    cols = ["K", "forward", "prefill", "steps differ", "first mismatch", "max |Δ|", "step ms", "control"]
+    if report["mtp"]:
+        cols[4:4] = ["drafts differ"]
+    for col in cols:
         t.add_column(col)
     for v in report["verify"]:
         dc = v["detection_control"]
@@ -159,9 +165,13 @@ def _summary(report: dict) -> None:
         for c, tm in zip(v["comparisons"], v["timings"][1:]):
             m = c["first_mismatch"]
             first = "-" if m is None else f"step {m['step']} row {m['row']} [{m['index']}]"
-            t.add_row(str(v["k"]), c["variant"], "equal" if c["prefill_equal"] else "DIFFERS",
-                      f"{c['mismatched_steps']}/{c['steps']}", first, f"{c['max_abs_diff']:.4g}",
-                      f"{tm['step_ms_median']:.2f}", control)
+            cells = [str(v["k"]), c["variant"], "equal" if c["prefill_equal"] else "DIFFERS",
+                     f"{c['mismatched_steps']}/{c['steps']}", first, f"{c['max_abs_diff']:.4g}",
+                     f"{tm['step_ms_median']:.2f}", control]
+            if report["mtp"]:
+                boot = "" if c["bootstrap_equal"] else " +bootstrap"
+                cells[4:4] = [f"{c['draft_mismatched_steps']}/{c['steps']}{boot}"]
+            t.add_row(*cells)
     out.print(t)
     for reason in report["reasons"]:
         out.print(f"  - {reason}")
@@ -172,6 +182,7 @@ def _summary(report: dict) -> None:
 def replay(
     golden: Annotated[Path, typer.Argument(help="Golden to replay (a .zarr directory).")],
     model: Annotated[str | None, typer.Option(help="Model SPEC (default: the golden's).")] = None,
+    head: Annotated[str | None, typer.Option(help="MTP head file to attach (default: the golden's).")] = None,
     forward: Annotated[list[str] | None, typer.Option(help="Forward to replay; repeat for several "
                                                       "(default: the golden's).")] = None,
     report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
@@ -186,7 +197,7 @@ def replay(
     if report is not None and report.is_dir():
         raise UsageError(f"--report {report} is a directory; give a file path")
     with _Bar() as bar:
-        result = do_replay(golden, model_spec=model, forwards=forward or (), device=device, threads=threads,
+        result = do_replay(golden, model_spec=model, head=head, forwards=forward or (), device=device, threads=threads,
                            allow_model_mismatch=allow_model_mismatch, on_phase=bar.phase, on_step=bar.step)
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -208,6 +219,11 @@ def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) ->
     out.print(f"model     {m['model']['name']}  [{m['model']['spec']}]")
     out.print(f"          {m['model']['fingerprint']}")
     out.print(f"forward   {m['forward']}: {m.get('forward_description', '')}")
+    if m.get("mtp"):
+        h = m["mtp"]
+        out.print(f"MTP head  {h['name']} ({h['source']}, {h['block']})  {h['fingerprint']}")
+        out.print(f"          hidden: {h['hidden']}")
+        out.print(f"          trim: {h['trim']}")
     out.print(f"settings  feed {m.get('feed')}, dtype {m['dtype']}, device {m['device']}, K {m['k']}, "
               f"{m['steps']} steps, vocab {m['vocab_size']}, prompt {len(g.prompt)} tokens")
     out.print(f"prompt    {m.get('prompt_text', '')!r}")
@@ -219,7 +235,8 @@ def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) ->
         acc = r.accepted.tolist()
         hist = ", ".join(f"{i}:{n}" for i, n in enumerate(histogram(k, acc)))
         flag = "" if r.committed_is_greedy in (True, None) else "  (left the greedy continuation)"
-        out.print(f"K={k}  accepted {acc}  histogram {{{hist}}}  bootstrap {r.bootstrap}{flag}")
+        rate = sum(acc) / (len(acc) * (k - 1))
+        out.print(f"K={k}  accepted {acc}  histogram {{{hist}}}  acceptance {rate:.0%}  bootstrap {r.bootstrap}{flag}")
     return EXIT_PASS
 
 

@@ -30,7 +30,11 @@ class Mismatch:
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
-    """One forward's rows against the golden's, for one K."""
+    """One forward's rows against the golden's, for one K.
+
+    The ``draft_*`` fields and ``bootstrap_equal`` compare the MTP head's outputs and are None for a
+    reference golden.
+    """
 
     variant: str
     prefill_equal: bool
@@ -42,10 +46,16 @@ class Comparison:
     mismatched_step_list: list[int] = field(default_factory=list)
     # Steps where this run's own argmaxes would have accepted a different number of drafts.
     decision_changes: int = 0
+    bootstrap_equal: bool | None = None
+    draft_mismatched_steps: int | None = None
+    draft_first_mismatch: Mismatch | None = None
+    draft_max_abs_diff: float | None = None
+    draft_mismatched_step_list: list[int] | None = None
 
     @property
     def equal(self) -> bool:
-        return self.prefill_equal and self.mismatched_steps == 0
+        return (self.prefill_equal and self.mismatched_steps == 0 and self.bootstrap_equal is not False
+                and not self.draft_mismatched_steps)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -71,25 +81,46 @@ def _max_abs(gold: np.ndarray, got: np.ndarray, logical: str) -> float:
     return float(d.max())
 
 
-def compare_run(variant: str, golden: KRecord, run: Run, logical: str) -> Comparison:
-    """Diff every row of ``run`` (its prefill and each step's K rows) against ``golden``."""
-    prefill = to_storage(run.prefill)
-    rows = to_storage(torch.stack(run.rows)) if run.rows else np.empty((0,) + golden.logits.shape[1:])
-    assert prefill.shape == golden.prefill.shape and rows.shape == golden.logits.shape, "shapes checked on load"
-    per_step = (as_bits(golden.logits) != as_bits(rows)).reshape(len(rows), -1).any(axis=1)
+def _diff_steps(gold: np.ndarray, got: np.ndarray, logical: str) -> tuple[list[int], Mismatch | None, float]:
+    """Per-step diff of ``[S, R, V]`` rows: the differing steps, the first mismatch, the largest |Δ|."""
+    per_step = (as_bits(gold) != as_bits(got)).reshape(len(gold), -1).any(axis=1)
     bad = [int(s) for s in np.flatnonzero(per_step)]
-    first = _first(golden.logits[bad[0]], rows[bad[0]], logical, bad[0]) if bad else None
+    first = _first(gold[bad[0]], got[bad[0]], logical, bad[0]) if bad else None
+    return bad, first, _max_abs(gold, got, logical)
+
+
+def _stack(rows: list[torch.Tensor], like: np.ndarray) -> np.ndarray:
+    return to_storage(torch.stack(rows)) if rows else np.empty((0,) + like.shape[1:], like.dtype)
+
+
+def compare_run(variant: str, golden: KRecord, run: Run, logical: str) -> Comparison:
+    """Diff every row of ``run`` (its prefill, each step's K rows and, for an MTP golden, the bootstrap
+    decode row and the head's draft rows) against ``golden``."""
+    prefill = to_storage(run.prefill)
+    rows = _stack(run.rows, golden.logits)
+    assert prefill.shape == golden.prefill.shape and rows.shape == golden.logits.shape, "shapes checked on load"
+    bad, first, max_abs = _diff_steps(golden.logits, rows, logical)
     pre_first = _first(golden.prefill, prefill, logical, None)
+    mtp = {}
+    if golden.draft_logits is not None:
+        drafts = _stack(run.draft_rows, golden.draft_logits)
+        dbad, dfirst, dmax = _diff_steps(golden.draft_logits, drafts, logical)
+        boot = to_storage(run.bootstrap_row)
+        mtp = dict(bootstrap_equal=_first(golden.bootstrap_logits, boot, logical, None) is None,
+                   draft_mismatched_steps=len(dbad), draft_first_mismatch=dfirst, draft_max_abs_diff=dmax,
+                   draft_mismatched_step_list=dbad)
+        max_abs = max(max_abs, _max_abs(golden.bootstrap_logits, boot, logical))
     return Comparison(
         variant=variant,
         prefill_equal=pre_first is None,
         mismatched_steps=len(bad),
         steps=len(rows),
         first_mismatch=first,
-        max_abs_diff=max(_max_abs(golden.prefill, prefill, logical), _max_abs(golden.logits, rows, logical)),
+        max_abs_diff=max(_max_abs(golden.prefill, prefill, logical), max_abs),
         prefill_first_mismatch=pre_first,
         mismatched_step_list=bad,
         decision_changes=sum(int(a != b) for a, b in zip(run.computed, golden.accepted.tolist())),
+        **mtp,
     )
 
 

@@ -4,12 +4,15 @@ Layout (FORMAT.md is the reference; ``FORMAT_VERSION`` marks it):
 
     <golden>.zarr/            group; attrs["vd"] = metadata (model, forward, dtype, K list, environment, ...)
       prompt                  int32 (P,)
-      k<K>/                   group; attrs: k, steps, bootstrap, committed_is_greedy
+      k<K>/                   group; attrs: k, steps, bootstrap, committed_is_greedy (MTP: decoded)
         prefill               logits (P, V)      one chunk
         logits                logits (S, K, V)   one chunk per step
         tokens                int32 (S, K)       each step's [last, d1 .. d_{K-1}]
         accepted              int32 (S,)
         step_ms               float64 (S,)
+        bootstrap_logits      logits (1, V)      MTP feed only: the bootstrap decode's row
+        drafts                int32 (S, K-1)     MTP feed only: the head's proposal each step verifies
+        draft_logits          logits (S, K-1, V) MTP feed only: the head's logits for those drafts
 
 bfloat16 logits are stored as their uint16 bit patterns (zarr has no bfloat16); float16/float32 as
 themselves. Every array is Zstd level 1 plus a CRC32C checksum (shared notes storage.md). A golden is
@@ -44,7 +47,7 @@ from vd.errors import (
 from vd.loop import Step
 
 FORMAT = "vd-golden"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optional MTP arrays; version 1 goldens read unchanged
 
 # logical dtype -> (numpy storage dtype, description)
 ENCODINGS: dict[str, tuple[np.dtype, str]] = {
@@ -92,6 +95,10 @@ class KRecord:
     logits: np.ndarray  # storage [S, K, V]
     step_ms: np.ndarray  # float64 [S]
     committed_is_greedy: bool | None = None
+    bootstrap_logits: np.ndarray | None = None  # storage [1, V]      (MTP feed)
+    drafts: np.ndarray | None = None  # int32 [S, K-1]                 (MTP feed)
+    draft_logits: np.ndarray | None = None  # storage [S, K-1, V]      (MTP feed)
+    decoded: int | None = None  # the token the bootstrap decode ran on  (MTP feed)
 
     @property
     def steps(self) -> list[Step]:
@@ -172,8 +179,12 @@ def write_golden(
             _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k))
             _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),))
             _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),))
+            if r.draft_logits is not None:
+                _write_array(g, "bootstrap_logits", r.bootstrap_logits, r.bootstrap_logits.shape)
+                _write_array(g, "drafts", r.drafts.astype(np.int32), (max(s, 1), k - 1))
+                _write_array(g, "draft_logits", r.draft_logits, (1, k - 1, v))
             g.attrs.update({"k": r.k, "steps": s, "bootstrap": int(r.bootstrap),
-                            "committed_is_greedy": r.committed_is_greedy})
+                            "committed_is_greedy": r.committed_is_greedy, "decoded": r.decoded})
         full = dict(meta)
         full.update(format=FORMAT, format_version=FORMAT_VERSION,
                     created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
@@ -250,11 +261,15 @@ def open_golden(path: str | os.PathLike) -> Golden:
             g = root[f"k{k}"]
         except KeyError as e:
             raise GoldenCorruptError(f"{where} is missing") from e
+        mtp = {}
+        if meta.get("feed") == "mtp":
+            mtp = {n: _read(g, n, where) for n in ("bootstrap_logits", "drafts", "draft_logits")}
         rec = KRecord(
             k=k, bootstrap=int(g.attrs.get("bootstrap", -1)),
             tokens=_read(g, "tokens", where), accepted=_read(g, "accepted", where),
             prefill=_read(g, "prefill", where), logits=_read(g, "logits", where),
             step_ms=_read(g, "step_ms", where), committed_is_greedy=g.attrs.get("committed_is_greedy"),
+            decoded=g.attrs.get("decoded"), **mtp,
         )
         _check_shapes(rec, meta, len(prompt), ENCODINGS[logical][0], where)
         runs[k] = rec
@@ -266,12 +281,14 @@ def open_golden(path: str | os.PathLike) -> Golden:
 def _check_shapes(r: KRecord, meta: Mapping, p: int, storage: np.dtype, where: str) -> None:
     s, k, v = meta.get("steps"), r.k, meta.get("vocab_size")
     expect = {"tokens": (s, k), "accepted": (s,), "prefill": (p, v), "logits": (s, k, v), "step_ms": (s,)}
+    if r.draft_logits is not None:
+        expect.update(bootstrap_logits=(1, v), drafts=(s, k - 1), draft_logits=(s, k - 1, v))
     for name, shape in expect.items():
         got = getattr(r, name).shape
         if got != shape:
             raise GoldenCorruptError(f"{where}/{name}: shape {got}, expected {shape}")
-    for name in ("prefill", "logits"):
-        if getattr(r, name).dtype != storage:
+    for name in ("prefill", "logits", "bootstrap_logits", "draft_logits"):
+        if getattr(r, name) is not None and getattr(r, name).dtype != storage:
             raise GoldenCorruptError(f"{where}/{name}: dtype {getattr(r, name).dtype}, expected {storage}")
     if ((r.accepted < 0) | (r.accepted > k - 1)).any():
         raise GoldenCorruptError(f"{where}/accepted: counts outside 0..{k - 1}")

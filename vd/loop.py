@@ -5,10 +5,13 @@ rows → commit → next `last`, as in the seed (``met circuit diff --verify``).
 
 * `ReferenceFeed`: drafts are the model's own greedy continuation, with draft ``1 + s % (K-1)`` bumped by
   one (mod vocab) on every odd step ``s``, so full and partial accepts both occur;
-* `ReplayFeed`: exactly the stored tokens, accept counts and bootstrap token.
+* `ReplayFeed`: exactly the stored tokens, accept counts and bootstrap token;
+* `DrafterFeed`: drafts from the model's MTP draft head (`vd.protocol.DraftHead`): a bootstrap decode,
+  then after every verify the hidden save, the proposer trim and a propose. Wrapped around a
+  `ReplayFeed` it still runs the head (so its drafts and logits are diffed) but verifies the stored
+  tokens.
 
-A drafter feed (an MTP head proposing drafts) plugs in through the same hooks: `Feed.start` after the
-prefill and `Feed.after_commit` after each step, where it saves hidden state, trims and proposes.
+Feeds act through two hooks, `Feed.start` after the prefill and `Feed.after_commit` after each step.
 The loop leaves out storage and comparison: it returns the rows it computed.
 """
 
@@ -48,10 +51,17 @@ class Run:
     computed: list[int] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     bootstrap: int = -1
+    # With a draft head: the bootstrap decode's row [1, V], and for each step the head's proposal that
+    # step verifies (drafts[s], draft_rows[s] [K-1, V]).
+    bootstrap_row: torch.Tensor | None = None
+    drafts: list[tuple[int, ...]] = field(default_factory=list)
+    draft_rows: list[torch.Tensor] = field(default_factory=list)
+    # Generated tokens committed before the first step (the drafter's bootstrap decode commits one).
+    committed_before: list[int] = field(default_factory=list)
 
     def committed(self) -> list[int]:
         """The generated sequence this run committed: each step's ``last`` and accepted drafts."""
-        out: list[int] = []
+        out: list[int] = list(self.committed_before)
         for st in self.steps:
             out.extend(st.tokens[: st.accepted + 1])
         return out
@@ -80,8 +90,8 @@ def reference_drafts(greedy: Sequence[int], p: int, s: int, k: int, vocab: int) 
 class Feed:
     """How a run picks each step. The base class is the neutral hook set; subclasses choose tokens."""
 
-    def start(self, model: VerifyModel, last: int) -> int:
-        """After the prefill: the token the first step starts from (the bootstrap token)."""
+    def start(self, model: VerifyModel, run: Run, last: int) -> int:
+        """After the prefill (``run.prefill``): the token the first step starts from (the bootstrap)."""
         return last
 
     def tokens(self, s: int, last: int, p: int, k: int, vocab: int) -> list[int]:
@@ -96,7 +106,7 @@ class Feed:
         """The ``last`` of step ``s + 1``, given the argmax of row ``accepted``."""
         return computed
 
-    def after_commit(self, model: VerifyModel, s: int, accepted: int, last: int) -> None:
+    def after_commit(self, model: VerifyModel, run: Run, s: int, accepted: int, last: int) -> None:
         """After step ``s`` is committed (a drafter saves hidden state, trims and proposes here)."""
 
 
@@ -111,13 +121,14 @@ class ReferenceFeed(Feed):
 
 
 class ReplayFeed(Feed):
-    """Exactly these steps, after this bootstrap token."""
+    """Exactly these steps, after this bootstrap token (and, for a drafter golden, after this token
+    decoded to bootstrap: ``decoded``)."""
 
-    def __init__(self, steps: Sequence[Step], bootstrap: int):
+    def __init__(self, steps: Sequence[Step], bootstrap: int, decoded: int | None = None):
         self.steps = list(steps)
-        self.bootstrap = bootstrap
+        self.bootstrap, self.decoded = bootstrap, decoded
 
-    def start(self, model: VerifyModel, last: int) -> int:
+    def start(self, model: VerifyModel, run: Run, last: int) -> int:
         return self.bootstrap
 
     def tokens(self, s: int, last: int, p: int, k: int, vocab: int) -> list[int]:
@@ -128,6 +139,51 @@ class ReplayFeed(Feed):
 
     def next_last(self, s: int, computed: int) -> int:
         return self.steps[s + 1].tokens[0] if s + 1 < len(self.steps) else computed
+
+
+class DrafterFeed(Feed):
+    """Drafts from the model's MTP head, as a speculative scheduler runs it.
+
+    ``forced`` (a `ReplayFeed`) replays stored steps instead: the head still runs and its proposals are
+    recorded for comparison, but the verify tokens, accept counts and bootstrap token are the stored ones.
+    """
+
+    def __init__(self, k: int, steps: int, forced: ReplayFeed | None = None):
+        self.k, self.steps, self.forced = k, steps, forced
+        self.next: list[int] = []
+
+    def _propose(self, model, run: Run, last: int) -> None:
+        drafts, rows = model.propose(last, self.k - 1)  # rows: [K-1, V]
+        self.next = list(drafts)
+        run.drafts.append(tuple(int(d) for d in drafts))
+        run.draft_rows.append(rows)
+
+    def start(self, model, run: Run, last: int) -> int:
+        # Bootstrap decode: commit the prefill's rows and ``last``, then the first propose.
+        if self.forced is not None and self.forced.decoded is not None:
+            last = self.forced.decoded
+        model.save_hidden(run.prefill.shape[0] - 1)
+        row = model.forward([last])  # [1, V]
+        run.bootstrap_row, run.committed_before = row, [last]
+        boot = self.forced.bootstrap if self.forced else _argmax(row)[0]
+        model.save_hidden(0)
+        self._propose(model, run, boot)
+        return boot
+
+    def tokens(self, s: int, last: int, p: int, k: int, vocab: int) -> list[int]:
+        return self.forced.tokens(s, last, p, k, vocab) if self.forced else [last, *self.next]
+
+    def accept(self, s: int, computed: int) -> int:
+        return self.forced.accept(s, computed) if self.forced else computed
+
+    def next_last(self, s: int, computed: int) -> int:
+        return self.forced.next_last(s, computed) if self.forced else computed
+
+    def after_commit(self, model, run: Run, s: int, accepted: int, last: int) -> None:
+        if s + 1 < self.steps:  # the proposal after the last step would never be verified
+            model.save_hidden(accepted)
+            model.trim_proposer()
+            self._propose(model, run, last)
 
 
 def _argmax(rows: torch.Tensor) -> list[int]:
@@ -158,8 +214,8 @@ def run_verify(
     vocab = model.vocab_size
     model.reset()
     prefill = model.forward(prompt)  # [P, V]
-    last = feed.start(model, _argmax(prefill[-1:])[0])
-    run = Run(k=k, prefill=prefill, bootstrap=last)
+    run = Run(k=k, prefill=prefill)
+    last = run.bootstrap = feed.start(model, run, _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
     for s in range(steps):
         tokens = feed.tokens(s, last, p, k, vocab)
@@ -177,7 +233,7 @@ def run_verify(
         run.rows.append(rows)
         run.steps.append(Step(tuple(int(t) for t in tokens), na))
         run.computed.append(computed)
-        feed.after_commit(model, s, na, last)
+        feed.after_commit(model, run, s, na, last)
         if on_step is not None:
             on_step(s)
     return run

@@ -100,6 +100,36 @@ class VerifyModel(Protocol):
         ...
 
 
+@runtime_checkable
+class DraftHead(Protocol):
+    """The optional MTP capability: a multi-token-prediction draft head that proposes drafts.
+
+    Notes
+    -----
+    The drafter feed drives it as a speculative scheduler does: after the prefill and a bootstrap
+    decode, and after every verify, `save_hidden` the accepted rows, `trim_proposer`, then `propose`.
+    The head's outputs (each draft's logits row) are recorded and diffed like the verify rows.
+    """
+
+    def head_info(self) -> Mapping[str, Any]:
+        """The head's name, fingerprint, and how it is driven: which hidden state feeds it (after the
+        final norm or before), how its cache is trimmed, where its entries sit."""
+        ...
+
+    def save_hidden(self, row: int) -> None:
+        """Rows ``0 .. row`` of the last `forward` are committed; keep their hidden states for the head
+        (row ``row`` is the accepted row whose argmax is the next ``last``)."""
+        ...
+
+    def trim_proposer(self) -> None:
+        """Drop the head's state past the committed prefix (what the last proposal speculated)."""
+        ...
+
+    def propose(self, last: int, n: int) -> tuple[list[int], torch.Tensor]:
+        """Propose ``n`` drafts autoregressively after ``last``; return them and their ``[n, V]`` logits."""
+        ...
+
+
 def protocol_members(proto: type = VerifyModel) -> list[str]:
     """The attribute and method names a protocol requires (``__protocol_attrs__`` is Python 3.12+)."""
     names = set(getattr(proto, "__annotations__", {}))

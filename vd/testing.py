@@ -108,3 +108,61 @@ class ModelConformance:
         model.set_forward(model.default_forward())
         with pytest.raises(KeyError):
             model.set_forward("no-such-forward")
+
+
+class DraftHeadConformance:
+    """Checks for a model with an MTP draft head (`vd.protocol.DraftHead`); supply ``model``."""
+
+    @pytest.fixture
+    def model(self):  # pragma: no cover - always overridden
+        raise NotImplementedError("subclass DraftHeadConformance and define a `model` fixture")
+
+    def _bootstrap(self, model) -> int:
+        prompt = _prompt(model)
+        model.reset()
+        pre = model.forward(prompt)
+        model.save_hidden(len(prompt) - 1)
+        t0 = int(pre[-1].argmax())
+        row = model.forward([t0])
+        model.save_hidden(0)
+        return int(row[0].argmax())
+
+    def test_satisfies_protocol(self, model):
+        from vd.protocol import DraftHead
+
+        assert isinstance(model, DraftHead)
+        info = model.head_info()
+        for key in ("name", "fingerprint", "hidden", "trim"):
+            assert info.get(key), key
+        assert model.head_info()["fingerprint"] == info["fingerprint"]
+
+    def test_propose_shapes_and_argmax(self, model):
+        last = self._bootstrap(model)
+        drafts, rows = model.propose(last, 3)
+        assert len(drafts) == 3 and all(isinstance(d, int) and 0 <= d < model.vocab_size for d in drafts)
+        assert tuple(rows.shape) == (3, model.vocab_size) and rows.dtype == model.dtype
+        assert drafts == rows.argmax(-1).tolist()
+
+    def test_propose_is_deterministic(self, model):
+        outs = []
+        for _ in range(2):
+            last = self._bootstrap(model)
+            outs.append(model.propose(last, 3))
+        assert outs[0][0] == outs[1][0] and torch.equal(outs[0][1], outs[1][1])
+
+    def test_trim_forgets_the_speculation(self, model):
+        """A proposal of 3 drafts then a trim leaves the head as a proposal of 1 would: the next
+        proposal after the same verify is bitwise the same."""
+        results = []
+        for n in (3, 1):
+            last = self._bootstrap(model)
+            drafts, _ = model.propose(last, n)
+            model.trim_proposer()
+            tokens = [last, drafts[0], 7, 8]
+            rows = model.forward(tokens)
+            na = 1 if int(rows[0].argmax()) == drafts[0] else 0
+            model.rewind(3 - na)
+            model.save_hidden(na)
+            model.trim_proposer()
+            results.append(model.propose(int(rows[na].argmax()), 3))
+        assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from vd.errors import ModelSpecError, UsageError
-from vd.models.hf import HF_FORWARDS, check_device, load_checkpoint
+from vd.models.hf import HF_FORWARDS, HFModel, check_device, load_checkpoint
+from vd.models.mtp import attach_head, native_layer
 from vd.models.presets import DEFAULT_MODEL, PRESETS
-from vd.protocol import VerifyModel, protocol_members
+from vd.protocol import DraftHead, VerifyModel, protocol_members
 
 __all__ = ["DEFAULT_MODEL", "DTYPES", "PRESETS", "forwards_of", "load_model", "parse_dtype", "spec_kind"]
 
@@ -88,19 +89,30 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "bfloat16") -> VerifyModel:
-    """Load the model a SPEC names, on ``device``, computing in ``dtype``."""
+               dtype: str | torch.dtype = "bfloat16", head: str | None = None) -> VerifyModel:
+    """Load the model a SPEC names, on ``device``, computing in ``dtype``; with ``head``, attach the
+    MTP draft head that safetensors file holds (`vd.models.mtp.save_head` format)."""
     dev = check_device(device)
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     kind = spec_kind(spec)
     if kind == "plugin":
-        return _load_plugin(spec, dev, dt)
-    if kind == "path":
+        model = _load_plugin(spec, dev, dt)
+    elif kind == "path":
         path = Path(spec)
         if path.is_file() and path.suffix != ".gguf":
             raise ModelSpecError(f"{spec} is a file but not a .gguf checkpoint")
-        return load_checkpoint(path, device=dev, dtype=dt)
-    return PRESETS[spec].build(dev, dt)
+        model = load_checkpoint(path, device=dev, dtype=dt)
+        if path.is_dir() and getattr(model.config.get_text_config(), "num_mtp_layers", 0):
+            layer, cfg = native_layer(model.model, seed=None)  # the checkpoint's own MTP layer
+            model = attach_head(model, layer=layer, head_config=cfg, head_name=f"native MTP layer 0 of {path.name}",
+                                head_source="native")
+    else:
+        model = PRESETS[spec].build(dev, dt)
+    if head is not None:
+        if not isinstance(model, HFModel) or isinstance(model, DraftHead):
+            raise ModelSpecError(f"--head attaches to an HF model without a draft head; {spec} is not one")
+        model = attach_head(model, Path(head))
+    return model
 
 
 def forwards_of(spec: str, *, device: str = "cpu", dtype: str = "bfloat16") -> dict[str, str]:

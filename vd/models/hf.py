@@ -142,8 +142,14 @@ class HFModel:
             self._cache.crop(-n)
 
 
+def _byte_encoder(vocab: int) -> Callable[[str], list[int]]:
+    # No tokenizer (random weights, a bare checkpoint): UTF-8 bytes folded into the vocabulary.
+    return lambda text: [b % vocab for b in text.encode("utf-8")]
+
+
 def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> HFModel:
-    """An HF checkpoint directory, or a `.gguf` file (loaded with ``gguf_file=``), from local disk."""
+    """An HF checkpoint directory, or a `.gguf` file (loaded with ``gguf_file=``), from local disk.
+    A checkpoint without a tokenizer encodes prompts as UTF-8 bytes (recorded in its details)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, extra = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
@@ -152,17 +158,18 @@ def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> 
             model = AutoModelForCausalLM.from_pretrained(
                 folder, **extra, dtype=dtype, local_files_only=True, attn_implementation="eager"
             )
-            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelSpecError(f"cannot load an HF causal LM from {path}: {first}") from e
     model.to(device)
-
-    def encode(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=False)["input_ids"])
-
+    try:
+        with quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
+        encode, tokenizer = (lambda text: list(tok(text, add_special_tokens=False)["input_ids"])), type(tok).__name__
+    except (OSError, ValueError, KeyError, TypeError):
+        encode, tokenizer = _byte_encoder(model.config.vocab_size), "none: UTF-8 bytes"
     return HFModel(model, name=f"{type(model).__name__} from {path.name}", encode=encode,
-                   details={"source": str(path)})
+                   details={"source": str(path), "tokenizer": tokenizer})
 
 
 def _seeded_init(model: torch.nn.Module, seed: int, std: float) -> None:
@@ -189,13 +196,8 @@ def build_random(config, *, seed: int, name: str, device: torch.device, dtype: t
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _seeded_init(model, seed, config.initializer_range)
     model.to(device=device, dtype=dtype)
-    vocab = config.vocab_size
-
-    def encode(text: str) -> list[int]:
-        # No tokenizer for random weights: UTF-8 bytes, folded into the vocabulary.
-        return [b % vocab for b in text.encode("utf-8")]
-
-    return HFModel(model, name=name, encode=encode, details={"seed": seed, "random_weights": True})
+    return HFModel(model, name=name, encode=_byte_encoder(config.vocab_size),
+                   details={"seed": seed, "random_weights": True})
 
 
 def check_device(device: str | torch.device) -> torch.device:

@@ -12,6 +12,9 @@ import torch
 
 from vd.errors import ModelSpecError
 from vd.models.hf import HFModel, build_random, load_checkpoint
+from vd.models.mtp import attach_head, native_layer
+
+HEADS = Path(__file__).resolve().parent.parent / "heads"  # trained heads shipped with vd
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,6 +71,42 @@ def _tiny_qwen2(device: torch.device, dtype: torch.dtype) -> HFModel:
     return build_random(cfg, seed=1, name="tiny-qwen2 (random weights, seed 1)", device=device, dtype=dtype)
 
 
+def _tiny_llama_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
+    return attach_head(_tiny_llama(device, dtype), HEADS / "tiny-llama-mtp.safetensors")
+
+
+def _smollm2_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
+    return attach_head(_smollm2(device, dtype), HEADS / "smollm2-mtp.safetensors")
+
+
+def _native(cfg, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
+    base = build_random(cfg, seed=seed, name=name, device=device, dtype=dtype)
+    layer, head_cfg = native_layer(base.model, seed=seed + 1)
+    return attach_head(base, layer=layer, head_config=head_cfg, head_name="native MTP layer 0 (random, seeded)",
+                       head_source="native")
+
+
+_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=512,
+            initializer_range=0.1, tie_word_embeddings=False)
+
+
+def _tiny_deepseek_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config(**_MOE, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                           qk_nope_head_dim=8, v_head_dim=16)
+    return _native(cfg, 2, "tiny-deepseek-mtp (DeepSeek-V3 style, random weights, seed 2)", device, dtype)
+
+
+def _tiny_glm4moe_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from transformers import Glm4MoeConfig
+
+    cfg = Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=16)
+    return _native(cfg, 4, "tiny-glm4moe-mtp (GLM-4.5 style, random weights, seed 4)", device, dtype)
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -75,5 +114,11 @@ PRESETS: dict[str, Preset] = {
                _smollm2),
         Preset("tiny-llama", "random-weight Llama, 2 layers, hidden 64, vocab 512 (tests)", _tiny_llama),
         Preset("tiny-qwen2", "random-weight Qwen2 (qkv bias, tied embeddings), vocab 384 (tests)", _tiny_qwen2),
+        Preset("smollm2-mtp", "smollm2 with vd's self-distilled MTP draft head (vd/heads/smollm2-mtp)",
+               _smollm2_mtp),
+        Preset("tiny-llama-mtp", "tiny-llama with a self-distilled attached MTP head (tests)", _tiny_llama_mtp),
+        Preset("tiny-deepseek-mtp", "random DeepSeek-V3-style model (MLA, MoE) with HF's native MTP layer",
+               _tiny_deepseek_mtp),
+        Preset("tiny-glm4moe-mtp", "random GLM-4.5-style model (MoE) with HF's native MTP layer", _tiny_glm4moe_mtp),
     )
 }
