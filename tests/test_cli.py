@@ -224,3 +224,13 @@ def test_show_models_forwards(cli, tiny_golden):
     assert code == 0 and "smollm2" in out and "tiny-llama" in out and "module:factory" in out
     code, out, err = cli("forwards", "--model", "tiny-llama")
     assert code == 0 and out.splitlines()[0].startswith("eager") and "sdpa" in out
+
+
+def test_module_factory_plugin(cli, tiny_golden, monkeypatch, tmp_path):
+    """The ``package.module:factory`` form: an importable module, here put on sys.path."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv("VD_PERTURB_STEP", "5")
+    code, out, err = cli("replay", tiny_golden, "--model", "perturb:factory", "--report", tmp_path / "r.json")
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert code == 1 and all(v["comparisons"][0]["mismatched_step_list"] == [5] for v in r["verify"])
+    _one_line_error(*cli("replay", tiny_golden, "--model", "no_such_module_xyz:factory"), "cannot import plug-in")

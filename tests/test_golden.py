@@ -171,3 +171,14 @@ def test_committed_format_v1_golden_reads_back():
     for k, r in g.runs.items():
         assert r.logits.shape == (g.meta["steps"], k, g.meta["vocab_size"])
         assert r.accepted.max() == k - 1 and r.accepted.min() < k - 1
+
+
+def test_committed_format_v2_mtp_golden_reads_back():
+    """A version-2 golden of the drafter feed, with its MTP arrays, reads back."""
+    g = open_golden(DATA / "tiny-llama-mtp-v2.zarr")
+    assert g.meta["format_version"] == 2 and g.meta["feed"] == "mtp" and g.meta["mtp"]["source"] == "attached"
+    for k, r in g.runs.items():
+        s = g.meta["steps"]
+        assert r.draft_logits.shape == (s, k - 1, g.meta["vocab_size"]) and r.drafts.shape == (s, k - 1)
+        assert r.bootstrap_logits.shape == (1, g.meta["vocab_size"]) and r.decoded is not None
+        assert (r.drafts == r.tokens[:, 1:]).all()  # in a drafter golden the head's drafts are what was verified

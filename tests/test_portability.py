@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-COMMITTED = Path(__file__).parent / "data" / "tiny-llama-v1.zarr"
+DATA = Path(__file__).parent / "data"
+COMMITTED = [DATA / "tiny-llama-v1.zarr", DATA / "tiny-llama-mtp-v2.zarr"]
 
 
-def _replay(tmp_path, env_extra):
+def _replay(tmp_path, env_extra, golden=COMMITTED[0]):
     report = tmp_path / "r.json"
     env = {**os.environ, **env_extra}
     proc = subprocess.run(
-        [sys.executable, "-c", "from vd.cli import main; main()", "replay", str(COMMITTED), "--report", str(report)],
+        [sys.executable, "-c", "from vd.cli import main; main()", "replay", str(golden), "--report", str(report)],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode in (0, 1), proc.stderr
@@ -32,8 +33,9 @@ def _judge(code, r):
     return diffs
 
 
-def test_committed_golden_replays_here(tmp_path):
-    code, r = _replay(tmp_path, {})
+@pytest.mark.parametrize("golden", COMMITTED, ids=lambda p: p.name)
+def test_committed_golden_replays_here(tmp_path, golden):
+    code, r = _replay(tmp_path, {}, golden)
     _judge(code, r)
     assert r["environment"]["recorded"]["threads"] == 1 == r["environment"]["replayed"]["threads"]
 

@@ -34,3 +34,20 @@ def test_reference_commits_hf_greedy(smollm2):
     hf = smollm2.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=len(committed), min_new_tokens=len(committed), eos_token_id=None)
     assert committed == hf[0, len(prompt):].tolist()
+
+
+def test_drafter_feed_on_default_model(smollm2, tmp_path):
+    """vd's trained head drafts well enough on the default model for full and partial accepts at
+    every K, and the golden replays bit for bit. (In bf16 a K-row verify's argmax can differ from plain
+    decode's at a near-tie, so the committed sequence may leave the greedy one here; the fp32 checks in
+    test_mtp.py hold it to HF's generate.)"""
+    from vd.models.mtp import attach_head
+    from vd.models.presets import HEADS
+
+    model = attach_head(smollm2, HEADS / "smollm2-mtp.safetensors")
+    path = tmp_path / "smollm2-mtp.zarr"
+    r = record(path, model=model, model_spec="smollm2-mtp", feed="mtp")
+    assert r.path == path and not r.thin, r.accepted
+    report = replay(path, model=model)
+    assert report["verdict"] == "PASS", report["reasons"]
+    assert report["mtp"] and all(v["detection_control"]["fired"] for v in report["verify"])
