@@ -234,3 +234,12 @@ def test_module_factory_plugin(cli, tiny_golden, monkeypatch, tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert code == 1 and all(v["comparisons"][0]["mismatched_step_list"] == [5] for v in r["verify"])
     _one_line_error(*cli("replay", tiny_golden, "--model", "no_such_module_xyz:factory"), "cannot import plug-in")
+
+
+def test_unwritable_destinations_exit_2(cli, tiny_golden, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    _one_line_error(*cli("record", blocker / "g.zarr", "--model", "tiny-llama"), "is not a directory")
+    _one_line_error(*cli("replay", tiny_golden, "--report", blocker / "r.json"), "is not a directory")
+    _one_line_error(*cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--prompt", ""), "no tokens")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

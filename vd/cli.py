@@ -48,6 +48,10 @@ class _Group(TyperGroup):
         except VdError as e:
             typer.echo(f"vd: error: {e}", err=True)
             sys.exit(EXIT_BAD)
+        except OSError as e:  # a path the user gave that the system refused (permissions, space, ...)
+            where = f": {e.filename}" if e.filename else ""
+            typer.echo(f"vd: error: {e.strerror or e}{where}", err=True)
+            sys.exit(EXIT_BAD)
         sys.exit(rv if isinstance(rv, int) else EXIT_PASS)
 
 
@@ -119,7 +123,7 @@ def record(
     from recorder import record as do_record
 
     with _Bar() as bar:
-        r = do_record(out_path, model_spec=model, prompt=prompt or DEFAULT_PROMPT, ks=_parse_ks(k),
+        r = do_record(out_path, model_spec=model, prompt=DEFAULT_PROMPT if prompt is None else prompt, ks=_parse_ks(k),
                       steps=steps, forward=forward, feed=feed, head=head, device=device, dtype=dtype, threads=threads,
                       refresh=refresh, allow_thin=allow_thin, on_phase=bar.phase, on_step=bar.step)
     for kk, acc in r.accepted.items():
@@ -193,9 +197,12 @@ def replay(
 ) -> int:
     """Replay a golden's steps through a forward and diff every row: PASS (0) or FAIL (1)."""
     from replayer import replay as do_replay
+    from vd.golden import check_writable
 
-    if report is not None and report.is_dir():
-        raise UsageError(f"--report {report} is a directory; give a file path")
+    if report is not None:
+        if report.is_dir():
+            raise UsageError(f"--report {report} is a directory; give a file path")
+        check_writable(report)  # before the replay, not after it
     with _Bar() as bar:
         result = do_replay(golden, model_spec=model, head=head, forwards=forward or (), device=device, threads=threads,
                            allow_model_mismatch=allow_model_mismatch, on_phase=bar.phase, on_step=bar.step)

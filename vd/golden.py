@@ -145,9 +145,21 @@ def _existing_golden_meta(path: Path) -> Mapping | None:
     return meta if isinstance(meta, Mapping) and meta.get("format") == FORMAT else None
 
 
+def check_writable(path: Path) -> None:
+    """Refuse, before any work, a destination whose folder cannot be created or written."""
+    parent = Path(path).absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise GoldenError(f"cannot write {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise GoldenError(f"cannot write {path}: {parent} is not writable")
+
+
 def check_target(path: Path, refresh: bool) -> None:
-    """Refuse a record destination before any work: an existing golden without ``refresh``, or an
-    existing path that is not a golden (which even ``refresh`` never replaces)."""
+    """Refuse a record destination before any work: an unwritable place, an existing golden without
+    ``refresh``, or an existing path that is not a golden (which even ``refresh`` never replaces)."""
+    check_writable(path)
     if not path.exists() and not path.is_symlink():
         return
     if _existing_golden_meta(path) is None:
