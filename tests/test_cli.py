@@ -243,3 +243,23 @@ def test_unwritable_destinations_exit_2(cli, tiny_golden, tmp_path):
     _one_line_error(*cli("replay", tiny_golden, "--report", blocker / "r.json"), "is not a directory")
     _one_line_error(*cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--prompt", ""), "no tokens")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_pinned_sdpa_backends_compared_as_they_are(cli, tiny_golden, tmp_path):
+    """SDPA pinned to each backend the device runs is a forward of its own; each is reported as it
+    really compares with the golden's eager rows."""
+    m = load_model("tiny-llama")
+    pinned = [f for f in m.forwards() if f.startswith("sdpa-")]
+    assert "sdpa-math" in pinned  # every device has the math backend
+    args = [x for f in ["sdpa", *pinned] for x in ("--forward", f)]
+    code, out, err = cli("replay", tiny_golden, *args, "--report", tmp_path / "r.json")
+    r = json.loads((tmp_path / "r.json").read_text())
+    prompt = zarr.open_group(tiny_golden, mode="r")["prompt"][:].tolist()
+    rows = {}
+    for name in ["eager", "sdpa", *pinned]:
+        m.set_forward(name)
+        m.reset()
+        rows[name] = m.forward(prompt)
+    for c in r["verify"][0]["comparisons"]:
+        assert c["prefill_equal"] == torch.equal(rows[c["variant"]], rows["eager"]), c["variant"]
+    assert {v["name"] for v in r["variants"]} == {"sdpa", *pinned}

@@ -24,7 +24,10 @@ def test_cuda_round_trip(cli, tmp_path, spec, feed):
     code, out, err = cli("record", path, "--model", spec, "--feed", feed, "--device", "cuda", "--steps", "8",
                          "--allow-thin")
     assert code == 0, err
-    code, out, err = cli("replay", path, "--forward", "eager", "--forward", "sdpa", "--report", tmp_path / "r.json")
+    offered = list(load_model(spec, device="cuda").forwards())  # eager, sdpa and each pinned SDPA backend
+    assert offered[:2] == ["eager", "sdpa"] and "sdpa-math" in offered
+    args = [x for f in offered for x in ("--forward", f)]
+    code, out, err = cli("replay", path, *args, "--report", tmp_path / "r.json")
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["environment"]["recorded"]["device"] == "cuda" and r["environment"]["recorded"]["gpu_name"]
     for v in r["verify"]:

@@ -271,7 +271,7 @@ def forwards(
     from vd.models import forwards_of
 
     for name, desc in forwards_of(model).items():
-        out.print(f"{name:<10} {desc}")
+        out.print(f"{name:<15} {desc}")
     return EXIT_PASS
 
 

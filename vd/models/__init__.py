@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from vd.errors import ModelSpecError, UsageError
-from vd.models.hf import HF_FORWARDS, HFModel, check_device, load_checkpoint
+from vd.models.hf import HFModel, all_forwards, check_device, load_checkpoint
 from vd.models.mtp import attach_head, native_layer
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 from vd.protocol import DraftHead, VerifyModel, protocol_members
@@ -116,7 +116,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
 
 
 def forwards_of(spec: str, *, device: str = "cpu", dtype: str = "bfloat16") -> dict[str, str]:
-    """The forwards a model offers. HF specs answer without loading weights; plug-ins are loaded."""
+    """The forwards a model offers. HF specs answer without loading weights (pinned SDPA backends
+    marked as device-dependent); plug-ins are loaded."""
     if spec_kind(spec) == "plugin":
         return dict(load_model(spec, device=device, dtype=dtype).forwards())
-    return dict(HF_FORWARDS)
+    return all_forwards()

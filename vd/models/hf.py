@@ -28,6 +28,42 @@ HF_FORWARDS: dict[str, str] = {
     "sdpa": "HF transformers SDPA attention (torch.nn.functional.scaled_dot_product_attention; "
     "the backend is PyTorch's choice for the device), DynamicCache",
 }
+# SDPA pinned to one backend (torch.nn.attention.sdpa_kernel): offered where the device runs it for a
+# verify's shapes (an explicit mask, q_len < kv_len), which `pinned_backends` probes.
+PINNED_SDPA = {
+    "sdpa-math": ("MATH", "the math backend (plain PyTorch ops)"),
+    "sdpa-flash": ("FLASH_ATTENTION", "the flash-attention backend"),
+    "sdpa-efficient": ("EFFICIENT_ATTENTION", "the memory-efficient backend"),
+    "sdpa-cudnn": ("CUDNN_ATTENTION", "the cuDNN backend"),
+}
+
+
+def _pinned_description(name: str) -> str:
+    return f"HF transformers SDPA attention pinned to {PINNED_SDPA[name][1]} (sdpa_kernel), DynamicCache"
+
+
+def all_forwards() -> dict[str, str]:
+    """Every forward the HF adapter can offer; `HFModel.forwards` lists those its device runs."""
+    return {**HF_FORWARDS, **{n: _pinned_description(n) + " (where the device has it)" for n in PINNED_SDPA}}
+
+
+def pinned_backends(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
+    """The pinned SDPA forwards that run here: each backend is tried on a verify-shaped call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.zeros(1, 2, 4, head_dim, device=device, dtype=dtype)  # [B, H, q_len, D]
+    kv = torch.zeros(1, 2, 8, head_dim, device=device, dtype=dtype)
+    mask = torch.zeros(1, 1, 4, 8, device=device, dtype=dtype)
+    out = []
+    for name, (backend, _) in PINNED_SDPA.items():
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
+        except RuntimeError:  # "No available kernel" for this device, dtype or mask
+            continue
+        out.append(name)
+    return out
+
 
 # Config fields that change the arithmetic and exist under these names across transformers 5.x.
 _IDENTITY_FIELDS = (
@@ -90,6 +126,10 @@ class HFModel:
         self._details = dict(details or {})
         self._identity: ModelIdentity | None = None
         self._cache = None
+        self._backend = None  # an SDPBackend while a pinned SDPA forward is selected
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self._forwards = {**HF_FORWARDS,
+                          **{n: _pinned_description(n) for n in pinned_backends(self.device, self.dtype, head_dim)}}
         self._forward = self.default_forward()
         self.set_forward(self._forward)
 
@@ -105,8 +145,8 @@ class HFModel:
         return self._identity
 
     def forwards(self) -> Mapping[str, str]:
-        """Eager and SDPA attention."""
-        return dict(HF_FORWARDS)
+        """Eager and SDPA attention, and SDPA pinned to each backend the device runs."""
+        return dict(self._forwards)
 
     def default_forward(self) -> str:
         """Eager: the plainest implementation, the natural trusted reference."""
@@ -114,10 +154,19 @@ class HFModel:
 
     def set_forward(self, name: str) -> None:
         """Switch the attention implementation in place (no reload)."""
-        if name not in HF_FORWARDS:
+        if name not in self._forwards:
             raise KeyError(name)
-        self.model.set_attn_implementation(name)
+        from torch.nn.attention import SDPBackend
+
+        self.model.set_attn_implementation("eager" if name == "eager" else "sdpa")
+        self._backend = getattr(SDPBackend, PINNED_SDPA[name][0]) if name in PINNED_SDPA else None
         self._forward = name
+
+    def attention_context(self):
+        """The context every attention call of this model runs in (a pinned SDPA backend, or none)."""
+        from torch.nn.attention import sdpa_kernel
+
+        return sdpa_kernel(self._backend) if self._backend is not None else contextlib.nullcontext()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a text prompt."""
@@ -133,7 +182,8 @@ class HFModel:
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens``; positions follow the cache length. Returns ``[len(tokens), vocab]``."""
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=ids, cache=self._cache, use_cache=True)
+        with self.attention_context():
+            out = self.model(input_ids=ids, cache=self._cache, use_cache=True)
         return out.logits[0]  # [n, V]
 
     def rewind(self, n: int) -> None:

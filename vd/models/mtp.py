@@ -120,7 +120,8 @@ class HFMtpModel(HFModel):
 
     def set_forward(self, name: str) -> None:
         super().set_forward(name)
-        self._head_config._attn_implementation = name  # the head's block follows the host's forward
+        # The head's block follows the host's forward (its pinned backend too: see `_step`).
+        self._head_config._attn_implementation = self.model.config._attn_implementation
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -135,7 +136,8 @@ class HFMtpModel(HFModel):
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=ids, cache=self._cache, use_cache=True, output_hidden_states=True)
+        with self.attention_context():
+            out = self.model(input_ids=ids, cache=self._cache, use_cache=True, output_hidden_states=True)
         if self._pending and self._pending[-1][2] is None:  # the saved row's next token arrived
             h, p, _ = self._pending[-1]
             self._pending[-1] = (h, p, int(tokens[0]))
@@ -186,8 +188,9 @@ class HFMtpModel(HFModel):
             mask = torch.full((q, past + q), torch.finfo(emb.dtype).min, dtype=emb.dtype, device=emb.device)
             mask = mask.triu(past + 1)[None, None]  # [1, 1, q, past + q]
         pe = self._rotary(emb, position_ids=pos) if self._rotary is not None else None
-        return self._layer(emb, hidden, position_embeddings=pe, attention_mask=mask, position_ids=pos,
-                           cache=self._head_cache)
+        with self.attention_context():
+            return self._layer(emb, hidden, position_embeddings=pe, attention_mask=mask, position_ids=pos,
+                               cache=self._head_cache)
 
     @torch.inference_mode()
     def propose(self, last: int, n: int) -> tuple[list[int], torch.Tensor]:
