@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -28,8 +29,8 @@ HF_FORWARDS: dict[str, str] = {
     "sdpa": "HF transformers SDPA attention (torch.nn.functional.scaled_dot_product_attention; "
     "the backend is PyTorch's choice for the device), DynamicCache",
 }
-# SDPA pinned to one backend (torch.nn.attention.sdpa_kernel): offered where the device runs it for a
-# verify's shapes (an explicit mask, q_len < kv_len), which `pinned_backends` probes.
+# SDPA pinned to one backend (torch.nn.attention.sdpa_kernel): offered where the model's own attention
+# runs under it on its device (`HFModel._runs_pinned` tries a prefill and a verify-shaped step).
 PINNED_SDPA = {
     "sdpa-math": ("MATH", "the math backend (plain PyTorch ops)"),
     "sdpa-flash": ("FLASH_ATTENTION", "the flash-attention backend"),
@@ -45,24 +46,6 @@ def _pinned_description(name: str) -> str:
 def all_forwards() -> dict[str, str]:
     """Every forward the HF adapter can offer; `HFModel.forwards` lists those its device runs."""
     return {**HF_FORWARDS, **{n: _pinned_description(n) + " (where the device has it)" for n in PINNED_SDPA}}
-
-
-def pinned_backends(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
-    """The pinned SDPA forwards that run here: each backend is tried on a verify-shaped call."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.zeros(1, 2, 4, head_dim, device=device, dtype=dtype)  # [B, H, q_len, D]
-    kv = torch.zeros(1, 2, 8, head_dim, device=device, dtype=dtype)
-    mask = torch.zeros(1, 1, 4, 8, device=device, dtype=dtype)
-    out = []
-    for name, (backend, _) in PINNED_SDPA.items():
-        try:
-            with sdpa_kernel(getattr(SDPBackend, backend)):
-                torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
-        except RuntimeError:  # "No available kernel" for this device, dtype or mask
-            continue
-        out.append(name)
-    return out
 
 
 # Config fields that change the arithmetic and exist under these names across transformers 5.x.
@@ -127,11 +110,31 @@ class HFModel:
         self._identity: ModelIdentity | None = None
         self._cache = None
         self._backend = None  # an SDPBackend while a pinned SDPA forward is selected
-        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
-        self._forwards = {**HF_FORWARDS,
-                          **{n: _pinned_description(n) for n in pinned_backends(self.device, self.dtype, head_dim)}}
+        self._forwards = {**HF_FORWARDS, **{n: _pinned_description(n) for n in PINNED_SDPA if self._runs_pinned(n)}}
         self._forward = self.default_forward()
         self.set_forward(self._forward)
+
+    @torch.inference_mode()
+    def _runs_pinned(self, name: str) -> bool:
+        """Whether this model's attention runs with SDPA pinned to ``name``'s backend on its device: a
+        backend may lack a kernel for the dtype, the head layout (GQA) or an explicit mask."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from transformers import DynamicCache
+
+        previous = self.config._attn_implementation
+        self.model.set_attn_implementation("sdpa")
+        ids = torch.zeros(1, 3, dtype=torch.long, device=self.device)
+        try:
+            with warnings.catch_warnings(), sdpa_kernel(getattr(SDPBackend, PINNED_SDPA[name][0])):
+                warnings.simplefilter("ignore")  # torch explains each refusal at length
+                cache = DynamicCache(config=self.config)
+                self.model(input_ids=ids, cache=cache, use_cache=True)  # prefill: no mask, causal
+                self.model(input_ids=ids[:, :2], cache=cache, use_cache=True)  # verify: q_len < kv_len, mask
+        except RuntimeError:  # "No available kernel"
+            return False
+        finally:
+            self.model.set_attn_implementation(previous)
+        return True
 
     def identity(self) -> ModelIdentity:
         """The model's name and weight fingerprint (hashed once, on first use)."""
