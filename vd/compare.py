@@ -81,42 +81,63 @@ def _max_abs(gold: np.ndarray, got: np.ndarray, logical: str) -> float:
     return float(d.max())
 
 
-def _diff_steps(gold: np.ndarray, got: np.ndarray, logical: str) -> tuple[list[int], Mismatch | None, float]:
-    """Per-step diff of ``[S, R, V]`` rows: the differing steps, the first mismatch, the largest |Δ|."""
-    per_step = (as_bits(gold) != as_bits(got)).reshape(len(gold), -1).any(axis=1)
-    bad = [int(s) for s in np.flatnonzero(per_step)]
-    first = _first(gold[bad[0]], got[bad[0]], logical, bad[0]) if bad else None
-    return bad, first, _max_abs(gold, got, logical)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A logits tensor viewed as signed integers of its width: equal bits, equal integers."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def _stack(rows: list[torch.Tensor], like: np.ndarray) -> np.ndarray:
-    return to_storage(torch.stack(rows)) if rows else np.empty((0,) + like.shape[1:], like.dtype)
+def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Golden storage rows as integer bits on the candidate's device."""
+    bits = np.ascontiguousarray(a).view({2: np.int16, 4: np.int32}[a.dtype.itemsize])
+    return torch.from_numpy(bits).to(device)
+
+
+def _diff_steps(gold: np.ndarray, got: torch.Tensor, logical: str) -> tuple[list[int], Mismatch | None, float]:
+    """Per-step diff of golden ``[S, R, V]`` storage rows against candidate rows on their device.
+
+    The equality test runs where the candidate is (the GPU, for a CUDA forward) and only one flag per
+    step comes back; only steps that differ are copied to the host for their details.
+    """
+    if not len(gold):
+        return [], None, 0.0
+    differs = (_on_device(gold, got.device) != _bits(got)).flatten(1).any(dim=1).tolist()
+    bad = [s for s, d in enumerate(differs) if d]
+    if not bad:
+        return [], None, 0.0
+    g, c = gold[bad], to_storage(got[bad])
+    return bad, _first(g[0], c[0], logical, bad[0]), _max_abs(g, c, logical)
+
+
+def _stack(rows: list[torch.Tensor], like: np.ndarray) -> torch.Tensor:
+    if rows:
+        return torch.stack(rows)
+    return torch.empty((0,) + like.shape[1:])
 
 
 def compare_run(variant: str, golden: KRecord, run: Run, logical: str) -> Comparison:
     """Diff every row of ``run`` (its prefill, each step's K rows and, for an MTP golden, the bootstrap
     decode row and the head's draft rows) against ``golden``."""
-    prefill = to_storage(run.prefill)
     rows = _stack(run.rows, golden.logits)
-    assert prefill.shape == golden.prefill.shape and rows.shape == golden.logits.shape, "shapes checked on load"
+    assert tuple(run.prefill.shape) == golden.prefill.shape and tuple(rows.shape) == golden.logits.shape, \
+        "shapes checked on load"
     bad, first, max_abs = _diff_steps(golden.logits, rows, logical)
-    pre_first = _first(golden.prefill, prefill, logical, None)
+    _, pre_first, pre_max = _diff_steps(golden.prefill[None], run.prefill[None], logical)
+    if pre_first is not None:
+        pre_first = Mismatch(None, pre_first.row, pre_first.index, pre_first.golden, pre_first.got)
     mtp = {}
     if golden.draft_logits is not None:
-        drafts = _stack(run.draft_rows, golden.draft_logits)
-        dbad, dfirst, dmax = _diff_steps(golden.draft_logits, drafts, logical)
-        boot = to_storage(run.bootstrap_row)
-        mtp = dict(bootstrap_equal=_first(golden.bootstrap_logits, boot, logical, None) is None,
-                   draft_mismatched_steps=len(dbad), draft_first_mismatch=dfirst, draft_max_abs_diff=dmax,
-                   draft_mismatched_step_list=dbad)
-        max_abs = max(max_abs, _max_abs(golden.bootstrap_logits, boot, logical))
+        dbad, dfirst, dmax = _diff_steps(golden.draft_logits, _stack(run.draft_rows, golden.draft_logits), logical)
+        boot_bad, _, boot_max = _diff_steps(golden.bootstrap_logits[None], run.bootstrap_row[None], logical)
+        mtp = dict(bootstrap_equal=not boot_bad, draft_mismatched_steps=len(dbad), draft_first_mismatch=dfirst,
+                   draft_max_abs_diff=dmax, draft_mismatched_step_list=dbad)
+        max_abs = max(max_abs, boot_max)
     return Comparison(
         variant=variant,
         prefill_equal=pre_first is None,
         mismatched_steps=len(bad),
         steps=len(rows),
         first_mismatch=first,
-        max_abs_diff=max(_max_abs(golden.prefill, prefill, logical), max_abs),
+        max_abs_diff=max(pre_max, max_abs),
         prefill_first_mismatch=pre_first,
         mismatched_step_list=bad,
         decision_changes=sum(int(a != b) for a, b in zip(run.computed, golden.accepted.tolist())),
