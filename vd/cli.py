@@ -118,7 +118,7 @@ def record(
     allow_thin: Annotated[bool, typer.Option("--allow-thin", help="Store a reference without both "
                                              "full and partial accepts (replay will fail it).")] = False,
 ) -> int:
-    """Record a golden: the reference feed at each K, every logits row, in a zarr store."""
+    """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store."""
     from recorder import DEFAULT_PROMPT
     from recorder import record as do_record
 
