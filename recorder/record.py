@@ -25,7 +25,7 @@ from vd.compare import thin_reason
 from vd.errors import UsageError
 from vd.golden import ENCODINGS, KRecord, check_target, dtype_name, to_storage, write_golden
 from vd.loop import DrafterFeed, ReferenceFeed, continuation, run_verify
-from vd.models import DEFAULT_MODEL, load_model
+from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.protocol import DraftHead, VerifyModel
 
 # An ordinary instruction for the instruct model. (An earlier two-sentence prompt sent SmolLM2 into a
@@ -109,8 +109,7 @@ def record(
         raise UsageError(f"model {model_spec} has no MTP draft head: use an -mtp preset, a checkpoint "
                          "with MTP layers, or --head FILE")
     forward = forward or model.default_forward()
-    if forward not in model.forwards():
-        raise UsageError(f"model has no forward {forward!r}; it offers {', '.join(model.forwards())}")
+    require_forwards(model, [forward])
     model.set_forward(forward)
     tokens = model.encode(prompt)
     if not tokens:

@@ -25,7 +25,7 @@ from vd.compare import compare_run, histogram, thin_reason
 from vd.errors import ModelMismatchError, UsageError
 from vd.golden import Golden, open_golden
 from vd.loop import DrafterFeed, ReplayFeed, Step, run_verify
-from vd.models import check_device, load_model
+from vd.models import check_device, load_model, require_forwards
 from vd.protocol import DraftHead, VerifyModel
 
 
@@ -119,10 +119,8 @@ def replay(
         model = _open_model(golden, model_spec, head, device)
     notes = _check_model(golden, model, allow_model_mismatch)
     forwards = list(forwards) or [meta["forward"]]
+    require_forwards(model, forwards)
     offered = model.forwards()
-    unknown = [f for f in forwards if f not in offered]
-    if unknown:
-        raise UsageError(f"model has no forward {', '.join(map(repr, unknown))}; it offers {', '.join(offered)}")
 
     logical, vocab, steps = golden.logical_dtype, model.vocab_size, meta["steps"]
     mtp = meta.get("feed") == "mtp"

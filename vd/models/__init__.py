@@ -27,7 +27,8 @@ from vd.models.mtp import attach_head, native_layer
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 from vd.protocol import DraftHead, VerifyModel, protocol_members
 
-__all__ = ["DEFAULT_MODEL", "DTYPES", "PRESETS", "forwards_of", "load_model", "parse_dtype", "spec_kind"]
+__all__ = ["DEFAULT_MODEL", "DTYPES", "PRESETS", "forwards_of", "load_model", "parse_dtype", "require_forwards",
+           "spec_kind"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -121,3 +122,11 @@ def forwards_of(spec: str, *, device: str = "cpu", dtype: str = "bfloat16") -> d
     if spec_kind(spec) == "plugin":
         return dict(load_model(spec, device=device, dtype=dtype).forwards())
     return all_forwards()
+
+
+def require_forwards(model: VerifyModel, names: list[str]) -> None:
+    """A UsageError naming every forward in ``names`` that ``model`` does not offer."""
+    offered = model.forwards()
+    unknown = [n for n in names if n not in offered]
+    if unknown:
+        raise UsageError(f"model has no forward {', '.join(map(repr, unknown))}; it offers {', '.join(offered)}")
