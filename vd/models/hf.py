@@ -110,7 +110,7 @@ class HFModel:
         self._identity: ModelIdentity | None = None
         self._cache = None
         self._backend = None  # an SDPBackend while a pinned SDPA forward is selected
-        self._forwards = {**HF_FORWARDS, **{n: _pinned_description(n) for n in PINNED_SDPA if self._runs_pinned(n)}}
+        self._forwards: dict[str, str] | None = None  # probed on first use: see `forwards`
         self._forward = self.default_forward()
         self.set_forward(self._forward)
 
@@ -148,7 +148,11 @@ class HFModel:
         return self._identity
 
     def forwards(self) -> Mapping[str, str]:
-        """Eager and SDPA attention, and SDPA pinned to each backend the device runs."""
+        """Eager and SDPA attention, and SDPA pinned to each backend the device runs (probed once, when
+        first asked, so a load that never lists or pins a backend pays nothing for it)."""
+        if self._forwards is None:
+            pinned = {n: _pinned_description(n) for n in PINNED_SDPA if self._runs_pinned(n)}
+            self._forwards = {**HF_FORWARDS, **pinned}
         return dict(self._forwards)
 
     def default_forward(self) -> str:
@@ -157,7 +161,7 @@ class HFModel:
 
     def set_forward(self, name: str) -> None:
         """Switch the attention implementation in place (no reload)."""
-        if name not in self._forwards:
+        if name not in HF_FORWARDS and name not in self.forwards():
             raise KeyError(name)
         from torch.nn.attention import SDPBackend
 
@@ -181,13 +185,16 @@ class HFModel:
 
         self._cache = DynamicCache(config=self.config)
 
+    def _call(self, tokens: Sequence[int], *, hidden: bool = False):
+        """One model call appending ``tokens`` to the cache; the HF output (with hidden states if asked)."""
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        with self.attention_context():
+            return self.model(input_ids=ids, cache=self._cache, use_cache=True, output_hidden_states=hidden)
+
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens``; positions follow the cache length. Returns ``[len(tokens), vocab]``."""
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        with self.attention_context():
-            out = self.model(input_ids=ids, cache=self._cache, use_cache=True)
-        return out.logits[0]  # [n, V]
+        return self._call(tokens).logits[0]  # [n, V]
 
     def rewind(self, n: int) -> None:
         """Drop the last ``n`` cached positions (`crop` takes a negative count in 5.2x)."""

@@ -130,25 +130,18 @@ class HFMtpModel(HFModel):
         self._head_cache = DynamicCache()
         self._pending: list[tuple[torch.Tensor, int, int | None]] = []  # (hidden [H], position, next token)
         self._speculative = 0
-        self._length = 0
         self._last_hidden, self._last_tokens, self._last_start = None, [], 0
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        with self.attention_context():
-            out = self.model(input_ids=ids, cache=self._cache, use_cache=True, output_hidden_states=True)
+        start = self._cache.get_seq_length()
+        out = self._call(tokens, hidden=True)
         if self._pending and self._pending[-1][2] is None:  # the saved row's next token arrived
             h, p, _ = self._pending[-1]
             self._pending[-1] = (h, p, int(tokens[0]))
         self._last_hidden = out.hidden_states[-1][0]  # [n, H], after the final norm
-        self._last_tokens, self._last_start = list(tokens), self._length
-        self._length += len(tokens)
+        self._last_tokens, self._last_start = list(tokens), start
         return out.logits[0]  # [n, V]
-
-    def rewind(self, n: int) -> None:
-        super().rewind(n)
-        self._length -= n
 
     # -- DraftHead ---------------------------------------------------------------------------------
 
