@@ -23,7 +23,7 @@ import torch
 from vd import env
 from vd.compare import thin_reason
 from vd.errors import UsageError
-from vd.golden import ENCODINGS, KRecord, check_target, dtype_name, to_storage, write_golden
+from vd.golden import ENCODINGS, GoldenWriter, KRecord, check_target, dtype_name, to_storage
 from vd.loop import DrafterFeed, ReferenceFeed, continuation, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.protocol import DraftHead, VerifyModel
@@ -77,6 +77,7 @@ def record(
     threads: int | None = None,
     refresh: bool = False,
     allow_thin: bool = False,
+    deterministic: bool = False,
     on_step: Callable[[int], None] | None = None,
     on_phase: Callable[[str, int], None] | None = None,
 ) -> RecordResult:
@@ -85,6 +86,10 @@ def record(
 
     ``on_phase(name, total_steps)`` announces each phase and ``on_step`` ticks within it, for a progress
     bar. A passed-in ``model`` is used as it is (its device and dtype win over the arguments).
+    ``deterministic`` applies `vd.env.DETERMINISTIC` (stored in the golden; replay applies it again).
+
+    Each K's rows go to a background writer as soon as its run ends (`vd.golden.GoldenWriter`), so
+    compression and storage overlap the next K; the golden appears only when complete and not thin.
     """
     out = Path(out)
     ks = check_ks(ks)
@@ -92,13 +97,15 @@ def record(
         raise UsageError(f"unknown feed {feed!r} (choose from {', '.join(FEEDS)})")
     if steps < 1:
         raise UsageError(f"--steps must be at least 1; got {steps}")
-    check_target(out, refresh)  # fail before the expensive part
+    check_target(out, refresh)  # fail before the expensive part (the writer checks again)
     if threads is not None:
         if threads < 1:
             raise UsageError(f"--threads must be at least 1; got {threads}")
         torch.set_num_threads(threads)
     phase = on_phase or (lambda name, total: None)
     seconds: dict[str, float] = {}
+    if deterministic:
+        env.apply_determinism(env.DETERMINISTIC)
 
     t = time.perf_counter()
     if model is None:
@@ -114,6 +121,7 @@ def record(
     tokens = model.encode(prompt)
     if not tokens:
         raise UsageError("the prompt encodes to no tokens")
+    prepare(model, len(tokens), steps, ks)
 
     t = time.perf_counter()
     n = steps * max(ks) + 1
@@ -121,45 +129,67 @@ def record(
     greedy = continuation(model, tokens, n)
     seconds["continuation"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    records, thin, same = [], [], {}
-    for k in ks:
-        phase(f"recording K={k}", steps)
-        chooser = ReferenceFeed(greedy) if feed == "reference" else DrafterFeed(k, steps)
-        run = run_verify(model, tokens, k, steps, chooser, on_step=on_step)
-        committed = run.committed()
-        same[k] = committed == greedy[: len(committed)]
-        mtp = {}
-        if feed == "mtp":
-            mtp = dict(bootstrap_logits=to_storage(run.bootstrap_row),
-                       drafts=np.array(run.drafts, dtype=np.int32).reshape(steps, k - 1),
-                       draft_logits=to_storage(torch.stack(run.draft_rows)), decoded=run.committed_before[0])
-        records.append(KRecord(
-            k=k, bootstrap=run.bootstrap,
-            tokens=np.array([s.tokens for s in run.steps], dtype=np.int32),
-            accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
-            prefill=to_storage(run.prefill),
-            logits=to_storage(torch.stack(run.rows)),
-            step_ms=np.array(run.step_ms, dtype=np.float64),
-            committed_is_greedy=same[k], **mtp,
-        ))
-        reason = thin_reason(k, [s.accepted for s in run.steps])
-        if reason:
-            thin.append(reason)
-    seconds["verify"] = time.perf_counter() - t
-    accepted = {r.k: r.accepted.tolist() for r in records}
-    if thin and not allow_thin:
-        return RecordResult(None, accepted, thin, same, seconds)
+    with GoldenWriter(out, refresh=refresh) as writer:
+        t = time.perf_counter()
+        accepted, thin, same = {}, [], {}
+        for k in ks:
+            phase(f"recording K={k}", steps)
+            chooser = ReferenceFeed(greedy) if feed == "reference" else DrafterFeed(k, steps)
+            run = run_verify(model, tokens, k, steps, chooser, on_step=on_step)
+            committed = run.committed()
+            same[k] = committed == greedy[: len(committed)]
+            writer.add(lambda run=run, k=k: _krecord(run, k, steps, same[k], feed == "mtp"))
+            accepted[k] = [s.accepted for s in run.steps]
+            reason = thin_reason(k, accepted[k])
+            if reason:
+                thin.append(reason)
+        seconds["verify"] = time.perf_counter() - t
+        if thin and not allow_thin:
+            return RecordResult(None, accepted, thin, same, seconds)
+        t = time.perf_counter()
+        phase("writing golden", 0)
+        writer.publish(_meta(model, model_spec, head, forward, feed, ks, steps, prompt, greedy, thin,
+                             deterministic), tokens)
+    seconds["write"] = time.perf_counter() - t
+    return RecordResult(out, accepted, thin, same, seconds)
 
-    t = time.perf_counter()
-    phase("writing golden", 0)
+
+def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) -> None:
+    """Let a model that can (``model.prepare``, optional in the protocol) size its static cache for the
+    longest sequence these runs build and capture its step graphs, largest first, before any timing."""
+    fn = getattr(model, "prepare", None)
+    if fn is not None:
+        fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({1, *ks}, reverse=True))
+
+
+def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:
+    """A finished run as a `KRecord` (rows copied off the device here, on the writer thread)."""
+    extra = {}
+    if mtp:
+        extra = dict(bootstrap_logits=to_storage(run.bootstrap_row),
+                     drafts=np.array(run.drafts, dtype=np.int32).reshape(steps, k - 1),
+                     draft_logits=to_storage(torch.stack(run.draft_rows)), decoded=run.committed_before[0])
+    return KRecord(
+        k=k, bootstrap=run.bootstrap,
+        tokens=np.array([s.tokens for s in run.steps], dtype=np.int32),
+        accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
+        prefill=to_storage(run.prefill),
+        logits=to_storage(torch.stack(run.rows)),
+        step_ms=np.array(run.step_ms, dtype=np.float64),
+        committed_is_greedy=same, **extra,
+    )
+
+
+def _meta(model, model_spec, head, forward, feed, ks, steps, prompt, greedy, thin, deterministic) -> dict:
     ident = model.identity()
     logical = dtype_name(model.dtype)
-    meta = {
+    graphs = getattr(model, "forward_uses_graphs", lambda name: False)(forward)
+    return {
         "model": {"spec": model_spec, "head": head, "name": ident.name, "fingerprint": ident.fingerprint,
                   "details": dict(ident.details)},
         "forward": forward,
         "forward_description": model.forwards()[forward],
+        "graphs": "graphed" if graphs else "eager",
         "feed": feed,
         "mtp": dict(model.head_info()) if feed == "mtp" else None,
         "dtype": logical,
@@ -172,7 +202,5 @@ def record(
         "thin": thin,
         "logits": {"dtype": logical, "encoding": ENCODINGS[logical][1]},
         "environment": env.capture(model.device),
+        "determinism": {"applied": env.DETERMINISTIC if deterministic else None, "settings": env.determinism()},
     }
-    write_golden(out, meta, tokens, records, refresh=refresh)
-    seconds["write"] = time.perf_counter() - t
-    return RecordResult(out, accepted, thin, same, seconds)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from recorder.record import prepare
 from vd import env
 from vd.compare import compare_run, histogram, thin_reason
 from vd.errors import ModelMismatchError, UsageError
@@ -94,6 +95,7 @@ def replay(
     model_spec: str | None = None,
     head: str | None = None,
     forwards: Sequence[str] = (),
+    ks: Sequence[int] = (),
     device: str | None = None,
     threads: int | None = None,
     allow_model_mismatch: bool = False,
@@ -103,20 +105,29 @@ def replay(
 ) -> dict:
     """Replay ``golden_path`` and return the report (``report["verdict"]`` is PASS or FAIL).
 
+    ``ks`` limits the replay to some of the golden's verify widths (default: all of them).
     Bad input (a missing or corrupt golden, an unknown model or forward, a fingerprint mismatch) raises
     a `vd.errors.VdError` before any comparison.
     """
     phase = on_phase or (lambda name, total: None)
-    golden = open_golden(golden_path)
+    # Metadata and chunk presence now; each K's rows are read on a thread while the model loads and runs.
+    golden = open_golden(golden_path, lazy=True)
     meta = golden.meta
     recorded_env = meta.get("environment", {})
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1; got {threads}")
+    ks = list(ks) or list(golden.runs)
+    absent = [k for k in ks if k not in golden.runs]
+    if absent:
+        raise UsageError(f"{golden.path} has no verify width {absent}; it holds K = {list(golden.runs)}")
+    determinism = (meta.get("determinism") or {}).get("applied")
+    env.apply_determinism(determinism)  # what the recording applied, before the model is loaded
     # CPU kernels can split work by thread count: replay with the recording's unless told otherwise.
     torch.set_num_threads(threads or recorded_env.get("threads") or torch.get_num_threads())
     if model is None:
         phase("loading model", 0)
         model = _open_model(golden, model_spec, head, device)
+    golden.to_device(model.device)  # and on CUDA copied there ahead of each K's comparison
     notes = _check_model(golden, model, allow_model_mismatch)
     forwards = list(forwards) or [meta["forward"]]
     require_forwards(model, forwards)
@@ -131,13 +142,15 @@ def replay(
 
     verify, reasons, differs = [], [], False
     t_start = time.perf_counter()
-    for k, rec in golden.runs.items():
+    for k in ks:
+        rec = golden.runs[k]
         log, comparisons, timings = rec.steps, [], [_timing(f"{meta['forward']} (golden)", rec.step_ms.tolist())]
         for name in forwards:
             phase(f"K={k} {name}", steps)
             model.set_forward(name)
+            prepare(model, len(golden.prompt), steps, golden.runs.keys())
             run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step)
-            c = compare_run(name, rec, run, logical)
+            c = compare_run(name, rec, run, logical, golden.device_rows(k))
             comparisons.append(c)
             differs |= not c.equal
             timings.append(_timing(name, run.step_ms))
@@ -164,7 +177,7 @@ def replay(
             phase(f"K={k} control", steps)  # runs under the last forward, still selected
             run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
                              on_step=on_step)
-            dc = compare_run(f"{forwards[-1]}, one draft changed", rec, run, logical)
+            dc = compare_run(f"{forwards[-1]}, one draft changed", rec, run, logical, golden.device_rows(k))
             at = steps // 2
             # It must see a difference at the very step whose draft changed, whatever else differs.
             fired = at in dc.mismatched_step_list
@@ -178,6 +191,8 @@ def replay(
         verify.append(entry)
 
     replayed_env = env.capture(model.device)
+    uses_graphs = getattr(model, "forward_uses_graphs", lambda name: False)
+    graphed = [uses_graphs(n) for n in forwards]
     env_diff = env.numerics_differences(recorded_env, replayed_env)
     if differs and env_diff:
         reasons.append("the replaying environment differs from the recording's in "
@@ -186,7 +201,9 @@ def replay(
         "golden": str(golden.path),
         "model": {"spec": meta["model"]["spec"], "name": meta["model"]["name"],
                   "fingerprint": meta["model"]["fingerprint"], "replayed_with": model.identity().name},
-        "graphs": "eager",
+        # As the seed's field: "graphed" when the verify steps ran as CUDA graphs, "eager" when they ran
+        # kernel by kernel; "mixed" when the replayed forwards differ (each variant says which).
+        "graphs": "graphed" if all(graphed) else "eager" if not any(graphed) else "mixed",
         "mtp": mtp,
         "head": meta.get("mtp"),
         # Measured (tests/test_mtp.py): a process's first propose equals every later one here, so unlike
@@ -195,7 +212,10 @@ def replay(
         "feed": meta.get("feed", "reference"),
         "steps": steps,
         "dtype": logical,
-        "variants": [{"name": n, "description": offered[n], "golden": n == meta["forward"]} for n in forwards],
+        "variants": [{"name": n, "description": offered[n], "golden": n == meta["forward"],
+                      "graphs": "graphed" if g else "eager"} for n, g in zip(forwards, graphed)],
+        "determinism": {"recorded": meta.get("determinism"), "applied": determinism,
+                        "replayed": env.determinism()},
         "golden_forward": meta["forward"],
         "verify": verify,
         "verdict": "FAIL" if reasons else "PASS",

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from vd.golden import open_golden
 from vd.models import load_model
 from vd.testing import DraftHeadConformance, ModelConformance
 
@@ -50,3 +51,63 @@ class TestCudaConformance(ModelConformance, DraftHeadConformance):
     @pytest.fixture(scope="class")
     def model(self):
         return load_model("tiny-llama-mtp", device="cuda")
+
+
+def _replay_all(cli, path, forwards, report):
+    args = [x for f in forwards for x in ("--forward", f)]
+    code, out, err = cli("replay", path, *args, "--report", report)
+    r = json.loads(report.read_text())
+    by = {}
+    for v in r["verify"]:
+        for c in v["comparisons"]:
+            by.setdefault(c["variant"], []).append(c)
+    return r, by
+
+
+def _equal(cs):
+    return all(c["prefill_equal"] and c["mismatched_steps"] == 0 and not c["draft_mismatched_steps"]
+               and c["bootstrap_equal"] is not False for c in cs)
+
+
+@pytest.mark.parametrize("spec, feed", [("tiny-llama-mtp", "mtp"), ("tiny-qwen2", "reference")])
+def test_graphed_replays_static_bit_for_bit(cli, tmp_path, spec, feed):
+    """A CUDA graph of the static forward's kernels replays them bitwise (verify, decode and, with a
+    head, propose); compiled code captured as graphs equals compiled code; every forward is compared."""
+    prompt = ["--prompt", "The three laws of thermodynamics state that"]
+    for golden_fwd, same in (("graphed", "static"), ("compiled", "compiled-graphed")):
+        path = tmp_path / f"{golden_fwd}.zarr"
+        code, out, err = cli("record", path, "--model", spec, "--feed", feed, "--device", "cuda", "--steps", "8",
+                             "--forward", golden_fwd, "--allow-thin", *prompt)
+        assert code == 0, err
+        assert open_golden(path).meta["graphs"] == ("graphed" if golden_fwd == "graphed" else "eager")
+        forwards = [golden_fwd, same] + (["eager", "sdpa"] if golden_fwd == "graphed" else [])
+        r, by = _replay_all(cli, path, forwards, tmp_path / f"{golden_fwd}.json")
+        assert _equal(by[golden_fwd]) and _equal(by[same]), json.dumps(by, default=str)[:2000]
+        assert all(v["detection_control"]["fired"] for v in r["verify"])
+        assert {v["name"]: v["graphs"] for v in r["variants"]}[golden_fwd] == (
+            "graphed" if golden_fwd == "graphed" else "eager")
+        print(golden_fwd, {n: [(c["mismatched_steps"], c["max_abs_diff"]) for c in cs] for n, cs in by.items()})
+
+
+def test_generated_weights_are_the_same_bits_on_cpu_and_cuda():
+    from transformers import LlamaConfig
+
+    from vd.models.hf import build_generated, hash_uniform_
+
+    a, b = torch.empty(3_000_001, dtype=torch.bfloat16), torch.empty(3_000_001, dtype=torch.bfloat16, device="cuda")
+    hash_uniform_(a, 99, 0.02)
+    hash_uniform_(b, 99, 0.02)
+    assert torch.equal(a, b.cpu())
+    cfg = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2)
+    fps = [build_generated(LlamaConfig(**cfg), seed=1, name="x", device=torch.device(d),
+                           dtype=torch.bfloat16).identity().fingerprint for d in ("cpu", "cuda")]
+    assert fps[0] == fps[1]
+
+
+class TestCudaGraphedConformance(ModelConformance, DraftHeadConformance):
+    @pytest.fixture
+    def model(self):
+        m = load_model("tiny-llama-mtp", device="cuda")
+        m.set_forward("graphed")
+        return m

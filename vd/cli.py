@@ -117,6 +117,9 @@ def record(
     refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden.")] = False,
     allow_thin: Annotated[bool, typer.Option("--allow-thin", help="Store a reference without both "
                                              "full and partial accepts (replay will fail it).")] = False,
+    deterministic: Annotated[bool, typer.Option("--deterministic", help="Use deterministic algorithms, a fixed "
+                                                "cuBLAS workspace and no reduced-precision reductions (stored; "
+                                                "replay applies them too).")] = False,
 ) -> int:
     """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store."""
     from recorder import DEFAULT_PROMPT
@@ -125,7 +128,8 @@ def record(
     with _Bar() as bar:
         r = do_record(out_path, model_spec=model, prompt=DEFAULT_PROMPT if prompt is None else prompt, ks=_parse_ks(k),
                       steps=steps, forward=forward, feed=feed, head=head, device=device, dtype=dtype, threads=threads,
-                      refresh=refresh, allow_thin=allow_thin, on_phase=bar.phase, on_step=bar.step)
+                      refresh=refresh, allow_thin=allow_thin, deterministic=deterministic, on_phase=bar.phase,
+                      on_step=bar.step)
     for kk, acc in r.accepted.items():
         same = "" if r.committed_is_greedy[kk] else "  (committed sequence left the greedy continuation)"
         out.print(f"K={kk}: accepted {acc}{same}")
@@ -190,6 +194,7 @@ def replay(
     forward: Annotated[list[str] | None, typer.Option(help="Forward to replay; repeat for several "
                                                       "(default: the golden's).")] = None,
     report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
+    k: Annotated[str | None, typer.Option("--k", help="Replay only these verify widths (default: all).")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the golden's).")] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: the golden's).")] = None,
     allow_model_mismatch: Annotated[bool, typer.Option("--allow-model-mismatch",
@@ -205,6 +210,7 @@ def replay(
         check_writable(report)  # before the replay, not after it
     with _Bar() as bar:
         result = do_replay(golden, model_spec=model, head=head, forwards=forward or (), device=device, threads=threads,
+                           ks=_parse_ks(k) if k else (),
                            allow_model_mismatch=allow_model_mismatch, on_phase=bar.phase, on_step=bar.step)
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)

@@ -92,15 +92,19 @@ def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(bits).to(device)
 
 
-def _diff_steps(gold: np.ndarray, got: torch.Tensor, logical: str) -> tuple[list[int], Mismatch | None, float]:
+def _diff_steps(gold: np.ndarray, got: torch.Tensor, logical: str,
+                gold_dev: torch.Tensor | None = None) -> tuple[list[int], Mismatch | None, float]:
     """Per-step diff of golden ``[S, R, V]`` storage rows against candidate rows on their device.
 
-    The equality test runs where the candidate is (the GPU, for a CUDA forward) and only one flag per
-    step comes back; only steps that differ are copied to the host for their details.
+    The equality test runs where the candidate is (the GPU, for a CUDA forward), against the golden's
+    bits already there when ``gold_dev`` is given, and only one flag per step comes back; only steps that
+    differ are copied to the host for their details.
     """
     if not len(gold):
         return [], None, 0.0
-    differs = (_on_device(gold, got.device) != _bits(got)).flatten(1).any(dim=1).tolist()
+    if gold_dev is None or gold_dev.device != got.device:
+        gold_dev = _on_device(gold, got.device)
+    differs = (gold_dev.view(gold.shape) != _bits(got)).flatten(1).any(dim=1).tolist()
     bad = [s for s, d in enumerate(differs) if d]
     if not bad:
         return [], None, 0.0
@@ -114,20 +118,25 @@ def _stack(rows: list[torch.Tensor], like: np.ndarray) -> torch.Tensor:
     return torch.empty((0,) + like.shape[1:])
 
 
-def compare_run(variant: str, golden: KRecord, run: Run, logical: str) -> Comparison:
+def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
+                device_rows: dict[str, torch.Tensor] | None = None) -> Comparison:
     """Diff every row of ``run`` (its prefill, each step's K rows and, for an MTP golden, the bootstrap
-    decode row and the head's draft rows) against ``golden``."""
+    decode row and the head's draft rows) against ``golden`` (whose arrays ``device_rows`` holds on the
+    run's device already, when prefetched)."""
+    dev = device_rows or {}
     rows = _stack(run.rows, golden.logits)
     assert tuple(run.prefill.shape) == golden.prefill.shape and tuple(rows.shape) == golden.logits.shape, \
         "shapes checked on load"
-    bad, first, max_abs = _diff_steps(golden.logits, rows, logical)
-    _, pre_first, pre_max = _diff_steps(golden.prefill[None], run.prefill[None], logical)
+    bad, first, max_abs = _diff_steps(golden.logits, rows, logical, dev.get("logits"))
+    _, pre_first, pre_max = _diff_steps(golden.prefill[None], run.prefill[None], logical, dev.get("prefill"))
     if pre_first is not None:
         pre_first = Mismatch(None, pre_first.row, pre_first.index, pre_first.golden, pre_first.got)
     mtp = {}
     if golden.draft_logits is not None:
-        dbad, dfirst, dmax = _diff_steps(golden.draft_logits, _stack(run.draft_rows, golden.draft_logits), logical)
-        boot_bad, _, boot_max = _diff_steps(golden.bootstrap_logits[None], run.bootstrap_row[None], logical)
+        dbad, dfirst, dmax = _diff_steps(golden.draft_logits, _stack(run.draft_rows, golden.draft_logits), logical,
+                                         dev.get("draft_logits"))
+        boot_bad, _, boot_max = _diff_steps(golden.bootstrap_logits[None], run.bootstrap_row[None], logical,
+                                            dev.get("bootstrap_logits"))
         mtp = dict(bootstrap_equal=not boot_bad, draft_mismatched_steps=len(dbad), draft_first_mismatch=dfirst,
                    draft_max_abs_diff=dmax, draft_mismatched_step_list=dbad)
         max_abs = max(max_abs, boot_max)

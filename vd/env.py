@@ -8,6 +8,7 @@ differ between recording and replaying.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import platform
 import socket
@@ -21,10 +22,11 @@ import vd
 # Fields whose difference can change the numbers, in the order a reader should see them.
 NUMERIC_FIELDS = (
     "device", "cpu_capability", "cpu_model", "threads", "torch", "transformers", "gpu_name", "cuda",
-    "cudnn", "driver",
+    "cudnn", "driver", "determinism",
 )
 
 
+@functools.cache
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -32,6 +34,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
+@functools.cache
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -43,6 +46,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
 def _driver() -> str | None:
     try:
         out = subprocess.run(
@@ -75,6 +79,7 @@ def capture(device: torch.device) -> dict:
         "gpu_name": None,
         "driver": None,
         "host": socket.gethostname(),
+        "determinism": determinism(),
         "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     if device.type == "cuda":
@@ -88,7 +93,49 @@ def numerics_differences(recorded: dict, replayed: dict) -> list[str]:
     """``field: recorded → replayed`` for each numerics-relevant field that differs."""
     out = []
     for f in NUMERIC_FIELDS:
+        if f not in recorded:  # a field older goldens did not record is not a difference
+            continue
         a, b = recorded.get(f), replayed.get(f)
         if a != b:
             out.append(f"{f}: {a} → {b}")
     return out
+
+
+# What `vd record --deterministic` applies (shared notes models.md §5): deterministic algorithms with a
+# fixed cuBLAS workspace, and no reduced-precision (split-K) reductions in bf16/fp16 matmuls.
+DETERMINISTIC = {
+    "deterministic_algorithms": True,
+    "cublas_workspace_config": ":4096:8",
+    "bf16_reduced_precision_reduction": False,
+    "fp16_reduced_precision_reduction": False,
+}
+
+
+def determinism() -> dict:
+    """The determinism-relevant settings in force in this process (whoever set them)."""
+    m = torch.backends.cuda.matmul
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "bf16_reduced_precision_reduction": m.allow_bf16_reduced_precision_reduction,
+        "fp16_reduced_precision_reduction": m.allow_fp16_reduced_precision_reduction,
+        "tf32_matmul": m.allow_tf32,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+    }
+
+
+def apply_determinism(settings: dict | None) -> None:
+    """Apply settings of the `DETERMINISTIC` form (a golden's ``determinism.applied``); None does nothing.
+    Call it before the model is loaded: cuBLAS reads its workspace setting when it starts."""
+    if not settings:
+        return
+    if settings.get("cublas_workspace_config"):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = settings["cublas_workspace_config"]
+    if "deterministic_algorithms" in settings:
+        torch.use_deterministic_algorithms(bool(settings["deterministic_algorithms"]))
+    m = torch.backends.cuda.matmul
+    if "bf16_reduced_precision_reduction" in settings:
+        m.allow_bf16_reduced_precision_reduction = bool(settings["bf16_reduced_precision_reduction"])
+    if "fp16_reduced_precision_reduction" in settings:
+        m.allow_fp16_reduced_precision_reduction = bool(settings["fp16_reduced_precision_reduction"])

@@ -119,6 +119,17 @@ class Golden:
     def logical_dtype(self) -> str:
         return self.meta["logits"]["dtype"]
 
+    def to_device(self, device: torch.device) -> None:
+        """Start copying a lazily opened golden's rows to a CUDA ``device`` (see `device_rows`)."""
+        if hasattr(self.runs, "to_device"):
+            self.runs.to_device(device)
+
+    def device_rows(self, k: int) -> dict[str, torch.Tensor] | None:
+        """K's logits arrays already on the replay device, as integer bit patterns (after `to_device`;
+        the current stream waits for their copy); None when they were not uploaded ahead."""
+        rows = getattr(self.runs, "device_rows", None)
+        return rows(k) if rows is not None else None
+
 
 def _codecs() -> list:
     return [ZstdCodec(level=1), Crc32cCodec()]
@@ -168,6 +179,82 @@ def check_target(path: Path, refresh: bool) -> None:
         raise GoldenExistsError(f"{path} already holds a golden; pass --refresh to replace it")
 
 
+class GoldenWriter:
+    """Writes a golden beside ``path`` on a background thread, one K at a time, then renames it into
+    place: recording goes on while earlier widths are compressed and stored.
+
+    `add` queues a K (a `KRecord`, or a function returning one, which then runs on the writer thread,
+    copying rows off the GPU there too); `publish` waits for every queued K, writes the prompt and the
+    metadata with ``complete`` set last, and renames. `abort` (or leaving a ``with`` block on an
+    exception) removes the unfinished copy: an existing golden is never touched until `publish`.
+    """
+
+    def __init__(self, path: Path, *, refresh: bool = False):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.path = Path(path)
+        check_target(self.path, refresh)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.parent / f".{self.path.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.root = zarr.create_group(zarr.storage.LocalStore(self.tmp), zarr_format=3)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vd-writer")
+        self._futures = []
+
+    def add(self, record) -> None:
+        self._futures.append(self._pool.submit(self._write_k, record))
+
+    def _write_k(self, record) -> None:
+        r = record() if callable(record) else record
+        g = self.root.create_group(f"k{r.k}")
+        s, k, v = r.logits.shape
+        _write_array(g, "prefill", r.prefill, r.prefill.shape)
+        _write_array(g, "logits", r.logits, (1, k, v))
+        _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k))
+        _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),))
+        _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),))
+        if r.draft_logits is not None:
+            _write_array(g, "bootstrap_logits", r.bootstrap_logits, r.bootstrap_logits.shape)
+            _write_array(g, "drafts", r.drafts.astype(np.int32), (max(s, 1), k - 1))
+            _write_array(g, "draft_logits", r.draft_logits, (1, k - 1, v))
+        g.attrs.update({"k": r.k, "steps": s, "bootstrap": int(r.bootstrap),
+                        "committed_is_greedy": r.committed_is_greedy, "decoded": r.decoded})
+
+    def _drain(self) -> None:
+        try:
+            for f in self._futures:
+                f.result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def publish(self, meta: Mapping, prompt: list[int]) -> None:
+        try:
+            self._drain()
+            _write_array(self.root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),))
+            full = dict(meta)
+            full.update(format=FORMAT, format_version=FORMAT_VERSION,
+                        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+            self.root.attrs["vd"] = _json_safe(full)
+            self.root.attrs["vd"] = {**self.root.attrs["vd"], "complete": True}  # set last
+            _publish(self.tmp, self.path)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop and remove the unfinished copy (a no-op after `publish`)."""
+        try:
+            self._drain()
+        except Exception:  # the copy is being thrown away; its write error does not matter now
+            pass
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> GoldenWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+
 def write_golden(
     path: Path, meta: Mapping, prompt: list[int], records: list[KRecord], *, refresh: bool = False
 ) -> None:
@@ -176,36 +263,10 @@ def write_golden(
     With ``refresh`` an existing golden is replaced only once the new one is complete; without it an
     existing golden is refused and left intact.
     """
-    path = Path(path)
-    check_target(path, refresh)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        root = zarr.create_group(zarr.storage.LocalStore(tmp), zarr_format=3)
-        _write_array(root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),))
+    with GoldenWriter(path, refresh=refresh) as w:
         for r in records:
-            g = root.create_group(f"k{r.k}")
-            s, k, v = r.logits.shape
-            _write_array(g, "prefill", r.prefill, r.prefill.shape)
-            _write_array(g, "logits", r.logits, (1, k, v))
-            _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k))
-            _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),))
-            _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),))
-            if r.draft_logits is not None:
-                _write_array(g, "bootstrap_logits", r.bootstrap_logits, r.bootstrap_logits.shape)
-                _write_array(g, "drafts", r.drafts.astype(np.int32), (max(s, 1), k - 1))
-                _write_array(g, "draft_logits", r.draft_logits, (1, k - 1, v))
-            g.attrs.update({"k": r.k, "steps": s, "bootstrap": int(r.bootstrap),
-                            "committed_is_greedy": r.committed_is_greedy, "decoded": r.decoded})
-        full = dict(meta)
-        full.update(format=FORMAT, format_version=FORMAT_VERSION,
-                    created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
-        root.attrs["vd"] = _json_safe(full)
-        root.attrs["vd"] = {**root.attrs["vd"], "complete": True}  # set last
-        _publish(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            w.add(r)
+        w.publish(meta, prompt)
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -223,7 +284,7 @@ def _publish(tmp: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _read(group: zarr.Group, name: str, where: str) -> np.ndarray:
+def _present(group: zarr.Group, name: str, where: str) -> zarr.Array:
     try:
         arr = group[name]
     except KeyError as e:
@@ -235,14 +296,26 @@ def _read(group: zarr.Group, name: str, where: str) -> np.ndarray:
         raise GoldenCorruptError(
             f"{where}/{name}: {arr.nchunks - arr.nchunks_initialized} of {arr.nchunks} chunks are missing"
         )
+    return arr
+
+
+def _read(group: zarr.Group, name: str, where: str) -> np.ndarray:
+    arr = _present(group, name, where)
     try:
         return np.asarray(arr[...])
     except Exception as e:  # checksum mismatch (ValueError), truncated or undecodable chunk bytes
         raise GoldenCorruptError(f"{where}/{name}: cannot read its chunks: {str(e).splitlines()[0]}") from e
 
 
-def open_golden(path: str | os.PathLike) -> Golden:
-    """Read and check a whole golden; raise a `GoldenError` subclass naming what is wrong."""
+def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
+    """Open and check a golden; raise a `GoldenError` subclass naming what is wrong.
+
+    By default every array is read (and its chunks and checksums verified) before this returns. With
+    ``lazy`` only the metadata and the prompt are read here, and each K's arrays are read and checked on
+    a background thread, in K order, while the caller gets on (`Golden.to_device` then also copies them
+    to a GPU ahead of use); a missing chunk or a checksum error surfaces as the same
+    `GoldenCorruptError` when that K is first used.
+    """
     path = Path(path)
     if not path.exists():
         raise GoldenNotFoundError(f"{path} does not exist")
@@ -266,28 +339,86 @@ def open_golden(path: str | os.PathLike) -> Golden:
     if logical not in ENCODINGS:
         raise GoldenCorruptError(f"{path}: unknown logits dtype {logical!r}")
     prompt = _read(root, "prompt", str(path)).astype(np.int64).tolist()
-    runs = {}
+    groups = {}
     for k in meta.get("k", []):
-        where = f"{path}/k{k}"
         try:
-            g = root[f"k{k}"]
+            groups[k] = root[f"k{k}"]
         except KeyError as e:
-            raise GoldenCorruptError(f"{where} is missing") from e
-        mtp = {}
-        if meta.get("feed") == "mtp":
-            mtp = {n: _read(g, n, where) for n in ("bootstrap_logits", "drafts", "draft_logits")}
-        rec = KRecord(
-            k=k, bootstrap=int(g.attrs.get("bootstrap", -1)),
-            tokens=_read(g, "tokens", where), accepted=_read(g, "accepted", where),
-            prefill=_read(g, "prefill", where), logits=_read(g, "logits", where),
-            step_ms=_read(g, "step_ms", where), committed_is_greedy=g.attrs.get("committed_is_greedy"),
-            decoded=g.attrs.get("decoded"), **mtp,
-        )
-        _check_shapes(rec, meta, len(prompt), ENCODINGS[logical][0], where)
-        runs[k] = rec
-    if not runs:
+            raise GoldenCorruptError(f"{path}/k{k} is missing") from e
+    if not groups:
         raise GoldenCorruptError(f"{path} holds no verify widths")
-    return Golden(path=path, meta=meta, prompt=prompt, runs=runs)
+    names = ["tokens", "accepted", "prefill", "logits", "step_ms"]
+    if meta.get("feed") == "mtp":
+        names += ["bootstrap_logits", "drafts", "draft_logits"]
+
+    def load(k: int) -> KRecord:
+        where, g = f"{path}/k{k}", groups[k]
+        arrays = {n: _read(g, n, where) for n in names}
+        rec = KRecord(k=k, bootstrap=int(g.attrs.get("bootstrap", -1)),
+                      committed_is_greedy=g.attrs.get("committed_is_greedy"), decoded=g.attrs.get("decoded"),
+                      **arrays)
+        _check_shapes(rec, meta, len(prompt), ENCODINGS[logical][0], where)
+        return rec
+
+    if not lazy:
+        return Golden(path=path, meta=meta, prompt=prompt, runs={k: load(k) for k in groups})
+    return Golden(path=path, meta=meta, prompt=prompt, runs=_Prefetched(groups, load))
+
+
+_ROWS = ("prefill", "logits", "bootstrap_logits", "draft_logits")
+
+
+class _Prefetched(Mapping):
+    """Each K's record, read on one background thread in K order; `to_device` queues their upload."""
+
+    def __init__(self, groups: Mapping[int, object], load):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._keys = list(groups)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vd-golden")
+        self._futures = {k: self._pool.submit(load, k) for k in self._keys}
+        self._uploads: dict = {}
+
+    def to_device(self, device: torch.device) -> None:
+        """Copy every K's logits arrays to a CUDA ``device`` (pinned memory, a side stream), each as soon
+        as it has been read; a no-op for other devices."""
+        if device.type != "cuda" or self._uploads:
+            return
+        self._device, stream = device, torch.cuda.Stream(device)
+        for k in self._keys:
+            self._uploads[k] = self._pool.submit(self._upload, k, device, stream)
+
+    def _upload(self, k: int, device: torch.device, stream):
+        rec, rows = self[k], {}
+        with torch.cuda.stream(stream):
+            for name in _ROWS:
+                a = getattr(rec, name)
+                if a is not None:
+                    rows[name] = torch.from_numpy(_bits(a)).pin_memory().to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return rows, event
+
+    def __getitem__(self, k: int) -> KRecord:
+        return self._futures[k].result()
+
+    def device_rows(self, k: int) -> dict[str, torch.Tensor] | None:
+        """K's logits arrays as integer bits on the device, ordered after their upload; None if not queued."""
+        if k not in self._uploads:
+            return None
+        rows, event = self._uploads[k].result()
+        torch.cuda.current_stream(self._device).wait_event(event)
+        return rows
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view({2: np.int16, 4: np.int32}[a.dtype.itemsize])
 
 
 def _check_shapes(r: KRecord, meta: Mapping, p: int, storage: np.dtype, where: str) -> None:

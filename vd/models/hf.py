@@ -1,9 +1,10 @@
-"""The adapter for HF transformers causal LMs: one model, one DynamicCache, rewound with `crop`.
+"""The adapter for HF transformers causal LMs: one model, one sequence, many forwards.
 
-It loads local checkpoints only (a directory, a `.gguf` file, or a random-weight config built in
-process): nothing is fetched from a hub. It leaves out CUDA graphs and static caches, which belong to the
-GPU forwards. Written against the pinned transformers 5.24 API (`cache=`, `crop(-n)`; shared notes
-models.md §1).
+The dynamic forwards (eager, SDPA, SDPA pinned to a backend) grow a `DynamicCache` and rewind it with
+`crop`; the static forwards (static, graphed, compiled, compiled-graphed: `vd.models.static`) step over a
+preallocated cache whose length lives on the device. It loads local checkpoints only (a directory, a
+`.gguf` file, or a random-weight config built in process): nothing is fetched from a hub. Written against
+the pinned transformers 5.24 API (`cache=`, `crop(-n)`; shared notes models.md §1).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import io
 import json
 import os
 import warnings
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from vd.errors import ModelSpecError, UsageError
+from vd.models.static import CUDA_ONLY, STATIC_FORWARDS, StaticRunner
 from vd.protocol import ModelIdentity
 
 # What each forward runs, for the report's `variants`.
@@ -45,7 +48,8 @@ def _pinned_description(name: str) -> str:
 
 def all_forwards() -> dict[str, str]:
     """Every forward the HF adapter can offer; `HFModel.forwards` lists those its device runs."""
-    return {**HF_FORWARDS, **{n: _pinned_description(n) + " (where the device has it)" for n in PINNED_SDPA}}
+    return {**HF_FORWARDS, **{n: _pinned_description(n) + " (where the device has it)" for n in PINNED_SDPA},
+            **{n: d + (" (CUDA only)" if n in CUDA_ONLY else "") for n, d in STATIC_FORWARDS.items()}}
 
 
 # Config fields that change the arithmetic and exist under these names across transformers 5.x.
@@ -98,6 +102,7 @@ class HFModel:
         name: str,
         encode: Callable[[str], list[int]],
         details: Mapping | None = None,
+        fingerprinter: Callable[[torch.nn.Module, object], str] | None = None,
     ):
         self.model = model.eval()
         self.config = model.config
@@ -107,8 +112,11 @@ class HFModel:
         self._name = name
         self._encode = encode
         self._details = dict(details or {})
+        self._fingerprinter = fingerprinter or fingerprint
         self._identity: ModelIdentity | None = None
         self._cache = None
+        self._runners: dict[str, StaticRunner] = {}  # one per static forward used, kept across switches
+        self._runner: StaticRunner | None = None  # the selected static forward's, else None
         self._backend = None  # an SDPBackend while a pinned SDPA forward is selected
         self._forwards: dict[str, str] | None = None  # probed on first use: see `forwards`
         self._forward = self.default_forward()
@@ -144,30 +152,55 @@ class HFModel:
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 **self._details,
             }
-            self._identity = ModelIdentity(self._name, fingerprint(self.model, self.config), details)
+            self._identity = ModelIdentity(self._name, self._fingerprinter(self.model, self.config), details)
         return self._identity
 
     def forwards(self) -> Mapping[str, str]:
-        """Eager and SDPA attention, and SDPA pinned to each backend the device runs (probed once, when
-        first asked, so a load that never lists or pins a backend pays nothing for it)."""
+        """Eager and SDPA attention, SDPA pinned to each backend the device runs (probed once, when
+        first asked, so a load that never lists or pins a backend pays nothing for it), and the static
+        forwards (graphed and compiled ones on CUDA only)."""
         if self._forwards is None:
             pinned = {n: _pinned_description(n) for n in PINNED_SDPA if self._runs_pinned(n)}
-            self._forwards = {**HF_FORWARDS, **pinned}
+            self._forwards = {**HF_FORWARDS, **pinned, **self._static_forwards()}
         return dict(self._forwards)
+
+    def _static_forwards(self) -> dict[str, str]:
+        text = self.config.get_text_config()
+        if any(t != "full_attention" for t in getattr(text, "layer_types", None) or []):
+            return {}  # sliding-window or linear layers: vd's static cache holds full attention only
+        return {n: d for n, d in STATIC_FORWARDS.items() if self.device.type == "cuda" or n not in CUDA_ONLY}
+
+    def forward_uses_graphs(self, name: str) -> bool:
+        """Whether forward ``name`` replays its steps as CUDA graphs (the report's ``graphs``)."""
+        return name in ("graphed", "compiled-graphed")
 
     def default_forward(self) -> str:
         """Eager: the plainest implementation, the natural trusted reference."""
         return "eager"
 
     def set_forward(self, name: str) -> None:
-        """Switch the attention implementation in place (no reload)."""
+        """Switch the attention implementation or the static mode in place (no reload)."""
         if name not in HF_FORWARDS and name not in self.forwards():
             raise KeyError(name)
         from torch.nn.attention import SDPBackend
 
         self.model.set_attn_implementation("eager" if name == "eager" else "sdpa")
         self._backend = getattr(SDPBackend, PINNED_SDPA[name][0]) if name in PINNED_SDPA else None
+        self._runner = None
+        if name in STATIC_FORWARDS:
+            if name not in self._runners:
+                self._runners[name] = StaticRunner(self.model, name, hidden=self._wants_hidden)
+            self._runner = self._runners[name]
         self._forward = name
+
+    _wants_hidden = False  # the MTP subclass needs the final hidden states of every forward
+
+    def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
+        """Ready the selected forward for sequences of ``capacity`` positions and steps of ``lengths``
+        tokens (a static forward allocates its cache and captures its graphs, largest first). Optional
+        in the protocol: record and replay call it when a model has it."""
+        if self._runner is not None:
+            self._runner.prepare(capacity, lengths)
 
     def attention_context(self):
         """The context every attention call of this model runs in (a pinned SDPA backend, or none)."""
@@ -180,10 +213,17 @@ class HFModel:
         return self._encode(text)
 
     def reset(self) -> None:
-        """Start a new sequence with an empty DynamicCache."""
+        """Start a new sequence: an empty DynamicCache, or the static cache's length set to zero."""
         from transformers import DynamicCache
 
-        self._cache = DynamicCache(config=self.config)
+        if self._runner is not None:
+            self._runner.reset()
+        else:
+            self._cache = DynamicCache(config=self.config)
+
+    def length(self) -> int:
+        """Positions in the current sequence."""
+        return self._runner.length if self._runner is not None else self._cache.get_seq_length()
 
     def _call(self, tokens: Sequence[int], *, hidden: bool = False):
         """One model call appending ``tokens`` to the cache; the HF output (with hidden states if asked)."""
@@ -191,14 +231,25 @@ class HFModel:
         with self.attention_context():
             return self.model(input_ids=ids, cache=self._cache, use_cache=True, output_hidden_states=hidden)
 
+    def _run(self, tokens: Sequence[int], hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``tokens`` under the selected forward: logits ``[n, V]`` and, if asked, the hidden
+        states after the final norm ``[n, H]``."""
+        if self._runner is not None:
+            return self._runner.forward(tokens)
+        out = self._call(tokens, hidden=hidden)
+        return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
+
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens``; positions follow the cache length. Returns ``[len(tokens), vocab]``."""
-        return self._call(tokens).logits[0]  # [n, V]
+        return self._run(tokens)[0]
 
     def rewind(self, n: int) -> None:
-        """Drop the last ``n`` cached positions (`crop` takes a negative count in 5.2x)."""
-        if n:
+        """Drop the last ``n`` positions (`crop` takes a negative count in 5.2x; a static cache just
+        lowers its length)."""
+        if self._runner is not None:
+            self._runner.rewind(n)
+        elif n:
             self._cache.crop(-n)
 
 
@@ -258,6 +309,85 @@ def build_random(config, *, seed: int, name: str, device: torch.device, dtype: t
     model.to(device=device, dtype=dtype)
     return HFModel(model, name=name, encode=_byte_encoder(config.vocab_size),
                    details={"seed": seed, "random_weights": True})
+
+
+# -- generated weights: model shapes too large to draw from numpy on the host ------------------------
+
+GENERATOR = "vd-hash-uniform/1"
+_M32 = 0xFFFFFFFF
+
+
+def hash_uniform_(t: torch.Tensor, seed: int, std: float, chunk: int = 1 << 25) -> None:
+    """Fill ``t`` in place with uniform values of standard deviation ``std``, computed where ``t`` lives.
+
+    Element ``i`` is a 32-bit integer hash (lowbias32) of ``i`` and ``seed`` in int64 arithmetic, whose 24
+    high bits give ``u`` in [0, 1); the value is ``(2u - 1) * std * sqrt(3)`` in float32, rounded once to
+    ``t``'s dtype. Integer operations and single IEEE roundings are exact on every CPU and GPU, so the
+    weights are the same bits everywhere, and a GPU fills an 8 B-parameter model in about a second.
+    """
+    flat = t.view(-1)
+    bound = float(np.float32(std * np.sqrt(3.0)))
+    for s in range(0, flat.numel(), chunk):
+        i = torch.arange(s, min(flat.numel(), s + chunk), dtype=torch.int64, device=t.device)
+        x = (i * 0x9E3779B1 + seed) & _M32
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & _M32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & _M32
+        x ^= x >> 16
+        u = (x >> 8).to(torch.float32) * (2.0 ** -24)
+        flat[s : s + chunk] = ((u * 2.0 - 1.0) * bound).to(t.dtype)
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode()) & _M32
+
+
+def device_checksum(t: torch.Tensor, chunk: int = 1 << 25) -> int:
+    """A position-weighted sum of ``t``'s bit patterns, exact in int64 and computed where ``t`` lives."""
+    bits = t.detach().contiguous().view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    total = 0
+    for s in range(0, bits.numel(), chunk):
+        b = bits[s : s + chunk].to(torch.int64)
+        w = torch.arange(s, s + b.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
+        total += int((b * w).sum())
+    return total
+
+
+def generated_fingerprint(seed: int) -> Callable[[torch.nn.Module, object], str]:
+    """The fingerprint of a generated model: its config fields, generator and seed, and a device-side
+    checksum of every tensor (hashing many gigabytes on the host would take longer than a replay)."""
+
+    def fp(model: torch.nn.Module, config) -> str:
+        h = hashlib.sha256()
+        fields = {f: getattr(config, f, None) for f in _IDENTITY_FIELDS}
+        h.update(json.dumps({"fields": fields, "generator": GENERATOR, "seed": seed}, sort_keys=True,
+                            default=str).encode())
+        for name, t in sorted(model.state_dict().items()):
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{device_checksum(t)}|".encode())
+        return "sha256:" + h.hexdigest()
+
+    return fp
+
+
+def build_generated(config, *, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
+    """A model of ``config`` with `hash_uniform_` weights built directly on ``device`` in ``dtype`` (norm
+    weights one): for full-size shapes (8 B parameters) that `build_random` would take minutes over."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with quiet_transformers(), torch.device(device), no_init_weights():
+        config._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in pname:
+                p.fill_(1.0)
+            else:
+                hash_uniform_(p, _tensor_seed(seed, pname), config.initializer_range)
+    return HFModel(model, name=name, encode=_byte_encoder(config.vocab_size),
+                   details={"seed": seed, "random_weights": True, "generator": GENERATOR},
+                   fingerprinter=generated_fingerprint(seed))
 
 
 def check_device(device: str | torch.device) -> torch.device:

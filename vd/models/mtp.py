@@ -34,6 +34,7 @@ import torch
 
 from vd.errors import ModelSpecError
 from vd.models.hf import HFModel, _seeded_init, fingerprint, quiet_transformers
+from vd.models.static import STATIC_FORWARDS, StaticHead
 
 HEAD_FORMAT = "vd-mtp-head/1"
 
@@ -104,13 +105,21 @@ def native_layer(host: torch.nn.Module, *, seed: int | None):
 
 
 class HFMtpModel(HFModel):
-    """The HF adapter with an MTP draft head: a `VerifyModel` that is also a `DraftHead`."""
+    """The HF adapter with an MTP draft head: a `VerifyModel` that is also a `DraftHead`.
+
+    Under a static forward the head runs as a `vd.models.static.StaticHead` in the same mode (graphed,
+    compiled, ...) over its own static cache; its "trim" is then implicit: entries sit at their
+    positions, so the next draft-extend overwrites the speculative ones and the mask hides the rest.
+    """
+
+    _wants_hidden = True
 
     def __init__(self, model, *, layer, head_config, head_name: str, head_source: str, **kw):
         self._layer = layer.eval()
         self._head_config = head_config
         self._head_name, self._head_source = head_name, head_source
         self._head_identity: str | None = None
+        self._heads: dict[str, StaticHead] = {}
         super().__init__(model, **kw)
         self._embed = self.model.get_input_embeddings()
         self._lm_head = self.model.get_output_embeddings()
@@ -122,6 +131,14 @@ class HFMtpModel(HFModel):
         super().set_forward(name)
         # The head's block follows the host's forward (its pinned backend too: see `_step`).
         self._head_config._attn_implementation = self.model.config._attn_implementation
+        if name in STATIC_FORWARDS and name not in self._heads:
+            self._heads[name] = StaticHead(self._layer, self._embed, self._lm_head, self._rotary, name,
+                                           self.device, self.attention_context)
+
+    def prepare(self, capacity: int, lengths=()) -> None:
+        super().prepare(capacity, lengths)
+        if self._runner is not None:
+            self._heads[self._forward].prepare(capacity)
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -134,14 +151,14 @@ class HFMtpModel(HFModel):
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
-        start = self._cache.get_seq_length()
-        out = self._call(tokens, hidden=True)
+        start = self.length()
+        logits, hidden = self._run(tokens, hidden=True)
         if self._pending and self._pending[-1][2] is None:  # the saved row's next token arrived
             h, p, _ = self._pending[-1]
             self._pending[-1] = (h, p, int(tokens[0]))
-        self._last_hidden = out.hidden_states[-1][0]  # [n, H], after the final norm
+        self._last_hidden = hidden  # [n, H], after the final norm
         self._last_tokens, self._last_start = list(tokens), start
-        return out.logits[0]  # [n, V]
+        return logits  # [n, V]
 
     # -- DraftHead ---------------------------------------------------------------------------------
 
@@ -191,6 +208,10 @@ class HFMtpModel(HFModel):
         assert self._pending, "propose needs a saved hidden state"
         h, p, _ = self._pending[-1]
         self._pending[-1] = (h, p, int(last))
+        if self._runner is not None:  # a static forward: the head's static counterpart
+            pending, self._pending = self._pending, []
+            hid = torch.stack([e[0] for e in pending])  # [q, H]
+            return self._heads[self._forward].propose([e[2] for e in pending], hid, pending[0][1], n)
         assert self._head_cache.get_seq_length() == self._pending[0][1], "head cache out of step"
         hid = torch.stack([e[0] for e in self._pending])[None]  # [1, q, H]
         ids = torch.tensor([[e[2] for e in self._pending]], device=self.device)
@@ -220,4 +241,5 @@ def attach_head(base: HFModel, path: Path | None = None, *, layer=None, head_con
         layer, head_config, _ = load_attached_layer(base.model, path)
         head_name = head_name or path.name
     return HFMtpModel(base.model, layer=layer, head_config=head_config, head_name=head_name or "MTP head",
-                      head_source=head_source, name=base._name, encode=base._encode, details=base._details)
+                      head_source=head_source, name=base._name, encode=base._encode, details=base._details,
+                       fingerprinter=base._fingerprinter)

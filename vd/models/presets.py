@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from vd.errors import ModelSpecError
-from vd.models.hf import HFModel, build_random, load_checkpoint
+from vd.models.hf import HFModel, build_generated, build_random, load_checkpoint
 from vd.models.mtp import attach_head, native_layer
 
 HEADS = Path(__file__).resolve().parent.parent / "heads"  # trained heads shipped with vd
@@ -107,6 +107,32 @@ def _tiny_glm4moe_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
     return _native(cfg, 4, "tiny-glm4moe-mtp (GLM-4.5 style, random weights, seed 4)", device, dtype)
 
 
+def _qwen25_05b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from transformers import Qwen2Config
+
+    # Qwen2.5-0.5B's published config.json: 24 layers, hidden 896, 14 query and 2 key-value heads.
+    cfg = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, initializer_range=0.02,
+    )
+    return build_generated(cfg, seed=5, name="qwen2.5-0.5b-shape (generated weights, seed 5)", device=device,
+                           dtype=dtype)
+
+
+def _llama3_8b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from transformers import LlamaConfig
+
+    # Llama-3-8B's published config.json: 32 layers, hidden 4096, 32 query and 8 key-value heads.
+    cfg = LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, initializer_range=0.02,
+    )
+    return build_generated(cfg, seed=6, name="llama3-8b-shape (generated weights, seed 6)", device=device,
+                           dtype=dtype)
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -120,5 +146,9 @@ PRESETS: dict[str, Preset] = {
         Preset("tiny-deepseek-mtp", "random DeepSeek-V3-style model (MLA, MoE) with HF's native MTP layer",
                _tiny_deepseek_mtp),
         Preset("tiny-glm4moe-mtp", "random GLM-4.5-style model (MoE) with HF's native MTP layer", _tiny_glm4moe_mtp),
+        Preset("qwen2.5-0.5b-shape", "Qwen2.5-0.5B's shape (494 M parameters, vocab 151936), generated weights; "
+               "for GPU benchmarks", _qwen25_05b_shape),
+        Preset("llama3-8b-shape", "Llama-3-8B's shape (8.03 B parameters, vocab 128256), generated weights; "
+               "needs about 17 GB of GPU memory in bf16", _llama3_8b_shape),
     )
 }

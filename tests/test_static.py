@@ -1,0 +1,131 @@
+"""The static-cache forwards on the CPU (`static`; the graphed and compiled ones need CUDA: test_gpu.py),
+the generated-weight presets' generator, and the harness pieces issue 4 added (background golden
+writer and reader, --k on replay, --deterministic)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vd.golden import open_golden
+from vd.models import load_model
+from vd.models.hf import build_generated, device_checksum, hash_uniform_
+from vd.models.static import capacity_for
+from vd.testing import DraftHeadConformance, ModelConformance
+
+FIXTURE_PROMPT = "The three laws of thermodynamics state that"
+
+
+class TestStaticConformance(ModelConformance, DraftHeadConformance):
+    @pytest.fixture
+    def model(self):
+        m = load_model("tiny-llama-mtp")
+        m.set_forward("static")
+        return m
+
+
+def test_static_forwards_offered_by_device():
+    fw = load_model("tiny-llama").forwards()
+    assert "static" in fw
+    assert not {"graphed", "compiled", "compiled-graphed"} & set(fw)  # CUDA only
+
+
+def test_static_matches_dynamic_sdpa_closely_but_is_its_own_forward():
+    """The static forward attends over the whole preallocated cache with an additive mask: the same
+    function as SDPA over a growing cache, but not the same arithmetic."""
+    m = load_model("tiny-llama")
+    prompt = m.encode(FIXTURE_PROMPT)
+    rows = {}
+    for f in ("sdpa", "static"):
+        m.set_forward(f)
+        m.reset()
+        m.forward(prompt)
+        rows[f] = m.forward([1, 2, 3]).float()
+    d = (rows["sdpa"] - rows["static"]).abs().max().item()
+    assert d < 0.1 * rows["sdpa"].abs().max().item()
+    assert rows["sdpa"].argmax(-1).tolist() == rows["static"].argmax(-1).tolist()
+
+
+def test_static_capacity_is_enforced_and_prepare_grows_it():
+    m = load_model("tiny-llama")
+    m.set_forward("static")
+    m.prepare(10)
+    m.reset()
+    m.forward(list(range(200)))
+    with pytest.raises(RuntimeError, match="holds 256 positions"):
+        m.forward(list(range(60)))
+    m.prepare(300)
+    assert m._runner.kv.capacity == capacity_for(300) == 512
+    m.reset()
+    assert m.forward(list(range(300))).shape == (300, m.vocab_size)
+
+
+def test_hash_uniform_is_fixed_and_has_the_asked_spread():
+    t = torch.empty(6, dtype=torch.float32)
+    hash_uniform_(t, 123, 0.02)
+    again = torch.empty(6, dtype=torch.float32)
+    hash_uniform_(again, 123, 0.02, chunk=4)  # chunking does not change a value
+    assert torch.equal(t, again)
+    # Pinned: a change to the generator changes every generated preset's weights and fingerprint.
+    assert t.tolist() == pytest.approx(
+        [0.019165, 0.0012131, -0.0068359, -9.0122e-05, -0.0042419, -0.019043], rel=0.02, abs=1e-4)
+    big = torch.empty(200_000)
+    hash_uniform_(big, 7, 0.05)
+    assert abs(big.std().item() - 0.05) < 0.001 and abs(big.mean().item()) < 0.001
+    assert big.abs().max().item() <= 0.05 * np.sqrt(3) + 1e-6
+
+
+def test_generated_model_is_reproducible_and_fingerprinted_by_content():
+    from transformers import LlamaConfig
+
+    def cfg():
+        return LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05)
+
+    a = build_generated(cfg(), seed=3, name="a", device=torch.device("cpu"), dtype=torch.bfloat16)
+    b = build_generated(cfg(), seed=3, name="b", device=torch.device("cpu"), dtype=torch.bfloat16)
+    c = build_generated(cfg(), seed=4, name="c", device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert a.identity().fingerprint == b.identity().fingerprint != c.identity().fingerprint
+    with torch.no_grad():
+        b.model.lm_head.weight[0, 0] += 1
+    b._identity = None
+    assert b.identity().fingerprint != a.identity().fingerprint  # the checksum sees one changed weight
+    assert device_checksum(torch.tensor([1, 2], dtype=torch.int16)) == 1 * 1 + 2 * 2
+
+
+def test_record_and_replay_static_with_k_and_determinism(cli, tmp_path):
+    path = tmp_path / "s.zarr"
+    code, out, err = cli("record", path, "--model", "tiny-llama-mtp", "--feed", "mtp", "--forward", "static",
+                         "--prompt", FIXTURE_PROMPT, "--deterministic", "--steps", "8", "--allow-thin")
+    assert code == 0, err
+    meta = open_golden(path).meta
+    assert meta["graphs"] == "eager" and meta["determinism"]["applied"]["deterministic_algorithms"] is True
+    assert meta["determinism"]["settings"]["deterministic_algorithms"] is True
+    torch.use_deterministic_algorithms(False)  # replay must apply it again by itself
+    code, out, err = cli("replay", path, "--k", "3", "--report", tmp_path / "r.json")
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert [v["k"] for v in r["verify"]] == [3]
+    c = r["verify"][0]["comparisons"][0]
+    assert c["prefill_equal"] and c["mismatched_steps"] == 0 and c["draft_mismatched_steps"] == 0
+    assert r["determinism"]["applied"]["deterministic_algorithms"] is True
+    assert r["determinism"]["replayed"]["deterministic_algorithms"] is True
+    assert r["graphs"] == "eager" and r["variants"][0]["graphs"] == "eager"
+    torch.use_deterministic_algorithms(False)
+    code, out, err = cli("replay", path, "--k", "5")
+    assert code == 2 and "no verify width [5]" in err
+
+
+def test_lazy_golden_reports_corruption_when_used(tiny_golden, tmp_path):
+    import shutil
+
+    from vd.errors import GoldenCorruptError
+
+    copy = tmp_path / "g.zarr"
+    shutil.copytree(tiny_golden, copy)
+    chunk = next(p for p in (copy / "k3" / "logits").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    g = open_golden(copy, lazy=True)  # cheap: metadata and prompt only
+    assert g.runs[2].k == 2
+    with pytest.raises(GoldenCorruptError, match="k3/logits"):
+        g.runs[3]

@@ -1,0 +1,194 @@
+"""GPU benchmark: verify-step time per forward against the weight-streaming floor, and what vd's record
+and replay cost over bare loops of the same forward.
+
+    python tools/bench_gpu.py --model llama3-8b-shape --out tools/bench_gpu.json
+
+For each forward and K it records a golden (K alone, reference feed) and replays it, timing both
+against a bare loop that makes the same model calls (a bare greedy decode then the same verify steps,
+argmax read back after each, the same rewinds) with no feed, storage or comparison. Every figure is
+a median over ``--reps`` interleaved repetitions in this one process; the JSON keeps every sample.
+
+* ``step_ms``: median verify step (CUDA events around one ``forward`` of K tokens).
+* ``floor_ms``: the model's weight bytes over the device-to-device copy bandwidth measured here
+  (bytes read plus written per second): a verify step must stream every weight once.
+* ``record_ratio``: `recorder.record` (greedy continuation, the K run, the background zarr write,
+  publishing) over the bare decode plus verify loop.
+* ``replay_ratio``: `replayer.replay` without the detection control (opening the golden, its rows read
+  and copied to the GPU on a thread, the run, the on-GPU comparison, the report) over the bare verify loop.
+
+Rows are appended to ``--out`` (a JSON file holding a list of runs), so the shapes can run as separate
+processes (each needs its own GPU memory) into one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from recorder.record import prepare, record  # noqa: E402
+from replayer.replay import replay  # noqa: E402
+from vd import env  # noqa: E402
+from vd.golden import open_golden  # noqa: E402
+from vd.models import load_model  # noqa: E402
+
+PROMPT = "Speculative decoding: draft, then verify."
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes per second (read plus written), median of ``reps``."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.model.parameters())  # tied weights once
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def bare_verify(model, prompt, steps, timed: bool = False) -> tuple[float, list[float]]:
+    """The same verify calls as a replay, nothing else: seconds and (``timed``: CUDA events around each
+    step's forward, kept out of the untimed loops the ratios divide by) each step's ms."""
+    sync(model.device)
+    t0 = time.perf_counter()
+    model.reset()
+    model.forward(prompt)
+    step_ms = []
+    for st in steps:
+        if timed:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+        rows = model.forward(st.tokens)
+        if timed:
+            e.record()
+        rows.argmax(dim=-1).tolist()
+        if timed:
+            step_ms.append(s.elapsed_time(e))
+        model.rewind(len(st.tokens) - 1 - st.accepted)
+    sync(model.device)
+    return time.perf_counter() - t0, step_ms
+
+
+@torch.inference_mode()
+def bare_decode(model, prompt, n) -> float:
+    sync(model.device)
+    t0 = time.perf_counter()
+    model.reset()
+    last = model.forward(prompt)[-1].argmax().item()
+    for _ in range(n - 1):
+        last = model.forward([last])[0].argmax().item()
+    sync(model.device)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b-shape")
+    ap.add_argument("--forwards", default="eager,sdpa,static,graphed,compiled,compiled-graphed")
+    ap.add_argument("--k", default="2,3,4")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    ks = [int(x) for x in args.k.split(",")]
+
+    t = time.perf_counter()
+    model = load_model(args.model, device=device, dtype="bfloat16")
+    load_s = time.perf_counter() - t
+    t = time.perf_counter()
+    fingerprint = model.identity().fingerprint
+    fingerprint_s = time.perf_counter() - t
+    bw = copy_bandwidth(device)
+    wbytes = weight_bytes(model)
+    floor_ms = wbytes / bw * 1e3
+    prompt = model.encode(args.prompt)
+    print(f"{args.model}: {wbytes / 1e9:.2f} GB of weights, copy {bw / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms; "
+          f"load {load_s:.1f} s, fingerprint {fingerprint_s:.1f} s", flush=True)
+
+    rows, tmp = [], Path(tempfile.mkdtemp(prefix="vd-bench-"))
+    for fwd in args.forwards.split(","):
+        if fwd not in model.forwards():
+            print(f"  {fwd}: not offered here, skipped", flush=True)
+            continue
+        model.set_forward(fwd)
+        t = time.perf_counter()
+        prepare(model, len(prompt), args.steps, ks)  # graphs captured (and code compiled) up front
+        warm_s = time.perf_counter() - t
+        for k in ks:
+            path = tmp / f"{fwd}-k{k}.zarr"
+            rec = record(path, model=model, model_spec=args.model, prompt=args.prompt, ks=[k], steps=args.steps,
+                         forward=fwd, refresh=True, allow_thin=True)  # first record: warm-up (compiles) too
+            steps = open_golden(path).runs[k].steps
+            samples = {"record_s": [], "bare_record_s": [], "replay_s": [], "bare_replay_s": [], "step_ms": []}
+            for _ in range(args.reps):  # interleaved, so drift hits both sides alike
+                t = time.perf_counter()
+                record(path, model=model, model_spec=args.model, prompt=args.prompt, ks=[k], steps=args.steps,
+                       forward=fwd, refresh=True, allow_thin=True)
+                samples["record_s"].append(time.perf_counter() - t)
+                bare_s, _ = bare_verify(model, prompt, steps)
+                samples["bare_record_s"].append(bare_decode(model, prompt, args.steps * k + 1) + bare_s)
+                t = time.perf_counter()
+                r = replay(path, model=model, forwards=[fwd], control=False)
+                samples["replay_s"].append(time.perf_counter() - t)
+                samples["bare_replay_s"].append(bare_verify(model, prompt, steps)[0])
+                samples["step_ms"].extend(bare_verify(model, prompt, steps, timed=True)[1])
+            med = {n: statistics.median(v) for n, v in samples.items()}
+            row = {
+                "model": args.model, "forward": fwd, "k": k, "graphs": r["graphs"], "verdict": r["verdict"],
+                "step_ms": med["step_ms"], "floor_ms": floor_ms, "step_over_floor": med["step_ms"] / floor_ms,
+                "record_ratio": med["record_s"] / med["bare_record_s"],
+                "replay_ratio": med["replay_s"] / med["bare_replay_s"],
+                "accepted": rec.accepted[k], "samples": samples,
+            }
+            rows.append(row)
+            print(f"  {fwd:17s} K={k}: step {row['step_ms']:.3f} ms ({row['step_over_floor']:.2f}x floor), "
+                  f"record {row['record_ratio']:.3f}x, replay {row['replay_ratio']:.3f}x, {r['verdict']}",
+                  flush=True)
+        rows[-1]["prepare_s"] = warm_s
+
+    doc = json.loads(args.out.read_text()) if args.out.exists() else []
+    doc.append({
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(device),
+        "environment": env.capture(device),
+        "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
+        "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
+        "prompt_tokens": len(prompt), "load_s": load_s, "fingerprint_s": fingerprint_s,
+        "rows": rows,
+    })
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""Static-KV-cache steps for HF models, run as eager kernels, compiled, or CUDA-graphed per shape.
+
+The four forwards of this module (`STATIC_FORWARDS`) share one step function and differ only in how it
+is executed:
+
+* ``static``: the step's PyTorch kernels, launched one by one (CPU and CUDA);
+* ``graphed``: the same kernels captured as one CUDA graph per input length (verify K, decode 1) and,
+  for an MTP head, one graph per proposal shape; a graph of these kernels replays bitwise equal to them
+  (shared notes gpu.md), so ``graphed`` is expected to equal ``static`` bit for bit;
+* ``compiled``: the step under ``torch.compile`` (Inductor, default mode, no CUDA graphs of its own);
+* ``compiled-graphed``: the compiled step captured as CUDA graphs as above.
+
+How the cache works (notes models.md §3-4): every layer holds preallocated keys and values of
+``capacity`` positions. The sequence length lives on the device as the last element of each step's
+input buffer, which carries the step's token ids too, so one small host-to-device copy from pinned
+memory moves both; positions, the cache write indices and the additive attention mask (each query sees
+the keys at or before its own position) are computed from it on the device inside the step. Rewinding
+lowers the length: nothing is cleared, a later step overwrites the stale positions and the mask hides
+them until then. Nothing inside a step reads a value back to the host, which is what lets it be captured.
+
+Graphs are captured lazily for each new shape (at the current length: the warm-up runs write only the
+positions the real step is about to overwrite), or ahead of time by `StaticRunner.prepare`, largest
+shape first, all in one shared memory pool; outputs live in that pool and are cloned before the next
+replay. Shapes longer than `GRAPH_MAX` (a prefill, the drafter's first proposal) run as eager kernels
+in every mode: prefills are neither compiled nor graphed (HF: compiling the prefill "is known to fail").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+STATIC_FORWARDS: dict[str, str] = {
+    "static": "HF transformers SDPA attention over vd's static KV cache (device-side length, additive mask "
+    "over the whole cache), kernels launched one by one",
+    "graphed": "the static forward captured as one CUDA graph per step shape (verify K, decode, MTP propose), "
+    "shared memory pool, outputs cloned",
+    "compiled": "the static forward under torch.compile (Inductor, mode default, fullgraph off, no "
+    "CUDA graphs); prefills run uncompiled",
+    "compiled-graphed": "the compiled static forward captured as one CUDA graph per step shape",
+}
+CUDA_ONLY = ("graphed", "compiled", "compiled-graphed")
+GRAPH_MAX = 16  # longest step graphed or compiled; longer ones (prefills) run as eager kernels
+DEFAULT_CAPACITY = 512
+ROUND = 256  # capacities are rounded up to this, so nearby recordings share a cache size
+WARMUP_RUNS = 3  # before each capture: cuBLAS handles, workspaces and compiled code settle
+
+
+def capacity_for(n: int) -> int:
+    """The cache capacity vd allocates for a sequence of ``n`` positions."""
+    return max(ROUND, -(-n // ROUND) * ROUND)
+
+
+class _Layer:
+    """One layer's preallocated keys and values, written at the runner's current positions."""
+
+    is_compileable = True
+    is_sliding = False
+    is_linear = False
+    is_dummy = False
+
+    def __init__(self, kv: StaticKV):
+        self.kv = kv
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.keys is None:  # allocated on the first (uncaptured) step: the shapes come from the model
+            b, h, _, d = key_states.shape
+            self.keys = torch.zeros(b, h, self.kv.capacity, d, dtype=key_states.dtype, device=key_states.device)
+            self.values = torch.zeros(b, h, self.kv.capacity, value_states.shape[-1], dtype=value_states.dtype,
+                                      device=value_states.device)
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+            self.is_initialized = True
+        pos = self.kv.positions[: key_states.shape[-2]]
+        self.keys.index_copy_(2, pos, key_states)
+        self.values.index_copy_(2, pos, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self):
+        return self.kv.length_on_device()
+
+    def get_mask_sizes(self, query_length: int):
+        return self.kv.capacity, 0
+
+    def get_max_cache_shape(self) -> int:
+        return self.kv.capacity
+
+
+class StaticKV:
+    """A static cache for ``layers`` layers of ``capacity`` positions, as an HF `Cache`."""
+
+    def __init__(self, layers: int, capacity: int, device: torch.device):
+        from transformers.cache_utils import Cache
+
+        self.capacity = capacity
+        self.device = device
+        self.positions = torch.zeros(GRAPH_MAX, dtype=torch.long, device=device)  # replaced per step
+        self.cache = Cache(layers=[_Layer(self) for _ in range(layers)])
+
+    @property
+    def ready(self) -> bool:
+        """Whether the cache tensors exist (they are allocated by the first step, run as eager kernels,
+        so neither a compiled trace nor a graph capture allocates them)."""
+        return any(layer.keys is not None for layer in self.cache.layers)
+
+    def length_on_device(self) -> torch.Tensor:
+        return self.positions[:1]
+
+    def begin(self, start: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``start .. start+n-1`` (device) and the additive mask ``[1, 1, n, capacity]``."""
+        pos = start + torch.arange(n, device=self.device)
+        self.positions = pos
+        visible = torch.arange(self.capacity, device=self.device)[None, :] <= pos[:, None]  # [n, capacity]
+        zero = torch.zeros((), dtype=dtype, device=self.device)
+        hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.device)
+        return pos, torch.where(visible, zero, hidden)[None, None]
+
+
+class GraphSet:
+    """CUDA graphs of one step function, one per shape key, sharing one memory pool.
+
+    ``inputs`` are static tensors the caller fills before `replay`; ``outputs`` live in the pool and
+    are overwritten by the next replay of any graph of the set.
+    """
+
+    def __init__(self, fn: Callable, device: torch.device):
+        self.fn, self.device = fn, device
+        self.pool = None
+        self.graphs: dict = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self.graphs
+
+    def capture(self, key, inputs: tuple[torch.Tensor, ...]) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                self.fn(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.fn(*inputs)
+        self.graphs[key] = (graph, inputs, outputs)
+
+    def replay(self, key):
+        graph, _, outputs = self.graphs[key]
+        graph.replay()
+        return outputs
+
+    def inputs(self, key) -> tuple[torch.Tensor, ...]:
+        return self.graphs[key][1]
+
+
+def _maybe_compile(fn: Callable, compiled: bool) -> Callable:
+    if not compiled:
+        return fn
+    import torch._dynamo
+
+    # Each step shape (verify K, decode, every proposal shape) is its own compilation.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.cache_size_limit = max(getattr(torch._dynamo.config, "cache_size_limit", 8), 64)
+    return torch.compile(fn, dynamic=False)
+
+
+class _Staging:
+    """Token ids and the start position for one step, copied to the device in one transfer."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host = torch.zeros(4 * GRAPH_MAX + 1, dtype=torch.long, pin_memory=self.pinned)
+        self.event = torch.cuda.Event() if self.pinned else None
+
+    def fill(self, ids: Sequence[int], start: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[*ids, start]`` on the device (into ``out`` when given)."""
+        n = len(ids)
+        if n + 1 > self.host.numel() or not self.pinned:
+            src = torch.tensor([*ids, start], dtype=torch.long)
+        else:
+            self.event.synchronize()  # the previous step's copy has left the pinned buffer
+            src = self.host[: n + 1]
+            src.numpy()[:n] = ids
+            src.numpy()[n] = start
+        if out is None:
+            out = torch.empty(n + 1, dtype=torch.long, device=self.device)
+        out.copy_(src, non_blocking=self.pinned)
+        if self.pinned and src.data_ptr() == self.host.data_ptr():
+            self.event.record()
+        return out
+
+
+class StaticRunner:
+    """An HF causal LM stepping over a `StaticKV`, in one of the `STATIC_FORWARDS` modes."""
+
+    def __init__(self, model: torch.nn.Module, mode: str, *, hidden: bool):
+        self.model, self.mode, self.hidden = model, mode, hidden
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.graphed = mode in ("graphed", "compiled-graphed")
+        self.layers = model.config.get_text_config().num_hidden_layers
+        self.kv: StaticKV | None = None
+        self.length = 0
+        self._fast = _maybe_compile(self._step, mode.startswith("compiled"))
+        self._graphs: GraphSet | None = None
+        self._staging = _Staging(self.device)
+
+    def _allocate(self, capacity: int) -> None:
+        self.kv = StaticKV(self.layers, capacity, self.device)
+        self._graphs = GraphSet(self._fast, self.device) if self.graphed else None
+
+    def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
+        """Hold at least ``capacity`` positions, and capture graphs for ``lengths`` (largest first).
+        A larger capacity reallocates the cache, which drops graphs and the current sequence."""
+        capacity = capacity_for(capacity)
+        if self.kv is None or self.kv.capacity < capacity:
+            self._allocate(capacity)
+            self.length = 0
+        for n in sorted({n for n in lengths if n <= GRAPH_MAX}, reverse=True):
+            self._ensure_graph(n)
+
+    def reset(self) -> None:
+        if self.kv is None:
+            self._allocate(capacity_for(DEFAULT_CAPACITY))
+        self.length = 0
+
+    def rewind(self, n: int) -> None:
+        if n < 0 or n > self.length:
+            raise ValueError(f"cannot rewind {n} of {self.length} positions")
+        self.length -= n
+
+    def _step(self, inp: torch.Tensor):
+        """Tokens ``inp[:-1]`` at positions from ``inp[-1]``: (logits ``[n, V]``, hidden ``[n, H]`` or None)."""
+        n = inp.shape[0] - 1
+        pos, mask = self.kv.begin(inp[n], n, self.dtype)
+        out = self.model(input_ids=inp[:n][None], position_ids=pos[None], attention_mask=mask,
+                         cache=self.kv.cache, use_cache=True, output_hidden_states=self.hidden)
+        return out.logits[0], (out.hidden_states[-1][0] if self.hidden else None)
+
+    def _ensure_graph(self, n: int) -> None:
+        if self._graphs is not None and n not in self._graphs:
+            inp = self._staging.fill([0] * n, self.length)
+            if not self.kv.ready:
+                self._step(inp)
+            self._graphs.capture(n, (inp,))
+
+    def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``tokens``; their logits rows and (if asked at construction) final hidden states."""
+        if self.kv is None:
+            self.reset()
+        n = len(tokens)
+        if self.length + n > self.kv.capacity:
+            raise RuntimeError(f"the static KV cache holds {self.kv.capacity} positions; {self.length + n} "
+                               "needed (prepare a larger capacity)")
+        if n > GRAPH_MAX or not self.kv.ready:
+            logits, hidden = self._step(self._staging.fill(tokens, self.length))
+        elif self._graphs is not None:
+            self._ensure_graph(n)
+            self._staging.fill(tokens, self.length, out=self._graphs.inputs(n)[0])
+            logits, hidden = self._graphs.replay(n)
+            logits, hidden = logits.clone(), (hidden.clone() if hidden is not None else None)
+        else:
+            logits, hidden = self._fast(self._staging.fill(tokens, self.length))
+        self.length += n
+        return logits, hidden
+
+
+class StaticHead:
+    """An MTP layer proposing over its own `StaticKV`, in the host's static mode.
+
+    ``propose(ids, hidden, start, n)`` runs the head over ``q`` committed entries (ids ``[q]``, hidden
+    ``[q, H]`` at positions ``start..``), then ``n`` drafts autoregressively, in one step function, so a
+    graphed head replays one graph per ``(q, n)`` and reads the drafts back once.
+    """
+
+    def __init__(self, layer: torch.nn.Module, embed, lm_head, rotary, mode: str, device: torch.device,
+                 context: Callable[[], contextlib.AbstractContextManager]):
+        self.layer, self.embed, self.lm_head, self.rotary = layer, embed, lm_head, rotary
+        self.device, self.mode, self.context = device, mode, context
+        self.dtype = next(layer.parameters()).dtype
+        self.graphed = mode in ("graphed", "compiled-graphed")
+        attn = getattr(layer.mtp_block, "self_attn", None)
+        self.layers = (getattr(attn, "layer_idx", 0) or 0) + 1
+        self.kv: StaticKV | None = None
+        self._fast = _maybe_compile(self._propose, mode.startswith("compiled"))
+        self._graphs: GraphSet | None = None
+        self._staging = _Staging(device)
+
+    def prepare(self, capacity: int) -> None:
+        capacity = capacity_for(capacity)
+        if self.kv is None or self.kv.capacity < capacity:
+            self.kv = StaticKV(self.layers, capacity, self.device)
+            self._graphs = GraphSet(self._fast, self.device) if self.graphed else None
+
+    def _block(self, ids: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        q = ids.shape[1]
+        pos, mask = self.kv.begin(start, q, self.dtype)
+        emb = self.embed(ids)
+        pe = self.rotary(emb, position_ids=pos[None]) if self.rotary is not None else None
+        return self.layer(emb, hidden, position_embeddings=pe, attention_mask=mask, position_ids=pos[None],
+                          cache=self.kv.cache)
+
+    def _propose(self, inp: torch.Tensor, hidden: torch.Tensor, n: int):
+        q = inp.shape[0] - 1
+        start = inp[q]
+        with self.context():
+            out = self._block(inp[:q][None], hidden[None], start)[:, -1:]  # [1, 1, H]
+            drafts, rows = [], []
+            for j in range(n):
+                logits = self.lm_head(out)[0, -1]  # [V]
+                d = logits.argmax()
+                drafts.append(d)
+                rows.append(logits)
+                if j + 1 < n:
+                    out = self._block(d.view(1, 1), out, start + q + j)
+        return torch.stack(drafts), torch.stack(rows)
+
+    def propose(self, ids: Sequence[int], hidden: torch.Tensor, start: int, n: int):
+        """``n`` drafts (ints) and their ``[n, V]`` rows, after ``q = len(ids)`` committed entries."""
+        if self.kv is None:
+            self.prepare(DEFAULT_CAPACITY)
+        q = len(ids)
+        if start + q + n - 1 > self.kv.capacity:
+            raise RuntimeError(f"the head's static KV cache holds {self.kv.capacity} positions")
+        if q > GRAPH_MAX or not self.kv.ready:
+            drafts, rows = self._propose(self._staging.fill(ids, start), hidden, n)
+        elif self._graphs is not None:
+            key = (q, n)
+            if key not in self._graphs:
+                self._graphs.capture(key, (self._staging.fill(ids, start), hidden.clone(), n))
+            inp, hid, _ = self._graphs.inputs(key)
+            self._staging.fill(ids, start, out=inp)
+            hid.copy_(hidden)
+            drafts, rows = self._graphs.replay(key)
+            rows = rows.clone()
+        else:
+            drafts, rows = self._fast(self._staging.fill(ids, start), hidden, n)
+        return drafts.tolist(), rows
