@@ -135,6 +135,22 @@ def main() -> None:
           f"load {load_s:.1f} s, fingerprint {fingerprint_s:.1f} s", flush=True)
 
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="vd-bench-"))
+    earlier = json.loads(args.out.read_text()) if args.out.exists() else []
+    run = {
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(device),
+        "environment": env.capture(device),
+        "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
+        "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
+        "prompt_tokens": len(prompt), "load_s": load_s, "fingerprint_s": fingerprint_s,
+        "rows": rows,
+    }
+
+    def save():  # after every row, so a run cut short still leaves its figures
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps([*earlier, run], indent=1, default=str) + "\n")
+
     for fwd in args.forwards.split(","):
         if fwd not in model.forwards():
             print(f"  {fwd}: not offered here, skipped", flush=True)
@@ -173,21 +189,8 @@ def main() -> None:
             print(f"  {fwd:17s} K={k}: step {row['step_ms']:.3f} ms ({row['step_over_floor']:.2f}x floor), "
                   f"record {row['record_ratio']:.3f}x, replay {row['replay_ratio']:.3f}x, {r['verdict']}",
                   flush=True)
-        rows[-1]["prepare_s"] = warm_s
-
-    doc = json.loads(args.out.read_text()) if args.out.exists() else []
-    doc.append({
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(device),
-        "environment": env.capture(device),
-        "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
-        "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
-        "prompt_tokens": len(prompt), "load_s": load_s, "fingerprint_s": fingerprint_s,
-        "rows": rows,
-    })
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+            row["prepare_s"] = warm_s  # graph capture (and compilation) before the first K
+            save()
 
 
 if __name__ == "__main__":
