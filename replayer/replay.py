@@ -137,20 +137,20 @@ def replay(
     mtp = meta.get("feed") == "mtp"
 
     def feed(k: int, log: list[Step], bootstrap: int):
-        forced = ReplayFeed(log, bootstrap, golden.runs[k].decoded)
+        forced = ReplayFeed(log, bootstrap, golden.log(k).decoded)
         return DrafterFeed(k, steps, forced) if mtp else forced
 
     verify, reasons, differs = [], [], False
     t_start = time.perf_counter()
     for k in ks:
-        rec = golden.runs[k]
+        rec = golden.log(k)  # the step log; the rows are still being read and uploaded
         log, comparisons, timings = rec.steps, [], [_timing(f"{meta['forward']} (golden)", rec.step_ms.tolist())]
         for name in forwards:
             phase(f"K={k} {name}", steps)
             model.set_forward(name)
             prepare(model, len(golden.prompt), steps, golden.runs.keys())
             run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step)
-            c = compare_run(name, rec, run, logical, golden.device_rows(k))
+            c = compare_run(name, golden.runs[k], run, logical, golden.device_rows(k))
             comparisons.append(c)
             differs |= not c.equal
             timings.append(_timing(name, run.step_ms))
@@ -177,7 +177,8 @@ def replay(
             phase(f"K={k} control", steps)  # runs under the last forward, still selected
             run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
                              on_step=on_step)
-            dc = compare_run(f"{forwards[-1]}, one draft changed", rec, run, logical, golden.device_rows(k))
+            dc = compare_run(f"{forwards[-1]}, one draft changed", golden.runs[k], run, logical,
+                             golden.device_rows(k))
             at = steps // 2
             # It must see a difference at the very step whose draft changed, whatever else differs.
             fired = at in dc.mismatched_step_list

@@ -107,6 +107,23 @@ class KRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class KLog:
+    """One verify width's step log without its logits rows: what a replay needs to start."""
+
+    k: int
+    bootstrap: int
+    tokens: np.ndarray
+    accepted: np.ndarray
+    step_ms: np.ndarray
+    committed_is_greedy: bool | None = None
+    decoded: int | None = None
+
+    @property
+    def steps(self) -> list[Step]:
+        return [Step(tuple(int(t) for t in row), int(a)) for row, a in zip(self.tokens, self.accepted)]
+
+
+@dataclass(frozen=True, slots=True)
 class Golden:
     """A golden read back: its metadata (``attrs["vd"]``), prompt tokens and one record per K."""
 
@@ -118,6 +135,11 @@ class Golden:
     @property
     def logical_dtype(self) -> str:
         return self.meta["logits"]["dtype"]
+
+    def log(self, k: int) -> KLog | KRecord:
+        """K's step log (tokens, accept counts, bootstrap): ready before its rows when opened lazily."""
+        log = getattr(self.runs, "log", None)
+        return log(k) if log is not None else self.runs[k]
 
     def to_device(self, device: torch.device) -> None:
         """Start copying a lazily opened golden's rows to a CUDA ``device`` (see `device_rows`)."""
@@ -347,37 +369,47 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
             raise GoldenCorruptError(f"{path}/k{k} is missing") from e
     if not groups:
         raise GoldenCorruptError(f"{path} holds no verify widths")
-    names = ["tokens", "accepted", "prefill", "logits", "step_ms"]
-    if meta.get("feed") == "mtp":
-        names += ["bootstrap_logits", "drafts", "draft_logits"]
+    small = ["tokens", "accepted", "step_ms"] + (["drafts"] if meta.get("feed") == "mtp" else [])
+    big = ["prefill", "logits"] + (["bootstrap_logits", "draft_logits"] if meta.get("feed") == "mtp" else [])
 
-    def load(k: int) -> KRecord:
+    def load_log(k: int) -> KLog:
         where, g = f"{path}/k{k}", groups[k]
-        arrays = {n: _read(g, n, where) for n in names}
-        rec = KRecord(k=k, bootstrap=int(g.attrs.get("bootstrap", -1)),
-                      committed_is_greedy=g.attrs.get("committed_is_greedy"), decoded=g.attrs.get("decoded"),
-                      **arrays)
+        return KLog(k=k, bootstrap=int(g.attrs.get("bootstrap", -1)), decoded=g.attrs.get("decoded"),
+                    committed_is_greedy=g.attrs.get("committed_is_greedy"),
+                    **{n: _read(g, n, where) for n in small if n != "drafts"})
+
+    def load(k: int, log: KLog | None = None) -> KRecord:
+        where, g = f"{path}/k{k}", groups[k]
+        log = log or load_log(k)
+        rec = KRecord(k=k, bootstrap=log.bootstrap, committed_is_greedy=log.committed_is_greedy, decoded=log.decoded,
+                      tokens=log.tokens, accepted=log.accepted, step_ms=log.step_ms,
+                      **{n: _read(g, n, where) for n in big + (["drafts"] if "drafts" in small else [])})
         _check_shapes(rec, meta, len(prompt), ENCODINGS[logical][0], where)
         return rec
 
     if not lazy:
         return Golden(path=path, meta=meta, prompt=prompt, runs={k: load(k) for k in groups})
-    return Golden(path=path, meta=meta, prompt=prompt, runs=_Prefetched(groups, load))
+    return Golden(path=path, meta=meta, prompt=prompt, runs=_Prefetched(groups, load_log, load))
 
 
 _ROWS = ("prefill", "logits", "bootstrap_logits", "draft_logits")
 
 
 class _Prefetched(Mapping):
-    """Each K's record, read on one background thread in K order; `to_device` queues their upload."""
+    """Each K's record, read on one background thread: every K's step log first (small: a replay
+    starts on it), then each K's logits rows in K order; `to_device` queues their upload."""
 
-    def __init__(self, groups: Mapping[int, object], load):
+    def __init__(self, groups: Mapping[int, object], load_log, load):
         from concurrent.futures import ThreadPoolExecutor
 
         self._keys = list(groups)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vd-golden")
-        self._futures = {k: self._pool.submit(load, k) for k in self._keys}
+        self._logs = {k: self._pool.submit(load_log, k) for k in self._keys}
+        self._futures = {k: self._pool.submit(lambda k=k: load(k, self._logs[k].result())) for k in self._keys}
         self._uploads: dict = {}
+
+    def log(self, k: int) -> KLog:
+        return self._logs[k].result()
 
     def to_device(self, device: torch.device) -> None:
         """Copy every K's logits arrays to a CUDA ``device`` (pinned memory, a side stream), each as soon

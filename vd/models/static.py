@@ -37,8 +37,8 @@ STATIC_FORWARDS: dict[str, str] = {
     "over the whole cache), kernels launched one by one",
     "graphed": "the static forward captured as one CUDA graph per step shape (verify K, decode, MTP propose), "
     "shared memory pool, outputs cloned",
-    "compiled": "the static forward under torch.compile (Inductor, mode default, fullgraph off, no "
-    "CUDA graphs); prefills run uncompiled",
+    "compiled": "the static forward under torch.compile (Inductor, mode default, deterministic mode, fullgraph "
+    "off, no CUDA graphs of its own); prefills run uncompiled",
     "compiled-graphed": "the compiled static forward captured as one CUDA graph per step shape",
 }
 CUDA_ONLY = ("graphed", "compiled", "compiled-graphed")
@@ -162,7 +162,13 @@ def _maybe_compile(fn: Callable, compiled: bool) -> Callable:
     if not compiled:
         return fn
     import torch._dynamo
+    import torch._inductor.config
 
+    # Inductor's deterministic mode turns off the choices it makes by timing candidates (pad-mm, template
+    # and reduction autotuning): without it two compilations of one step (a recording and its replay in
+    # another process) measured different numbers on the H200.
+    if hasattr(torch._inductor.config, "deterministic"):
+        torch._inductor.config.deterministic = True
     # Each step shape (verify K, decode, every proposal shape) is its own compilation.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.cache_size_limit = max(getattr(torch._dynamo.config, "cache_size_limit", 8), 64)
