@@ -75,7 +75,8 @@ def test_graphed_replays_static_bit_for_bit(cli, tmp_path, spec, feed):
     head, propose): measured on the H200 for every K, verify and draft rows. Every forward is compared."""
     path = tmp_path / "graphed.zarr"
     code, out, err = cli("record", path, "--model", spec, "--feed", feed, "--device", "cuda", "--steps", "8",
-                         "--forward", "graphed", "--allow-thin", "--prompt", "The three laws of thermodynamics state that")
+                         "--forward", "graphed", "--allow-thin",
+                         "--prompt", "The three laws of thermodynamics state that")
     assert code == 0, err
     assert open_golden(path).meta["graphs"] == "graphed"
     r, by = _replay_all(cli, path, ["graphed", "static", "eager", "sdpa"], tmp_path / "r.json")
