@@ -442,6 +442,9 @@ class _Prefetched(Mapping):
         torch.cuda.current_stream(self._device).wait_event(event)
         return rows
 
+    def __contains__(self, k) -> bool:  # Mapping's would wait for the record to be read
+        return k in self._futures
+
     def __iter__(self):
         return iter(self._keys)
 
