@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from vd import env
-from vd.compare import thin_reason
+from vd.compare import coverage_reason, histogram, thin_reason
 from vd.errors import UsageError
 from vd.golden import ENCODINGS, GoldenWriter, KRecord, check_target, dtype_name, to_storage
 from vd.loop import DrafterFeed, ReferenceFeed, continuation, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
+from vd.policy import parse_policy
 from vd.protocol import DraftHead, VerifyModel
 
 # An ordinary instruction for the instruct model. (An earlier two-sentence prompt sent SmolLM2 into a
@@ -78,6 +79,8 @@ def record(
     refresh: bool = False,
     allow_thin: bool = False,
     deterministic: bool = False,
+    tolerances: Sequence[str] = (),
+    require_coverage: bool = False,
     on_step: Callable[[int], None] | None = None,
     on_phase: Callable[[str, int], None] | None = None,
 ) -> RecordResult:
@@ -98,6 +101,7 @@ def record(
     if steps < 1:
         raise UsageError(f"--steps must be at least 1; got {steps}")
     check_target(out, refresh)  # fail before the expensive part (the writer checks again)
+    policy = parse_policy(tolerances)
     if threads is not None:
         if threads < 1:
             raise UsageError(f"--threads must be at least 1; got {threads}")
@@ -143,13 +147,15 @@ def record(
             reason = thin_reason(k, accepted[k])
             if reason:
                 thin.append(reason)
+            if require_coverage and 0 in histogram(k, accepted[k]):
+                thin.append(coverage_reason(k, histogram(k, accepted[k])))
         seconds["verify"] = time.perf_counter() - t
-        if thin and not allow_thin:
+        if thin and (not allow_thin or any(x.startswith("coverage") for x in thin)):
             return RecordResult(None, accepted, thin, same, seconds)
         t = time.perf_counter()
         phase("writing golden", 0)
-        writer.publish(_meta(model, model_spec, head, forward, feed, ks, steps, prompt, greedy, thin,
-                             deterministic), tokens)
+        meta = _meta(model, model_spec, head, forward, feed, ks, steps, prompt, greedy, thin, deterministic)
+        writer.publish({**meta, "policy": policy, "require_coverage": require_coverage}, tokens)
     seconds["write"] = time.perf_counter() - t
     return RecordResult(out, accepted, thin, same, seconds)
 

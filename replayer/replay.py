@@ -22,11 +22,12 @@ import torch
 
 from recorder.record import prepare
 from vd import env
-from vd.compare import compare_run, histogram, thin_reason
+from vd.compare import compare_run, coverage_reason, histogram, thin_reason
 from vd.errors import ModelMismatchError, UsageError
-from vd.golden import Golden, open_golden
+from vd.golden import Golden, open_golden, to_storage
 from vd.loop import DrafterFeed, ReplayFeed, Step, run_verify
 from vd.models import check_device, load_model, require_forwards
+from vd.policy import describe, parse_policy, sensitivity
 from vd.protocol import DraftHead, VerifyModel
 
 
@@ -100,12 +101,17 @@ def replay(
     threads: int | None = None,
     allow_model_mismatch: bool = False,
     control: bool = True,
+    tolerances: Sequence[str] = (),
+    require_coverage: bool = False,
     on_phase: Callable[[str, int], None] | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> dict:
     """Replay ``golden_path`` and return the report (``report["verdict"]`` is PASS or FAIL).
 
     ``ks`` limits the replay to some of the golden's verify widths (default: all of them).
+    ``tolerances`` (``[KIND=]SPEC`` items, `vd.policy`) override the golden's comparison policy;
+    ``require_coverage`` fails a golden whose steps miss any accept count 0..K-1 at some K.
+    The first failing step's rows are kept in ``report["_first_failure_rows"]`` for a bundle.
     Bad input (a missing or corrupt golden, an unknown model or forward, a fingerprint mismatch) raises
     a `vd.errors.VdError` before any comparison.
     """
@@ -120,6 +126,7 @@ def replay(
     absent = [k for k in ks if k not in golden.runs]
     if absent:
         raise UsageError(f"{golden.path} has no verify width {absent}; it holds K = {list(golden.runs)}")
+    policy = parse_policy(tolerances, meta.get("policy"))
     determinism = (meta.get("determinism") or {}).get("applied")
     env.apply_determinism(determinism)  # what the recording applied, before the model is loaded
     # CPU kernels can split work by thread count: replay with the recording's unless told otherwise.
@@ -140,7 +147,7 @@ def replay(
         forced = ReplayFeed(log, bootstrap, golden.log(k).decoded)
         return DrafterFeed(k, steps, forced) if mtp else forced
 
-    verify, reasons, differs = [], [], False
+    verify, reasons, differs, kept = [], [], False, None
     t_start = time.perf_counter()
     for k in ks:
         rec = golden.log(k)  # the step log; the rows are still being read and uploaded
@@ -150,26 +157,21 @@ def replay(
             model.set_forward(name)
             prepare(model, len(golden.prompt), steps, golden.runs.keys())
             run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step)
-            c = compare_run(name, golden.runs[k], run, logical, golden.device_rows(k))
+            c = compare_run(name, golden.runs[k], run, logical, golden.device_rows(k), policy)
             comparisons.append(c)
             differs |= not c.equal
             timings.append(_timing(name, run.step_ms))
-            if not c.prefill_equal or c.mismatched_steps:
-                reasons.append(
-                    f"verify K={k}, {name}: prefill equal {c.prefill_equal}, {c.mismatched_steps} of "
-                    f"{c.steps} steps differ (first at {_where(c.first_mismatch or c.prefill_first_mismatch)})"
-                )
-            if c.bootstrap_equal is False or c.draft_mismatched_steps:
-                reasons.append(
-                    f"draft head K={k}, {name}: bootstrap row equal {c.bootstrap_equal}, "
-                    f"{c.draft_mismatched_steps} of {c.steps} steps' draft rows differ "
-                    f"(first at {_where(c.draft_first_mismatch)})"
-                )
+            reasons.extend(_reasons(k, name, c))
+            if not c.passed and kept is None:
+                kept = _failure_rows(k, name, c, golden.runs[k], run)
+        hist = histogram(k, rec.accepted.tolist())
         entry = {
             "k": k,
             "accepted": rec.accepted.tolist(),
-            "accept_histogram": histogram(k, rec.accepted.tolist()),
-            "comparisons": [c.to_json() for c in comparisons],
+            "accept_histogram": hist,
+            # How many steps accepted 0, 1, .., K-1 drafts: the golden's coverage of the accept path.
+            "coverage": {"accepted_counts": hist, "missing": [i for i, n in enumerate(hist) if n == 0]},
+            "comparisons": [{**c.to_json(), "reasons": _reasons(k, c.variant, c)} for c in comparisons],
             "timings": timings,
             "detection_control": None,
         }
@@ -178,17 +180,20 @@ def replay(
             run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
                              on_step=on_step)
             dc = compare_run(f"{forwards[-1]}, one draft changed", golden.runs[k], run, logical,
-                             golden.device_rows(k))
+                             golden.device_rows(k), policy)
             at = steps // 2
-            # It must see a difference at the very step whose draft changed, whatever else differs.
-            fired = at in dc.mismatched_step_list
+            # It must fail at the very step whose draft changed, under the active policy (or by a changed
+            # decision), whatever else differs: a policy too loose to see a changed input is blind.
+            fired = at in dc.failed_step_list
             entry["detection_control"] = {**dc.to_json(), "changed_step": at, "fired": fired}
             if not fired:
                 reasons.append(f"verify K={k}: the detection control saw no difference at step {at} "
-                               "after changing its last draft")
+                               f"after changing its last draft (policy: {describe(policy)})")
         thin = thin_reason(k, rec.accepted.tolist())
         if thin:
             reasons.append(thin)
+        if require_coverage and entry["coverage"]["missing"]:
+            reasons.append(coverage_reason(k, hist))
         verify.append(entry)
 
     replayed_env = env.capture(model.device)
@@ -218,13 +223,106 @@ def replay(
         "determinism": {"recorded": meta.get("determinism"), "applied": determinism,
                         "replayed": env.determinism()},
         "golden_forward": meta["forward"],
+        "policy": policy,
+        "sensitivity": _sensitivity(policy, logical, verify),
+        "require_coverage": require_coverage,
         "verify": verify,
         "verdict": "FAIL" if reasons else "PASS",
         "reasons": reasons,
         "notes": notes,
         "environment": {"recorded": recorded_env, "replayed": replayed_env, "numerics_differences": env_diff},
         "seconds": time.perf_counter() - t_start,
+        "_first_failure_rows": kept,
     }
+
+
+def _reasons(k: int, name: str, c) -> list[str]:
+    """One line per kind of row that fails (its policy, or a changed decision)."""
+    out, pol, sm = [], c.policy, c.summary
+    flips = {kind: [f for f in c.flips if f.kind == kind] for kind in ("prefill", "verify", "draft")}
+
+    def flip_text(kind: str) -> str:
+        fl = flips[kind]
+        if not fl:
+            return ""
+        f = fl[0]
+        where = "bootstrap row" if kind == "draft" and f.step is None else (
+            "prefill" if f.step is None else f"step {f.step}") + f" row {f.row}"
+        return (f"; {len(fl)} argmax flip(s), first at {where}: {f.golden_argmax} → {f.got_argmax}, golden "
+                f"top-1/top-2 margin {f.margin:.4g} ({f.margin_ulps:.1f} ULP{', a near-tie' if f.near_tie else ''})")
+
+    ver_bad = sm["verify"]["rows_failed"] or sm["prefill"]["rows_failed"] or flips["verify"] or flips["prefill"]
+    if ver_bad or c.accept_changes:
+        if pol["prefill"] == pol["verify"] == "exact":
+            head = (f"verify K={k}, {name}: prefill equal {c.prefill_equal}, {c.mismatched_steps} of {c.steps} "
+                    f"steps differ (first at {_where(c.first_mismatch or c.prefill_first_mismatch)})")
+        else:
+            v, p = sm["verify"], sm["prefill"]
+            head = (f"verify K={k}, {name}: {v['rows_failed']} of {v['rows']} verify rows fail {pol['verify']}, "
+                    f"{p['rows_failed']} of {p['rows']} prefill rows fail {pol['prefill']} (largest |Δ| "
+                    f"{max(v['max_abs'], p['max_abs']):.4g}, {max(v['max_ulp'], p['max_ulp']):.0f} ULP, KL "
+                    f"{max(v['max_kl'], p['max_kl']):.3g}; first failure {_failure(c.first_failure)})")
+        acc = ""
+        if c.accept_changes:
+            a = c.accept_changes[0]
+            acc = (f"; {len(c.accept_changes)} step(s) would accept a different number of drafts (first: step "
+                   f"{a['step']}, {a['golden']} → {a['got']})")
+        out.append(head + flip_text("prefill") + flip_text("verify") + acc)
+    if "draft" in sm and (sm["draft"]["rows_failed"] or flips["draft"]):
+        if pol["draft"] == "exact":
+            head = (f"draft head K={k}, {name}: bootstrap row equal {c.bootstrap_equal}, "
+                    f"{c.draft_mismatched_steps} of {c.steps} steps' draft rows differ "
+                    f"(first at {_where(c.draft_first_mismatch)})")
+        else:
+            d = sm["draft"]
+            head = (f"draft head K={k}, {name}: {d['rows_failed']} of {d['rows']} draft rows fail {pol['draft']} "
+                    f"(largest |Δ| {d['max_abs']:.4g}, {d['max_ulp']:.0f} ULP, KL {d['max_kl']:.3g})")
+        out.append(head + flip_text("draft"))
+    return out
+
+
+def _failure(f: dict | None) -> str:
+    if f is None:
+        return "-"
+    if f["step"] is None:
+        where = f"prefill row {f['row']}" if f["kind"] == "prefill" else "draft bootstrap row"
+    else:
+        where = f"{f['kind']} step {f['step']} row {f['row']}"
+    return f"{where} index {f['index']}: golden {f['golden']!r}, got {f['got']!r}"
+
+
+def _failure_rows(k: int, name: str, c, rec, run) -> dict | None:
+    """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle)."""
+    f = c.first_failure
+    if f is None:  # a changed accept count alone: keep its step's verify rows
+        if not c.accept_changes:
+            return None
+        f = {"kind": "verify", "step": c.accept_changes[0]["step"]}
+    kind, step = f["kind"], f["step"]
+    if kind == "prefill":
+        gold, got = rec.prefill, run.prefill
+    elif kind == "verify":
+        gold, got = rec.logits[step], run.rows[step]
+    elif step is None:
+        gold, got = rec.bootstrap_logits, run.bootstrap_row
+    else:
+        gold, got = rec.draft_logits[step], run.draft_rows[step]
+    return {"k": k, "forward": name, "kind": kind, "step": step, "golden": gold, "candidate": to_storage(got),
+            "tokens": rec.tokens[step].tolist() if step is not None else None, "first_failure": f}
+
+
+def _sensitivity(policy: dict, logical: str, verify: list[dict]) -> dict:
+    """Per kind: the smallest change the active policy is guaranteed to catch, from the golden's rows."""
+    out = {}
+    for kind in ("prefill", "verify", "draft"):
+        stats = [c["summary"][kind] for v in verify for c in v["comparisons"] if kind in c["summary"]]
+        if not stats:
+            continue
+        agg = {"max_abs": max(s["golden_max_abs"] for s in stats),
+               "min_margin": min(s["golden_min_margin"] for s in stats),
+               "median_top1_p": statistics.median(s["golden_median_top1_p"] for s in stats)}
+        out[kind] = {"policy": policy[kind], "catches": sensitivity(policy[kind], logical, agg), **agg}
+    return out
 
 
 def _where(m) -> str:

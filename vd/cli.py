@@ -1,4 +1,4 @@
-"""The `vd` command line: record, replay, show, models, forwards.
+"""The `vd` command line: record, replay, diff, show, models, forwards.
 
 Command bodies are a few lines over `recorder.record`, `replayer.replay` and `vd.golden`. Exit codes are
 decided here alone: 0 PASS, 1 FAIL (a difference, a thin reference, a blind control), 2 bad input or
@@ -120,6 +120,10 @@ def record(
     deterministic: Annotated[bool, typer.Option("--deterministic", help="Use deterministic algorithms, a fixed "
                                                 "cuBLAS workspace and no reduced-precision reductions (stored; "
                                                 "replay applies them too).")] = False,
+    tolerance: Annotated[list[str] | None, typer.Option(help="[KIND=]SPEC, repeatable: the comparison policy "
+                                                        "stored as this golden's default (see vd replay).")] = None,
+    require_coverage: Annotated[bool, typer.Option("--require-coverage", help="Refuse to store a golden unless "
+                                                   "every K has steps accepting each of 0..K-1 drafts.")] = False,
 ) -> int:
     """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store."""
     from recorder import DEFAULT_PROMPT
@@ -128,7 +132,8 @@ def record(
     with _Bar() as bar:
         r = do_record(out_path, model_spec=model, prompt=DEFAULT_PROMPT if prompt is None else prompt, ks=_parse_ks(k),
                       steps=steps, forward=forward, feed=feed, head=head, device=device, dtype=dtype, threads=threads,
-                      refresh=refresh, allow_thin=allow_thin, deterministic=deterministic, on_phase=bar.phase,
+                      refresh=refresh, allow_thin=allow_thin, deterministic=deterministic,
+                      tolerances=tolerance or (), require_coverage=require_coverage, on_phase=bar.phase,
                       on_step=bar.step)
     for kk, acc in r.accepted.items():
         same = "" if r.committed_is_greedy[kk] else "  (committed sequence left the greedy continuation)"
@@ -136,13 +141,20 @@ def record(
     if r.path is None:
         for reason in r.thin:
             err.print(f"vd: {reason}")
-        err.print("vd: reference too thin; nothing written (pass --allow-thin to store it anyway)")
+        err.print("vd: reference too thin or short of coverage; nothing written" +
+                  ("" if any("coverage" in x for x in r.thin) else " (pass --allow-thin to store it anyway)"))
         return EXIT_FAIL
     for reason in r.thin:
         err.print(f"vd: warning: {reason}")
     size = sum(f.stat().st_size for f in r.path.rglob("*") if f.is_file())
     out.print(f"recorded {r.path} ({size / 1e6:.1f} MB) in {sum(r.seconds.values()):.1f} s")
     return EXIT_PASS
+
+
+def _reports():
+    from replayer import reports
+
+    return reports
 
 
 def _json_default(o):
@@ -199,23 +211,51 @@ def replay(
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: the golden's).")] = None,
     allow_model_mismatch: Annotated[bool, typer.Option("--allow-model-mismatch",
                                     help="Compare even if the model's fingerprint differs.")] = False,
+    tolerance: Annotated[list[str] | None, typer.Option(help="[KIND=]SPEC, repeatable: KIND prefill, verify or "
+                                                        "draft; SPEC exact, ulp:N, atol:X,rtol:Y, argmax, topk:N, "
+                                                        "kl:X (default: the golden's policy).")] = None,
+    require_coverage: Annotated[bool, typer.Option("--require-coverage", help="Fail unless every K has steps "
+                                                   "accepting each of 0..K-1 drafts.")] = False,
+    bundle: Annotated[Path | None, typer.Option(help="On failure, write the first-divergence bundle here "
+                                                "(default: REPORT's name + .bundle, when --report is given).")] = None,
+    junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
+    html: Annotated[Path | None, typer.Option(help="Write a self-contained HTML report here.")] = None,
 ) -> int:
     """Replay a golden's steps through a forward and diff every row: PASS (0) or FAIL (1)."""
     from replayer import replay as do_replay
     from vd.golden import check_writable
 
-    if report is not None:
-        if report.is_dir():
-            raise UsageError(f"--report {report} is a directory; give a file path")
-        check_writable(report)  # before the replay, not after it
+    for flag, path in (("--report", report), ("--junit", junit), ("--html", html)):
+        if path is not None:
+            if path.is_dir():
+                raise UsageError(f"{flag} {path} is a directory; give a file path")
+            check_writable(path)  # before the replay, not after it
+    if bundle is not None:
+        check_writable(bundle)
     with _Bar() as bar:
         result = do_replay(golden, model_spec=model, head=head, forwards=forward or (), device=device, threads=threads,
-                           ks=_parse_ks(k) if k else (),
+                           ks=_parse_ks(k) if k else (), tolerances=tolerance or (),
+                           require_coverage=require_coverage,
                            allow_model_mismatch=allow_model_mismatch, on_phase=bar.phase, on_step=bar.step)
-    if report is not None:
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps(_finite(result), indent=2, default=_json_default) + "\n")
+    rows = result.pop("_first_failure_rows")
+    if bundle is None and report is not None:
+        bundle = report.with_name(report.name + ".bundle")
+    if result["verdict"] == "FAIL" and rows is not None and bundle is not None:
+        from replayer.reports import write_bundle
+
+        args = {"model": model, "head": head, "device": device, "threads": threads,
+                "allow_model_mismatch": allow_model_mismatch}
+        result["bundle"] = str(write_bundle(bundle, result, rows, args).parent)
+    for path, write in ((report, lambda p: p.write_text(json.dumps(_finite(result), indent=2, default=_json_default)
+                                                           + "\n")),
+                        (junit, lambda p: _reports().write_junit(p, result)),
+                        (html, lambda p: _reports().write_html(p, _finite(result)))):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(path)
     _summary(result)
+    if result.get("bundle"):
+        out.print(f"first-divergence bundle: {result['bundle']} (command.sh reproduces it)")
     return EXIT_PASS if result["verdict"] == "PASS" else EXIT_FAIL
 
 
@@ -240,6 +280,9 @@ def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) ->
     out.print(f"settings  feed {m.get('feed')}, dtype {m['dtype']}, device {m['device']}, K {m['k']}, "
               f"{m['steps']} steps, vocab {m['vocab_size']}, prompt {len(g.prompt)} tokens")
     out.print(f"prompt    {m.get('prompt_text', '')!r}")
+    from vd.policy import describe
+
+    out.print(f"policy    {describe(m.get('policy') or {})}")
     out.print(f"recorded  vd {e.get('vd')}, torch {e.get('torch')}, transformers {e.get('transformers')}, "
               f"zarr {e.get('zarr')}, python {e.get('python')} on {e.get('host')}")
     gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
@@ -251,6 +294,34 @@ def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) ->
         rate = sum(acc) / (len(acc) * (k - 1))
         out.print(f"K={k}  accepted {acc}  histogram {{{hist}}}  acceptance {rate:.0%}  bootstrap {r.bootstrap}{flag}")
     return EXIT_PASS
+
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(help="The reference golden.")],
+    b: Annotated[Path, typer.Argument(help="The golden to judge against it (the same recording, elsewhere).")],
+    tolerance: Annotated[list[str] | None, typer.Option(help="[KIND=]SPEC, repeatable (default: A's policy).")]
+    = None,
+    report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
+) -> int:
+    """Compare two goldens of the same recording without a model: PASS (0) or FAIL (1)."""
+    from replayer.diff import diff as do_diff
+    from vd.golden import check_writable
+
+    if report is not None:
+        check_writable(report)
+    result = do_diff(a, b, tolerances=tolerance or ())
+    if report is not None:
+        report.write_text(json.dumps(_finite(result), indent=2, default=_json_default) + "\n")
+    for v in result["verify"]:
+        c = v["comparison"]
+        sm = c["summary"]
+        out.print(f"K={v['k']}: " + "; ".join(f"{n} {s['rows_differ']}/{s['rows']} rows differ, {s['rows_failed']} "
+                                              f"fail, max |Δ| {s['max_abs']:.4g}" for n, s in sm.items()))
+    for reason in result["reasons"]:
+        out.print(f"  - {reason}")
+    out.print(result["verdict"], style="bold")
+    return EXIT_PASS if result["verdict"] == "PASS" else EXIT_FAIL
 
 
 @app.command()

@@ -1,20 +1,26 @@
-"""Comparing a run's logits rows with a golden's, byte for byte, and the thin-reference check.
+"""Comparing a run's logits rows with a golden's under a policy, the decisions they drive, and the
+thin-reference check.
 
-Equality is on the stored bit patterns (so a NaN equals only the same NaN, and -0.0 differs from 0.0):
-the question vd answers is whether a change moved the model's numbers at all. Tolerances are a later
-layer over the same differences.
+Bits first: a row whose stored bit patterns equal the golden's (a NaN equals only the same NaN, and -0.0
+differs from 0.0) costs one comparison on the candidate's device. Rows that differ are measured there
+(largest absolute and ULP difference, count of differing elements, first differing index, KL divergence,
+where in the vocabulary the differences sit) and judged under the kind's policy (`vd.policy`). Every
+row's argmax and every step's accept count are checked too: a flipped decision fails even inside a
+tolerance, with the golden's top-1/top-2 margin to tell a near-tie from a real change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from vd.golden import KRecord, as_bits, to_float, to_storage
+from vd.golden import KRecord
 from vd.loop import Run
+from vd.policy import KINDS, MANTISSA_BITS, Spec, parse_spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +35,32 @@ class Mismatch:
 
 
 @dataclass(frozen=True, slots=True)
-class Comparison:
-    """One forward's rows against the golden's, for one K.
+class Flip:
+    """A row whose argmax (the decision it drives) differs from the golden's."""
 
-    The ``draft_*`` fields and ``bootstrap_equal`` compare the MTP head's outputs and are None for a
-    reference golden.
+    kind: str
+    step: int | None
+    row: int
+    golden_argmax: int
+    got_argmax: int
+    margin: float  # the golden's top-1 minus top-2 logit at that row
+    margin_ulps: float  # the same in units in the last place of the golden's top-1 value
+    near_tie: bool  # margin within NEAR_TIE_ULPS: a tie at the dtype's resolution
+    row_max_abs: float  # the candidate row's largest absolute difference
+
+
+NEAR_TIE_ULPS = 4
+_ORDER = {"prefill": 0, "verify": 2, "draft": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """One forward's rows against the golden's, for one K, under a policy.
+
+    The bit-level fields (``prefill_equal``, ``mismatched_*``, ``first_mismatch``, ``max_abs_diff``) say
+    where bits differ; ``passed`` is the verdict under ``policy`` with decisions checked; ``per_step``,
+    ``summary``, ``flips``, ``accept_changes`` and ``positions`` say how. The ``draft_*`` fields and
+    ``bootstrap_equal`` compare the MTP head's outputs and are None for a reference golden.
     """
 
     variant: str
@@ -51,6 +78,15 @@ class Comparison:
     draft_first_mismatch: Mismatch | None = None
     draft_max_abs_diff: float | None = None
     draft_mismatched_step_list: list[int] | None = None
+    policy: dict = field(default_factory=dict)
+    passed: bool = True
+    failed_step_list: list[int] = field(default_factory=list)  # verify or draft rows failing, or a flip
+    first_failure: dict | None = None
+    flips: list[Flip] = field(default_factory=list)
+    accept_changes: list[dict] = field(default_factory=list)
+    per_step: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    positions: dict = field(default_factory=dict)
 
     @property
     def equal(self) -> bool:
@@ -61,29 +97,12 @@ class Comparison:
         return asdict(self)
 
 
-def _first(gold: np.ndarray, got: np.ndarray, logical: str, step: int | None) -> Mismatch | None:
-    """The first differing element of two 2-D storage arrays ``[rows, V]``."""
-    diff = as_bits(gold) != as_bits(got)
-    if not diff.any():
-        return None
-    row, index = (int(i) for i in np.argwhere(diff)[0])
-    g, c = to_float(gold[row, index : index + 1], logical), to_float(got[row, index : index + 1], logical)
-    return Mismatch(step, row, index, float(g[0]), float(c[0]))
-
-
-def _max_abs(gold: np.ndarray, got: np.ndarray, logical: str) -> float:
-    """Largest absolute difference over elements whose bits differ (inf where one side is NaN)."""
-    diff = as_bits(gold) != as_bits(got)
-    if not diff.any():
-        return 0.0
-    d = np.abs(to_float(gold[diff], logical) - to_float(got[diff], logical))
-    d[np.isnan(d)] = np.inf
-    return float(d.max())
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """A logits tensor viewed as signed integers of its width: equal bits, equal integers."""
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+_FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -92,24 +111,102 @@ def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(bits).to(device)
 
 
-def _diff_steps(gold: np.ndarray, got: torch.Tensor, logical: str,
-                gold_dev: torch.Tensor | None = None) -> tuple[list[int], Mismatch | None, float]:
-    """Per-step diff of golden ``[S, R, V]`` storage rows against candidate rows on their device.
+def _ordered(bits: torch.Tensor) -> torch.Tensor:
+    """Integer bit patterns mapped so that adjacent floats are adjacent integers (-0.0 and 0.0 both 0)."""
+    b = bits.to(torch.int64)
+    low = -(1 << (8 * bits.element_size() - 1))
+    return torch.where(b < 0, low - b, b)
 
-    The equality test runs where the candidate is (the GPU, for a CUDA forward), against the golden's
-    bits already there when ``gold_dev`` is given, and only one flag per step comes back; only steps that
-    differ are copied to the host for their details.
+
+@dataclass(slots=True)
+class Rows:
+    """Per-row measurements of ``R`` candidate rows against the golden's (numpy arrays of length R)."""
+
+    differ: np.ndarray
+    passed: np.ndarray
+    n_diff: np.ndarray
+    first_index: np.ndarray
+    first_golden: np.ndarray
+    first_got: np.ndarray
+    max_abs: np.ndarray
+    max_ulp: np.ndarray
+    kl: np.ndarray
+    golden_argmax: np.ndarray
+    got_argmax: np.ndarray
+    margin: np.ndarray
+    top1: np.ndarray
+    golden_absmax: np.ndarray  # the golden row's largest |logit|
+    top1_p: np.ndarray  # the golden row's top-token probability
+    positions: np.ndarray  # differing elements per vocabulary bin, summed over rows
+
+
+POSITION_BINS = 64
+
+
+def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec) -> Rows:
+    """Measure candidate rows ``[R, V]`` against golden bit patterns ``[R, V]``, on the candidate's device.
+
+    Every row gets its argmax and the golden's top-1/top-2 margin (decisions are always checked); only
+    rows whose bits differ get the element-level measurements, so an equal row costs one comparison.
     """
-    if not len(gold):
-        return [], None, 0.0
-    if gold_dev is None or gold_dev.device != got.device:
-        gold_dev = _on_device(gold, got.device)
-    differs = (gold_dev.view(gold.shape) != _bits(got)).flatten(1).any(dim=1).tolist()
-    bad = [s for s, d in enumerate(differs) if d]
-    if not bad:
-        return [], None, 0.0
-    g, c = gold[bad], to_storage(got[bad])
-    return bad, _first(g[0], c[0], logical, bad[0]), _max_abs(g, c, logical)
+    r, v = got.shape
+    cb = _bits(got)
+    gb = gold_bits.view(cb.shape)
+    g = gb.view(_FLOAT[logical]).float()
+    c = got.float()
+    differ = (gb != cb).any(dim=1)
+    top = g.topk(min(2, v), dim=1).values
+    zeros = torch.zeros(r, dtype=torch.float64, device=got.device)
+    out = {n: zeros.clone() for n in ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp",
+                                      "kl")}
+    passed = ~differ
+    positions = torch.zeros(POSITION_BINS, dtype=torch.int64, device=got.device)
+    idx = differ.nonzero().flatten()
+    if idx.numel():
+        gd, cd, dm = g[idx], c[idx], gb[idx] != cb[idx]
+        first = dm.to(torch.int8).argmax(dim=1)
+        nan = gd.isnan() | cd.isnan()
+        absd = torch.where(dm, (gd - cd).abs(), 0.0)
+        absd = torch.where(dm & nan, torch.inf, absd)
+        ulp = (_ordered(gb[idx]) - _ordered(cb[idx])).abs().to(torch.float64)
+        ulp = torch.where(dm & nan, torch.inf, ulp)
+        kl = (torch.softmax(gd, 1) * (torch.log_softmax(gd, 1) - torch.log_softmax(cd, 1))).sum(1)
+        kl = torch.nan_to_num(kl.to(torch.float64), nan=torch.inf).clamp_min(0.0)
+        cols = dm.nonzero()[:, 1]
+        positions = torch.bincount(cols * POSITION_BINS // v, minlength=POSITION_BINS)
+        rows_at = torch.arange(idx.numel(), device=got.device)
+        vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
+                "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values,
+                "kl": kl}
+        for n, val in vals.items():
+            out[n][idx] = val.to(torch.float64)
+        if spec.name == "ulp":
+            ok = ulp.max(1).values <= spec.n
+        elif spec.name == "close":
+            ok = ~(absd > spec.atol + spec.rtol * gd.abs()).any(1)
+        elif spec.name == "argmax":
+            ok = gd.argmax(1) == cd.argmax(1)
+        elif spec.name == "topk":
+            n = min(spec.n, v)
+            ok = (gd.topk(n, 1).indices.sort(1).values == cd.topk(n, 1).indices.sort(1).values).all(1)
+        elif spec.name == "kl":
+            ok = kl <= spec.kl
+        else:
+            ok = torch.zeros(idx.numel(), dtype=torch.bool, device=got.device)
+        passed = passed.clone()
+        passed[idx] = ok
+    host = {n: t.cpu().numpy() for n, t in out.items()}
+    return Rows(differ=differ.cpu().numpy(), passed=passed.cpu().numpy(), golden_argmax=g.argmax(1).cpu().numpy(),
+                got_argmax=c.argmax(1).cpu().numpy(), margin=(top[:, 0] - top[:, -1]).cpu().numpy(),
+                top1=top[:, 0].cpu().numpy(), golden_absmax=g.abs().amax(1).cpu().numpy(),
+                top1_p=(1.0 / torch.exp(g - top[:, :1]).sum(1)).cpu().numpy(), positions=positions.cpu().numpy(),
+                **host)
+
+
+def ulp_of(x: float, logical: str) -> float:
+    """One unit in the last place of ``x`` in the logical dtype."""
+    x = abs(x) if math.isfinite(x) and x != 0 else 2.0 ** -126
+    return 2.0 ** (math.floor(math.log2(x)) - MANTISSA_BITS[logical])
 
 
 def _stack(rows: list[torch.Tensor], like: np.ndarray) -> torch.Tensor:
@@ -118,39 +215,161 @@ def _stack(rows: list[torch.Tensor], like: np.ndarray) -> torch.Tensor:
     return torch.empty((0,) + like.shape[1:])
 
 
+@dataclass(slots=True)
+class _Kind:
+    """One kind's rows laid out as steps × rows-per-step (the prefill is one "step" of P rows)."""
+
+    name: str
+    rows: Rows
+    per_step: int
+    stepped: bool  # False: the prefill (its rows have no step)
+    offset: int = 0  # the bootstrap row precedes the draft rows of step 0
+
+    def where(self, flat: int) -> tuple[int | None, int]:
+        flat -= self.offset
+        if flat < 0:
+            return None, 0  # the bootstrap row
+        return (flat // self.per_step if self.stepped else None), flat % self.per_step
+
+
+def _measure_kind(name: str, gold: np.ndarray, got: torch.Tensor, logical: str, spec: Spec,
+                  gold_dev: torch.Tensor | None) -> Rows:
+    v = gold.shape[-1]
+    flat_got = got.reshape(-1, v)
+    if gold_dev is None or gold_dev.device != got.device:
+        gold_dev = _on_device(gold, got.device)
+    return measure(gold_dev.reshape(-1, v), flat_got, logical, spec)
+
+
+def _first_mismatch(kind: _Kind) -> Mismatch | None:
+    r = kind.rows
+    bad = np.flatnonzero(r.differ)
+    if not bad.size:
+        return None
+    f = int(bad[0])
+    step, row = kind.where(f)
+    return Mismatch(step, row, int(r.first_index[f]), float(r.first_golden[f]), float(r.first_got[f]))
+
+
 def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
-                device_rows: dict[str, torch.Tensor] | None = None) -> Comparison:
-    """Diff every row of ``run`` (its prefill, each step's K rows and, for an MTP golden, the bootstrap
+                device_rows: dict[str, torch.Tensor] | None = None,
+                policy: Mapping[str, str] | None = None) -> Comparison:
+    """Measure every row of ``run`` (its prefill, each step's K rows and, for an MTP golden, the bootstrap
     decode row and the head's draft rows) against ``golden`` (whose arrays ``device_rows`` holds on the
-    run's device already, when prefetched)."""
+    run's device already, when prefetched), judge them under ``policy`` (exact by default), and check
+    every decision: each row's argmax, and each step's accept count."""
+    policy = dict(policy or {k: "exact" for k in KINDS})
+    specs = {k: parse_spec(policy.get(k, "exact")) for k in KINDS}
     dev = device_rows or {}
     rows = _stack(run.rows, golden.logits)
     assert tuple(run.prefill.shape) == golden.prefill.shape and tuple(rows.shape) == golden.logits.shape, \
         "shapes checked on load"
-    bad, first, max_abs = _diff_steps(golden.logits, rows, logical, dev.get("logits"))
-    _, pre_first, pre_max = _diff_steps(golden.prefill[None], run.prefill[None], logical, dev.get("prefill"))
-    if pre_first is not None:
-        pre_first = Mismatch(None, pre_first.row, pre_first.index, pre_first.golden, pre_first.got)
-    mtp = {}
-    if golden.draft_logits is not None:
-        dbad, dfirst, dmax = _diff_steps(golden.draft_logits, _stack(run.draft_rows, golden.draft_logits), logical,
-                                         dev.get("draft_logits"))
-        boot_bad, _, boot_max = _diff_steps(golden.bootstrap_logits[None], run.bootstrap_row[None], logical,
-                                            dev.get("bootstrap_logits"))
-        mtp = dict(bootstrap_equal=not boot_bad, draft_mismatched_steps=len(dbad), draft_first_mismatch=dfirst,
-                   draft_max_abs_diff=dmax, draft_mismatched_step_list=dbad)
-        max_abs = max(max_abs, boot_max)
+    s, k = golden.logits.shape[:2]
+    kinds = [
+        _Kind("prefill", _measure_kind("prefill", golden.prefill, run.prefill, logical, specs["prefill"],
+                                       dev.get("prefill")), golden.prefill.shape[0], False),
+        _Kind("verify", _measure_kind("verify", golden.logits, rows, logical, specs["verify"], dev.get("logits")),
+              k, True),
+    ]
+    mtp = golden.draft_logits is not None
+    if mtp:
+        drafts = _stack(run.draft_rows, golden.draft_logits)
+        both = np.concatenate([golden.bootstrap_logits, golden.draft_logits.reshape(-1, golden.logits.shape[-1])])
+        both_dev = None
+        if dev.get("bootstrap_logits") is not None and dev.get("draft_logits") is not None:
+            v = golden.logits.shape[-1]
+            both_dev = torch.cat([dev["bootstrap_logits"].reshape(-1, v), dev["draft_logits"].reshape(-1, v)])
+        got = torch.cat([run.bootstrap_row.reshape(-1, rows.shape[-1]), drafts.reshape(-1, rows.shape[-1])])
+        kinds.append(_Kind("draft", _measure_kind("draft", both, got, logical, specs["draft"], both_dev),
+                           k - 1, True, offset=1))
+    by = {kd.name: kd for kd in kinds}
+
+    flips, failed_steps, failures = [], set(), []
+    for kd in kinds:
+        r = kd.rows
+        for f in np.flatnonzero(~r.passed | (r.golden_argmax != r.got_argmax)):
+            step, row = kd.where(int(f))
+            if step is not None:
+                failed_steps.add(step)
+            flipped = bool(r.golden_argmax[f] != r.got_argmax[f])
+            if flipped:
+                top1 = float(r.top1[f])
+                units = float(r.margin[f]) / ulp_of(top1, logical)
+                flips.append(Flip(kd.name, step, row, int(r.golden_argmax[f]), int(r.got_argmax[f]),
+                                  float(r.margin[f]), units, units <= NEAR_TIE_ULPS, float(r.max_abs[f])))
+            # In the order the rows were computed: prefill, bootstrap, then each step's verify and draft rows.
+            order = (-1 if step is None else step, _ORDER[kd.name] if step is not None else int(kd.name == "draft"))
+            failures.append((order, row, {"kind": kd.name, "step": step, "row": row,
+                                          "index": int(r.first_index[f]), "golden": float(r.first_golden[f]),
+                                          "got": float(r.first_got[f]), "policy": policy[kd.name],
+                                          "argmax_flipped": flipped}))
+    first_failure = min(failures, key=lambda x: (x[0], x[1]))[2] if failures else None
+    accept_changes = [{"step": i, "golden": int(a), "got": int(b)}
+                      for i, (a, b) in enumerate(zip(golden.accepted.tolist(), run.computed)) if a != b]
+    failed_steps |= {c["step"] for c in accept_changes}
+
+    ver, pre = by["verify"].rows, by["prefill"].rows
+    per_step = []
+    for i in range(s):
+        sl = slice(i * k, (i + 1) * k)
+        entry = {"step": i, "max_abs": float(ver.max_abs[sl].max()), "max_ulp": float(ver.max_ulp[sl].max()),
+                 "n_diff": int(ver.n_diff[sl].sum()), "max_kl": float(ver.kl[sl].max()),
+                 "argmax_agree": bool((ver.golden_argmax[sl] == ver.got_argmax[sl]).all()),
+                 "passed": i not in failed_steps}
+        if mtp:
+            d = by["draft"].rows
+            ds = slice(1 + i * (k - 1), 1 + (i + 1) * (k - 1))
+            entry.update(draft_max_abs=float(d.max_abs[ds].max(initial=0.0)), draft_n_diff=int(d.n_diff[ds].sum()))
+        per_step.append(entry)
+    summary = {}
+    for kd in kinds:
+        r = kd.rows
+        summary[kd.name] = {"rows": int(r.differ.size), "rows_differ": int(r.differ.sum()),
+                            "rows_failed": int((~r.passed).sum()),
+                            "argmax_flips": int((r.golden_argmax != r.got_argmax).sum()),
+                            "max_abs": float(r.max_abs.max(initial=0.0)), "max_ulp": float(r.max_ulp.max(initial=0.0)),
+                            "max_kl": float(r.kl.max(initial=0.0)), "n_diff": int(r.n_diff.sum()),
+                            "golden_max_abs": float(np.nanmax(r.golden_absmax, initial=0.0)),
+                            "golden_min_margin": float(np.nanmin(r.margin, initial=np.inf)),
+                            "golden_median_top1_p": float(np.nanmedian(r.top1_p)) if r.top1_p.size else 0.5}
+    positions = {"bins": POSITION_BINS, "vocab": int(golden.logits.shape[-1]),
+                 "counts": [int(x) for x in sum(kd.rows.positions for kd in kinds)]}
+
+    vbad = sorted({kinds[1].where(int(f))[0] for f in np.flatnonzero(ver.differ)})
+    extra = {}
+    if mtp:
+        d = by["draft"].rows
+        bad = np.flatnonzero(d.differ[1:]) + 1  # row 0 is the bootstrap row
+        dbad = sorted({by["draft"].where(int(f))[0] for f in bad})
+        first = None
+        if bad.size:
+            step, row = by["draft"].where(int(bad[0]))
+            f = int(bad[0])
+            first = Mismatch(step, row, int(d.first_index[f]), float(d.first_golden[f]), float(d.first_got[f]))
+        extra = dict(bootstrap_equal=not bool(d.differ[0]), draft_mismatched_steps=len(dbad),
+                     draft_first_mismatch=first, draft_max_abs_diff=float(d.max_abs.max(initial=0.0)),
+                     draft_mismatched_step_list=dbad)
     return Comparison(
         variant=variant,
-        prefill_equal=pre_first is None,
-        mismatched_steps=len(bad),
-        steps=len(rows),
-        first_mismatch=first,
-        max_abs_diff=max(pre_max, max_abs),
-        prefill_first_mismatch=pre_first,
-        mismatched_step_list=bad,
-        decision_changes=sum(int(a != b) for a, b in zip(run.computed, golden.accepted.tolist())),
-        **mtp,
+        prefill_equal=not pre.differ.any(),
+        mismatched_steps=len(vbad),
+        steps=s,
+        first_mismatch=_first_mismatch(by["verify"]),
+        max_abs_diff=max(float(pre.max_abs.max(initial=0.0)), float(ver.max_abs.max(initial=0.0)),
+                         float(by["draft"].rows.max_abs[0]) if mtp else 0.0),
+        prefill_first_mismatch=_first_mismatch(by["prefill"]),
+        mismatched_step_list=vbad,
+        decision_changes=len(accept_changes),
+        policy=policy,
+        passed=not flips and not accept_changes and all(kd.rows.passed.all() for kd in kinds),
+        failed_step_list=sorted(failed_steps),
+        first_failure=first_failure,
+        flips=flips,
+        accept_changes=accept_changes,
+        per_step=per_step,
+        summary=summary,
+        positions=positions,
+        **extra,
     )
 
 
@@ -161,6 +380,13 @@ def thin_reason(k: int, accepted: Sequence[int]) -> str | None:
         return (f"verify K={k}: the reference accepted {list(accepted)}; "
                 "it needs both full and partial accepts")
     return None
+
+
+def coverage_reason(k: int, hist: Sequence[int]) -> str:
+    """Why a golden misses part of the accept path: the accept counts no step had."""
+    missing = [i for i, n in enumerate(hist) if n == 0]
+    return (f"coverage K={k}: no step accepted {', '.join(map(str, missing))} draft(s) "
+            f"(steps per accept count 0..{k - 1}: {list(hist)})")
 
 
 def histogram(k: int, accepted: Sequence[int]) -> list[int]:

@@ -1,0 +1,135 @@
+"""Comparison policies: when a candidate row counts as the same as the golden's, per kind of row.
+
+A policy maps each kind of row (``prefill``, ``verify``, ``draft``: the MTP head's rows and its
+bootstrap row) to a SPEC:
+
+=================  =====================================================================================
+``exact``          every element's bits equal (the default)
+``ulp:N``          every element within N units in the last place of the golden's dtype (bf16: 8-bit
+                   mantissa), counted on the ordered bit patterns, so -0.0 and 0.0 are 0 apart
+``atol:X,rtol:Y``  every element within ``X + Y * |golden|`` (``torch.testing.assert_close`` and
+                   ``numpy.isclose``: one combined bound). Polygraphy instead passes an element when
+                   *either* its absolute or its relative difference is within bound, a looser rule;
+                   vd fails an element as soon as it is outside the combined bound
+``argmax``         the row's top-1 index equal
+``topk:N``         the same set of N top indices
+``kl:X``           KL(golden || candidate) of the rows' softmax at most X nats
+=================  =====================================================================================
+
+Whatever the policy, decisions are checked as well (`vd.compare`): a row whose argmax differs from the
+golden's fails even when its values are within tolerance, because it changes which draft a scheduler
+accepts or which token it emits. `sensitivity` states the smallest change a policy is guaranteed to
+catch. A golden stores the policy it was recorded with as its default; ``--tolerance`` overrides it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from vd.errors import UsageError
+
+KINDS = ("prefill", "verify", "draft")
+_SPEC = re.compile(
+    r"^(?:(?P<exact>exact)|ulp:(?P<ulp>\d+)|atol:(?P<atol>[^,]+),rtol:(?P<rtol>[^,]+)|(?P<argmax>argmax)"
+    r"|topk:(?P<topk>\d+)|kl:(?P<kl>.+))$"
+)
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One parsed SPEC: ``name`` is exact, ulp, close, argmax, topk or kl."""
+
+    name: str
+    text: str
+    n: int = 0
+    atol: float = 0.0
+    rtol: float = 0.0
+    kl: float = 0.0
+
+
+def parse_spec(text: str) -> Spec:
+    """A SPEC string to a `Spec`, or a UsageError naming the accepted forms."""
+    m = _SPEC.match(text.strip())
+    if not m:
+        raise UsageError(f"unknown tolerance {text!r}: use exact, ulp:N, atol:X,rtol:Y, argmax, topk:N or kl:X")
+    t = text.strip()
+    try:
+        if m["exact"]:
+            return Spec("exact", t)
+        if m["ulp"]:
+            return Spec("ulp", t, n=int(m["ulp"]))
+        if m["atol"] is not None:
+            atol, rtol = float(m["atol"]), float(m["rtol"])
+            if not (atol >= 0 and rtol >= 0 and math.isfinite(atol) and math.isfinite(rtol)):
+                raise ValueError
+            return Spec("close", t, atol=atol, rtol=rtol)
+        if m["argmax"]:
+            return Spec("argmax", t)
+        if m["topk"]:
+            if int(m["topk"]) < 1:
+                raise ValueError
+            return Spec("topk", t, n=int(m["topk"]))
+        kl = float(m["kl"])
+        if not (kl >= 0 and math.isfinite(kl)):
+            raise ValueError
+        return Spec("kl", t, kl=kl)
+    except ValueError as e:
+        raise UsageError(f"bad number in tolerance {text!r}") from e
+
+
+def parse_policy(items: Iterable[str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``[KIND=]SPEC`` items over ``base`` (default: exact everywhere); later items win. A SPEC without a
+    KIND applies to every kind."""
+    policy = {k: "exact" for k in KINDS}
+    policy.update({k: v for k, v in (base or {}).items() if k in KINDS})
+    for item in items:
+        kind, sep, spec = item.partition("=")
+        if not sep:
+            kind, spec = "", item
+        if kind and kind not in KINDS:
+            raise UsageError(f"unknown row kind {kind!r} in --tolerance {item!r} (choose from {', '.join(KINDS)})")
+        parse_spec(spec)
+        for k in [kind] if kind else KINDS:
+            policy[k] = spec.strip()
+    for spec in policy.values():
+        parse_spec(spec)  # a stored policy must parse too
+    return policy
+
+
+def describe(policy: Mapping[str, str]) -> str:
+    """``prefill exact, verify ulp:2, draft exact``."""
+    return ", ".join(f"{k} {policy.get(k, 'exact')}" for k in KINDS)
+
+
+def sensitivity(spec_text: str, logical: str, stats: Mapping[str, float]) -> str:
+    """The smallest change the policy is guaranteed to catch in a row, in words and figures.
+
+    ``stats`` describes the golden's rows of this kind: ``max_abs`` (largest |logit|), ``min_margin``
+    (smallest top-1/top-2 gap) and ``median_top1_p`` (median probability of the top token).
+    """
+    spec = parse_spec(spec_text)
+    ulp_at = 2.0 ** (math.floor(math.log2(max(stats.get("max_abs", 1.0), 2.0 ** -126))) - MANTISSA_BITS[logical])
+    flip = (f"; and always any change of a row's argmax (the golden's smallest top-1/top-2 margin is "
+            f"{stats.get('min_margin', float('nan')):.4g})")
+    if spec.name == "exact":
+        return "any change of any bit of any element (1 ULP)" + flip
+    if spec.name == "ulp":
+        return (f"any element moved by more than {spec.n} ULP (at the largest |logit| "
+                f"{stats.get('max_abs', 0):.4g} that is {spec.n * ulp_at:.4g})" + flip)
+    if spec.name == "close":
+        worst = spec.atol + spec.rtol * stats.get("max_abs", 0.0)
+        return (f"any element moved by more than atol + rtol·|golden| ({spec.atol:g} near zero, {worst:.4g} at "
+                f"the largest |logit| {stats.get('max_abs', 0):.4g})" + flip)
+    if spec.name == "argmax":
+        return "only a change of a row's top-1 index; a change of any size that keeps it is not seen" + flip
+    if spec.name == "topk":
+        return (f"only a change of the set of a row's top {spec.n} indices; changes within or below it are "
+                "not seen" + flip)
+    p = min(max(stats.get("median_top1_p", 0.5), 1e-6), 1 - 1e-6)
+    delta = math.sqrt(2 * spec.kl / (p * (1 - p))) if spec.kl > 0 else 0.0
+    return (f"a change of the softmax by more than {spec.kl:g} nats KL; for a row whose top token holds "
+            f"p = {p:.3g} (the golden's median) that is a shift of its logit by about {delta:.3g}" + flip)
