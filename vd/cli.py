@@ -173,8 +173,11 @@ def _finite(obj):
 
 
 def _summary(report: dict) -> None:
-    t = Table(title=f"vd replay {report['golden']}", title_justify="left")
-    cols = ["K", "forward", "prefill", "steps differ", "first mismatch", "max |Δ|", "step ms", "control"]
+    from vd.policy import describe
+
+    t = Table(title=f"vd replay {report['golden']}  (policy: {describe(report['policy'])})", title_justify="left")
+    cols = ["K", "forward", "prefill", "steps differ", "first mismatch", "max |Δ|", "flips", "judged", "step ms",
+            "control"]
     if report["mtp"]:
         cols[4:4] = ["drafts differ"]
     for col in cols:
@@ -186,8 +189,8 @@ def _summary(report: dict) -> None:
             m = c["first_mismatch"]
             first = "-" if m is None else f"step {m['step']} row {m['row']} [{m['index']}]"
             cells = [str(v["k"]), c["variant"], "equal" if c["prefill_equal"] else "DIFFERS",
-                     f"{c['mismatched_steps']}/{c['steps']}", first, f"{c['max_abs_diff']:.4g}",
-                     f"{tm['step_ms_median']:.2f}", control]
+                     f"{c['mismatched_steps']}/{c['steps']}", first, f"{c['max_abs_diff']:.4g}", str(len(c["flips"])),
+                     "pass" if c["passed"] else "FAIL", f"{tm['step_ms_median']:.2f}", control]
             if report["mtp"]:
                 boot = "" if c["bootstrap_equal"] else " +bootstrap"
                 cells[4:4] = [f"{c['draft_mismatched_steps']}/{c['steps']}{boot}"]

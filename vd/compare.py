@@ -287,11 +287,18 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
     flips, failed_steps, failures = [], set(), []
     for kd in kinds:
         r = kd.rows
-        for f in np.flatnonzero(~r.passed | (r.golden_argmax != r.got_argmax)):
+        # A row's argmax is a decision where generation acts on it: every verify row (acceptance and the
+        # bonus token), every draft row (the draft itself), and the prefill's last row (the first token);
+        # the other prefill rows are teacher-forced and decide nothing.
+        decides = np.ones(r.differ.size, dtype=bool)
+        if kd.name == "prefill":
+            decides[:-1] = False
+        flipped_rows = (r.golden_argmax != r.got_argmax) & decides
+        for f in np.flatnonzero(~r.passed | flipped_rows):
             step, row = kd.where(int(f))
             if step is not None:
                 failed_steps.add(step)
-            flipped = bool(r.golden_argmax[f] != r.got_argmax[f])
+            flipped = bool(flipped_rows[f])
             if flipped:
                 top1 = float(r.top1[f])
                 units = float(r.margin[f]) / ulp_of(top1, logical)
@@ -326,7 +333,7 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
         r = kd.rows
         summary[kd.name] = {"rows": int(r.differ.size), "rows_differ": int(r.differ.sum()),
                             "rows_failed": int((~r.passed).sum()),
-                            "argmax_flips": int((r.golden_argmax != r.got_argmax).sum()),
+                            "argmax_flips": int(sum(f.kind == kd.name for f in flips)),
                             "max_abs": float(r.max_abs.max(initial=0.0)), "max_ulp": float(r.max_ulp.max(initial=0.0)),
                             "max_kl": float(r.kl.max(initial=0.0)), "n_diff": int(r.n_diff.sum()),
                             "golden_max_abs": float(np.nanmax(r.golden_absmax, initial=0.0)),
