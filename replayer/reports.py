@@ -185,7 +185,8 @@ def write_html(path: Path, report: Mapping) -> None:
             tot = {key: sum(s[key] for s in sm.values()) for key in ("rows_differ", "rows_failed", "argmax_flips")}
             mx = {key: max(s[key] for s in sm.values()) for key in ("max_abs", "max_ulp", "max_kl")}
             ff = c["first_failure"]
-            first = "-" if ff is None else f"{ff['kind']} step {ff['step']} row {ff['row']} index {ff['index']}"
+            where = "" if ff is None or ff["step"] is None else f" step {ff['step']}"
+            first = "-" if ff is None else f"{ff['kind']}{where} row {ff['row']} index {ff['index']}"
             out.append(f"<tr><td>{e(c['variant'])}</td><td>{'pass' if c['passed'] else 'FAIL'}</td>"
                        f"<td>{tot['rows_differ']}</td><td>{tot['rows_failed']}</td><td>{tot['argmax_flips']}</td>"
                        f"<td>{mx['max_abs']:.4g}</td><td>{mx['max_ulp']:.0f}</td><td>{mx['max_kl']:.3g}</td>"

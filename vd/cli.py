@@ -252,7 +252,7 @@ def replay(
     for path, write in ((report, lambda p: p.write_text(json.dumps(_finite(result), indent=2, default=_json_default)
                                                            + "\n")),
                         (junit, lambda p: _reports().write_junit(p, result)),
-                        (html, lambda p: _reports().write_html(p, _finite(result)))):
+                        (html, lambda p: _reports().write_html(p, result))):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             write(path)
