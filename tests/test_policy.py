@@ -143,6 +143,10 @@ def test_replay_with_tolerance_passes_what_exact_fails(cli, tiny_golden, tmp_pat
     assert all(v["detection_control"]["fired"] for v in r["verify"])
     c = r["verify"][0]["comparisons"][0]
     assert c["mismatched_step_list"] == [3] and c["passed"] and c["summary"]["verify"]["max_ulp"] == 1
+    assert c["rows"] == [{"kind": "verify", "step": 3, "row": 1, "passed": True, "n_diff": 1, "first_index": 7,
+                          "max_abs": c["rows"][0]["max_abs"], "max_ulp": 1.0, "kl": c["rows"][0]["kl"],
+                          "argmax_agree": True}]
+    assert 0 < c["rows"][0]["max_abs"] < 0.1 and c["per_step"][3]["n_diff"] == 1 and c["per_step"][2]["n_diff"] == 0
     assert "1 ULP" in r["sensitivity"]["prefill"]["catches"] and "2 ULP" not in r["sensitivity"]["verify"]["catches"]
     # A policy too loose to see the control's changed draft is blind, and the replay fails for it.
     code, out, err = cli("replay", tiny_golden, "--tolerance", "kl:1000", "--report", tmp_path / "loose.json")

@@ -85,6 +85,7 @@ class Comparison:
     flips: list[Flip] = field(default_factory=list)
     accept_changes: list[dict] = field(default_factory=list)
     per_step: list[dict] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)  # every row that differs or flips, measured (first MAX_ROWS)
     summary: dict = field(default_factory=dict)
     positions: dict = field(default_factory=dict)
 
@@ -141,6 +142,7 @@ class Rows:
 
 
 POSITION_BINS = 64
+MAX_ROWS = 2000  # rows listed one by one in a comparison; the summaries cover them all
 
 
 def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec) -> Rows:
@@ -339,6 +341,15 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
                             "golden_max_abs": float(np.nanmax(r.golden_absmax, initial=0.0)),
                             "golden_min_margin": float(np.nanmin(r.margin, initial=np.inf)),
                             "golden_median_top1_p": float(np.nanmedian(r.top1_p)) if r.top1_p.size else 0.5}
+    row_list = []
+    for kd in kinds:
+        r = kd.rows
+        for f in np.flatnonzero(r.differ)[: MAX_ROWS - len(row_list)]:
+            step, row = kd.where(int(f))
+            row_list.append({"kind": kd.name, "step": step, "row": row, "passed": bool(r.passed[f]),
+                             "n_diff": int(r.n_diff[f]), "first_index": int(r.first_index[f]),
+                             "max_abs": float(r.max_abs[f]), "max_ulp": float(r.max_ulp[f]), "kl": float(r.kl[f]),
+                             "argmax_agree": bool(r.golden_argmax[f] == r.got_argmax[f])})
     positions = {"bins": POSITION_BINS, "vocab": int(golden.logits.shape[-1]),
                  "counts": [int(x) for x in sum(kd.rows.positions for kd in kinds)]}
 
@@ -374,6 +385,7 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
         flips=flips,
         accept_changes=accept_changes,
         per_step=per_step,
+        rows=row_list,
         summary=summary,
         positions=positions,
         **extra,
