@@ -157,7 +157,9 @@ def replay(
             model.set_forward(name)
             prepare(model, len(golden.prompt), steps, golden.runs.keys())
             run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step)
-            c = compare_run(name, golden.runs[k], run, logical, golden.device_rows(k), policy)
+            # The golden's per-row statistics come from the loader thread (asked for only now, after the run).
+            stats = golden.stats(k)
+            c = compare_run(name, golden.runs[k], run, logical, golden.device_rows(k), policy, stats)
             comparisons.append(c)
             differs |= not c.passed  # a failure; bits that differ within the policy are not one
             timings.append(_timing(name, run.step_ms))
@@ -180,7 +182,7 @@ def replay(
             run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
                              on_step=on_step)
             dc = compare_run(f"{forwards[-1]}, one draft changed", golden.runs[k], run, logical,
-                             golden.device_rows(k), policy)
+                             golden.device_rows(k), policy, stats)
             at = steps // 2
             # It must fail at the very step whose draft changed, under the active policy (or by a changed
             # decision), whatever else differs: a policy too loose to see a changed input is blind.

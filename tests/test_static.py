@@ -129,3 +129,21 @@ def test_lazy_golden_reports_corruption_when_used(tiny_golden, tmp_path):
     assert g.runs[2].k == 2
     with pytest.raises(GoldenCorruptError, match="k3/logits"):
         g.runs[3]
+
+
+def test_step_logs_in_the_metadata_start_a_replay_and_are_checked(tiny_copy):
+    from vd.errors import GoldenCorruptError
+
+    meta = open_golden(tiny_copy).meta
+    assert meta["logs"]["3"]["accepted"] == open_golden(tiny_copy).runs[3].accepted.tolist()
+    doc_path = tiny_copy / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["attributes"]["vd"]["logs"]["3"]["accepted"][0] ^= 1  # the copy now disagrees with the arrays
+    doc_path.write_text(json.dumps(doc))
+    g = open_golden(tiny_copy, lazy=True)
+    # The replay starts on the metadata's copy (no array read), which the loader then checks.
+    assert g.log(3).accepted.tolist() == doc["attributes"]["vd"]["logs"]["3"]["accepted"]
+    with pytest.raises(GoldenCorruptError, match="step log in the metadata disagrees"):
+        g.runs[3]
+    with pytest.raises(GoldenCorruptError, match="k3: the step log"):
+        open_golden(tiny_copy)

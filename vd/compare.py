@@ -145,27 +145,38 @@ POSITION_BINS = 64
 MAX_ROWS = 2000  # rows listed one by one in a comparison; the summaries cover them all
 
 
-def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec) -> Rows:
+def golden_stats(gold_bits: torch.Tensor, logical: str) -> dict[str, np.ndarray]:
+    """Per golden row: argmax, top-1 value, top-1/top-2 margin, largest |logit| and top-1 probability.
+    The same for every candidate, so a replay computes it once per K and kind (``cache`` below)."""
+    g = gold_bits.view(_FLOAT[logical]).float()
+    top = g.topk(min(2, g.shape[1]), dim=1).values
+    return {"argmax": g.argmax(1).cpu().numpy(), "top1": top[:, 0].cpu().numpy(),
+            "margin": (top[:, 0] - top[:, -1]).cpu().numpy(), "absmax": g.abs().amax(1).cpu().numpy(),
+            "top1_p": (1.0 / torch.exp(g - top[:, :1]).sum(1)).cpu().numpy()}
+
+
+def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec,
+            stats: dict[str, np.ndarray] | None = None) -> Rows:
     """Measure candidate rows ``[R, V]`` against golden bit patterns ``[R, V]``, on the candidate's device.
 
-    Every row gets its argmax and the golden's top-1/top-2 margin (decisions are always checked); only
-    rows whose bits differ get the element-level measurements, so an equal row costs one comparison.
+    Rows whose bits are equal cost one comparison (their argmax is the golden's); only rows that differ
+    are converted and measured element by element, and only their argmax is recomputed. ``stats``
+    (`golden_stats` of the same rows) saves recomputing the golden's side.
     """
     r, v = got.shape
     cb = _bits(got)
     gb = gold_bits.view(cb.shape)
-    g = gb.view(_FLOAT[logical]).float()
-    c = got.float()
+    stats = stats if stats is not None else golden_stats(gb, logical)
     differ = (gb != cb).any(dim=1)
-    top = g.topk(min(2, v), dim=1).values
     zeros = torch.zeros(r, dtype=torch.float64, device=got.device)
     out = {n: zeros.clone() for n in ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp",
                                       "kl")}
     passed = ~differ
+    got_argmax = stats["argmax"].copy()
     positions = torch.zeros(POSITION_BINS, dtype=torch.int64, device=got.device)
     idx = differ.nonzero().flatten()
     if idx.numel():
-        gd, cd, dm = g[idx], c[idx], gb[idx] != cb[idx]
+        gd, cd, dm = gb[idx].view(_FLOAT[logical]).float(), got[idx].float(), gb[idx] != cb[idx]
         first = dm.to(torch.int8).argmax(dim=1)
         nan = gd.isnan() | cd.isnan()
         absd = torch.where(dm, (gd - cd).abs(), 0.0)
@@ -177,6 +188,7 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
         cols = dm.nonzero()[:, 1]
         positions = torch.bincount(cols * POSITION_BINS // v, minlength=POSITION_BINS)
         rows_at = torch.arange(idx.numel(), device=got.device)
+        c_arg = cd.argmax(1)
         vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
                 "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values,
                 "kl": kl}
@@ -187,7 +199,7 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
         elif spec.name == "close":
             ok = ~(absd > spec.atol + spec.rtol * gd.abs()).any(1)
         elif spec.name == "argmax":
-            ok = gd.argmax(1) == cd.argmax(1)
+            ok = gd.argmax(1) == c_arg
         elif spec.name == "topk":
             n = min(spec.n, v)
             ok = (gd.topk(n, 1).indices.sort(1).values == cd.topk(n, 1).indices.sort(1).values).all(1)
@@ -197,12 +209,11 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
             ok = torch.zeros(idx.numel(), dtype=torch.bool, device=got.device)
         passed = passed.clone()
         passed[idx] = ok
+        got_argmax[idx.cpu().numpy()] = c_arg.cpu().numpy()
     host = {n: t.cpu().numpy() for n, t in out.items()}
-    return Rows(differ=differ.cpu().numpy(), passed=passed.cpu().numpy(), golden_argmax=g.argmax(1).cpu().numpy(),
-                got_argmax=c.argmax(1).cpu().numpy(), margin=(top[:, 0] - top[:, -1]).cpu().numpy(),
-                top1=top[:, 0].cpu().numpy(), golden_absmax=g.abs().amax(1).cpu().numpy(),
-                top1_p=(1.0 / torch.exp(g - top[:, :1]).sum(1)).cpu().numpy(), positions=positions.cpu().numpy(),
-                **host)
+    return Rows(differ=differ.cpu().numpy(), passed=passed.cpu().numpy(), golden_argmax=stats["argmax"],
+                got_argmax=got_argmax, margin=stats["margin"], top1=stats["top1"], golden_absmax=stats["absmax"],
+                top1_p=stats["top1_p"], positions=positions.cpu().numpy(), **host)
 
 
 def ulp_of(x: float, logical: str) -> float:
@@ -235,12 +246,18 @@ class _Kind:
 
 
 def _measure_kind(name: str, gold: np.ndarray, got: torch.Tensor, logical: str, spec: Spec,
-                  gold_dev: torch.Tensor | None) -> Rows:
+                  gold_dev: torch.Tensor | None, cache: dict | None) -> Rows:
     v = gold.shape[-1]
     flat_got = got.reshape(-1, v)
     if gold_dev is None or gold_dev.device != got.device:
         gold_dev = _on_device(gold, got.device)
-    return measure(gold_dev.reshape(-1, v), flat_got, logical, spec)
+    gold_dev = gold_dev.reshape(-1, v)
+    stats = None
+    if cache is not None:
+        if name not in cache:
+            cache[name] = golden_stats(gold_dev, logical)
+        stats = cache[name]
+    return measure(gold_dev, flat_got, logical, spec, stats)
 
 
 def _first_mismatch(kind: _Kind) -> Mismatch | None:
@@ -255,11 +272,12 @@ def _first_mismatch(kind: _Kind) -> Mismatch | None:
 
 def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
                 device_rows: dict[str, torch.Tensor] | None = None,
-                policy: Mapping[str, str] | None = None) -> Comparison:
+                policy: Mapping[str, str] | None = None, cache: dict | None = None) -> Comparison:
     """Measure every row of ``run`` (its prefill, each step's K rows and, for an MTP golden, the bootstrap
     decode row and the head's draft rows) against ``golden`` (whose arrays ``device_rows`` holds on the
     run's device already, when prefetched), judge them under ``policy`` (exact by default), and check
-    every decision: each row's argmax, and each step's accept count."""
+    every decision: each row's argmax, and each step's accept count. ``cache`` (a dict kept per golden
+    K by the caller) holds the golden's per-row statistics between comparisons."""
     policy = dict(policy or {k: "exact" for k in KINDS})
     specs = {k: parse_spec(policy.get(k, "exact")) for k in KINDS}
     dev = device_rows or {}
@@ -269,9 +287,9 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
     s, k = golden.logits.shape[:2]
     kinds = [
         _Kind("prefill", _measure_kind("prefill", golden.prefill, run.prefill, logical, specs["prefill"],
-                                       dev.get("prefill")), golden.prefill.shape[0], False),
-        _Kind("verify", _measure_kind("verify", golden.logits, rows, logical, specs["verify"], dev.get("logits")),
-              k, True),
+                                       dev.get("prefill"), cache), golden.prefill.shape[0], False),
+        _Kind("verify", _measure_kind("verify", golden.logits, rows, logical, specs["verify"], dev.get("logits"),
+                                      cache), k, True),
     ]
     mtp = golden.draft_logits is not None
     if mtp:
@@ -282,7 +300,7 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
             v = golden.logits.shape[-1]
             both_dev = torch.cat([dev["bootstrap_logits"].reshape(-1, v), dev["draft_logits"].reshape(-1, v)])
         got = torch.cat([run.bootstrap_row.reshape(-1, rows.shape[-1]), drafts.reshape(-1, rows.shape[-1])])
-        kinds.append(_Kind("draft", _measure_kind("draft", both, got, logical, specs["draft"], both_dev),
+        kinds.append(_Kind("draft", _measure_kind("draft", both, got, logical, specs["draft"], both_dev, cache),
                            k - 1, True, offset=1))
     by = {kd.name: kd for kd in kinds}
 

@@ -141,6 +141,12 @@ class Golden:
         log = getattr(self.runs, "log", None)
         return log(k) if log is not None else self.runs[k]
 
+    def stats(self, k: int) -> dict:
+        """The golden's per-row statistics of K, per kind, when the loader computed them; else empty
+        (a fresh dict the comparisons of K fill as they go)."""
+        stats = getattr(self.runs, "stats", None)
+        return dict(stats(k)) if stats is not None else {}
+
     def to_device(self, device: torch.device) -> None:
         """Start copying a lazily opened golden's rows to a CUDA ``device`` (see `device_rows`)."""
         if hasattr(self.runs, "to_device"):
@@ -221,12 +227,14 @@ class GoldenWriter:
         self.root = zarr.create_group(zarr.storage.LocalStore(self.tmp), zarr_format=3)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vd-writer")
         self._futures = []
+        self._written: list[KRecord] = []
 
     def add(self, record) -> None:
         self._futures.append(self._pool.submit(self._write_k, record))
 
     def _write_k(self, record) -> None:
         r = record() if callable(record) else record
+        self._written.append(r)  # its step log goes into the metadata too (`logs`), for a fast replay start
         g = self.root.create_group(f"k{r.k}")
         s, k, v = r.logits.shape
         _write_array(g, "prefill", r.prefill, r.prefill.shape)
@@ -253,7 +261,7 @@ class GoldenWriter:
             self._drain()
             _write_array(self.root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),))
             full = dict(meta)
-            full.update(format=FORMAT, format_version=FORMAT_VERSION,
+            full.update(logs=logs_meta(self._written), format=FORMAT, format_version=FORMAT_VERSION,
                         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
             self.root.attrs["vd"] = _json_safe(full)
             self.root.attrs["vd"] = {**self.root.attrs["vd"], "complete": True}  # set last
@@ -361,52 +369,109 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
     if logical not in ENCODINGS:
         raise GoldenCorruptError(f"{path}: unknown logits dtype {logical!r}")
     prompt = _read(root, "prompt", str(path)).astype(np.int64).tolist()
-    groups = {}
-    for k in meta.get("k", []):
-        try:
-            groups[k] = root[f"k{k}"]
-        except KeyError as e:
-            raise GoldenCorruptError(f"{path}/k{k} is missing") from e
-    if not groups:
+    ks = list(meta.get("k", []))
+    if not ks:
         raise GoldenCorruptError(f"{path} holds no verify widths")
-    small = ["tokens", "accepted", "step_ms"] + (["drafts"] if meta.get("feed") == "mtp" else [])
-    big = ["prefill", "logits"] + (["bootstrap_logits", "draft_logits"] if meta.get("feed") == "mtp" else [])
+    groups: dict = {}
+
+    def group(k: int):
+        if k not in groups:
+            try:
+                groups[k] = root[f"k{k}"]
+            except KeyError as e:
+                raise GoldenCorruptError(f"{path}/k{k} is missing") from e
+        return groups[k]
+
+    small = ["tokens", "accepted", "step_ms"]
+    big = ["prefill", "logits"] + (["bootstrap_logits", "draft_logits", "drafts"] if meta.get("feed") == "mtp" else [])
 
     def load_log(k: int) -> KLog:
-        where, g = f"{path}/k{k}", groups[k]
+        where, g = f"{path}/k{k}", group(k)
         return KLog(k=k, bootstrap=int(g.attrs.get("bootstrap", -1)), decoded=g.attrs.get("decoded"),
-                    committed_is_greedy=g.attrs.get("committed_is_greedy"),
-                    **{n: _read(g, n, where) for n in small if n != "drafts"})
+                    committed_is_greedy=g.attrs.get("committed_is_greedy"), **{n: _read(g, n, where) for n in small})
 
     def load(k: int, log: KLog | None = None) -> KRecord:
-        where, g = f"{path}/k{k}", groups[k]
-        log = log or load_log(k)
-        rec = KRecord(k=k, bootstrap=log.bootstrap, committed_is_greedy=log.committed_is_greedy, decoded=log.decoded,
-                      tokens=log.tokens, accepted=log.accepted, step_ms=log.step_ms,
-                      **{n: _read(g, n, where) for n in big + (["drafts"] if "drafts" in small else [])})
+        where, g = f"{path}/k{k}", group(k)
+        stored = load_log(k)
+        if log is not None and not (np.array_equal(log.tokens, stored.tokens)
+                                    and np.array_equal(log.accepted, stored.accepted)
+                                    and log.bootstrap == stored.bootstrap and log.decoded == stored.decoded):
+            raise GoldenCorruptError(f"{where}: the step log in the metadata disagrees with the stored arrays")
+        rec = KRecord(k=k, bootstrap=stored.bootstrap, committed_is_greedy=stored.committed_is_greedy,
+                      decoded=stored.decoded, tokens=stored.tokens, accepted=stored.accepted,
+                      step_ms=stored.step_ms, **{n: _read(g, n, where) for n in big})
         _check_shapes(rec, meta, len(prompt), ENCODINGS[logical][0], where)
         return rec
 
+    known = _meta_logs(meta)
     if not lazy:
-        return Golden(path=path, meta=meta, prompt=prompt, runs={k: load(k) for k in groups})
-    return Golden(path=path, meta=meta, prompt=prompt, runs=_Prefetched(groups, load_log, load))
+        return Golden(path=path, meta=meta, prompt=prompt, runs={k: load(k, known.get(k)) for k in ks})
+    return Golden(path=path, meta=meta, prompt=prompt, runs=_Prefetched(ks, load_log, load, known))
+
+
+def _meta_logs(meta: Mapping) -> dict[int, KLog]:
+    """The step logs a golden's metadata carries (``logs``, written since issue 4): a replay starts on
+    them without reading an array; the loader checks them against the arrays."""
+    out = {}
+    for key, e in (meta.get("logs") or {}).items():
+        try:
+            k = int(key)
+            out[k] = KLog(k=k, bootstrap=int(e["bootstrap"]), decoded=e.get("decoded"),
+                          committed_is_greedy=e.get("committed_is_greedy"),
+                          tokens=np.asarray(e["tokens"], dtype=np.int32).reshape(-1, k),
+                          accepted=np.asarray(e["accepted"], dtype=np.int32),
+                          step_ms=np.asarray(e["step_ms"], dtype=np.float64))
+        except (KeyError, TypeError, ValueError):
+            continue  # a malformed copy is ignored: the arrays are read instead
+    return out
+
+
+def logs_meta(records) -> dict:
+    """The ``logs`` metadata entry for a recording's `KRecord`s."""
+    return {str(r.k): {"bootstrap": int(r.bootstrap), "decoded": r.decoded,
+                       "committed_is_greedy": r.committed_is_greedy, "tokens": r.tokens.tolist(),
+                       "accepted": r.accepted.tolist(), "step_ms": r.step_ms.tolist()}
+            for r in records}
 
 
 _ROWS = ("prefill", "logits", "bootstrap_logits", "draft_logits")
+_LOGICAL = {"<u2": "bfloat16", "<f2": "float16", "<f4": "float32"}
 
 
 class _Prefetched(Mapping):
     """Each K's record, read on one background thread: every K's step log first (small: a replay
-    starts on it), then each K's logits rows in K order; `to_device` queues their upload."""
+    starts on it; none to read when the metadata carries it), then each K's logits rows in K order;
+    `to_device` queues their upload."""
 
-    def __init__(self, groups: Mapping[int, object], load_log, load):
-        from concurrent.futures import ThreadPoolExecutor
+    def __init__(self, keys: list[int], load_log, load, known: Mapping[int, KLog]):
+        from concurrent.futures import Future, ThreadPoolExecutor
 
-        self._keys = list(groups)
+        self._keys = list(keys)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vd-golden")
-        self._logs = {k: self._pool.submit(load_log, k) for k in self._keys}
+        self._logs = {}
+        for k in self._keys:
+            if k in known:  # from the metadata: ready now, checked against the arrays by `load`
+                self._logs[k] = Future()
+                self._logs[k].set_result(known[k])
+            else:
+                self._logs[k] = self._pool.submit(load_log, k)
         self._futures = {k: self._pool.submit(lambda k=k: load(k, self._logs[k].result())) for k in self._keys}
+        self._stats = {k: self._pool.submit(self._golden_stats, k) for k in self._keys}
         self._uploads: dict = {}
+
+    def _golden_stats(self, k: int) -> dict:
+        from vd.compare import golden_stats  # compare imports this module
+
+        rec, logical = self[k], _LOGICAL[self[k].prefill.dtype.str]
+        rows = {"prefill": rec.prefill, "verify": rec.logits}
+        if rec.draft_logits is not None:
+            rows["draft"] = np.concatenate([rec.bootstrap_logits, rec.draft_logits.reshape(-1, rec.logits.shape[-1])])
+        return {n: golden_stats(torch.from_numpy(_bits(a)).reshape(-1, a.shape[-1]), logical) for n, a in rows.items()}
+
+    def stats(self, k: int) -> dict:
+        """The golden's per-row statistics of K (`vd.compare.golden_stats` per kind), computed here on
+        the loader thread so a comparison need not."""
+        return self._stats[k].result()
 
     def log(self, k: int) -> KLog:
         return self._logs[k].result()
