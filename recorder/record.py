@@ -91,8 +91,9 @@ def record(
     bar. A passed-in ``model`` is used as it is (its device and dtype win over the arguments).
     ``deterministic`` applies `vd.env.DETERMINISTIC` (stored in the golden; replay applies it again).
 
-    Each K's rows go to a background writer as soon as its run ends (`vd.golden.GoldenWriter`), so
-    compression and storage overlap the next K; the golden appears only when complete and not thin.
+    Each K's prefill and verify rows go to a background writer as they are computed (on CUDA through
+    pinned buffers and non-blocking copies: `vd.golden.KStream`), so compression and storage overlap
+    the run; the golden appears only when complete and not thin.
     """
     out = Path(out)
     ks = check_ks(ks)
@@ -139,10 +140,11 @@ def record(
         for k in ks:
             phase(f"recording K={k}", steps)
             chooser = ReferenceFeed(greedy) if feed == "reference" else DrafterFeed(k, steps)
-            run = run_verify(model, tokens, k, steps, chooser, on_step=on_step)
+            stream = writer.stream(k, steps, len(tokens), model.vocab_size, model.dtype)
+            run = run_verify(model, tokens, k, steps, chooser, on_step=on_step, sink=stream.put)
             committed = run.committed()
             same[k] = committed == greedy[: len(committed)]
-            writer.add(lambda run=run, k=k: _krecord(run, k, steps, same[k], feed == "mtp"))
+            stream.finish(lambda run=run, k=k: _krecord(run, k, steps, same[k], feed == "mtp"))
             accepted[k] = [s.accepted for s in run.steps]
             reason = thin_reason(k, accepted[k])
             if reason:
@@ -168,8 +170,9 @@ def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) 
         fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({1, *ks}, reverse=True))
 
 
-def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:
-    """A finished run as a `KRecord` (rows copied off the device here, on the writer thread)."""
+def _krecord(run, k: int, steps: int, same: bool, mtp: bool, rows: bool = False) -> KRecord:
+    """A finished run as a `KRecord`, built on the writer thread: its step log and MTP rows (copied off
+    the device there); the prefill and verify rows only with ``rows`` (they were streamed)."""
     extra = {}
     if mtp:
         extra = dict(bootstrap_logits=to_storage(run.bootstrap_row),
@@ -179,8 +182,8 @@ def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:
         k=k, bootstrap=run.bootstrap,
         tokens=np.array([s.tokens for s in run.steps], dtype=np.int32),
         accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
-        prefill=to_storage(run.prefill),
-        logits=to_storage(torch.stack(run.rows)),
+        prefill=to_storage(run.prefill) if rows else np.empty((0, 0), np.uint16),
+        logits=to_storage(torch.stack(run.rows)) if rows else np.empty((steps, k, 0), np.uint16),
         step_ms=np.array(run.step_ms, dtype=np.float64),
         committed_is_greedy=same, **extra,
     )

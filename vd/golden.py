@@ -207,13 +207,80 @@ def check_target(path: Path, refresh: bool) -> None:
         raise GoldenExistsError(f"{path} already holds a golden; pass --refresh to replace it")
 
 
+class KStream:
+    """One K's rows written as they are computed (see `GoldenWriter.stream`).
+
+    On CUDA every block is copied into a pinned host buffer with a non-blocking copy on the computing
+    stream, and the writer thread waits for that copy before compressing and storing the chunk, so
+    neither the copy nor the storage write holds up the next step.
+    """
+
+    def __init__(self, writer: GoldenWriter, k: int, steps: int, prompt_len: int, vocab: int, dtype: torch.dtype):
+        self.writer, self.k, self.steps = writer, k, steps
+        self.pinned = torch.cuda.is_available()
+        self.host = {"prefill": torch.empty((prompt_len, vocab), dtype=dtype, pin_memory=self.pinned),
+                     "verify": torch.empty((steps, k, vocab), dtype=dtype, pin_memory=self.pinned)}
+        self.group = None
+        writer._submit(self._create)
+
+    def _create(self) -> None:
+        g = self.writer.root.create_group(f"k{self.k}")
+        storage = to_storage(self.host["prefill"][:0]).dtype
+        for name, shape, chunks in (("prefill", self.host["prefill"].shape, self.host["prefill"].shape),
+                                    ("logits", self.host["verify"].shape, (1, self.k, self.host["verify"].shape[2]))):
+            g.create_array(name, shape=shape, dtype=storage, chunks=chunks, compressors=_codecs(), fill_value=0,
+                           config={"write_empty_chunks": True})
+        self.group = g
+
+    def put(self, kind: str, index: int | None, rows: torch.Tensor) -> None:
+        """Hand over the prefill's rows (``index`` None) or step ``index``'s verify rows."""
+        dst = self.host["prefill"] if kind == "prefill" else self.host["verify"][index]
+        dst.copy_(rows, non_blocking=self.pinned and rows.is_cuda)
+        event = None
+        if self.pinned and rows.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.writer._submit(self._write, kind, index, dst, event)
+
+    def _write(self, kind: str, index: int | None, block: torch.Tensor, event) -> None:
+        if event is not None:
+            event.synchronize()
+        if kind == "prefill":
+            self.group["prefill"][...] = to_storage(block)
+        else:
+            self.group["logits"][index] = to_storage(block)
+
+    def finish(self, record) -> None:
+        """The run is over: ``record()`` (called on the writer thread) gives the `KRecord` of its small
+        arrays and MTP rows (its ``prefill`` and ``logits`` fields are ignored: they were streamed)."""
+        self.writer._submit(self._finish, record)
+
+    def _finish(self, record) -> None:
+        r = record() if callable(record) else record
+        self.writer._written.append(r)
+        _write_small(self.group, r, self.steps, self.k, self.host["verify"].shape[2])
+
+
+def _write_small(g: zarr.Group, r: KRecord, s: int, k: int, v: int) -> None:
+    _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k))
+    _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),))
+    _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),))
+    if r.draft_logits is not None:
+        _write_array(g, "bootstrap_logits", r.bootstrap_logits, r.bootstrap_logits.shape)
+        _write_array(g, "drafts", r.drafts.astype(np.int32), (max(s, 1), k - 1))
+        _write_array(g, "draft_logits", r.draft_logits, (1, k - 1, v))
+    g.attrs.update({"k": r.k, "steps": s, "bootstrap": int(r.bootstrap),
+                    "committed_is_greedy": r.committed_is_greedy, "decoded": r.decoded})
+
+
 class GoldenWriter:
     """Writes a golden beside ``path`` on a background thread, one K at a time, then renames it into
     place: recording goes on while earlier widths are compressed and stored.
 
-    `add` queues a K (a `KRecord`, or a function returning one, which then runs on the writer thread,
-    copying rows off the GPU there too); `publish` waits for every queued K, writes the prompt and the
-    metadata with ``complete`` set last, and renames. `abort` (or leaving a ``with`` block on an
+    `add` queues a whole K (a `KRecord`, or a function returning one, which then runs on the writer
+    thread); `stream` takes a K's rows step by step while it runs (what `recorder.record` uses);
+    `publish` waits for everything queued, writes the prompt and the metadata with ``complete`` set
+    last, and renames. `abort` (or leaving a ``with`` block on an
     exception) removes the unfinished copy: an existing golden is never touched until `publish`.
     """
 
@@ -232,6 +299,14 @@ class GoldenWriter:
     def add(self, record) -> None:
         self._futures.append(self._pool.submit(self._write_k, record))
 
+    def stream(self, k: int, steps: int, prompt_len: int, vocab: int, dtype: torch.dtype) -> KStream:
+        """A K whose rows arrive while it runs: `KStream.put` each prefill and verify row block as it is
+        computed, `KStream.finish` with the rest when the run ends."""
+        return KStream(self, k, steps, prompt_len, vocab, dtype)
+
+    def _submit(self, fn, *args) -> None:
+        self._futures.append(self._pool.submit(fn, *args))
+
     def _write_k(self, record) -> None:
         r = record() if callable(record) else record
         self._written.append(r)  # its step log goes into the metadata too (`logs`), for a fast replay start
@@ -239,15 +314,7 @@ class GoldenWriter:
         s, k, v = r.logits.shape
         _write_array(g, "prefill", r.prefill, r.prefill.shape)
         _write_array(g, "logits", r.logits, (1, k, v))
-        _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k))
-        _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),))
-        _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),))
-        if r.draft_logits is not None:
-            _write_array(g, "bootstrap_logits", r.bootstrap_logits, r.bootstrap_logits.shape)
-            _write_array(g, "drafts", r.drafts.astype(np.int32), (max(s, 1), k - 1))
-            _write_array(g, "draft_logits", r.draft_logits, (1, k - 1, v))
-        g.attrs.update({"k": r.k, "steps": s, "bootstrap": int(r.bootstrap),
-                        "committed_is_greedy": r.committed_is_greedy, "decoded": r.decoded})
+        _write_small(g, r, s, k, v)
 
     def _drain(self) -> None:
         try:

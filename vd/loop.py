@@ -209,11 +209,16 @@ def run_verify(
     steps: int,
     feed: Feed,
     on_step: Callable[[int], None] | None = None,
+    sink: Callable[[str, int | None, torch.Tensor], None] | None = None,
 ) -> Run:
-    """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them."""
+    """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them.
+    ``sink(kind, step, rows)`` receives the prefill's rows (``"prefill"``, None) and each step's verify
+    rows (``"verify"``, step) as soon as they are computed (a recorder streams them to storage)."""
     vocab = model.vocab_size
     model.reset()
     prefill = model.forward(prompt)  # [P, V]
+    if sink is not None:
+        sink("prefill", None, prefill)
     run = Run(k=k, prefill=prefill)
     last = run.bootstrap = feed.start(model, run, _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
@@ -231,6 +236,8 @@ def run_verify(
         last = feed.next_last(s, outs[na])
         p += na + 1
         run.rows.append(rows)
+        if sink is not None:
+            sink("verify", s, rows)
         run.steps.append(Step(tuple(int(t) for t in tokens), na))
         run.computed.append(computed)
         feed.after_commit(model, run, s, na, last)
