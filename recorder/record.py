@@ -91,9 +91,9 @@ def record(
     bar. A passed-in ``model`` is used as it is (its device and dtype win over the arguments).
     ``deterministic`` applies `vd.env.DETERMINISTIC` (stored in the golden; replay applies it again).
 
-    Each K's prefill and verify rows go to a background writer as they are computed (on CUDA through
-    pinned buffers and non-blocking copies: `vd.golden.KStream`), so compression and storage overlap
-    the run; the golden appears only when complete and not thin.
+    Each K's prefill and verify rows go to the writer as they are computed (on CUDA through pinned
+    buffers, non-blocking copies and a writer thread: `vd.golden.KStream`, so compression and storage
+    overlap the run); the golden appears only when complete and not thin.
     """
     out = Path(out)
     ks = check_ks(ks)
@@ -134,7 +134,9 @@ def record(
     greedy = continuation(model, tokens, n)
     seconds["continuation"] = time.perf_counter() - t
 
-    with GoldenWriter(out, refresh=refresh) as writer:
+    # On CUDA the writer works on its own thread while the GPU computes; on the CPU it writes in line,
+    # since a writer thread would take the cores the model runs on (see vd.golden._Prefetched).
+    with GoldenWriter(out, refresh=refresh, background=model.device.type == "cuda") as writer:
         t = time.perf_counter()
         accepted, thin, same = {}, [], {}
         for k in ks:

@@ -116,7 +116,7 @@ def replay(
     a `vd.errors.VdError` before any comparison.
     """
     phase = on_phase or (lambda name, total: None)
-    # Metadata and prompt now; each K's arrays are read and checked on a thread while the model loads and runs.
+    # Metadata and prompt now; each K's arrays when needed (on CUDA, ahead of time on a thread).
     golden = open_golden(golden_path, lazy=True)
     meta = golden.meta
     recorded_env = meta.get("environment", {})
@@ -134,7 +134,7 @@ def replay(
     if model is None:
         phase("loading model", 0)
         model = _open_model(golden, model_spec, head, device)
-    golden.to_device(model.device)  # and on CUDA copied there ahead of each K's comparison
+    golden.prefetch(model.device)  # on CUDA: read and copied there on a thread, ahead of each comparison
     notes = _check_model(golden, model, allow_model_mismatch)
     forwards = list(forwards) or [meta["forward"]]
     require_forwards(model, forwards)
