@@ -81,6 +81,7 @@ class _Layer:
         return self.keys, self.values
 
     def get_seq_length(self):
+        # HF asks this only when no position_ids are passed, and vd always passes them.
         return self.kv.length_on_device()
 
     def get_mask_sizes(self, query_length: int):
@@ -108,6 +109,7 @@ class StaticKV:
         return any(layer.keys is not None for layer in self.cache.layers)
 
     def length_on_device(self) -> torch.Tensor:
+        """The current step's first position, which is the length before it (a device tensor)."""
         return self.positions[:1]
 
     def begin(self, start: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
