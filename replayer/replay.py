@@ -2,13 +2,15 @@
 
 For each K and each forward asked for, the shared loop runs the replay feed (the stored tokens, accept
 counts and bootstrap token, so every run verifies the same inputs and commits the same prefixes) and
-every row is compared with the golden, byte for byte. A golden of the drafter feed replays with the
-model's MTP head still running, so its drafts and draft logits are compared too. Then, under the last
-forward, the detection
-control changes the last draft of step ``steps // 2`` and must see a difference; and a reference
-without both a full and a partial accept at every K fails as too thin. The report keeps the seed's
-fields (graphs, mtp, steps, variants, verify[k, accepted, comparisons, timings, detection_control],
-verdict, reasons). This module leaves out rendering: the CLI prints what it returns.
+every row is judged against the golden under the policy (`vd.policy`: byte for byte unless the golden
+or ``tolerances`` say otherwise), with every decision checked (`vd.compare`). A golden of the drafter
+feed replays with the model's MTP head still running, so its drafts and draft logits are judged too.
+Then, under the last forward, the detection control changes the last draft of step ``steps // 2`` and
+must fail there under the same policy; a reference without both a full and a partial accept at every K
+fails as too thin (and, if asked, one missing an accept count). The report keeps the seed's fields
+(graphs, mtp, steps, variants, verify[k, accepted, comparisons, timings, detection_control], verdict,
+reasons) and adds policy, sensitivity, coverage and the environments. This module leaves out
+rendering: the CLI prints what it returns, and `replayer.reports` writes bundles, JUnit and HTML.
 """
 
 from __future__ import annotations
