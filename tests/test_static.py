@@ -147,3 +147,28 @@ def test_step_logs_in_the_metadata_start_a_replay_and_are_checked(tiny_copy):
         g.runs[3]
     with pytest.raises(GoldenCorruptError, match="k3: the step log"):
         open_golden(tiny_copy)
+
+
+def test_background_reading_gives_what_reading_in_line_does(tiny_golden, tiny_copy):
+    """The CUDA replay path reads on a thread (`_Prefetched._background`); its ordering and its errors,
+    without the GPU upload, on the CPU."""
+    from vd.errors import GoldenCorruptError
+
+    inline = open_golden(tiny_golden, lazy=True)
+    threaded = open_golden(tiny_golden, lazy=True)
+    threaded.runs._background(("record", "stats"))
+    for k in (2, 3, 4):
+        a, b = inline.runs[k], threaded.runs[k]
+        assert np.array_equal(a.logits, b.logits) and np.array_equal(a.prefill, b.prefill)
+        assert inline.log(k).steps == threaded.log(k).steps
+        sa, sb = inline.stats(k), threaded.stats(k)
+        assert sa.keys() == sb.keys() and all(np.array_equal(sa[n][f], sb[n][f]) for n in sa for f in sa[n])
+    chunk = next(p for p in (tiny_copy / "k3" / "logits").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    broken = open_golden(tiny_copy, lazy=True)
+    broken.runs._background(("record", "stats"))
+    assert broken.runs[2].k == 2
+    with pytest.raises(GoldenCorruptError, match="k3/logits"):
+        broken.runs[3]
+    with pytest.raises(GoldenCorruptError, match="k3/logits"):
+        broken.stats(3)  # a task that needed the broken record fails the same way

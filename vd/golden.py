@@ -571,11 +571,16 @@ class _Prefetched(Mapping):
         """On a CUDA ``device``: read, upload and summarise every K on a background thread from now on."""
         if device.type != "cuda" or self._device is not None:
             return
+        self._device, self._stream = device, torch.cuda.Stream(device)
+        self._background(("record", "upload", "stats"))
+
+    def _background(self, per_k: tuple[str, ...]) -> None:
+        """Queue every K's work on one thread, each task after what it needs: the step logs, then per K
+        the ``per_k`` tasks in order (a task waits only on futures queued before it, so none deadlocks)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        self._device, self._stream = device, torch.cuda.Stream(device)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vd-golden")
-        order = [("log", k) for k in self._keys] + [(w, k) for k in self._keys for w in ("record", "upload", "stats")]
+        order = [("log", k) for k in self._keys] + [(w, k) for k in self._keys for w in per_k]
         for what, k in order:
             if (what, k) not in self._done:
                 self._done[(what, k)] = pool.submit(self._compute, what, k)
