@@ -118,8 +118,12 @@ def replay(
     a `vd.errors.VdError` before any comparison.
     """
     phase = on_phase or (lambda name, total: None)
+    # Where a replay's own time goes (seconds), beside the model's: the report's "phases".
+    clock = dict.fromkeys(("open", "prepare", "run", "wait_golden", "compare", "control", "finish"), 0.0)
+    t = time.perf_counter()
     # Metadata and prompt now; each K's arrays when needed (on CUDA, ahead of time on a thread).
     golden = open_golden(golden_path, lazy=True)
+    clock["open"] = time.perf_counter() - t
     meta = golden.meta
     recorded_env = meta.get("environment", {})
     if threads is not None and threads < 1:
@@ -156,12 +160,19 @@ def replay(
         log, comparisons, timings = rec.steps, [], [_timing(f"{meta['forward']} (golden)", rec.step_ms.tolist())]
         for name in forwards:
             phase(f"K={k} {name}", steps)
+            t = time.perf_counter()
             model.set_forward(name)
             prepare(model, len(golden.prompt), steps, golden.runs.keys())
+            t1 = time.perf_counter()
             run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step)
-            # The golden's per-row statistics come from the loader thread (asked for only now, after the run).
-            stats = golden.stats(k)
-            c = compare_run(name, golden.runs[k], run, logical, golden.device_rows(k), policy, stats)
+            t2 = time.perf_counter()
+            # The golden's rows and per-row statistics (from the loader thread on CUDA), asked for only now.
+            stats, gold, gold_dev = golden.stats(k), golden.runs[k], golden.device_rows(k)
+            t3 = time.perf_counter()
+            c = compare_run(name, gold, run, logical, gold_dev, policy, stats)
+            t4 = time.perf_counter()
+            for key, dt in (("prepare", t1 - t), ("run", t2 - t1), ("wait_golden", t3 - t2), ("compare", t4 - t3)):
+                clock[key] += dt
             comparisons.append(c)
             differs |= not c.passed  # a failure; bits that differ within the policy are not one
             timings.append(_timing(name, run.step_ms))
@@ -180,6 +191,7 @@ def replay(
             "detection_control": None,
         }
         if control:
+            t = time.perf_counter()
             phase(f"K={k} control", steps)  # runs under the last forward, still selected
             run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
                              on_step=on_step)
@@ -193,6 +205,7 @@ def replay(
             if not fired:
                 reasons.append(f"verify K={k}: the detection control saw no difference at step {at} "
                                f"after changing its last draft (policy: {describe(policy)})")
+            clock["control"] += time.perf_counter() - t
         thin = thin_reason(k, rec.accepted.tolist())
         if thin:
             reasons.append(thin)
@@ -200,6 +213,7 @@ def replay(
             reasons.append(coverage_reason(k, hist))
         verify.append(entry)
 
+    t = time.perf_counter()
     replayed_env = env.capture(model.device)
     uses_graphs = getattr(model, "forward_uses_graphs", lambda name: False)
     graphed = [uses_graphs(n) for n in forwards]
@@ -236,6 +250,7 @@ def replay(
         "notes": notes,
         "environment": {"recorded": recorded_env, "replayed": replayed_env, "numerics_differences": env_diff},
         "seconds": time.perf_counter() - t_start,
+        "phases": {**clock, "finish": time.perf_counter() - t},
         "_first_failure_rows": kept,
     }
 

@@ -111,6 +111,8 @@ def test_record_and_replay_static_with_k_and_determinism(cli, tmp_path):
     assert r["determinism"]["applied"]["deterministic_algorithms"] is True
     assert r["determinism"]["replayed"]["deterministic_algorithms"] is True
     assert r["graphs"] == "eager" and r["variants"][0]["graphs"] == "eager"
+    assert set(r["phases"]) == {"open", "prepare", "run", "wait_golden", "compare", "control", "finish"}
+    assert r["phases"]["run"] > 0 and all(v >= 0 for v in r["phases"].values())
     torch.use_deterministic_algorithms(False)
     code, out, err = cli("replay", path, "--k", "5")
     assert code == 2 and "no verify width [5]" in err

@@ -175,6 +175,8 @@ def main() -> None:
                 t = time.perf_counter()
                 r = replay(path, model=model, forwards=[fwd], control=False)
                 samples["replay_s"].append(time.perf_counter() - t)
+                for name, sec in r["phases"].items():  # where replay's own time went
+                    samples.setdefault(f"replay_{name}_s", []).append(sec)
                 samples["bare_replay_s"].append(bare_verify(model, prompt, steps)[0])
                 samples["step_ms"].extend(bare_verify(model, prompt, steps, timed=True)[1])
             med = {n: statistics.median(v) for n, v in samples.items()}
