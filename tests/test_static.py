@@ -174,3 +174,17 @@ def test_background_reading_gives_what_reading_in_line_does(tiny_golden, tiny_co
         broken.runs[3]
     with pytest.raises(GoldenCorruptError, match="k3/logits"):
         broken.stats(3)  # a task that needed the broken record fails the same way
+
+
+def test_prompt_tokens_in_the_metadata_are_checked(tiny_copy):
+    from vd.errors import GoldenCorruptError
+
+    doc_path = tiny_copy / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    assert doc["attributes"]["vd"]["prompt_tokens"] == open_golden(tiny_copy).prompt
+    doc["attributes"]["vd"]["prompt_tokens"][0] += 1
+    doc_path.write_text(json.dumps(doc))
+    g = open_golden(tiny_copy, lazy=True)  # zarr.json only: the replay would start on this prompt ...
+    assert g.prompt[0] == doc["attributes"]["vd"]["prompt_tokens"][0]
+    with pytest.raises(GoldenCorruptError, match="prompt in the metadata disagrees"):
+        g.runs[2]  # ... and the first K's rows refuse it

@@ -333,7 +333,8 @@ class GoldenWriter:
             self._drain()
             _write_array(self.root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),))
             full = dict(meta)
-            full.update(logs=logs_meta(self._written), format=FORMAT, format_version=FORMAT_VERSION,
+            full.update(logs=logs_meta(self._written), prompt_tokens=[int(t) for t in prompt], format=FORMAT,
+                        format_version=FORMAT_VERSION,
                         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
             self.root.attrs["vd"] = _json_safe(full)
             self.root.attrs["vd"] = {**self.root.attrs["vd"], "complete": True}  # set last
@@ -413,7 +414,8 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
     """Open and check a golden; raise a `GoldenError` subclass naming what is wrong.
 
     By default every array is read (and its chunks and checksums verified) before this returns. With
-    ``lazy`` only the metadata and the prompt are read here, and each K's arrays when first used, or
+    ``lazy`` only ``zarr.json`` is read here (the metadata carries the prompt tokens and each K's step
+    log, both checked against the arrays later), and each K's arrays when first used, or
     ahead of use on a background thread after `Golden.prefetch` to a GPU; a missing chunk or a checksum
     error surfaces as the same `GoldenCorruptError` when that K is first used.
     """
@@ -424,9 +426,21 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
         raise NotAGoldenError(f"{path} is not a vd golden (a golden is a zarr directory)")
     if not (path / "zarr.json").is_file():
         raise NotAGoldenError(f"{path} is not a vd golden (no zarr.json)")
+    opened: dict = {}
+
+    def root() -> zarr.Group:
+        if "root" not in opened:
+            opened["root"] = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r")
+        return opened["root"]
+
     try:
-        root = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r")
-        meta = root.attrs.get("vd")
+        if lazy:  # the metadata straight from zarr.json; zarr itself opens when an array is first needed
+            doc = json.loads((path / "zarr.json").read_text())
+            if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+                raise ValueError("not a zarr v3 group")
+            meta = (doc.get("attributes") or {}).get("vd")
+        else:
+            meta = root().attrs.get("vd")
     except Exception as e:  # malformed zarr.json: JSON or metadata errors of many kinds
         raise GoldenCorruptError(f"{path}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
     if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
@@ -439,7 +453,14 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
     logical = meta.get("logits", {}).get("dtype")
     if logical not in ENCODINGS:
         raise GoldenCorruptError(f"{path}: unknown logits dtype {logical!r}")
-    prompt = _read(root, "prompt", str(path)).astype(np.int64).tolist()
+    stored_prompt = meta.get("prompt_tokens")  # since issue 4: the prompt's tokens in the metadata too
+
+    def read_prompt() -> list[int]:
+        if "prompt" not in opened:
+            opened["prompt"] = _read(root(), "prompt", str(path)).astype(np.int64).tolist()
+        return opened["prompt"]
+
+    prompt = list(stored_prompt) if lazy and isinstance(stored_prompt, list) else read_prompt()
     ks = list(meta.get("k", []))
     if not ks:
         raise GoldenCorruptError(f"{path} holds no verify widths")
@@ -448,7 +469,7 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
     def group(k: int):
         if k not in groups:
             try:
-                groups[k] = root[f"k{k}"]
+                groups[k] = root()[f"k{k}"]
             except KeyError as e:
                 raise GoldenCorruptError(f"{path}/k{k} is missing") from e
         return groups[k]
@@ -463,6 +484,8 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
 
     def load(k: int, log: KLog | None = None) -> KRecord:
         where, g = f"{path}/k{k}", group(k)
+        if read_prompt() != prompt:
+            raise GoldenCorruptError(f"{path}: the prompt in the metadata disagrees with the stored prompt array")
         stored = load_log(k)
         if log is not None and not (np.array_equal(log.tokens, stored.tokens)
                                     and np.array_equal(log.accepted, stored.accepted)
