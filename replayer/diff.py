@@ -13,30 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from vd.compare import compare_run
 from vd.errors import UsageError
-from vd.golden import Golden, KRecord, open_golden
+from vd.golden import Golden, KRecord, open_golden, to_tensor
 from vd.loop import Run, Step
 from vd.policy import parse_policy
 
-_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-
-def _rows(a: np.ndarray, logical: str) -> torch.Tensor:
-    """Storage rows back to a tensor of the logical dtype (bits unchanged)."""
-    bits = np.ascontiguousarray(a).view({2: np.int16, 4: np.int32}[a.dtype.itemsize])
-    return torch.from_numpy(bits).view(_TORCH[logical])
-
-
-def _as_run(rec: KRecord, logical: str) -> Run:
-    run = Run(k=rec.k, prefill=_rows(rec.prefill, logical), rows=list(_rows(rec.logits, logical)),
+def _as_run(rec: KRecord) -> Run:
+    """A golden's record as the run a candidate would have produced (its rows as tensors, bits unchanged)."""
+    run = Run(k=rec.k, prefill=to_tensor(rec.prefill), rows=list(to_tensor(rec.logits)),
               steps=rec.steps, computed=rec.accepted.tolist(), bootstrap=rec.bootstrap)
     if rec.draft_logits is not None:
-        run.bootstrap_row = _rows(rec.bootstrap_logits, logical)
-        run.draft_rows = list(_rows(rec.draft_logits, logical))
+        run.bootstrap_row = to_tensor(rec.bootstrap_logits)
+        run.draft_rows = list(to_tensor(rec.draft_logits))
     return run
 
 
@@ -59,7 +49,7 @@ def diff(a_path: str | Path, b_path: str | Path, *, tolerances: Sequence[str] = 
     verify, reasons = [], []
     for k, ra in a.runs.items():
         rb = b.runs[k]
-        c = compare_run(str(b.path), ra, _as_run(rb, logical), logical, policy=policy)
+        c = compare_run(str(b.path), ra, _as_run(rb), logical, policy=policy)
         steps_a, steps_b = ra.steps, rb.steps
         changed = [i for i, (x, y) in enumerate(zip(steps_a, steps_b)) if x != y]
         if changed:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from vd.golden import KRecord
+from vd.golden import TORCH_DTYPES, KRecord, int_bits
 from vd.loop import Run
 from vd.policy import KINDS, MANTISSA_BITS, Spec, parse_spec
 
@@ -103,13 +103,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-_FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """Golden storage rows as integer bits on the candidate's device."""
-    bits = np.ascontiguousarray(a).view({2: np.int16, 4: np.int32}[a.dtype.itemsize])
-    return torch.from_numpy(bits).to(device)
+    return torch.from_numpy(int_bits(a)).to(device)
 
 
 def _ordered(bits: torch.Tensor) -> torch.Tensor:
@@ -148,7 +146,7 @@ MAX_ROWS = 2000  # rows listed one by one in a comparison; the summaries cover t
 def golden_stats(gold_bits: torch.Tensor, logical: str) -> dict[str, np.ndarray]:
     """Per golden row: argmax, top-1 value, top-1/top-2 margin, largest |logit| and top-1 probability.
     The same for every candidate, so a replay computes it once per K and kind (``cache`` below)."""
-    g = gold_bits.view(_FLOAT[logical]).float()
+    g = gold_bits.view(TORCH_DTYPES[logical]).float()
     top = g.topk(min(2, g.shape[1]), dim=1).values
     return {"argmax": g.argmax(1).cpu().numpy(), "top1": top[:, 0].cpu().numpy(),
             "margin": (top[:, 0] - top[:, -1]).cpu().numpy(), "absmax": g.abs().amax(1).cpu().numpy(),
@@ -176,7 +174,7 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
     positions = torch.zeros(POSITION_BINS, dtype=torch.int64, device=got.device)
     idx = differ.nonzero().flatten()
     if idx.numel():
-        gd, cd, dm = gb[idx].view(_FLOAT[logical]).float(), got[idx].float(), gb[idx] != cb[idx]
+        gd, cd, dm = gb[idx].view(TORCH_DTYPES[logical]).float(), got[idx].float(), gb[idx] != cb[idx]
         first = dm.to(torch.int8).argmax(dim=1)
         nan = gd.isnan() | cd.isnan()
         absd = torch.where(dm, (gd - cd).abs(), 0.0)

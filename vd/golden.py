@@ -55,12 +55,25 @@ ENCODINGS: dict[str, tuple[np.dtype, str]] = {
     "float16": (np.dtype("<f2"), "IEEE float16, little-endian"),
     "float32": (np.dtype("<f4"), "IEEE float32, little-endian"),
 }
-_TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_TORCH_NAMES = {t: name for name, t in TORCH_DTYPES.items()}
+_LOGICAL = {enc[0].str: name for name, enc in ENCODINGS.items()}  # storage dtype -> logical name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The logical name vd stores for a torch logits dtype."""
     return _TORCH_NAMES[dtype]
+
+
+def int_bits(a: np.ndarray) -> np.ndarray:
+    """A storage array viewed as signed integers of its width (equal bits, equal integers), contiguous,
+    ready for ``torch.from_numpy``."""
+    return np.ascontiguousarray(a).view({2: np.int16, 4: np.int32}[a.dtype.itemsize])
+
+
+def to_tensor(a: np.ndarray) -> torch.Tensor:
+    """A storage array as a CPU tensor of its logical dtype, bits unchanged."""
+    return torch.from_numpy(int_bits(a)).view(TORCH_DTYPES[_LOGICAL[a.dtype.str]])
 
 
 def to_storage(t: torch.Tensor) -> np.ndarray:
@@ -69,11 +82,6 @@ def to_storage(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
-
-
-def as_bits(a: np.ndarray) -> np.ndarray:
-    """A storage array viewed as unsigned integers of its width, for byte-exact comparison."""
-    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 def to_float(a: np.ndarray, logical: str) -> np.ndarray:
@@ -529,7 +537,6 @@ def logs_meta(records) -> dict:
 
 
 _ROWS = ("prefill", "logits", "bootstrap_logits", "draft_logits")
-_LOGICAL = {"<u2": "bfloat16", "<f2": "float16", "<f4": "float32"}
 
 
 class _Prefetched(Mapping):
@@ -576,7 +583,7 @@ class _Prefetched(Mapping):
             if rec.draft_logits is not None:
                 rows["draft"] = np.concatenate([rec.bootstrap_logits,
                                                 rec.draft_logits.reshape(-1, rec.logits.shape[-1])])
-            return {n: golden_stats(torch.from_numpy(_bits(a)).reshape(-1, a.shape[-1]), logical)
+            return {n: golden_stats(torch.from_numpy(int_bits(a)).reshape(-1, a.shape[-1]), logical)
                     for n, a in rows.items()}
         if what == "upload":
             rec, rows = self._get("record", k), {}
@@ -584,7 +591,7 @@ class _Prefetched(Mapping):
                 for name in _ROWS:
                     a = getattr(rec, name)
                     if a is not None:
-                        rows[name] = torch.from_numpy(_bits(a)).pin_memory().to(self._device, non_blocking=True)
+                        rows[name] = torch.from_numpy(int_bits(a)).pin_memory().to(self._device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             return rows, event
@@ -638,10 +645,6 @@ class _Prefetched(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view({2: np.int16, 4: np.int32}[a.dtype.itemsize])
 
 
 def _check_shapes(r: KRecord, meta: Mapping, p: int, storage: np.dtype, where: str) -> None:
