@@ -78,13 +78,18 @@ def quiet_transformers():
         transformers.logging.enable_progress_bar()
 
 
-def fingerprint(model: torch.nn.Module, config) -> str:
-    """``sha256:<hex>`` over the state dict as loaded and the arithmetic-relevant config fields."""
-    h = hashlib.sha256()
+def identity_fields(config) -> dict:
+    """The config fields that change a model's arithmetic, as every vd fingerprint hashes them."""
     fields = {f: getattr(config, f, None) for f in _IDENTITY_FIELDS}
     rope = getattr(config, "rope_parameters", None) or {}
     fields["rope_theta"] = getattr(config, "rope_theta", None) or rope.get("rope_theta")
-    h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    return fields
+
+
+def fingerprint(model: torch.nn.Module, config) -> str:
+    """``sha256:<hex>`` over the state dict as loaded and the arithmetic-relevant config fields."""
+    h = hashlib.sha256()
+    h.update(json.dumps(identity_fields(config), sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):
         t = t.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
@@ -360,9 +365,8 @@ def generated_fingerprint(seed: int) -> Callable[[torch.nn.Module, object], str]
 
     def fp(model: torch.nn.Module, config) -> str:
         h = hashlib.sha256()
-        fields = {f: getattr(config, f, None) for f in _IDENTITY_FIELDS}
-        h.update(json.dumps({"fields": fields, "generator": GENERATOR, "seed": seed}, sort_keys=True,
-                            default=str).encode())
+        h.update(json.dumps({"fields": identity_fields(config), "generator": GENERATOR, "seed": seed},
+                            sort_keys=True, default=str).encode())
         for name, t in sorted(model.state_dict().items()):
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{device_checksum(t)}|".encode())
         return "sha256:" + h.hexdigest()
