@@ -258,9 +258,10 @@ def _measure_kind(name: str, gold: np.ndarray, got: torch.Tensor, logical: str, 
     return measure(gold_dev, flat_got, logical, spec, stats)
 
 
-def _first_mismatch(kind: _Kind) -> Mismatch | None:
+def _first_mismatch(kind: _Kind, skip: int = 0) -> Mismatch | None:
+    """The first differing element of a kind's rows, past its first ``skip`` rows."""
     r = kind.rows
-    bad = np.flatnonzero(r.differ)
+    bad = np.flatnonzero(r.differ[skip:]) + skip
     if not bad.size:
         return None
     f = int(bad[0])
@@ -279,27 +280,21 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
     policy = dict(policy or {k: "exact" for k in KINDS})
     specs = {k: parse_spec(policy.get(k, "exact")) for k in KINDS}
     dev = device_rows or {}
+    gold = golden.rows_by_kind()
     rows = _stack(run.rows, golden.logits)
     assert tuple(run.prefill.shape) == golden.prefill.shape and tuple(rows.shape) == golden.logits.shape, \
         "shapes checked on load"
     s, k = golden.logits.shape[:2]
-    kinds = [
-        _Kind("prefill", _measure_kind("prefill", golden.prefill, run.prefill, logical, specs["prefill"],
-                                       dev.get("prefill"), cache), golden.prefill.shape[0], False),
-        _Kind("verify", _measure_kind("verify", golden.logits, rows, logical, specs["verify"], dev.get("logits"),
-                                      cache), k, True),
-    ]
-    mtp = golden.draft_logits is not None
-    if mtp:
-        drafts = _stack(run.draft_rows, golden.draft_logits)
-        both = np.concatenate([golden.bootstrap_logits, golden.draft_logits.reshape(-1, golden.logits.shape[-1])])
-        both_dev = None
-        if dev.get("bootstrap_logits") is not None and dev.get("draft_logits") is not None:
-            v = golden.logits.shape[-1]
-            both_dev = torch.cat([dev["bootstrap_logits"].reshape(-1, v), dev["draft_logits"].reshape(-1, v)])
-        got = torch.cat([run.bootstrap_row.reshape(-1, rows.shape[-1]), drafts.reshape(-1, rows.shape[-1])])
-        kinds.append(_Kind("draft", _measure_kind("draft", both, got, logical, specs["draft"], both_dev, cache),
-                           k - 1, True, offset=1))
+    got = {"prefill": run.prefill, "verify": rows}
+    shape = {"prefill": (golden.prefill.shape[0], False, 0), "verify": (k, True, 0)}
+    mtp = "draft" in gold
+    if mtp:  # the bootstrap row, then each step's K-1 draft rows, as `KRecord.rows_by_kind` lays them out
+        v = rows.shape[-1]
+        got["draft"] = torch.cat([run.bootstrap_row.reshape(-1, v),
+                                  _stack(run.draft_rows, golden.draft_logits).reshape(-1, v)])
+        shape["draft"] = (k - 1, True, 1)
+    kinds = [_Kind(n, _measure_kind(n, gold[n], got[n], logical, specs[n], dev.get(n), cache), *shape[n])
+             for n in gold]
     by = {kd.name: kd for kd in kinds}
 
     flips, failed_steps, failures = [], set(), []
@@ -373,15 +368,11 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
     extra = {}
     if mtp:
         d = by["draft"].rows
-        bad = np.flatnonzero(d.differ[1:]) + 1  # row 0 is the bootstrap row
-        dbad = sorted({by["draft"].where(int(f))[0] for f in bad})
-        first = None
-        if bad.size:
-            step, row = by["draft"].where(int(bad[0]))
-            f = int(bad[0])
-            first = Mismatch(step, row, int(d.first_index[f]), float(d.first_golden[f]), float(d.first_got[f]))
+        # Row 0 of the draft kind is the bootstrap row, reported on its own.
+        dbad = sorted({by["draft"].where(int(f))[0] for f in np.flatnonzero(d.differ[1:]) + 1})
         extra = dict(bootstrap_equal=not bool(d.differ[0]), draft_mismatched_steps=len(dbad),
-                     draft_first_mismatch=first, draft_max_abs_diff=float(d.max_abs.max(initial=0.0)),
+                     draft_first_mismatch=_first_mismatch(by["draft"], skip=1),
+                     draft_max_abs_diff=float(d.max_abs.max(initial=0.0)),
                      draft_mismatched_step_list=dbad)
     return Comparison(
         variant=variant,

@@ -113,6 +113,15 @@ class KRecord:
         """The step log as `vd.loop.Step` values."""
         return [Step(tuple(int(t) for t in row), int(a)) for row, a in zip(self.tokens, self.accepted)]
 
+    def rows_by_kind(self) -> dict[str, np.ndarray]:
+        """The logits rows ``[R, V]`` per kind a policy judges: prefill, verify (steps × K, flattened) and,
+        for the MTP feed, draft (the bootstrap row, then each step's K-1 draft rows)."""
+        v = self.logits.shape[-1]
+        out = {"prefill": self.prefill, "verify": self.logits.reshape(-1, v)}
+        if self.draft_logits is not None:
+            out["draft"] = np.concatenate([self.bootstrap_logits, self.draft_logits.reshape(-1, v)])
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class KLog:
@@ -536,7 +545,6 @@ def logs_meta(records) -> dict:
             for r in records}
 
 
-_ROWS = ("prefill", "logits", "bootstrap_logits", "draft_logits")
 
 
 class _Prefetched(Mapping):
@@ -579,19 +587,12 @@ class _Prefetched(Mapping):
 
             rec = self._get("record", k)
             logical = _LOGICAL[rec.prefill.dtype.str]
-            rows = {"prefill": rec.prefill, "verify": rec.logits}
-            if rec.draft_logits is not None:
-                rows["draft"] = np.concatenate([rec.bootstrap_logits,
-                                                rec.draft_logits.reshape(-1, rec.logits.shape[-1])])
-            return {n: golden_stats(torch.from_numpy(int_bits(a)).reshape(-1, a.shape[-1]), logical)
-                    for n, a in rows.items()}
+            return {n: golden_stats(torch.from_numpy(int_bits(a)), logical) for n, a in rec.rows_by_kind().items()}
         if what == "upload":
             rec, rows = self._get("record", k), {}
             with torch.cuda.stream(self._stream):
-                for name in _ROWS:
-                    a = getattr(rec, name)
-                    if a is not None:
-                        rows[name] = torch.from_numpy(int_bits(a)).pin_memory().to(self._device, non_blocking=True)
+                for name, a in rec.rows_by_kind().items():
+                    rows[name] = torch.from_numpy(int_bits(a)).pin_memory().to(self._device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             return rows, event
@@ -629,8 +630,8 @@ class _Prefetched(Mapping):
         return self._get("record", k)
 
     def device_rows(self, k: int) -> dict[str, torch.Tensor] | None:
-        """K's logits arrays as integer bits on the device, ordered after their upload; None unless
-        prefetched to a CUDA device."""
+        """K's rows per kind (`KRecord.rows_by_kind`) as integer bits on the device, ordered after their
+        upload; None unless prefetched to a CUDA device."""
         if self._device is None:
             return None
         rows, event = self._get("upload", k)
