@@ -151,8 +151,9 @@ def record(
             reason = thin_reason(k, accepted[k])
             if reason:
                 thin.append(reason)
-            if require_coverage and 0 in histogram(k, accepted[k]):
-                thin.append(coverage_reason(k, histogram(k, accepted[k])))
+            hist = histogram(k, accepted[k])
+            if require_coverage and 0 in hist:
+                thin.append(coverage_reason(k, hist))
         seconds["verify"] = time.perf_counter() - t
         if thin and (not allow_thin or any(x.startswith("coverage") for x in thin)):
             return RecordResult(None, accepted, thin, same, seconds)
@@ -172,9 +173,9 @@ def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) 
         fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({1, *ks}, reverse=True))
 
 
-def _krecord(run, k: int, steps: int, same: bool, mtp: bool, rows: bool = False) -> KRecord:
-    """A finished run as a `KRecord`, built on the writer thread: its step log and MTP rows (copied off
-    the device there); the prefill and verify rows only with ``rows`` (they were streamed)."""
+def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:
+    """A finished run's step log and MTP rows as a `KRecord`, built on the writer thread (MTP rows are
+    copied off the device there); its prefill and verify rows were streamed, so those fields are empty."""
     extra = {}
     if mtp:
         extra = dict(bootstrap_logits=to_storage(run.bootstrap_row),
@@ -184,8 +185,8 @@ def _krecord(run, k: int, steps: int, same: bool, mtp: bool, rows: bool = False)
         k=k, bootstrap=run.bootstrap,
         tokens=np.array([s.tokens for s in run.steps], dtype=np.int32),
         accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
-        prefill=to_storage(run.prefill) if rows else np.empty((0, 0), np.uint16),
-        logits=to_storage(torch.stack(run.rows)) if rows else np.empty((steps, k, 0), np.uint16),
+        prefill=np.empty((0, 0), np.uint16),
+        logits=np.empty((steps, k, 0), np.uint16),
         step_ms=np.array(run.step_ms, dtype=np.float64),
         committed_is_greedy=same, **extra,
     )
