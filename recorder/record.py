@@ -24,7 +24,7 @@ from vd import env
 from vd.compare import coverage_reason, histogram, thin_reason
 from vd.errors import UsageError
 from vd.golden import ENCODINGS, GoldenWriter, KRecord, check_target, dtype_name, to_storage
-from vd.loop import DrafterFeed, ReferenceFeed, continuation, run_verify
+from vd.loop import DrafterFeed, ReferenceFeed, continuation, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.policy import parse_policy
 from vd.protocol import DraftHead, VerifyModel
@@ -163,14 +163,6 @@ def record(
         writer.publish({**meta, "policy": policy, "require_coverage": require_coverage}, tokens)
     seconds["write"] = time.perf_counter() - t
     return RecordResult(out, accepted, thin, same, seconds)
-
-
-def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) -> None:
-    """Let a model that can (``model.prepare``, optional in the protocol) size its static cache for the
-    longest sequence these runs build and capture its step graphs, largest first, before any timing."""
-    fn = getattr(model, "prepare", None)
-    if fn is not None:
-        fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({1, *ks}, reverse=True))
 
 
 def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:

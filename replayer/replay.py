@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-from recorder.record import prepare
 from vd import env
 from vd.compare import compare_run, coverage_reason, histogram, thin_reason
 from vd.errors import ModelMismatchError, UsageError
 from vd.golden import Golden, open_golden, to_storage
-from vd.loop import DrafterFeed, ReplayFeed, Step, run_verify
+from vd.loop import DrafterFeed, ReplayFeed, Step, prepare, run_verify
 from vd.models import check_device, load_model, require_forwards
 from vd.policy import describe, parse_policy, sensitivity
 from vd.protocol import DraftHead, VerifyModel
@@ -158,6 +157,7 @@ def replay(
     for k in ks:
         rec = golden.log(k)  # the step log; the rows are still being read and uploaded
         log, comparisons, timings = rec.steps, [], [_timing(f"{meta['forward']} (golden)", rec.step_ms.tolist())]
+        c_reasons: list[list[str]] = []  # each comparison's own reasons, in order
         for name in forwards:
             phase(f"K={k} {name}", steps)
             t = time.perf_counter()
@@ -176,7 +176,8 @@ def replay(
             comparisons.append(c)
             differs |= not c.passed  # a failure; bits that differ within the policy are not one
             timings.append(_timing(name, run.step_ms))
-            reasons.extend(_reasons(k, name, c))
+            c_reasons.append(_reasons(k, name, c))
+            reasons.extend(c_reasons[-1])
             if not c.passed and kept is None:
                 kept = _failure_rows(k, name, c, golden.runs[k], run)
         hist = histogram(k, rec.accepted.tolist())
@@ -186,7 +187,7 @@ def replay(
             "accept_histogram": hist,
             # How many steps accepted 0, 1, .., K-1 drafts: the golden's coverage of the accept path.
             "coverage": {"accepted_counts": hist, "missing": [i for i, n in enumerate(hist) if n == 0]},
-            "comparisons": [{**c.to_json(), "reasons": _reasons(k, c.variant, c)} for c in comparisons],
+            "comparisons": [{**c.to_json(), "reasons": why} for c, why in zip(comparisons, c_reasons)],
             "timings": timings,
             "detection_control": None,
         }

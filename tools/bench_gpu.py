@@ -36,10 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recorder.record import prepare, record  # noqa: E402
+from recorder.record import record  # noqa: E402
 from replayer.replay import replay  # noqa: E402
 from vd import env  # noqa: E402
 from vd.golden import open_golden  # noqa: E402
+from vd.loop import prepare  # noqa: E402
 from vd.models import load_model  # noqa: E402
 
 PROMPT = "Speculative decoding: draft, then verify."

@@ -145,7 +145,7 @@ MAX_ROWS = 2000  # rows listed one by one in a comparison; the summaries cover t
 
 def golden_stats(gold_bits: torch.Tensor, logical: str) -> dict[str, np.ndarray]:
     """Per golden row: argmax, top-1 value, top-1/top-2 margin, largest |logit| and top-1 probability.
-    The same for every candidate, so a replay computes it once per K and kind (``cache`` below)."""
+    The same for every candidate, so a replay computes it once per K and kind (`vd.golden.Golden.stats`)."""
     g = gold_bits.view(TORCH_DTYPES[logical]).float()
     top = g.topk(min(2, g.shape[1]), dim=1).values
     return {"argmax": g.argmax(1).cpu().numpy(), "top1": top[:, 0].cpu().numpy(),
@@ -244,18 +244,13 @@ class _Kind:
 
 
 def _measure_kind(name: str, gold: np.ndarray, got: torch.Tensor, logical: str, spec: Spec,
-                  gold_dev: torch.Tensor | None, cache: dict | None) -> Rows:
+                  gold_dev: torch.Tensor | None, stats: dict | None) -> Rows:
     v = gold.shape[-1]
     flat_got = got.reshape(-1, v)
     if gold_dev is None or gold_dev.device != got.device:
         gold_dev = _on_device(gold, got.device)
     gold_dev = gold_dev.reshape(-1, v)
-    stats = None
-    if cache is not None:
-        if name not in cache:
-            cache[name] = golden_stats(gold_dev, logical)
-        stats = cache[name]
-    return measure(gold_dev, flat_got, logical, spec, stats)
+    return measure(gold_dev, flat_got, logical, spec, (stats or {}).get(name))
 
 
 def _first_mismatch(kind: _Kind, skip: int = 0) -> Mismatch | None:
@@ -271,12 +266,12 @@ def _first_mismatch(kind: _Kind, skip: int = 0) -> Mismatch | None:
 
 def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
                 device_rows: dict[str, torch.Tensor] | None = None,
-                policy: Mapping[str, str] | None = None, cache: dict | None = None) -> Comparison:
+                policy: Mapping[str, str] | None = None, stats: dict | None = None) -> Comparison:
     """Measure every row of ``run`` (its prefill, each step's K rows and, for an MTP golden, the bootstrap
     decode row and the head's draft rows) against ``golden`` (whose arrays ``device_rows`` holds on the
     run's device already, when prefetched), judge them under ``policy`` (exact by default), and check
-    every decision: each row's argmax, and each step's accept count. ``cache`` (a dict kept per golden
-    K by the caller) holds the golden's per-row statistics between comparisons."""
+    every decision: each row's argmax, and each step's accept count. ``stats`` (`golden_stats` per kind,
+    `vd.golden.Golden.stats`) saves recomputing the golden's side; without it each call computes it."""
     policy = dict(policy or {k: "exact" for k in KINDS})
     specs = {k: parse_spec(policy.get(k, "exact")) for k in KINDS}
     dev = device_rows or {}
@@ -293,7 +288,7 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
         got["draft"] = torch.cat([run.bootstrap_row.reshape(-1, v),
                                   _stack(run.draft_rows, golden.draft_logits).reshape(-1, v)])
         shape["draft"] = (k - 1, True, 1)
-    kinds = [_Kind(n, _measure_kind(n, gold[n], got[n], logical, specs[n], dev.get(n), cache), *shape[n])
+    kinds = [_Kind(n, _measure_kind(n, gold[n], got[n], logical, specs[n], dev.get(n), stats), *shape[n])
              for n in gold]
     by = {kd.name: kd for kd in kinds}
 

@@ -159,10 +159,10 @@ class Golden:
         return log(k) if log is not None else self.runs[k]
 
     def stats(self, k: int) -> dict:
-        """The golden's per-row statistics of K, per kind, when the loader computed them; else empty
-        (a fresh dict the comparisons of K fill as they go)."""
+        """The golden's per-row statistics of K, per kind, from a lazily opened golden's loader; else
+        empty (each comparison then computes its own)."""
         stats = getattr(self.runs, "stats", None)
-        return dict(stats(k)) if stats is not None else {}
+        return stats(k) if stats is not None else {}
 
     def prefetch(self, device: torch.device) -> None:
         """For a replay on a CUDA ``device``: read a lazily opened golden's rows on a background thread

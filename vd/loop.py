@@ -186,6 +186,14 @@ class DrafterFeed(Feed):
             self._propose(model, run, last)
 
 
+def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) -> None:
+    """Let a model that can (``model.prepare``, optional in the protocol) size its static cache for the
+    longest sequence these runs build and capture its step graphs, largest first, before any timing."""
+    fn = getattr(model, "prepare", None)
+    if fn is not None:
+        fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({1, *ks}, reverse=True))
+
+
 def _argmax(rows: torch.Tensor) -> list[int]:
     # torch.argmax returns the first maximal index, so ties resolve the same way everywhere.
     return rows.argmax(dim=-1).tolist()
