@@ -62,7 +62,9 @@ def _open_model(golden: Golden, spec: str | None, head: str | None, device: str 
         )
     if head is None and spec is None:
         head = meta["model"].get("head")  # another SPEC brings its own head, if any
-    return load_model(spec or meta["model"]["spec"], device=check_device(dev), dtype=meta["dtype"], head=head)
+    dev = check_device(dev)
+    golden.prefetch(dev)  # on CUDA the golden's rows are read and uploaded while the weights load
+    return load_model(spec or meta["model"]["spec"], device=dev, dtype=meta["dtype"], head=head)
 
 
 def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> list[str]:
