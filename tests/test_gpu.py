@@ -89,17 +89,16 @@ def test_graphed_replays_static_bit_for_bit(cli, tmp_path, spec, feed):
 
 
 def test_compiled_forwards_replay_their_own_golden(cli, tmp_path):
-    """A compiled golden replays bit for bit in a new compilation (Inductor's deterministic mode). Whether
-    the compiled step captured as CUDA graphs equals it is reported, not asserted: before deterministic
-    mode the two compilations differed on the H200 (max |Δ| 0.016), and with it this was not yet re-run."""
+    """In one process a compiled golden replays bit for bit, and the compiled step captured as CUDA graphs
+    equals it (the same compiled kernels; measured equal on the H200, 2026-11-30). Across processes it
+    did not always (README, On the GPU): that is not asserted here."""
     path = tmp_path / "compiled.zarr"
     code, out, err = cli("record", path, "--model", "tiny-llama-mtp", "--feed", "mtp", "--device", "cuda",
                          "--steps", "8", "--forward", "compiled", "--allow-thin",
                          "--prompt", "The three laws of thermodynamics state that")
     assert code == 0, err
     r, by = _replay_all(cli, path, ["compiled", "compiled-graphed"], tmp_path / "r.json")
-    assert _equal(by["compiled"])
-    print("compiled-graphed vs compiled:", [(c["mismatched_steps"], c["max_abs_diff"]) for c in by["compiled-graphed"]])
+    assert _equal(by["compiled"]) and _equal(by["compiled-graphed"]), json.dumps(by, default=str)[:2000]
 
 
 def test_generated_weights_are_the_same_bits_on_cpu_and_cuda():
@@ -124,3 +123,31 @@ class TestCudaGraphedConformance(ModelConformance, DraftHeadConformance):
         m = load_model("tiny-llama-mtp", device="cuda")
         m.set_forward("graphed")
         return m
+
+
+def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(tiny_golden):
+    """On CUDA a lazily opened golden is read on a thread, uploaded from pinned memory and summarised on
+    the GPU: the same rows and statistics as reading it in line on the CPU."""
+    import sys
+
+    import numpy as np
+
+    inline = open_golden(tiny_golden, lazy=True)
+    ahead = open_golden(tiny_golden, lazy=True)
+    before = sys.getswitchinterval()
+    ahead.prefetch(torch.device("cuda"))
+    for k in (2, 3, 4):
+        rows = ahead.device_rows(k)
+        for name, a in inline.runs[k].rows_by_kind().items():
+            assert np.array_equal(rows[name].cpu().numpy(), a.view(rows[name].cpu().numpy().dtype))
+        sa, sb = inline.stats(k), ahead.stats(k)
+        assert sa.keys() == sb.keys()
+        for n in sa:
+            assert np.array_equal(sa[n]["argmax"], sb[n]["argmax"]) and np.allclose(sa[n]["margin"], sb[n]["margin"])
+    import time
+
+    for _ in range(100):  # the reader gives Python's switch interval back when it is done
+        if sys.getswitchinterval() == before:
+            break
+        time.sleep(0.05)
+    assert sys.getswitchinterval() == before

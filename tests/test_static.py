@@ -47,6 +47,56 @@ def test_static_matches_dynamic_sdpa_closely_but_is_its_own_forward():
     assert rows["sdpa"].argmax(-1).tolist() == rows["static"].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2"])
+def test_lean_step_does_hf_arithmetic_and_leaves_hf_forwards_alone(spec):
+    """vd's lean step (fused GEMMs, one rotary, grouped-query SDPA) against HF's own modules: in fp32 on
+    the CPU within float rounding, and building it (fusing the weights into shared storage) changes
+    neither the weights' values nor HF's eager forward."""
+    from vd.models.static import StaticRunner
+
+    m = load_model(spec, dtype="float32")
+    prompt = m.encode(FIXTURE_PROMPT)
+
+    def run(forward):
+        m.set_forward(forward)
+        m.reset()
+        pre = m.forward(prompt)
+        step = m.forward([5, 6, 7])
+        m.rewind(2)
+        return pre, step, m.forward([8, 9])
+
+    eager_before = run("eager")
+    hf = StaticRunner(m.model, "static", hidden=False, lean=False)  # HF's modules: same cache, same mask
+    rows_hf = []
+    with torch.inference_mode():
+        hf.reset()
+        for toks in (prompt, [5, 6, 7]):
+            rows_hf.append(hf.forward(toks)[0])
+    lean = run("static")
+    stack = m._runner.lean
+    assert stack is not None
+    eager_after = run("eager")
+    for a, b in zip(eager_before, eager_after):
+        assert torch.equal(a, b)
+    for a, b in zip(rows_hf, lean):
+        assert (a - b).abs().max().item() < 1e-4 * a.abs().max().item()
+    w = stack.layers[0].wqkv
+    q = m.model.model.layers[0].self_attn.q_proj.weight
+    assert q.data_ptr() == w.data_ptr()  # the module's weight is a view into the fused tensor
+    again = StaticRunner(m.model, "static", hidden=False)
+    assert again.lean.layers[0].wqkv.data_ptr() == w.data_ptr()  # a second stack reuses it
+
+
+def test_lean_step_is_only_for_the_architectures_it_knows():
+    from vd.models.lean import unsupported
+
+    assert unsupported(load_model("tiny-llama").model) is None
+    assert "DeepseekV3ForCausalLM" in unsupported(load_model("tiny-deepseek-mtp").model)
+    m = load_model("tiny-glm4moe-mtp")
+    m.set_forward("static")
+    assert m._runner.lean is None and "HF transformers' modules" in m.forwards()["static"]
+
+
 def test_static_capacity_is_enforced_and_prepare_grows_it():
     m = load_model("tiny-llama")
     m.set_forward("static")
@@ -158,7 +208,11 @@ def test_background_reading_gives_what_reading_in_line_does(tiny_golden, tiny_co
 
     inline = open_golden(tiny_golden, lazy=True)
     threaded = open_golden(tiny_golden, lazy=True)
-    threaded.runs._background(("record", "stats"))
+    import threading
+
+    finished = threading.Event()
+    threaded.runs._background(("record", "stats"), then=finished.set)
+    assert finished.wait(60)  # after every task
     for k in (2, 3, 4):
         a, b = inline.runs[k], threaded.runs[k]
         assert np.array_equal(a.logits, b.logits) and np.array_equal(a.prefill, b.prefill)

@@ -188,10 +188,11 @@ class DrafterFeed(Feed):
 
 def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) -> None:
     """Let a model that can (``model.prepare``, optional in the protocol) size its static cache for the
-    longest sequence these runs build and capture its step graphs, largest first, before any timing."""
+    longest sequence these runs build and capture its step graphs (the prefill's, each K's, the decode's),
+    largest first, before any timing."""
     fn = getattr(model, "prepare", None)
     if fn is not None:
-        fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({1, *ks}, reverse=True))
+        fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({prompt_len, 1, *ks}, reverse=True))
 
 
 def _argmax(rows: torch.Tensor) -> list[int]:

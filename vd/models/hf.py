@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vd.errors import ModelSpecError, UsageError
-from vd.models.static import CUDA_ONLY, STATIC_FORWARDS, StaticRunner
+from vd.models.static import CUDA_ONLY, STATIC_FORWARDS, StaticRunner, static_forwards
 from vd.protocol import ModelIdentity
 
 # What each forward runs, for the report's `variants`.
@@ -49,7 +49,7 @@ def _pinned_description(name: str) -> str:
 def all_forwards() -> dict[str, str]:
     """Every forward the HF adapter can offer; `HFModel.forwards` lists those its device runs."""
     return {**HF_FORWARDS, **{n: _pinned_description(n) + " (where the device has it)" for n in PINNED_SDPA},
-            **{n: d + (" (CUDA only)" if n in CUDA_ONLY else "") for n, d in STATIC_FORWARDS.items()}}
+            **{n: d + (" (CUDA only)" if n in CUDA_ONLY else "") for n, d in static_forwards().items()}}
 
 
 # Config fields that change the arithmetic and exist under these names across transformers 5.x.
@@ -173,7 +173,8 @@ class HFModel:
         text = self.config.get_text_config()
         if any(t != "full_attention" for t in getattr(text, "layer_types", None) or []):
             return {}  # sliding-window or linear layers: vd's static cache holds full attention only
-        return {n: d for n, d in STATIC_FORWARDS.items() if self.device.type == "cuda" or n not in CUDA_ONLY}
+        offered = static_forwards(self.model)
+        return {n: d for n, d in offered.items() if self.device.type == "cuda" or n not in CUDA_ONLY}
 
     def forward_uses_graphs(self, name: str) -> bool:
         """Whether forward ``name`` replays its steps as CUDA graphs (the report's ``graphs``)."""

@@ -1,7 +1,8 @@
 """Static-KV-cache steps for HF models, run as eager kernels, compiled, or CUDA-graphed per shape.
 
 The four forwards of this module (`STATIC_FORWARDS`) share one step function and differ only in how it
-is executed:
+is executed. The step is vd's lean Llama-family step (`vd.models.lean`) where the architecture allows,
+else the HF model's own modules over the cache below:
 
 * ``static``: the step's PyTorch kernels, launched one by one (CPU and CUDA);
 * ``graphed``: the same kernels captured as one CUDA graph per input length (verify K, decode 1) and,
@@ -20,9 +21,13 @@ them until then. Nothing inside a step reads a value back to the host, which is 
 
 Graphs are captured lazily for each new shape (at the current length: the warm-up runs write only the
 positions the real step is about to overwrite), or ahead of time by `StaticRunner.prepare`, largest
-shape first, all in one shared memory pool; outputs live in that pool and are cloned before the next
-replay. Shapes longer than `GRAPH_MAX` (a prefill, the drafter's first proposal) run as eager kernels
-in every mode: prefills are neither compiled nor graphed (HF: compiling the prefill "is known to fail").
+shape first (the prompt's prefill, then verify K, then decode), all in one shared memory pool; outputs
+live in that pool and are cloned before the next replay. The prefill is graphed too: run as eager
+kernels it launched ~1,100 kernels from Python for the 8B shape, the one stretch of a replay where the
+model's thread needs the interpreter while the golden's reader runs (measured on the H200: replays ran
+25-40 ms longer than bare loops, about the prefill's launch time). The lean step is compiled for every
+length; HF's modules only up to `GRAPH_MAX` tokens (HF: compiling the prefill "is known to fail"), and
+the MTP head's first proposal over a prefill runs as eager kernels in every mode.
 """
 
 from __future__ import annotations
@@ -32,17 +37,32 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vd.models.lean import LeanStack
+from vd.models.lean import unsupported as lean_unsupported
+
+STEP_HF = "HF transformers' modules with SDPA attention"
+STEP_ANY = ("vd's lean step for Llama and Qwen2 stacks (vd.models.lean), HF transformers' modules with SDPA "
+            "for other architectures")
 STATIC_FORWARDS: dict[str, str] = {
-    "static": "HF transformers SDPA attention over vd's static KV cache (device-side length, additive mask "
-    "over the whole cache), kernels launched one by one",
+    "static": "{step} over vd's static KV cache (device-side length, additive mask over the whole cache), "
+    "kernels launched one by one",
     "graphed": "the static forward captured as one CUDA graph per step shape (verify K, decode, MTP propose), "
     "shared memory pool, outputs cloned",
-    "compiled": "the static forward under torch.compile (Inductor, mode default, deterministic mode, fullgraph "
-    "off, no CUDA graphs of its own); prefills run uncompiled",
+    "compiled": "the static forward under torch.compile (Inductor, mode default, deterministic mode; the lean "
+    "step compiles each layer's two elementwise regions once per shape; no CUDA graphs of its own); bit for "
+    "bit within a process, not always across processes (measured on the H200: prefer graphed for goldens)",
     "compiled-graphed": "the compiled static forward captured as one CUDA graph per step shape",
 }
+
+
+def static_forwards(model: torch.nn.Module | None = None) -> dict[str, str]:
+    """`STATIC_FORWARDS` described for ``model`` (which step its static forwards run), or for any model."""
+    step = STEP_ANY if model is None else LeanStack.description if lean_unsupported(model) is None else STEP_HF
+    return {n: d.format(step=step) for n, d in STATIC_FORWARDS.items()}
+
+
 CUDA_ONLY = ("graphed", "compiled", "compiled-graphed")
-GRAPH_MAX = 16  # longest step graphed or compiled; longer ones (prefills) run as eager kernels
+GRAPH_MAX = 16  # longest step HF's modules compile and an MTP head graphs; longer ones run as eager kernels
 DEFAULT_CAPACITY = 512
 ROUND = 256  # capacities are rounded up to this, so nearby recordings share a cache size
 WARMUP_RUNS = 3  # before each capture: cuBLAS handles, workspaces and compiled code settle
@@ -80,6 +100,14 @@ class _Layer:
         self.values.index_copy_(2, pos, value_states)
         return self.keys, self.values
 
+    def allocate(self, heads: int, dim: int, dtype: torch.dtype) -> None:
+        """Allocate this layer's keys and values now (for a step that writes them itself)."""
+        self.keys = torch.zeros(1, heads, self.kv.capacity, dim, dtype=dtype, device=self.kv.device)
+        self.values = torch.zeros_like(self.keys)
+        torch._dynamo.mark_static_address(self.keys)
+        torch._dynamo.mark_static_address(self.values)
+        self.is_initialized = True
+
     def get_seq_length(self):
         # HF asks this only when no position_ids are passed, and vd always passes them.
         return self.kv.length_on_device()
@@ -107,6 +135,11 @@ class StaticKV:
         """Whether the cache tensors exist (they are allocated by the first step, run as eager kernels,
         so neither a compiled trace nor a graph capture allocates them)."""
         return any(layer.keys is not None for layer in self.cache.layers)
+
+    def allocate(self, heads: int, dim: int, dtype: torch.dtype) -> None:
+        """Allocate every layer's keys and values ``[1, heads, capacity, dim]`` up front."""
+        for layer in self.cache.layers:
+            layer.allocate(heads, dim, dtype)
 
     def length_on_device(self) -> torch.Tensor:
         """The current step's first position, which is the length before it (a device tensor)."""
@@ -137,18 +170,20 @@ class GraphSet:
     def __contains__(self, key) -> bool:
         return key in self.graphs
 
-    def capture(self, key, inputs: tuple[torch.Tensor, ...]) -> None:
+    def capture(self, key, inputs: tuple[torch.Tensor, ...], fn: Callable | None = None) -> None:
+        """Capture ``fn`` (default: the set's) over ``inputs`` as the graph of ``key``."""
+        fn = fn or self.fn
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                self.fn(*inputs)
+                fn(*inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(*inputs)
+            outputs = fn(*inputs)
         self.graphs[key] = (graph, inputs, outputs)
 
     def replay(self, key):
@@ -160,9 +195,8 @@ class GraphSet:
         return self.graphs[key][1]
 
 
-def _maybe_compile(fn: Callable, compiled: bool) -> Callable:
-    if not compiled:
-        return fn
+def inductor_settings() -> None:
+    """Inductor and Dynamo settings every vd compilation runs under."""
     import torch._dynamo
     import torch._inductor.config
 
@@ -174,6 +208,12 @@ def _maybe_compile(fn: Callable, compiled: bool) -> Callable:
     # Each step shape (verify K, decode, every proposal shape) is its own compilation.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.cache_size_limit = max(getattr(torch._dynamo.config, "cache_size_limit", 8), 64)
+
+
+def _maybe_compile(fn: Callable, compiled: bool) -> Callable:
+    if not compiled:
+        return fn
+    inductor_settings()
     return torch.compile(fn, dynamic=False)
 
 
@@ -189,17 +229,19 @@ class _Staging:
     def fill(self, ids: Sequence[int], start: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[*ids, start]`` on the device (into ``out`` when given)."""
         n = len(ids)
-        if n + 1 > self.host.numel() or not self.pinned:
+        if not self.pinned:
             src = torch.tensor([*ids, start], dtype=torch.long)
         else:
             self.event.synchronize()  # the previous step's copy has left the pinned buffer
+            if n + 1 > self.host.numel():  # a long prefill: a larger pinned buffer from now on
+                self.host = torch.zeros(max(2 * self.host.numel(), n + 1), dtype=torch.long, pin_memory=True)
             src = self.host[: n + 1]
             src.numpy()[:n] = ids
             src.numpy()[n] = start
         if out is None:
             out = torch.empty(n + 1, dtype=torch.long, device=self.device)
         out.copy_(src, non_blocking=self.pinned)
-        if self.pinned and src.data_ptr() == self.host.data_ptr():
+        if self.pinned:
             self.event.record()
         return out
 
@@ -207,7 +249,8 @@ class _Staging:
 class StaticRunner:
     """An HF causal LM stepping over a `StaticKV`, in one of the `STATIC_FORWARDS` modes."""
 
-    def __init__(self, model: torch.nn.Module, mode: str, *, hidden: bool):
+    def __init__(self, model: torch.nn.Module, mode: str, *, hidden: bool, lean: bool = True):
+        """``lean``: run vd's lean step where the architecture allows (False: HF's modules always)."""
         self.model, self.mode, self.hidden = model, mode, hidden
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -215,12 +258,24 @@ class StaticRunner:
         self.layers = model.config.get_text_config().num_hidden_layers
         self.kv: StaticKV | None = None
         self.length = 0
-        self._fast = _maybe_compile(self._step, mode.startswith("compiled"))
+        compiled = mode.startswith("compiled")
+        # vd's lean step where the architecture allows it (vd.models.lean), else HF's modules.
+        self.lean = LeanStack(model) if lean and lean_unsupported(model) is None else None
+        if self.lean is not None:
+            if compiled:
+                self.lean.compile()
+            self._plain = lambda inp: self.lean.step(inp, self.kv, fast=False, hidden=hidden)
+            self._fast = lambda inp: self.lean.step(inp, self.kv, fast=True, hidden=hidden)
+        else:
+            self._plain = self._step
+            self._fast = _maybe_compile(self._step, compiled)
         self._graphs: GraphSet | None = None
         self._staging = _Staging(self.device)
 
     def _allocate(self, capacity: int) -> None:
         self.kv = StaticKV(self.layers, capacity, self.device)
+        if self.lean is not None:
+            self.lean.allocate(self.kv)
         self._graphs = GraphSet(self._fast, self.device) if self.graphed else None
 
     def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
@@ -230,7 +285,7 @@ class StaticRunner:
         if self.kv is None or self.kv.capacity < capacity:
             self._allocate(capacity)
             self.length = 0
-        for n in sorted({n for n in lengths if n <= GRAPH_MAX}, reverse=True):
+        for n in sorted(set(lengths), reverse=True):
             self._ensure_graph(n)
 
     def reset(self) -> None:
@@ -251,12 +306,17 @@ class StaticRunner:
                          cache=self.kv.cache, use_cache=True, output_hidden_states=self.hidden)
         return out.logits[0], (out.hidden_states[-1][0] if self.hidden else None)
 
+    def _step_fn(self, n: int) -> Callable:
+        """The step function for ``n`` tokens: the compiled one (in compiled modes) for every length with
+        the lean step, up to `GRAPH_MAX` with HF's modules (compiling HF's prefill "is known to fail")."""
+        return self._fast if self.lean is not None or n <= GRAPH_MAX else self._plain
+
     def _ensure_graph(self, n: int) -> None:
         if self._graphs is not None and n not in self._graphs:
             inp = self._staging.fill([0] * n, self.length)
             if not self.kv.ready:
-                self._step(inp)
-            self._graphs.capture(n, (inp,))
+                self._plain(inp)
+            self._graphs.capture(n, (inp,), self._step_fn(n))
 
     def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``tokens``; their logits rows and (if asked at construction) final hidden states."""
@@ -266,15 +326,15 @@ class StaticRunner:
         if self.length + n > self.kv.capacity:
             raise RuntimeError(f"the static KV cache holds {self.kv.capacity} positions; {self.length + n} "
                                "needed (prepare a larger capacity)")
-        if n > GRAPH_MAX or not self.kv.ready:
-            logits, hidden = self._step(self._staging.fill(tokens, self.length))
+        if not self.kv.ready:  # HF's modules allocate the cache on their first step, run as eager kernels
+            logits, hidden = self._plain(self._staging.fill(tokens, self.length))
         elif self._graphs is not None:
             self._ensure_graph(n)
             self._staging.fill(tokens, self.length, out=self._graphs.inputs(n)[0])
             logits, hidden = self._graphs.replay(n)
             logits, hidden = logits.clone(), (hidden.clone() if hidden is not None else None)
         else:
-            logits, hidden = self._fast(self._staging.fill(tokens, self.length))
+            logits, hidden = self._step_fn(n)(self._staging.fill(tokens, self.length))
         self.length += n
         return logits, hidden
 

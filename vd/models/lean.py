@@ -1,0 +1,191 @@
+"""vd's own step for Llama-family stacks (Llama, Qwen2) over the static KV cache: the HF model's own
+weights, norms' and rotary's arithmetic, in fewer kernels than HF's modules launch.
+
+Why: a graphed 8B-shape verify step of HF's modules launched ~49 kernels a layer, and the GPU spent
+2.6 of its 7.1 ms of kernel time outside the GEMMs (tools/profile_step.json, H200): norms, rotary,
+cache writes, the attention's key/value repeats, splits and copies of ~2 us each. This step:
+
+* multiplies by the layer's query, key and value weights in one GEMM and by its gate and up weights in
+  another (the fused weights are the storage the HF modules use: their weights become views into it,
+  so nothing is copied and HF's own forwards keep the same values);
+* rotates queries and keys together (one set of rotary kernels a layer), with the cos/sin rows taken
+  from tables the model's own rotary module fills once per cache capacity (the same elementwise
+  arithmetic HF does each step, so the same values);
+* writes keys and values straight into the cache and attends with SDPA's grouped-query mode instead of
+  repeating them per query head;
+* keeps HF's arithmetic for RMSNorm (fp32 inside, weight times the rounded result), the residual adds
+  and SiLU(gate) * up.
+
+Its logits are close to HF's but not bit-identical to them (a fused GEMM may pick another kernel; SDPA
+another backend); like every forward, it is compared bit for bit with itself across runs and machines.
+Under ``compiled`` each layer's two elementwise-heavy regions (norm, QKV, rotary; output projection,
+residual, norm, MLP, residual) are compiled with Inductor once per step shape and reused by every layer
+(the weights are arguments), so compiling an 8B stack costs what compiling one layer does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # position-only tables; dynamic and longrope are not
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why vd's lean step cannot run ``model`` (None when it can)."""
+    name = type(model).__name__
+    if name not in ARCHITECTURES:
+        return f"{name} is not one of {', '.join(ARCHITECTURES)}"
+    cfg = model.config
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in ROPE_TYPES:
+        return f"RoPE type {rope!r} (its tables depend on the sequence length)"
+    layer = model.model.layers[0]
+    if layer.self_attn.o_proj.bias is not None or any(
+            getattr(layer.mlp, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
+        return "biased output or MLP projections"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm/Qwen2RMSNorm arithmetic: fp32 inside, weight times the result rounded back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def attn_in(x, w_norm, eps: float, wqkv, bqkv, cos, sin, hq: int, hkv: int, d: int):
+    """Norm, the fused QKV projection and rotary: queries ``[1, hq, n, d]``, keys and values
+    ``[1, hkv, n, d]``."""
+    n = x.shape[0]
+    qkv = F.linear(rms_norm(x, w_norm, eps), wqkv, bqkv)
+    qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+    half = d // 2
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)  # HF's rotate_half
+    qk = qk * cos[:, None] + rotated * sin[:, None]
+    q = qk[:, :hq].transpose(0, 1)[None]
+    k = qk[:, hq:].transpose(0, 1)[None]
+    v = qkv[:, (hq + hkv) * d:].view(n, hkv, d).transpose(0, 1)[None]
+    return q, k, v
+
+
+def attn_out_mlp(x, attn, wo, w_norm, eps: float, wgu, wd, inter: int):
+    """Output projection and residual, then norm, SiLU(gate) * up, down projection and residual."""
+    n = x.shape[0]
+    x = x + F.linear(attn[0].transpose(0, 1).reshape(n, -1), wo)
+    gu = F.linear(rms_norm(x, w_norm, eps), wgu)
+    return x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], wd)
+
+
+@dataclass(slots=True)
+class _Weights:
+    w_in: torch.Tensor
+    eps_in: float
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    w_post: torch.Tensor
+    eps_post: float
+    wgu: torch.Tensor
+    wd: torch.Tensor
+    scale: float
+
+
+def _fuse(linears) -> torch.Tensor:
+    """One weight tensor holding ``linears``' weights stacked by output row; each module's weight
+    becomes a view into it (same values, so HF's own forward is unchanged, and no memory doubled). A
+    second stack over the same modules (another static forward) reuses the first one's tensor."""
+    fused = getattr(linears[0], "_vd_fused", None)
+    row = 0
+    views = []
+    for lin in linears:
+        views.append((lin, row, lin.weight.shape[0]))
+        row += lin.weight.shape[0]
+    if fused is not None and all(lin.weight.data_ptr() == fused[r].data_ptr() for lin, r, _ in views):
+        return fused
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode builds the stack
+        fused = torch.cat([lin.weight.detach() for lin in linears])
+        for lin, r, rows in views:
+            lin.weight.data = fused[r: r + rows]
+    linears[0]._vd_fused = fused
+    return fused
+
+
+def _fused_bias(linears) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return None
+    with torch.no_grad():
+        return torch.cat([b.detach() if b is not None else torch.zeros(lin.weight.shape[0], dtype=lin.weight.dtype,
+                                                                     device=lin.weight.device)
+                          for b, lin in zip(biases, linears)])
+
+
+class LeanStack:
+    """The lean step of one Llama-family model (`unsupported` says which)."""
+
+    description = ("vd's lean Llama-family step (fused QKV and gate-up GEMMs, rotary on queries and keys at once, "
+                   "grouped-query SDPA, HF's norm arithmetic)")
+
+    def __init__(self, model: torch.nn.Module):
+        cfg = model.config.get_text_config()
+        inner = model.model
+        self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.hq
+        self.inter = cfg.intermediate_size
+        self.rotary = inner.rotary_emb
+        self.embed = inner.embed_tokens.weight.detach()
+        self.norm, self.norm_eps = inner.norm.weight.detach(), inner.norm.variance_epsilon
+        self.lm_head = model.lm_head.weight.detach()
+        self.layers: list[_Weights] = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = (a.q_proj, a.k_proj, a.v_proj)
+            bqkv = _fused_bias(qkv)
+            self.layers.append(_Weights(
+                w_in=layer.input_layernorm.weight.detach(), eps_in=layer.input_layernorm.variance_epsilon,
+                wqkv=_fuse(qkv), bqkv=bqkv, wo=a.o_proj.weight.detach(),
+                w_post=layer.post_attention_layernorm.weight.detach(),
+                eps_post=layer.post_attention_layernorm.variance_epsilon,
+                wgu=_fuse((m.gate_proj, m.up_proj)), wd=m.down_proj.weight.detach(), scale=a.scaling))
+        self.cos = self.sin = None
+        self._attn_in, self._attn_out_mlp = attn_in, attn_out_mlp
+
+    def compile(self) -> None:
+        """Compile each layer's two regions (one compilation per step shape, shared by every layer)."""
+        from vd.models.static import inductor_settings
+
+        inductor_settings()
+        self._attn_in = torch.compile(attn_in, dynamic=False, fullgraph=True)
+        self._attn_out_mlp = torch.compile(attn_out_mlp, dynamic=False, fullgraph=True)
+
+    def allocate(self, kv) -> None:
+        """Size the rotary tables and ``kv``'s layers for ``kv.capacity`` positions."""
+        dtype = self.embed.dtype
+        pos = torch.arange(kv.capacity, device=kv.device)[None]
+        cos, sin = self.rotary(torch.zeros((), dtype=dtype, device=kv.device), position_ids=pos)
+        self.cos, self.sin = cos[0], sin[0]  # [capacity, d]
+        kv.allocate(self.hkv, self.d, dtype)
+
+    def step(self, inp: torch.Tensor, kv, *, fast: bool, hidden: bool):
+        """Tokens ``inp[:-1]`` at positions from ``inp[-1]``: (logits ``[n, V]``, hidden ``[n, H]`` or
+        None). ``fast`` runs the compiled regions (when compiled)."""
+        n = inp.shape[0] - 1
+        pos, mask = kv.begin(inp[n], n, self.embed.dtype)
+        a_in, a_out = (self._attn_in, self._attn_out_mlp) if fast else (attn_in, attn_out_mlp)
+        x = F.embedding(inp[:n], self.embed)
+        cos, sin = self.cos[pos], self.sin[pos]
+        for w, layer in zip(self.layers, kv.cache.layers):
+            q, k, v = a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d)
+            layer.keys.index_copy_(2, pos, k)
+            layer.values.index_copy_(2, pos, v)
+            attn = F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=mask, scale=w.scale,
+                                                  enable_gqa=True)
+            x = a_out(x, attn, w.wo, w.w_post, w.eps_post, w.wgu, w.wd, self.inter)
+        h = rms_norm(x, self.norm, self.norm_eps)
+        return F.linear(h, self.lm_head), (h if hidden else None)
