@@ -182,7 +182,8 @@ def main() -> None:
                 samples["step_ms"].extend(bare_verify(model, prompt, steps, timed=True)[1])
             med = {n: statistics.median(v) for n, v in samples.items()}
             row = {
-                "model": args.model, "forward": fwd, "k": k, "graphs": r["graphs"], "verdict": r["verdict"],
+                "model": args.model, "forward": fwd, "description": model.forwards()[fwd], "k": k,
+                "graphs": r["graphs"], "verdict": r["verdict"], "reasons": r["reasons"],
                 "step_ms": med["step_ms"], "floor_ms": floor_ms, "step_over_floor": med["step_ms"] / floor_ms,
                 "record_ratio": med["record_s"] / med["bare_record_s"],
                 "replay_ratio": med["replay_s"] / med["bare_replay_s"],
