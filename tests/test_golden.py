@@ -182,3 +182,14 @@ def test_committed_format_v2_mtp_golden_reads_back():
         assert r.draft_logits.shape == (s, k - 1, g.meta["vocab_size"]) and r.drafts.shape == (s, k - 1)
         assert r.bootstrap_logits.shape == (1, g.meta["vocab_size"]) and r.decoded is not None
         assert (r.drafts == r.tokens[:, 1:]).all()  # in a drafter golden the head's drafts are what was verified
+
+
+def test_prefill_rows_are_stored_eight_to_a_chunk(tiny_golden):
+    """So a reader decodes a long prompt's rows in parallel (FORMAT.md); the rows read back whole."""
+    from vd.golden import PREFILL_CHUNK_ROWS
+
+    g = zarr.open_group(str(tiny_golden), mode="r")
+    arr = g["k2/prefill"]
+    assert arr.shape[0] > PREFILL_CHUNK_ROWS  # the default prompt is longer than one chunk
+    assert arr.chunks == (PREFILL_CHUNK_ROWS, arr.shape[1]) and arr.nchunks == -(-arr.shape[0] // PREFILL_CHUNK_ROWS)
+    assert open_golden(tiny_golden).runs[2].prefill.shape == arr.shape
