@@ -5,7 +5,7 @@ is executed. The step is vd's lean Llama-family step (`vd.models.lean`) where th
 else the HF model's own modules over the cache below:
 
 * ``static``: the step's PyTorch kernels, launched one by one (CPU and CUDA);
-* ``graphed``: the same kernels captured as one CUDA graph per input length (verify K, decode 1) and,
+* ``graphed``: the same kernels captured as one CUDA graph per input length (prefill, verify K, decode) and,
   for an MTP head, one graph per proposal shape; a graph of these kernels replays bitwise equal to them
   (shared notes gpu.md), so ``graphed`` is expected to equal ``static`` bit for bit;
 * ``compiled``: the step under ``torch.compile`` (Inductor, default mode, no CUDA graphs of its own);
