@@ -41,12 +41,13 @@ from vd.models.lean import LeanStack
 from vd.models.lean import unsupported as lean_unsupported
 
 STEP_HF = "HF transformers' modules with SDPA attention"
-STEP_ANY = ("vd's lean step for Llama and Qwen2 stacks (vd.models.lean), HF transformers' modules with SDPA "
-            "for other architectures")
+STEP_ANY = ("vd's lean step (Llama and Qwen2 stacks, vd.models.lean) or HF transformers' modules with SDPA "
+            "(other architectures)")
 STATIC_FORWARDS: dict[str, str] = {
     "static": "{step} over vd's static KV cache (device-side length, additive mask over the whole cache), "
     "kernels launched one by one",
-    "graphed": "the static forward captured as one CUDA graph per step shape (verify K, decode, MTP propose), "
+    "graphed": "the static forward captured as one CUDA graph per step shape (prefill, verify K, decode, MTP "
+    "propose), "
     "shared memory pool, outputs cloned",
     "compiled": "the static forward under torch.compile (Inductor, mode default, deterministic mode; the lean "
     "step compiles each layer's two elementwise regions once per shape; no CUDA graphs of its own); bit for "
