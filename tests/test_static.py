@@ -105,6 +105,9 @@ def test_static_capacity_is_enforced_and_prepare_grows_it():
     m.forward(list(range(200)))
     with pytest.raises(RuntimeError, match="holds 256 positions"):
         m.forward(list(range(60)))
+    m.prepare(20)
+    assert m.length() == 0  # prepare starts a new sequence (its graph warm-ups write from position 0)
+    m.forward(list(range(200)))
     m.prepare(300)
     assert m._runner.kv.capacity == capacity_for(300) == 512
     m.reset()

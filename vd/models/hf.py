@@ -203,8 +203,8 @@ class HFModel:
 
     def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
         """Ready the selected forward for sequences of ``capacity`` positions and steps of ``lengths``
-        tokens (a static forward allocates its cache and captures its graphs, largest first). Optional
-        in the protocol: record and replay call it when a model has it."""
+        tokens (a static forward allocates its cache, captures its graphs, largest first, and starts a
+        new sequence). Optional in the protocol: record and replay call it before their runs."""
         if self._runner is not None:
             self._runner.prepare(capacity, lengths)
 

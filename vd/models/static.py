@@ -281,11 +281,13 @@ class StaticRunner:
 
     def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
         """Hold at least ``capacity`` positions, and capture graphs for ``lengths`` (largest first).
-        A larger capacity reallocates the cache, which drops graphs and the current sequence."""
+        Starts a new sequence: the warm-up runs before a capture write the cache from position 0 (at a
+        leftover length, a prefill's warm-up could run past the end). A larger capacity reallocates the
+        cache, which drops the graphs too."""
         capacity = capacity_for(capacity)
         if self.kv is None or self.kv.capacity < capacity:
             self._allocate(capacity)
-            self.length = 0
+        self.length = 0
         for n in sorted(set(lengths), reverse=True):
             self._ensure_graph(n)
 
