@@ -89,22 +89,18 @@ class _Layer:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.keys is None:  # allocated on the first (uncaptured) step: the shapes come from the model
-            b, h, _, d = key_states.shape
-            self.keys = torch.zeros(b, h, self.kv.capacity, d, dtype=key_states.dtype, device=key_states.device)
-            self.values = torch.zeros(b, h, self.kv.capacity, value_states.shape[-1], dtype=value_states.dtype,
-                                      device=value_states.device)
-            torch._dynamo.mark_static_address(self.keys)
-            torch._dynamo.mark_static_address(self.values)
-            self.is_initialized = True
+            _, h, _, d = key_states.shape  # vd steps one sequence: batch 1
+            self.allocate(h, d, key_states.dtype, value_dim=value_states.shape[-1])
         pos = self.kv.positions[: key_states.shape[-2]]
         self.keys.index_copy_(2, pos, key_states)
         self.values.index_copy_(2, pos, value_states)
         return self.keys, self.values
 
-    def allocate(self, heads: int, dim: int, dtype: torch.dtype) -> None:
-        """Allocate this layer's keys and values now (for a step that writes them itself)."""
+    def allocate(self, heads: int, dim: int, dtype: torch.dtype, value_dim: int | None = None) -> None:
+        """Allocate this layer's keys ``[1, heads, capacity, dim]`` and values (``value_dim`` wide when
+        it differs, as in DeepSeek's MLA), marked as static addresses for compiled code."""
         self.keys = torch.zeros(1, heads, self.kv.capacity, dim, dtype=dtype, device=self.kv.device)
-        self.values = torch.zeros_like(self.keys)
+        self.values = torch.zeros(1, heads, self.kv.capacity, value_dim or dim, dtype=dtype, device=self.kv.device)
         torch._dynamo.mark_static_address(self.keys)
         torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
