@@ -143,14 +143,28 @@ POSITION_BINS = 64
 MAX_ROWS = 2000  # rows listed one by one in a comparison; the summaries cover them all
 
 
+STATS = ("argmax", "top1", "margin", "absmax", "top1_p")
+
+
+def golden_stats_tensor(gold_bits: torch.Tensor, logical: str) -> torch.Tensor:
+    """`golden_stats` as one float64 tensor ``[len(STATS), R]`` on the rows' device (nothing read back)."""
+    g = gold_bits.view(TORCH_DTYPES[logical]).float()
+    top = g.topk(min(2, g.shape[1]), dim=1).values
+    return torch.stack([g.argmax(1).double(), top[:, 0].double(), (top[:, 0] - top[:, -1]).double(),
+                        g.abs().amax(1).double(), (1.0 / torch.exp(g - top[:, :1]).sum(1)).double()])
+
+
+def stats_dict(stacked: np.ndarray) -> dict[str, np.ndarray]:
+    """`golden_stats_tensor`'s rows, read back, by name (argmax as int64, the rest float32)."""
+    out = {n: stacked[i].astype(np.float32) for i, n in enumerate(STATS)}
+    out["argmax"] = stacked[0].astype(np.int64)
+    return out
+
+
 def golden_stats(gold_bits: torch.Tensor, logical: str) -> dict[str, np.ndarray]:
     """Per golden row: argmax, top-1 value, top-1/top-2 margin, largest |logit| and top-1 probability.
     The same for every candidate, so a replay computes it once per K and kind (`vd.golden.Golden.stats`)."""
-    g = gold_bits.view(TORCH_DTYPES[logical]).float()
-    top = g.topk(min(2, g.shape[1]), dim=1).values
-    return {"argmax": g.argmax(1).cpu().numpy(), "top1": top[:, 0].cpu().numpy(),
-            "margin": (top[:, 0] - top[:, -1]).cpu().numpy(), "absmax": g.abs().amax(1).cpu().numpy(),
-            "top1_p": (1.0 / torch.exp(g - top[:, :1]).sum(1)).cpu().numpy()}
+    return stats_dict(golden_stats_tensor(gold_bits, logical).cpu().numpy())
 
 
 def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec,
@@ -166,6 +180,15 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
     gb = gold_bits.view(cb.shape)
     stats = stats if stats is not None else golden_stats(gb, logical)
     differ = (gb != cb).any(dim=1)
+    differ_host = differ.cpu().numpy()  # the one read-back when every row is equal (the usual case)
+    if not differ_host.any():
+        zero = np.zeros(r, dtype=np.float64)
+        return Rows(differ=differ_host, passed=~differ_host, golden_argmax=stats["argmax"],
+                    got_argmax=stats["argmax"].copy(), margin=stats["margin"], top1=stats["top1"],
+                    golden_absmax=stats["absmax"], top1_p=stats["top1_p"],
+                    positions=np.zeros(POSITION_BINS, dtype=np.int64),
+                    **{n: zero.copy() for n in ("n_diff", "first_index", "first_golden", "first_got",
+                                               "max_abs", "max_ulp", "kl")})
     zeros = torch.zeros(r, dtype=torch.float64, device=got.device)
     out = {n: zeros.clone() for n in ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp",
                                       "kl")}
@@ -209,7 +232,7 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
         passed[idx] = ok
         got_argmax[idx.cpu().numpy()] = c_arg.cpu().numpy()
     host = {n: t.cpu().numpy() for n, t in out.items()}
-    return Rows(differ=differ.cpu().numpy(), passed=passed.cpu().numpy(), golden_argmax=stats["argmax"],
+    return Rows(differ=differ_host, passed=passed.cpu().numpy(), golden_argmax=stats["argmax"],
                 got_argmax=got_argmax, margin=stats["margin"], top1=stats["top1"], golden_absmax=stats["absmax"],
                 top1_p=stats["top1_p"], positions=positions.cpu().numpy(), **host)
 
