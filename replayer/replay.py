@@ -63,7 +63,7 @@ def _open_model(golden: Golden, spec: str | None, head: str | None, device: str 
     if head is None and spec is None:
         head = meta["model"].get("head")  # another SPEC brings its own head, if any
     dev = check_device(dev)
-    golden.prefetch(dev)  # on CUDA the golden's rows are read and uploaded while the weights load
+    golden.prefetch(dev, background=True)  # on CUDA the golden's rows are read while the weights load
     return load_model(spec or meta["model"]["spec"], device=dev, dtype=meta["dtype"], head=head)
 
 
@@ -141,7 +141,7 @@ def replay(
     if model is None:
         phase("loading model", 0)
         model = _open_model(golden, model_spec, head, device)
-    golden.prefetch(model.device)  # on CUDA: read and copied there on a thread, ahead of each comparison
+    golden.prefetch(model.device)  # on CUDA: read and copied there while the GPU runs (`vd.reader`)
     notes = _check_model(golden, model, allow_model_mismatch)
     forwards = list(forwards) or [meta["forward"]]
     require_forwards(model, forwards)
@@ -164,11 +164,13 @@ def replay(
             phase(f"K={k} {name}", steps)
             t = time.perf_counter()
             model.set_forward(name)
+            golden.pause()  # no reader work beside a graph capture
             prepare(model, len(golden.prompt), steps, golden.runs.keys())
             t1 = time.perf_counter()
-            run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step)
+            run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step,
+                             idle=golden.idle)
             t2 = time.perf_counter()
-            # The golden's rows and per-row statistics (from the loader thread on CUDA), asked for only now.
+            # The golden's rows and per-row statistics (on CUDA read beside the run), asked for only now.
             stats, gold, gold_dev = golden.stats(k), golden.runs[k], golden.device_rows(k)
             t3 = time.perf_counter()
             c = compare_run(name, gold, run, logical, gold_dev, policy, stats)
@@ -197,7 +199,7 @@ def replay(
             t = time.perf_counter()
             phase(f"K={k} control", steps)  # runs under the last forward, still selected
             run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
-                             on_step=on_step)
+                             on_step=on_step, idle=golden.idle)
             dc = compare_run(f"{forwards[-1]}, one draft changed", golden.runs[k], run, logical,
                              golden.device_rows(k), policy, stats)
             at = steps // 2
@@ -254,8 +256,24 @@ def replay(
         "environment": {"recorded": recorded_env, "replayed": replayed_env, "numerics_differences": env_diff},
         "seconds": time.perf_counter() - t_start,
         "phases": {**clock, "finish": time.perf_counter() - t},
+        "reader": _reader_summary(golden),
         "_first_failure_rows": kept,
     }
+
+
+def _reader_summary(golden: Golden) -> dict | None:
+    """Where the golden's reading went (`vd.reader`): units (of them chunk reads) and seconds on the
+    thread while the model loaded, in the GPU's idle time during runs, and left for when the rows were
+    needed."""
+    reader = getattr(golden.runs, "reader", None)
+    if reader is None:
+        return None
+    out = {w: {"units": 0, "reads": 0, "seconds": 0.0} for w in ("thread", "idle", "drain")}
+    for who, kind, sec in reader.timeline:
+        out[who]["units"] += 1
+        out[who]["reads"] += kind.startswith("read")
+        out[who]["seconds"] += sec
+    return out
 
 
 def _reasons(k: int, name: str, c) -> list[str]:

@@ -166,6 +166,9 @@ def test_committed_format_v1_golden_reads_back():
     """A golden of format 1 committed to the repository still reads with today's vd."""
     g = open_golden(DATA / "tiny-llama-v1.zarr")
     assert g.meta["format_version"] == 1
+    # Written before vd stored rows with Blosc: zstd chunks read through the same path.
+    codecs = zarr.open_group(str(DATA / "tiny-llama-v1.zarr"), mode="r")["k2/logits"].metadata.codecs
+    assert [c.to_dict()["name"] for c in codecs] == ["bytes", "zstd", "crc32c"]
     assert g.meta["model"]["spec"] == "tiny-llama"
     assert sorted(g.runs) == [2, 3, 4]
     for k, r in g.runs.items():
@@ -184,12 +187,24 @@ def test_committed_format_v2_mtp_golden_reads_back():
         assert (r.drafts == r.tokens[:, 1:]).all()  # in a drafter golden the head's drafts are what was verified
 
 
-def test_prefill_rows_are_stored_eight_to_a_chunk(tiny_golden):
-    """So a reader decodes a long prompt's rows in parallel (FORMAT.md); the rows read back whole."""
-    from vd.golden import PREFILL_CHUNK_ROWS
+def test_prefill_rows_are_stored_about_a_megabyte_to_a_chunk(tiny_golden):
+    """So a replay's reader reads a long prompt's rows in units that fit a GPU step (FORMAT.md); the
+    rows read back whole."""
+    from vd.golden import PREFILL_CHUNK_BYTES, prefill_chunks
 
+    assert prefill_chunks((41, 151936), 2) == (3, 151936) and prefill_chunks((41, 128256), 2) == (4, 128256)
+    assert prefill_chunks((2, 49152), 2) == (2, 49152) and prefill_chunks((5, 1 << 20), 4) == (1, 1 << 20)
     g = zarr.open_group(str(tiny_golden), mode="r")
     arr = g["k2/prefill"]
-    assert arr.shape[0] > PREFILL_CHUNK_ROWS  # the default prompt is longer than one chunk
-    assert arr.chunks == (PREFILL_CHUNK_ROWS, arr.shape[1]) and arr.nchunks == -(-arr.shape[0] // PREFILL_CHUNK_ROWS)
+    rows = PREFILL_CHUNK_BYTES // (arr.shape[1] * 2)
+    assert arr.chunks == (min(rows, arr.shape[0]), arr.shape[1])
     assert open_golden(tiny_golden).runs[2].prefill.shape == arr.shape
+
+
+def test_rows_are_stored_blosc_lz4_bitshuffled_with_a_checksum(tiny_golden):
+    """Fast to decode beside a model on the GPU (`vd.golden._codecs`), and every chunk checked."""
+    arr = zarr.open_group(str(tiny_golden), mode="r")["k2/logits"]
+    names = [c.to_dict() for c in arr.metadata.codecs]
+    assert [c["name"] for c in names] == ["bytes", "blosc", "crc32c"]
+    assert names[1]["configuration"]["cname"] == "lz4" and names[1]["configuration"]["shuffle"] == "bitshuffle"
+    assert names[1]["configuration"]["typesize"] == 2

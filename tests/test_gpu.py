@@ -126,28 +126,34 @@ class TestCudaGraphedConformance(ModelConformance, DraftHeadConformance):
 
 
 def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(tiny_golden):
-    """On CUDA a lazily opened golden is read on a thread, uploaded from pinned memory and summarised on
-    the GPU: the same rows and statistics as reading it in line on the CPU."""
-    import sys
+    """On CUDA a lazily opened golden is read by worker threads, uploaded on a side stream and
+    summarised on the GPU (`vd.reader`): in idle time, on the thread, or on demand, the same rows and
+    statistics as reading it in line on the CPU."""
+    import time
 
     import numpy as np
 
     inline = open_golden(tiny_golden, lazy=True)
-    ahead = open_golden(tiny_golden, lazy=True)
-    before = sys.getswitchinterval()
-    ahead.prefetch(torch.device("cuda"))
-    for k in (2, 3, 4):
-        rows = ahead.device_rows(k)
-        for name, a in inline.runs[k].rows_by_kind().items():
-            assert np.array_equal(rows[name].cpu().numpy(), a.view(rows[name].cpu().numpy().dtype))
-        sa, sb = inline.stats(k), ahead.stats(k)
-        assert sa.keys() == sb.keys()
-        for n in sa:
-            assert np.array_equal(sa[n]["argmax"], sb[n]["argmax"]) and np.allclose(sa[n]["margin"], sb[n]["margin"])
-    import time
-
-    for _ in range(100):  # the reader gives Python's switch interval back when it is done
-        if sys.getswitchinterval() == before:
-            break
-        time.sleep(0.05)
-    assert sys.getswitchinterval() == before
+    for how in ("demand", "idle", "thread"):
+        ahead = open_golden(tiny_golden, lazy=True)
+        ahead.prefetch(torch.device("cuda"), background=how == "thread")
+        if how == "idle":
+            for _ in range(2000):  # as a run's steps do: a kind's summary waits for its chunk reads
+                ahead.idle(30.0)
+                if not ahead.runs.reader.units:
+                    break
+                time.sleep(0.005)
+            assert not ahead.runs.reader.units
+        for k in (2, 3, 4):
+            rows = ahead.device_rows(k)
+            assert all(t.is_cuda for t in rows.values())
+            for name, a in inline.runs[k].rows_by_kind().items():
+                assert np.array_equal(rows[name].cpu().numpy(), a.view(rows[name].cpu().numpy().dtype))
+            sa, sb = inline.stats(k), ahead.stats(k)
+            assert sa.keys() == sb.keys()
+            for n in sa:
+                assert np.array_equal(sa[n]["argmax"], sb[n]["argmax"])
+                assert np.allclose(sa[n]["margin"], sb[n]["margin"])
+        where = {w for w, _, _ in ahead.runs.reader.timeline}
+        expected = {"demand": where == {"drain"}, "idle": where == {"idle"}, "thread": "thread" in where}
+        assert expected[how], where

@@ -3,10 +3,12 @@ the generated-weight presets' generator, and the harness pieces issue 4 added (b
 writer and reader, --k on replay, --deterministic)."""
 
 import json
+import time
 
 import numpy as np
 import pytest
 import torch
+import zarr
 
 from vd.golden import open_golden
 from vd.models import load_model
@@ -204,33 +206,112 @@ def test_step_logs_in_the_metadata_start_a_replay_and_are_checked(tiny_copy):
         open_golden(tiny_copy)
 
 
-def test_background_reading_gives_what_reading_in_line_does(tiny_golden, tiny_copy):
-    """The CUDA replay path reads on a thread (`_Prefetched._background`); its ordering and its errors,
-    without the GPU upload, on the CPU."""
+def _reader(path):
+    """A `vd.reader.GoldenReader` over a lazily opened golden, on the CPU (no pinned memory, no stream:
+    the same units, the upload a copy)."""
+    from vd.reader import GoldenReader
+
+    g = open_golden(path, lazy=True)
+    return g, GoldenReader(g.runs._src, g.runs._known, torch.device("cpu"))
+
+
+def _same_as_inline(path, reader):
+    inline = open_golden(path, lazy=True)
+    for k in inline.runs:
+        a, b = inline.runs[k], reader.record(k)
+        for name in ("prefill", "logits", "tokens", "accepted", "step_ms", "bootstrap_logits", "drafts",
+                     "draft_logits"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)) if getattr(a, name) is not None \
+                else getattr(b, name) is None, name
+        rows = reader.device_rows(k)
+        for name, arr in a.rows_by_kind().items():
+            assert np.array_equal(rows[name].numpy(), arr.view(rows[name].numpy().dtype)), name
+        sa, sb = inline.stats(k), reader.stats(k)
+        assert sa.keys() == sb.keys() and all(np.array_equal(sa[n][f], sb[n][f]) for n in sa for f in sa[n])
+
+
+def test_golden_reader_in_idle_time_gives_what_reading_in_line_does(tiny_golden):
+    """Units run in the time a run hands over (`idle`), in order, as far as each is expected to fit;
+    the rest when a K is asked for."""
+    g, reader = _reader(tiny_golden)
+    reader.idle(0.0)
+    assert not reader.timeline  # no time, no unit
+    reader.expect.update({"alloc": 0.0, "open": 60.0})
+    with torch.inference_mode():  # a run calls idle in inference mode, a replay drains outside it
+        reader.idle(30.0)
+    assert [(w, kind) for w, kind, _ in reader.timeline] == [("idle", "alloc")]  # an open would not fit
+    reader.expect["open"] = 0.0
+    for _ in range(2000):  # as a run's steps would: a summary waits for its reads on the workers
+        reader.idle(30.0)
+        if not reader.units:
+            break
+        time.sleep(0.005)
+    assert {w for w, _, _ in reader.timeline} == {"idle"} and not reader.units
+    _same_as_inline(tiny_golden, reader)
+
+    g, reader = _reader(tiny_golden)
+    _same_as_inline(tiny_golden, reader)  # everything read on demand, one unit per chunk
+    chunks = sum(zarr.open_group(str(tiny_golden), mode="r")[f"k{k}/{a}"].nchunks for k in (2, 3, 4)
+                 for a in ("prefill", "logits"))
+    assert sum(kind.startswith("read") for _, kind, _ in reader.timeline) == chunks
+
+
+def test_golden_reader_reads_chunk_files_as_zarr_does(tiny_golden, tmp_path):
+    """The direct path (`vd.reader.Chunks`) against zarr's read, for vd's Blosc chunks and the Zstd
+    chunks of older goldens, with a last chunk past the array's end; a codec chain it does not know
+    reads through zarr."""
+    from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
+
+    from vd.golden import _codecs
+    from vd.reader import Chunks
+
+    data = zarr.open_group(str(tiny_golden), mode="r")["k3/prefill"][...]
+    assert data.shape[0] % 8  # in chunks of 8 rows the last runs past the end
+    for name, codecs, direct in (("blosc", _codecs(), True), ("zstd", [ZstdCodec(level=1), Crc32cCodec()], True),
+                                 ("gzip", [GzipCodec()], False)):
+        zarr.create_array(zarr.storage.LocalStore(tmp_path / name), name="k3/a", data=data, chunks=(8, data.shape[1]),
+                          compressors=codecs, fill_value=0)
+        c = Chunks(tmp_path / name, "k3/a", "x")
+        assert c.direct is direct
+        out = np.zeros_like(data)
+        for i, j in c.ranges():
+            c.read(i, j, out[i:j])
+        assert np.array_equal(out, data)
+
+
+def test_golden_reader_thread_and_drafter_arrays(tiny_golden):
+    from pathlib import Path
+
+    g, reader = _reader(tiny_golden)
+    reader.start_thread()
+    for _ in range(600):
+        if not reader.units:
+            break
+        time.sleep(0.05)
+    assert not reader.units and {w for w, _, _ in reader.timeline} == {"thread"}
+    _same_as_inline(tiny_golden, reader)
+    mtp = Path(__file__).parent / "data" / "tiny-llama-mtp-v2.zarr"  # bootstrap and draft rows, drafts
+    g, reader = _reader(mtp)
+    reader.idle(30.0)
+    _same_as_inline(mtp, reader)
+
+
+def test_golden_reader_keeps_an_error_for_its_k(tiny_copy):
     from vd.errors import GoldenCorruptError
 
-    inline = open_golden(tiny_golden, lazy=True)
-    threaded = open_golden(tiny_golden, lazy=True)
-    import threading
-
-    finished = threading.Event()
-    threaded.runs._background(("record", "stats"), then=finished.set)
-    assert finished.wait(60)  # after every task
-    for k in (2, 3, 4):
-        a, b = inline.runs[k], threaded.runs[k]
-        assert np.array_equal(a.logits, b.logits) and np.array_equal(a.prefill, b.prefill)
-        assert inline.log(k).steps == threaded.log(k).steps
-        sa, sb = inline.stats(k), threaded.stats(k)
-        assert sa.keys() == sb.keys() and all(np.array_equal(sa[n][f], sb[n][f]) for n in sa for f in sa[n])
     chunk = next(p for p in (tiny_copy / "k3" / "logits").rglob("*") if p.is_file() and p.name != "zarr.json")
     chunk.write_bytes(chunk.read_bytes()[:5])
-    broken = open_golden(tiny_copy, lazy=True)
-    broken.runs._background(("record", "stats"))
-    assert broken.runs[2].k == 2
-    with pytest.raises(GoldenCorruptError, match="k3/logits"):
-        broken.runs[3]
-    with pytest.raises(GoldenCorruptError, match="k3/logits"):
-        broken.stats(3)  # a task that needed the broken record fails the same way
+    g, reader = _reader(tiny_copy)
+    reader.idle(30.0)  # reads past the broken chunk: K=3's error is kept, K=4 still read
+    assert reader.record(2).k == 2 and reader.record(4).k == 4
+    for ask in (reader.record, reader.stats, reader.device_rows):
+        with pytest.raises(GoldenCorruptError, match="k3/logits"):
+            ask(3)
+    missing = next(p for p in (tiny_copy / "k4" / "prefill").rglob("*") if p.is_file() and p.name != "zarr.json")
+    missing.unlink()
+    g, reader = _reader(tiny_copy)
+    with pytest.raises(GoldenCorruptError, match=r"k4/prefill: chunk c/\d/0 is missing"):
+        reader.device_rows(4)
 
 
 def test_prompt_tokens_in_the_metadata_are_checked(tiny_copy):

@@ -5,7 +5,7 @@ Layout (FORMAT.md is the reference; ``FORMAT_VERSION`` marks it):
     <golden>.zarr/            group; attrs["vd"] = metadata (model, forward, dtype, K list, environment, ...)
       prompt                  int32 (P,)
       k<K>/                   group; attrs: k, steps, bootstrap, committed_is_greedy (MTP: decoded)
-        prefill               logits (P, V)      one chunk
+        prefill               logits (P, V)      ~1 MiB a chunk
         logits                logits (S, K, V)   one chunk per step
         tokens                int32 (S, K)       each step's [last, d1 .. d_{K-1}]
         accepted              int32 (S,)
@@ -15,7 +15,7 @@ Layout (FORMAT.md is the reference; ``FORMAT_VERSION`` marks it):
         draft_logits          logits (S, K-1, V) MTP feed only: the head's logits for those drafts
 
 bfloat16 logits are stored as their uint16 bit patterns (zarr has no bfloat16); float16/float32 as
-themselves. Every array is Zstd level 1 plus a CRC32C checksum (shared notes storage.md). A golden is
+themselves. Every array is Blosc-LZ4 over bit-shuffled values plus a CRC32C checksum (`_codecs`). A golden is
 written beside its destination and renamed into place when complete, so a reader never sees half of
 one; readers still check the ``complete`` flag, every chunk's presence and every checksum, and refuse
 instead of reading zeros. This module leaves out what the rows mean: it stores and loads arrays.
@@ -27,16 +27,15 @@ import datetime as _dt
 import json
 import os
 import shutil
-import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 
 from vd.errors import (
     GoldenCorruptError,
@@ -49,8 +48,7 @@ from vd.loop import Step
 
 FORMAT = "vd-golden"
 FORMAT_VERSION = 2  # 2: optional MTP arrays; version 1 goldens read unchanged
-PREFILL_CHUNK_ROWS = 8  # prefill rows per zarr chunk (`prefill_chunks`)
-READER_SWITCH_INTERVAL = 1e-4  # seconds; Python's GIL switch interval while a golden is read on a thread
+PREFILL_CHUNK_BYTES = 1 << 20  # about how much of the prefill's rows one zarr chunk holds (`prefill_chunks`)
 
 # logical dtype -> (numpy storage dtype, description)
 ENCODINGS: dict[str, tuple[np.dtype, str]] = {
@@ -167,11 +165,25 @@ class Golden:
         stats = getattr(self.runs, "stats", None)
         return stats(k) if stats is not None else {}
 
-    def prefetch(self, device: torch.device) -> None:
-        """For a replay on a CUDA ``device``: read a lazily opened golden's rows on a background thread
-        and copy them to the device ahead of use (see `device_rows`); a no-op otherwise."""
+    def prefetch(self, device: torch.device, background: bool = False) -> None:
+        """For a replay on a CUDA ``device``: read a lazily opened golden's rows ahead of use and copy
+        them to the device (`vd.reader.GoldenReader`; ``background``: on a thread too, until a run
+        starts); a no-op otherwise."""
         if hasattr(self.runs, "prefetch"):
-            self.runs.prefetch(device)
+            self.runs.prefetch(device, background)
+
+    def pause(self) -> None:
+        """Let nothing of a prefetching reader touch the GPU until the next run or request (its thread
+        stopped, its chunk copies done): before a model captures graphs."""
+        reader = getattr(self.runs, "reader", None)
+        if reader is not None:
+            reader.pause()
+
+    @property
+    def idle(self) -> Callable[[float], None] | None:
+        """What a run hands its GPU's busy time to (`vd.loop.run_verify`'s ``idle``): the reader of a
+        golden prefetched to CUDA, else None."""
+        return self.runs.idle if getattr(self.runs, "reader", None) is not None else None
 
     def device_rows(self, k: int) -> dict[str, torch.Tensor] | None:
         """K's logits arrays already on the replay device, as integer bit patterns (after `prefetch`;
@@ -180,15 +192,24 @@ class Golden:
         return rows(k) if rows is not None else None
 
 
-def prefill_chunks(shape: tuple[int, int]) -> tuple[int, int]:
-    """Prefill rows are stored `PREFILL_CHUNK_ROWS` to a chunk: zarr decodes chunks in parallel, and a
-    prompt's rows as one chunk were the slowest part of reading a golden (measured here on 2 cores, 41
-    rows of vocab 151936: 36 ms in one chunk, 20 ms in chunks of 8 rows; more cores, more gain)."""
-    return (max(1, min(PREFILL_CHUNK_ROWS, shape[0])), shape[1])
+def prefill_chunks(shape: tuple[int, int], itemsize: int) -> tuple[int, int]:
+    """The prefill's rows are stored about `PREFILL_CHUNK_BYTES` to a chunk (at least one row): the
+    size of a K=4 step's chunk on a 128k-150k vocabulary, so a replay's reader reads either in about the
+    same time (`vd.reader`: a unit of reading must fit in a GPU step). Before issue 4's reader, 8 rows
+    to a chunk; before that, all of them in one (both read unchanged)."""
+    rows = max(1, PREFILL_CHUNK_BYTES // max(1, shape[1] * itemsize))
+    return (max(1, min(rows, shape[0])), shape[1])
 
 
 def _codecs() -> list:
-    return [ZstdCodec(level=1), Crc32cCodec()]
+    """Blosc (LZ4 over bit-shuffled values), then a CRC32C checksum.
+
+    Measured here on bf16 logits (2 cores, one chunk per step): SmolLM2's real rows compress 1.44x
+    (zstd-1: 1.41x) and decode at 1.2-2.5 GB/s against zstd-1's 0.5-0.9; random-weight rows 1.18x
+    (zstd-1: 1.29x) at 1.5 against 0.6. A replay on the GPU reads its golden beside the model, so
+    decode speed is what counts (goldens written with zstd before it still read: zarr's metadata
+    names each array's codecs)."""
+    return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"), Crc32cCodec()]
 
 
 def _write_array(group: zarr.Group, name: str, data: np.ndarray, chunks: tuple[int, ...], **attrs) -> None:
@@ -254,7 +275,8 @@ class KStream:
     def _create(self) -> None:
         g = self.writer.root.create_group(f"k{self.k}")
         storage = to_storage(self.host["prefill"][:0]).dtype
-        for name, shape, chunks in (("prefill", self.host["prefill"].shape, prefill_chunks(self.host["prefill"].shape)),
+        for name, shape, chunks in (("prefill", self.host["prefill"].shape, prefill_chunks(self.host["prefill"].shape,
+                                                                                self.host["prefill"].element_size())),
                                     ("logits", self.host["verify"].shape, (1, self.k, self.host["verify"].shape[2]))):
             g.create_array(name, shape=shape, dtype=storage, chunks=chunks, compressors=_codecs(), fill_value=0,
                            config={"write_empty_chunks": True})
@@ -344,7 +366,7 @@ class GoldenWriter:
         self._written.append(r)  # its step log goes into the metadata too (`logs`), for a fast replay start
         g = self.root.create_group(f"k{r.k}")
         s, k, v = r.logits.shape
-        _write_array(g, "prefill", r.prefill, prefill_chunks(r.prefill.shape))
+        _write_array(g, "prefill", r.prefill, prefill_chunks(r.prefill.shape, r.prefill.itemsize))
         _write_array(g, "logits", r.logits, (1, k, v))
         _write_small(g, r, s, k, v)
 
@@ -442,9 +464,9 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
 
     By default every array is read (and its chunks and checksums verified) before this returns. With
     ``lazy`` only ``zarr.json`` is read here (the metadata carries the prompt tokens and each K's step
-    log, both checked against the arrays later), and each K's arrays when first used, or
-    ahead of use on a background thread after `Golden.prefetch` to a GPU; a missing chunk or a checksum
-    error surfaces as the same `GoldenCorruptError` when that K is first used.
+    log, both checked against the arrays later), and each K's arrays when first used; after
+    `Golden.prefetch` to a GPU they are read ahead by `vd.reader.GoldenReader`. A missing chunk or a
+    checksum error surfaces as the same `GoldenCorruptError` when that K is first used.
     """
     path = Path(path)
     if not path.exists():
@@ -453,13 +475,7 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
         raise NotAGoldenError(f"{path} is not a vd golden (a golden is a zarr directory)")
     if not (path / "zarr.json").is_file():
         raise NotAGoldenError(f"{path} is not a vd golden (no zarr.json)")
-    opened: dict = {}
-
-    def root() -> zarr.Group:
-        if "root" not in opened:
-            opened["root"] = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r")
-        return opened["root"]
-
+    src = Source(path)
     try:
         if lazy:  # the metadata straight from zarr.json; zarr itself opens when an array is first needed
             doc = json.loads((path / "zarr.json").read_text())
@@ -467,7 +483,7 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
                 raise ValueError("not a zarr v3 group")
             meta = (doc.get("attributes") or {}).get("vd")
         else:
-            meta = root().attrs.get("vd")
+            meta = src.root().attrs.get("vd")
     except Exception as e:  # malformed zarr.json: JSON or metadata errors of many kinds
         raise GoldenCorruptError(f"{path}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
     if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
@@ -480,54 +496,95 @@ def open_golden(path: str | os.PathLike, *, lazy: bool = False) -> Golden:
     logical = meta.get("logits", {}).get("dtype")
     if logical not in ENCODINGS:
         raise GoldenCorruptError(f"{path}: unknown logits dtype {logical!r}")
+    src.meta = meta
     stored_prompt = meta.get("prompt_tokens")  # since issue 4: the prompt's tokens in the metadata too
-
-    def read_prompt() -> list[int]:
-        if "prompt" not in opened:
-            opened["prompt"] = _read(root(), "prompt", str(path)).astype(np.int64).tolist()
-        return opened["prompt"]
-
-    prompt = list(stored_prompt) if lazy and isinstance(stored_prompt, list) else read_prompt()
-    ks = list(meta.get("k", []))
-    if not ks:
+    src.prompt = list(stored_prompt) if lazy and isinstance(stored_prompt, list) else src.read_prompt()
+    if not src.ks:
         raise GoldenCorruptError(f"{path} holds no verify widths")
-    groups: dict = {}
+    known = _meta_logs(meta)
+    if not lazy:
+        return Golden(path=path, meta=meta, prompt=src.prompt, runs={k: src.load(k, known.get(k)) for k in src.ks})
+    return Golden(path=path, meta=meta, prompt=src.prompt, runs=_Prefetched(src, known))
 
-    def group(k: int):
-        if k not in groups:
+
+class Source:
+    """An opened golden's store: its groups and arrays, read and checked on demand (`open_golden`)."""
+
+    SMALL = ("tokens", "accepted", "step_ms")
+
+    def __init__(self, path: Path):
+        self.path, self.meta, self.prompt = path, {}, []
+        self._root: zarr.Group | None = None
+        self._groups: dict[int, zarr.Group] = {}
+        self._stored_prompt: list[int] | None = None
+
+    @property
+    def ks(self) -> list[int]:
+        return list(self.meta.get("k", []))
+
+    @property
+    def big(self) -> list[str]:
+        """The arrays of rows (and, for the drafter feed, the head's drafts)."""
+        mtp = ["bootstrap_logits", "draft_logits", "drafts"] if self.meta.get("feed") == "mtp" else []
+        return ["prefill", "logits", *mtp]
+
+    def where(self, k: int) -> str:
+        return f"{self.path}/k{k}"
+
+    def root(self) -> zarr.Group:
+        if self._root is None:
+            self._root = zarr.open_group(zarr.storage.LocalStore(self.path, read_only=True), mode="r")
+        return self._root
+
+    def read_prompt(self) -> list[int]:
+        if self._stored_prompt is None:
+            self._stored_prompt = _read(self.root(), "prompt", str(self.path)).astype(np.int64).tolist()
+        return self._stored_prompt
+
+    def group(self, k: int) -> zarr.Group:
+        if k not in self._groups:
             try:
-                groups[k] = root()[f"k{k}"]
+                self._groups[k] = self.root()[f"k{k}"]
             except KeyError as e:
-                raise GoldenCorruptError(f"{path}/k{k} is missing") from e
-        return groups[k]
+                raise GoldenCorruptError(f"{self.where(k)} is missing") from e
+        return self._groups[k]
 
-    small = ["tokens", "accepted", "step_ms"]
-    big = ["prefill", "logits"] + (["bootstrap_logits", "draft_logits", "drafts"] if meta.get("feed") == "mtp" else [])
-
-    def load_log(k: int) -> KLog:
-        where, g = f"{path}/k{k}", group(k)
+    def load_log(self, k: int) -> KLog:
+        """K's step log from its group's attributes and small arrays."""
+        g = self.group(k)
         return KLog(k=k, bootstrap=int(g.attrs.get("bootstrap", -1)), decoded=g.attrs.get("decoded"),
-                    committed_is_greedy=g.attrs.get("committed_is_greedy"), **{n: _read(g, n, where) for n in small})
+                    committed_is_greedy=g.attrs.get("committed_is_greedy"),
+                    **{n: _read(g, n, self.where(k)) for n in self.SMALL})
 
-    def load(k: int, log: KLog | None = None) -> KRecord:
-        where, g = f"{path}/k{k}", group(k)
-        if read_prompt() != prompt:
-            raise GoldenCorruptError(f"{path}: the prompt in the metadata disagrees with the stored prompt array")
-        stored = load_log(k)
+    def checked_log(self, k: int, log: KLog | None) -> KLog:
+        """K's stored step log, checked against the prompt and the metadata's copy (``log``) of both."""
+        stored = self.load_log(k)
+        self.check_log(k, log, stored, self.read_prompt())
+        return stored
+
+    def check_log(self, k: int, log: KLog | None, stored: KLog, stored_prompt: list[int]) -> None:
+        """Refuse a golden whose metadata's prompt or step log (``log``) disagrees with its arrays'."""
+        if stored_prompt != self.prompt:
+            raise GoldenCorruptError(f"{self.path}: the prompt in the metadata disagrees with the stored prompt array")
         if log is not None and not (np.array_equal(log.tokens, stored.tokens)
                                     and np.array_equal(log.accepted, stored.accepted)
                                     and log.bootstrap == stored.bootstrap and log.decoded == stored.decoded):
-            raise GoldenCorruptError(f"{where}: the step log in the metadata disagrees with the stored arrays")
-        rec = KRecord(k=k, bootstrap=stored.bootstrap, committed_is_greedy=stored.committed_is_greedy,
+            raise GoldenCorruptError(f"{self.where(k)}: the step log in the metadata disagrees with the stored arrays")
+
+    def record(self, stored: KLog, arrays: Mapping[str, np.ndarray]) -> KRecord:
+        """K's `KRecord` from its checked step log and its row arrays, checked against the metadata."""
+        rec = KRecord(k=stored.k, bootstrap=stored.bootstrap, committed_is_greedy=stored.committed_is_greedy,
                       decoded=stored.decoded, tokens=stored.tokens, accepted=stored.accepted,
-                      step_ms=stored.step_ms, **{n: _read(g, n, where) for n in big})
-        _check_shapes(rec, meta, len(prompt), ENCODINGS[logical][0], where)
+                      step_ms=stored.step_ms, **arrays)
+        _check_shapes(rec, self.meta, len(self.prompt), ENCODINGS[self.meta["logits"]["dtype"]][0],
+                      self.where(stored.k))
         return rec
 
-    known = _meta_logs(meta)
-    if not lazy:
-        return Golden(path=path, meta=meta, prompt=prompt, runs={k: load(k, known.get(k)) for k in ks})
-    return Golden(path=path, meta=meta, prompt=prompt, runs=_Prefetched(ks, load_log, load, known))
+    def load(self, k: int, log: KLog | None = None) -> KRecord:
+        """K's record, every array read in this thread."""
+        stored = self.checked_log(k, log)
+        g = self.group(k)
+        return self.record(stored, {n: _read(g, n, self.where(k)) for n in self.big})
 
 
 def _meta_logs(meta: Mapping) -> dict[int, KLog]:
@@ -559,89 +616,67 @@ def logs_meta(records) -> dict:
 
 class _Prefetched(Mapping):
     """Each K's step log, record and golden statistics, read when first asked for, in the caller's
-    thread; or, after `prefetch` to a CUDA device, ahead of time on one background thread (every K's
-    step log first, none to read when the metadata carries it; then each K's record, its upload to the
-    GPU and its statistics, in K order).
+    thread; or, after `prefetch` to a CUDA device, by a `vd.reader.GoldenReader`: in the time the
+    replay's GPU steps take (``idle``), on a thread while the model loads, and whatever is left when
+    the rows are needed.
 
-    On the CPU nothing runs in the background: the cores computing the model are the ones a reader
-    would take (measured: a prefetch thread beside torch's two OpenMP threads on this project's 2-core
-    machines made a SmolLM2 replay 1.7x as long as the bare loop, against 1.09x reading up front).
+    On the CPU nothing is read ahead: the cores computing the model are the ones a reader would take
+    (measured: a prefetch thread beside torch's two OpenMP threads on this project's 2-core machines
+    made a SmolLM2 replay 1.7x as long as the bare loop, against 1.09x reading up front).
     """
 
-    def __init__(self, keys: list[int], load_log, load, known: Mapping[int, KLog]):
-        self._keys = list(keys)
-        self._load_log, self._load, self._known = load_log, load, known
-        self._done: dict = {}  # (what, k) -> Future
-        self._device = None
+    def __init__(self, source: Source, known: Mapping[int, KLog]):
+        self._src, self._known = source, known
+        self._keys = source.ks
+        self._done: dict = {}  # (what, k) -> result or exception, computed in the caller's thread
+        self.reader = None  # a vd.reader.GoldenReader after prefetch to CUDA
 
     def _get(self, what: str, k: int):
-        from concurrent.futures import Future
-
-        fut = self._done.get((what, k))
-        if fut is None:  # not prefetched: compute it here
-            fut = Future()
+        if (what, k) not in self._done:
             try:
-                fut.set_result(self._compute(what, k))
-            except BaseException as e:
-                fut.set_exception(e)
-            self._done[(what, k)] = fut
-        return fut.result()
+                self._done[(what, k)] = (self._compute(what, k), None)
+            except Exception as e:
+                self._done[(what, k)] = (None, e)
+        value, error = self._done[(what, k)]
+        if error is not None:
+            raise error
+        return value
 
     def _compute(self, what: str, k: int):
         if what == "log":
-            return self._known[k] if k in self._known else self._load_log(k)
+            return self._known[k] if k in self._known else self._src.load_log(k)
         if what == "record":
-            return self._load(k, self._get("log", k) if k in self._known else None)
+            return self._src.load(k, self._known.get(k))
         if what == "stats":
             from vd.compare import golden_stats  # compare imports this module
 
             rec = self._get("record", k)
             logical = _LOGICAL[rec.prefill.dtype.str]
-            if self._device is not None:  # from the uploaded rows, on the GPU (small results come back)
-                rows, _ = self._get("upload", k)
-                with torch.cuda.stream(self._stream):
-                    return {n: golden_stats(r, logical) for n, r in rows.items()}
             return {n: golden_stats(torch.from_numpy(int_bits(a)), logical) for n, a in rec.rows_by_kind().items()}
-        if what == "upload":
-            rec, rows = self._get("record", k), {}
-            with torch.cuda.stream(self._stream):
-                for name, a in rec.rows_by_kind().items():
-                    rows[name] = torch.from_numpy(int_bits(a)).pin_memory().to(self._device, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            return rows, event
         raise KeyError(what)
 
-    def prefetch(self, device: torch.device) -> None:
-        """On a CUDA ``device``: read, upload and summarise every K on a background thread from now on."""
-        if device.type != "cuda" or self._device is not None:
+    def prefetch(self, device: torch.device, background: bool = False) -> None:
+        """On a CUDA ``device``: from now on read every K ahead of use (`vd.reader.GoldenReader`): on a
+        thread while ``background`` (a replay loading its model), else in the runs' idle time."""
+        if device.type != "cuda":
             return
-        self._device, self._stream = device, torch.cuda.Stream(device)
-        # While the reader runs beside the model, a thread that waited on the GPU gets the interpreter
-        # back within 0.1 ms instead of Python's default 5 ms (zarr's reads run Python code between
-        # their GIL-free decodes); the default comes back when the reading is done.
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(min(previous, READER_SWITCH_INTERVAL))
-        self._background(("record", "upload", "stats"), then=lambda: sys.setswitchinterval(previous))
+        if self.reader is None:
+            from vd.reader import GoldenReader  # the reader builds on this module
 
-    def _background(self, per_k: tuple[str, ...], then=None) -> None:
-        """Queue every K's work on one thread, each task after what it needs: the step logs, then per K
-        the ``per_k`` tasks in order (a task waits only on futures queued before it, so none deadlocks);
-        ``then()`` after all of them."""
-        from concurrent.futures import ThreadPoolExecutor
+            self.reader = GoldenReader(self._src, self._known, device)
+        if background:
+            self.reader.start_thread()
+        else:  # the model is ready: from now on only its runs' idle time (no thread beside a capture)
+            self.reader.pause()
 
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vd-golden")
-        order = [("log", k) for k in self._keys] + [(w, k) for k in self._keys for w in per_k]
-        for what, k in order:
-            if (what, k) not in self._done:
-                self._done[(what, k)] = pool.submit(self._compute, what, k)
-        if then is not None:
-            pool.submit(then)
-        pool.shutdown(wait=False)
+    def idle(self, seconds: float) -> None:
+        """The GPU is busy for about ``seconds`` more: read what fits (a no-op unless prefetched)."""
+        if self.reader is not None:
+            self.reader.idle(seconds)
 
     def stats(self, k: int) -> dict:
         """The golden's per-row statistics of K (`vd.compare.golden_stats` per kind)."""
-        return self._get("stats", k)
+        return self.reader.stats(k) if self.reader is not None else self._get("stats", k)
 
     def log(self, k: int) -> KLog:
         return self._get("log", k)
@@ -649,16 +684,12 @@ class _Prefetched(Mapping):
     def __getitem__(self, k: int) -> KRecord:
         if k not in self._keys:
             raise KeyError(k)
-        return self._get("record", k)
+        return self.reader.record(k) if self.reader is not None else self._get("record", k)
 
     def device_rows(self, k: int) -> dict[str, torch.Tensor] | None:
         """K's rows per kind (`KRecord.rows_by_kind`) as integer bits on the device, ordered after their
         upload; None unless prefetched to a CUDA device."""
-        if self._device is None:
-            return None
-        rows, event = self._get("upload", k)
-        torch.cuda.current_stream(self._device).wait_event(event)
-        return rows
+        return self.reader.device_rows(k) if self.reader is not None else None
 
     def __contains__(self, k) -> bool:  # Mapping's would read the record
         return k in self._keys

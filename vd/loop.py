@@ -195,6 +195,9 @@ def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) 
         fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({prompt_len, 1, *ks}, reverse=True))
 
 
+IDLE_SHARE = 0.8  # of the last step's GPU time, handed to ``idle`` while the next runs (`run_verify`)
+
+
 def _argmax(rows: torch.Tensor) -> list[int]:
     # torch.argmax returns the first maximal index, so ties resolve the same way everywhere.
     return rows.argmax(dim=-1).tolist()
@@ -219,15 +222,23 @@ def run_verify(
     feed: Feed,
     on_step: Callable[[int], None] | None = None,
     sink: Callable[[str, int | None, torch.Tensor], None] | None = None,
+    idle: Callable[[float], None] | None = None,
 ) -> Run:
     """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them.
     ``sink(kind, step, rows)`` receives the prefill's rows (``"prefill"``, None) and each step's verify
-    rows (``"verify"``, step) as soon as they are computed (a recorder streams them to storage)."""
+    rows (``"verify"``, step) as soon as they are computed (a recorder streams them to storage).
+    ``idle(seconds)`` is called on CUDA while each step's forward runs, before its result is read back,
+    with the time the GPU is expected to stay busy (the last step's GPU time, measured by CUDA events;
+    0 before one is measured): a replay's golden reader works in it (`vd.reader`)."""
     vocab = model.vocab_size
     model.reset()
     prefill = model.forward(prompt)  # [P, V]
     if sink is not None:
         sink("prefill", None, prefill)
+    timed = idle is not None and prefill.is_cuda
+    if timed:
+        idle(0.0)  # a run has begun
+        begin, end, gpu_s = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0.0
     run = Run(k=k, prefill=prefill)
     last = run.bootstrap = feed.start(model, run, _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
@@ -235,9 +246,16 @@ def run_verify(
         tokens = feed.tokens(s, last, p, k, vocab)
         assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
         t0 = time.perf_counter()
+        if timed:
+            begin.record()
         rows = model.forward(tokens)  # [K, V]
+        if timed:
+            end.record()
+            idle(IDLE_SHARE * gpu_s)
         outs = _argmax(rows)  # reads back to the host, so the forward has finished
         run.step_ms.append((time.perf_counter() - t0) * 1e3)
+        if timed:
+            gpu_s = begin.elapsed_time(end) / 1e3
         computed = accepted(tokens, outs)
         na = feed.accept(s, computed)
         # As a scheduler does: rewind the rejected rows, keep [last, accepted drafts] committed.

@@ -1,0 +1,463 @@
+"""A golden read beside a replay on the GPU without slowing it.
+
+A plain reader thread beside the run costs the run: zarr's reads run Python between their lock-free
+decodes (its event loop and thread pool hand each chunk between threads), and each moment the run's own
+Python waits for the interpreter lock adds to a step (measured on the H200, tools/h200/reader-ab.json:
+such a thread made the 0.5B shape's 16-step K=4 loop 13-22 % slower, the 8B shape's 3-4 %). So
+`GoldenReader` cuts the reading into units and runs each where it costs the run nothing:
+
+* units with Python in them (allocate a K's buffers, read an array's metadata, read a chunk's bytes
+  and check its CRC32C, read a small array, summarise a kind's rows on the GPU, check the step log) run
+  on the replay's own thread in the time the GPU is busy with a step anyway: a run hands that time over
+  (`vd.loop.run_verify`'s ``idle``, after a step's forward is issued and before its result is read
+  back) and the reader runs, in order, the units it expects to end within it, timing each kind of unit
+  to refine the expectation;
+* what holds no lock (a chunk's Blosc or Zstd decode into page-locked memory, then its copy to the GPU
+  on a side stream) runs on a few worker threads (`READ_WORKERS`) on other cores; a kind's summary
+  waits for its chunks.
+
+Measured there (tools/h200/reader-variants.json, 16-step K=4 loops): decoding on the workers but copying
+from pageable memory added 6.7 ms (0.5B) and 7.5 ms (8B) to the run, the driver's staged copies holding
+up the run's own CUDA calls; without the copies, 1.9 and 1.6 ms; everything on the replay's thread,
+1.3 and 1.2 ms, but the 0.5B shape's 2.3 ms steps leave 15 ms of it for after the run.
+
+Chunks are read straight from their files when the array's codecs are ones vd writes or wrote (bytes,
+then Blosc or Zstd, then CRC32C; `Chunks`), and array metadata straight from its ``zarr.json`` through
+zarr's own metadata class: one zarr array open or chunk read cost about 1 and 2-3 ms there (the
+hand-offs between threads), against 0.1 ms and 1 ms this way. Any other codec chain reads through
+zarr. A missing chunk, a checksum mismatch or undecodable bytes raise `GoldenCorruptError`, kept and
+raised when the K it belongs to is asked for, as reading in line would. Before any run, while a replay
+loads its model, a thread may run every unit (`start_thread`); `pause` stops it before graphs are
+captured. Whatever is left when a K's rows are needed runs then.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import google_crc32c
+import numcodecs
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
+from zarr.core.buffer.cpu import NDBuffer
+from zarr.core.metadata.v3 import ArrayV3Metadata
+
+from vd.errors import GoldenCorruptError
+from vd.golden import ENCODINGS, KLog, KRecord, Source, int_bits
+
+READ_WORKERS = 4  # threads decoding chunks (their work releases the interpreter lock)
+# Where each array's rows go: (kind, first row of the kind). A kind is laid out as `KRecord.rows_by_kind`.
+_LAYOUT = {"prefill": ("prefill", 0), "logits": ("verify", 0), "bootstrap_logits": ("draft", 0),
+           "draft_logits": ("draft", 1)}
+_TORCH_INT = {2: torch.int16, 4: torch.int32}
+_POOL: ThreadPoolExecutor | None = None
+_STREAMS: dict = {}  # one side stream per device for every reader: its cached GPU memory is reused
+
+
+def pinned(shape: tuple[int, ...], dtype: np.dtype, device: torch.device) -> np.ndarray:
+    """An uninitialised host array, page-locked when ``device`` is a GPU. It comes from torch's caching
+    host allocator: locking fresh pages cost 12-33 ms for a 30 MB golden on the H200, so the next replay
+    in the process reuses these once this reader is gone (nothing here holds on to it in a cycle)."""
+    n = int(np.prod(shape)) * dtype.itemsize
+    return torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda").numpy().view(dtype).reshape(shape)
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="vd-chunks")
+    return _POOL
+
+
+def node(root: Path, rel: str, where: str) -> dict:
+    """The ``zarr.json`` document of the node at ``rel`` under ``root``."""
+    try:
+        return json.loads((root / rel / "zarr.json").read_text())
+    except FileNotFoundError as e:
+        raise GoldenCorruptError(f"{where} is missing") from e
+    except (OSError, ValueError) as e:
+        raise GoldenCorruptError(f"{where}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
+
+
+class Chunks:
+    """Whole chunks of the zarr array at ``root/rel`` along its first axis, read into a destination.
+
+    Straight from the chunk files when the array is chunked along its first axis only and its codecs
+    are bytes (little-endian), optionally Blosc or Zstd, optionally CRC32C; through zarr otherwise
+    (`direct` says which).
+    """
+
+    def __init__(self, root: Path, rel: str, where: str):
+        self.root, self.rel, self.where = root, rel, where
+        doc = node(root, rel, where)
+        try:
+            self.meta = ArrayV3Metadata.from_dict(doc)
+        except Exception as e:
+            raise GoldenCorruptError(f"{where}/zarr.json is not array metadata: {str(e).splitlines()[0]}") from e
+        self.shape = tuple(self.meta.shape)
+        self.dtype = np.dtype(self.meta.data_type.to_native_dtype())
+        chunk = tuple(getattr(self.meta.chunk_grid, "chunk_shape", ()))
+        self.step = chunk[0] if chunk else 1
+        codecs = list(self.meta.codecs)
+        self.crc = bool(codecs) and isinstance(codecs[-1], Crc32cCodec)
+        inner = codecs[1:-1] if self.crc else codecs[1:]
+        self.decoder = None
+        if len(inner) == 1 and isinstance(inner[0], BloscCodec):
+            self.decoder = _blosc_into
+        elif len(inner) == 1 and isinstance(inner[0], ZstdCodec):
+            self.decoder = _zstd_into
+        self.direct = (
+            len(chunk) == len(self.shape) > 0 and chunk[1:] == self.shape[1:]
+            and bool(codecs) and isinstance(codecs[0], BytesCodec)
+            and (codecs[0].endian is None or codecs[0].endian.value == "little") and np.little_endian
+            and (not inner or self.decoder is not None)
+        )
+        self._array = None
+
+    def ranges(self) -> list[tuple[int, int]]:
+        n = self.shape[0]
+        return [(i, min(i + self.step, n)) for i in range(0, n, self.step)]
+
+    def check_present(self) -> None:
+        """For zarr's path: refuse a missing chunk (zarr reads one back as zeros; the direct path
+        refuses it when reading)."""
+        if not self.direct:
+            arr = self.array()
+            if arr.nchunks_initialized != arr.nchunks:
+                raise GoldenCorruptError(f"{self.where}: {arr.nchunks - arr.nchunks_initialized} of "
+                                         f"{arr.nchunks} chunks are missing")
+
+    def array(self) -> zarr.Array:
+        if self._array is None:
+            self._array = zarr.open_array(zarr.storage.LocalStore(self.root, read_only=True), path=self.rel, mode="r")
+        return self._array
+
+    def read(self, i: int, j: int, out: np.ndarray) -> None:
+        """Rows ``i:j`` (whole chunks: ``i`` on a chunk boundary) into ``out`` (shape ``(j - i, ...)``)."""
+        if not self.direct:
+            try:
+                self.array().get_basic_selection(slice(i, j), out=NDBuffer.from_numpy_array(out))
+            except Exception as e:  # checksum mismatch (ValueError), truncated or undecodable chunk bytes
+                raise GoldenCorruptError(f"{self.where}: cannot read its chunks: {str(e).splitlines()[0]}") from e
+            return
+        for c in range(i, j, self.step):
+            self.decode(c // self.step, self.fetch(c // self.step), out[c - i:c - i + min(self.step, j - c)])
+
+    def fetch(self, index: int) -> np.ndarray:
+        """Chunk ``index``'s stored bytes, their checksum checked (the direct path). The check holds the
+        interpreter lock (google-crc32c does not release it), the file read and `decode` do not."""
+        key = self.meta.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
+        try:
+            data = np.fromfile(self.root / self.rel / key, dtype=np.uint8)
+        except FileNotFoundError as e:  # zarr would read it back as zeros: a golden never lacks one
+            raise GoldenCorruptError(f"{self.where}: chunk {key} is missing") from e
+        if self.crc:
+            if len(data) < 4 or np.uint32(google_crc32c.value(data[:-4])).tobytes() != data[-4:].tobytes():
+                raise GoldenCorruptError(f"{self.where}: chunk {key} fails its CRC32C checksum")
+            data = data[:-4]
+        return data
+
+    def decode(self, index: int, data: np.ndarray, out: np.ndarray) -> None:
+        """`fetch`'s bytes of chunk ``index`` decoded into ``out``: its rows, fewer for the array's last
+        chunk where it runs past the end."""
+        whole = out if out.shape[0] == self.step else np.empty((self.step,) + out.shape[1:], self.dtype)
+        assert whole.flags.c_contiguous, "decoded in place: the destination must be one block"
+        flat = whole.reshape(-1).view(np.uint8)
+        try:
+            if self.decoder is None:
+                got = data.size
+                if got == flat.size:
+                    flat[...] = data
+            else:
+                got = self.decoder(data, flat)
+        except Exception as e:  # undecodable bytes
+            raise GoldenCorruptError(f"{self.where}: cannot decode chunk {index}: {str(e).splitlines()[0]}") from e
+        if got != flat.size:
+            raise GoldenCorruptError(f"{self.where}: chunk {index} holds {got} bytes, expected {flat.size}")
+        if whole is not out:
+            out[...] = whole[:out.shape[0]]
+
+
+def _blosc_into(data: np.ndarray, out: np.ndarray) -> int:
+    """Decode a Blosc frame into ``out`` when it holds exactly ``out``'s size; the size it holds (the
+    frame's header: version, flags, typesize, then the uncompressed size as little-endian uint32)."""
+    size = int.from_bytes(data[4:8].tobytes(), "little") if data.size >= 16 else -1
+    if size == out.size:
+        numcodecs.blosc.decompress(data, out)
+    return size
+
+
+def _zstd_into(data: np.ndarray, out: np.ndarray) -> int:
+    """The same for a Zstd frame (goldens written before vd used Blosc): decoded, then copied."""
+    decoded = np.frombuffer(numcodecs.Zstd().decode(data), dtype=np.uint8)
+    if decoded.size == out.size:
+        out[...] = decoded
+    return decoded.size
+
+
+@dataclass(slots=True)
+class _Unit:
+    kind: str  # "alloc", "open", "read", "summarise", "small", "check": how long it takes is learnt per kind
+    k: int
+    fn: Callable[[bool], bool | None]  # given ``wait``; False: cannot run yet (a summary, its reads running)
+
+
+@dataclass
+class _K:
+    """One K's state: its buffers and results as units fill them in, and its first error."""
+
+    k: int
+    host: dict = field(default_factory=dict)  # kind -> [R, V] storage array (page-locked on CUDA)
+    device: dict = field(default_factory=dict)  # kind -> [R, V] integer bits on the device
+    reads: dict = field(default_factory=dict)  # kind -> [Future] of its chunk reads
+    stats: dict = field(default_factory=dict)  # kind -> [len(STATS), R] float64 on the device
+    small: dict = field(default_factory=dict)  # tokens, accepted, step_ms, prompt (drafts) as read; the log
+    event: object = None  # on the side stream after the last upload and summary
+    error: BaseException | None = None
+    record: KRecord | None = None
+
+
+class GoldenReader:
+    """Reads a lazily opened golden's rows to ``device`` unit by unit (see the module's docstring)."""
+
+    def __init__(self, source: Source, known: Mapping[int, KLog], device: torch.device):
+        self.src, self.known, self.device = source, known, device
+        self.cuda = device.type == "cuda"
+        if self.cuda and device not in _STREAMS:
+            _STREAMS[device] = torch.cuda.Stream(device)
+        self.stream = _STREAMS.get(device)
+        self.logical = source.meta["logits"]["dtype"]
+        self.storage = ENCODINGS[self.logical][0]
+        self.ks = {k: _K(k) for k in source.ks}
+        self.units: deque[_Unit] = deque(u for k in source.ks for u in self._plan(k))
+        self.lock = threading.Lock()
+        self.expect: dict[str, float] = {}  # seconds a unit of each kind takes (a running mean)
+        self.stop = threading.Event()  # the thread's signal to stop
+        self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
+        self.current: _Unit | None = None  # the unit running
+
+    # -- who runs units ---------------------------------------------------------------------------
+    def start_thread(self) -> None:
+        """Run units on a thread until they are all done or `pause` (or any other runner) stops it."""
+        self.stop.clear()
+
+        def work():
+            while not self.stop.is_set():
+                with self.lock:
+                    if not self.units or self.stop.is_set():
+                        return
+                    self._run(self.units[0], "thread", wait=True)
+
+        threading.Thread(target=work, name="vd-golden", daemon=True).start()
+
+    def pause(self) -> None:
+        """Stop the thread and wait out its unit and the chunk reads under way: nothing of this reader
+        touches the GPU until the next `idle` or request (so a model can capture its graphs)."""
+        self.stop.set()
+        with self.lock:
+            for kk in self.ks.values():
+                for futures in kk.reads.values():
+                    for f in futures:
+                        f.exception()  # waits; an error is taken up by the kind's summary
+
+    def idle(self, seconds: float) -> None:
+        """The GPU is busy for about ``seconds`` more: run the units expected to end within that time,
+        in order (a kind of unit never timed yet is expected to take 1 ms)."""
+        self.stop.set()
+        until = time.perf_counter() + seconds
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            while self.units and time.perf_counter() + self.expect.get(self.units[0].kind, 1e-3) <= until:
+                if not self._run(self.units[0], "idle", wait=False):
+                    break
+        finally:
+            self.lock.release()
+
+    def _drain(self, k: int) -> _K:
+        """Run K's remaining units now."""
+        self.stop.set()
+        with self.lock:
+            while any(u.k == k for u in self.units):  # an open unit queues its reads: more rounds
+                self._run(next(u for u in self.units if u.k == k), "drain", wait=True)
+        kk = self.ks[k]
+        if kk.error is not None:
+            raise kk.error
+        return kk
+
+    def _run(self, u: _Unit, who: str, wait: bool) -> bool:
+        """Run ``u`` (queued; taken off the queue unless it cannot run yet and ``wait`` is False)."""
+        kk = self.ks[u.k]
+        t = time.perf_counter()
+        self.current, done = u, None
+        try:
+            with torch.inference_mode():  # as the run that may call it: its tensors stay writable in both
+                done = u.fn(wait)
+        except Exception as e:  # kept for the K's first use, as reading in line would raise it there
+            kk.error = e
+        self.current = None  # no reference from the reader to a unit's closure (a cycle) once it ran
+        if done is False:
+            return False
+        if kk.error is not None:  # the K's other units are moot
+            self.units = deque(x for x in self.units if x.k != u.k)
+        else:
+            self.units.remove(u)
+        dt = time.perf_counter() - t
+        self.timeline.append((who, u.kind, dt))
+        self.expect[u.kind] = dt if u.kind not in self.expect else 0.7 * self.expect[u.kind] + 0.3 * dt
+        return True
+
+    # -- what a caller asks for -------------------------------------------------------------------
+    def record(self, k: int) -> KRecord:
+        kk = self._drain(k)
+        if kk.record is None:
+            s, v = self.src.meta["steps"], self.src.meta["vocab_size"]
+            arrays = {"prefill": kk.host["prefill"], "logits": kk.host["verify"].reshape(s, k, v)}
+            if "draft" in kk.host:
+                arrays.update(bootstrap_logits=kk.host["draft"][:1], drafts=kk.small["drafts"],
+                              draft_logits=kk.host["draft"][1:].reshape(s, k - 1, v))
+            kk.record = self.src.record(kk.small["log"], arrays)
+        return kk.record
+
+    def stats(self, k: int) -> dict:
+        from vd.compare import stats_dict  # vd.compare imports vd.golden
+
+        kk = self._drain(k)
+        with self._on_stream():
+            return {n: stats_dict(t.cpu().numpy()) for n, t in kk.stats.items()}
+
+    def device_rows(self, k: int) -> dict[str, torch.Tensor]:
+        kk = self._drain(k)
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(kk.event)
+            for t in kk.device.values():
+                t.record_stream(current)  # used there now: not reused before that stream is done with it
+        return kk.device
+
+    # -- the units --------------------------------------------------------------------------------
+    def _plan(self, k: int) -> list[_Unit]:
+        """K's units, in order: its buffers; each row array opened (queueing its chunk reads and, after a
+        kind's last array, the kind's summary); the small arrays; the step log check."""
+        big = [n for n in self.src.big if n in _LAYOUT]
+        small = [*Source.SMALL, "prompt"] + (["drafts"] if "drafts" in self.src.big else [])
+        return ([_Unit("alloc", k, lambda wait: self._alloc(k))]
+                + [_Unit("open", k, lambda wait, n=n: self._open(k, n)) for n in big]
+                + [_Unit("small", k, lambda wait, n=n: self._small(k, n)) for n in small]
+                + [_Unit("check", k, lambda wait: self._check(k))])
+
+    def _alloc(self, k: int) -> None:
+        kk, s, v = self.ks[k], self.src.meta["steps"], self.src.meta["vocab_size"]
+        rows = {"prefill": len(self.src.prompt), "verify": s * k}
+        if self.src.meta.get("feed") == "mtp":
+            rows["draft"] = 1 + s * (k - 1)
+        for kind, n in rows.items():
+            # Page-locked on CUDA: a copy from pageable memory is staged by the driver, and a worker's
+            # staged copies held up the run's own CUDA calls (+5-6 ms a 16-step run on the H200).
+            kk.host[kind] = pinned((n, v), self.storage, self.device)
+            with self._on_stream():
+                kk.device[kind] = torch.empty((n, v), dtype=_TORCH_INT[self.storage.itemsize], device=self.device)
+            kk.reads[kind] = []
+
+    def _open(self, k: int, name: str) -> None:
+        """Read a row array's metadata, check it, and queue its chunk reads (then, after a kind's last
+        array, the kind's summary) right after this unit."""
+        where = f"{self.src.where(k)}/{name}"
+        chunks = Chunks(self.src.path, f"k{k}/{name}", where)
+        s, v = self.src.meta["steps"], self.src.meta["vocab_size"]
+        expect = {"prefill": (len(self.src.prompt), v), "logits": (s, k, v), "bootstrap_logits": (1, v),
+                  "draft_logits": (s, k - 1, v)}[name]
+        if chunks.shape != expect:
+            raise GoldenCorruptError(f"{where}: shape {chunks.shape}, expected {expect}")
+        if chunks.dtype != self.storage:
+            raise GoldenCorruptError(f"{where}: dtype {chunks.dtype}, expected {self.storage}")
+        chunks.check_present()
+        kind = _LAYOUT[name][0]
+        queued = [_Unit("read", k, lambda wait, i=i, j=j: self._submit(k, name, chunks, i, j))
+                  for i, j in chunks.ranges()]
+        if name != "bootstrap_logits":  # a kind's last array: summarise its rows
+            queued.append(_Unit("summarise", k, lambda wait: self._summarise(k, kind, wait)))
+        at = self.units.index(self.current)  # this unit, still queued while it runs
+        for offset, q in enumerate(queued, 1):
+            self.units.insert(at + offset, q)
+
+    def _submit(self, k: int, name: str, chunks: Chunks, i: int, j: int) -> None:
+        """Here: the chunk's bytes read and checked; on a worker: decoded and copied to the device."""
+        kk = self.ks[k]
+        kind = _LAYOUT[name][0]
+        data = chunks.fetch(i // chunks.step) if chunks.direct else None
+        kk.reads[kind].append(_pool().submit(self._read, kk, name, chunks, i, j, data))
+
+    def _read(self, kk: _K, name: str, chunks: Chunks, i: int, j: int, data: np.ndarray | None) -> None:
+        """On a worker: rows ``i:j`` of array ``name`` (one chunk's, ``data`` its fetched bytes; None:
+        read through zarr) into the host buffer, then to the device."""
+        kind, first = _LAYOUT[name]
+        per = int(np.prod(chunks.shape[1:-1]))  # rows of the kind per index of the array's first axis
+        r0, r1 = first + i * per, first + j * per
+        host = kk.host[kind][r0:r1]
+        rows = host.reshape((j - i,) + chunks.shape[1:])
+        if data is None:
+            chunks.read(i, j, rows)
+        else:
+            chunks.decode(i // chunks.step, data, rows)
+        with torch.inference_mode(), self._on_stream():
+            kk.device[kind][r0:r1].copy_(torch.from_numpy(int_bits(host)), non_blocking=self.cuda)
+
+    def _summarise(self, k: int, kind: str, wait: bool) -> bool:
+        """Once the kind's reads are done (or, with ``wait``, after waiting for them): its statistics."""
+        from vd.compare import golden_stats_tensor  # vd.compare imports vd.golden
+
+        kk = self.ks[k]
+        futures = kk.reads[kind]
+        if not wait and not all(f.done() for f in futures):
+            return False
+        for f in futures:
+            f.result()  # a read's error is the K's
+        if kk.error is None:
+            with self._on_stream():
+                kk.stats[kind] = golden_stats_tensor(kk.device[kind], self.logical)
+                if self.cuda:
+                    kk.event = torch.cuda.Event()
+                    kk.event.record(self.stream)
+        return True
+
+    def _small(self, k: int, name: str) -> None:
+        if name == "prompt":
+            rel, where = name, f"{self.src.path}/{name}"
+        else:
+            rel, where = f"k{k}/{name}", f"{self.src.where(k)}/{name}"
+        chunks = Chunks(self.src.path, rel, where)
+        chunks.check_present()
+        out = np.empty(chunks.shape, dtype=chunks.dtype)
+        chunks.read(0, chunks.shape[0], out)
+        self.ks[k].small[name] = out
+
+    def _check(self, k: int) -> None:
+        kk = self.ks[k]
+        attrs = node(self.src.path, f"k{k}", self.src.where(k)).get("attributes") or {}
+        log = KLog(k=k, bootstrap=int(attrs.get("bootstrap", -1)), decoded=attrs.get("decoded"),
+                   committed_is_greedy=attrs.get("committed_is_greedy"), tokens=kk.small["tokens"],
+                   accepted=kk.small["accepted"], step_ms=kk.small["step_ms"])
+        self.src.check_log(k, self.known.get(k), log, kk.small["prompt"].astype(np.int64).tolist())
+        kk.small["log"] = log
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.cuda else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
