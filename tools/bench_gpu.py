@@ -14,7 +14,8 @@ a median over ``--reps`` interleaved repetitions in this one process; the JSON k
 * ``record_ratio``: `recorder.record` (greedy continuation, the K run, the background zarr write,
   publishing) over the bare decode plus verify loop.
 * ``replay_ratio``: `replayer.replay` without the detection control (opening the golden, its rows read
-  and copied to the GPU on a thread, the run, the on-GPU comparison, the report) over the bare verify loop.
+  and copied to the GPU beside the run by `vd.reader`, the run, the on-GPU comparison, the report) over
+  the bare verify loop. ``reader`` says where the last replay's reading ran (`vd.reader`).
 
 Rows are appended to ``--out`` (a JSON file holding a list of runs), so the shapes can run as separate
 processes (each needs its own GPU memory) into one file.
@@ -187,7 +188,7 @@ def main() -> None:
                 "step_ms": med["step_ms"], "floor_ms": floor_ms, "step_over_floor": med["step_ms"] / floor_ms,
                 "record_ratio": med["record_s"] / med["bare_record_s"],
                 "replay_ratio": med["replay_s"] / med["bare_replay_s"],
-                "accepted": rec.accepted[k], "samples": samples,
+                "accepted": rec.accepted[k], "reader": r["reader"], "samples": samples,
             }
             rows.append(row)
             print(f"  {fwd:17s} K={k}: step {row['step_ms']:.3f} ms ({row['step_over_floor']:.2f}x floor), "
