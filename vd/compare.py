@@ -347,18 +347,21 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
     failed_steps |= {c["step"] for c in accept_changes}
 
     ver, pre = by["verify"].rows, by["prefill"].rows
-    per_step = []
-    for i in range(s):
-        sl = slice(i * k, (i + 1) * k)
-        entry = {"step": i, "max_abs": float(ver.max_abs[sl].max()), "max_ulp": float(ver.max_ulp[sl].max()),
-                 "n_diff": int(ver.n_diff[sl].sum()), "max_kl": float(ver.kl[sl].max()),
-                 "argmax_agree": bool((ver.golden_argmax[sl] == ver.got_argmax[sl]).all()),
-                 "passed": i not in failed_steps}
-        if mtp:
-            d = by["draft"].rows
-            ds = slice(1 + i * (k - 1), 1 + (i + 1) * (k - 1))
-            entry.update(draft_max_abs=float(d.max_abs[ds].max(initial=0.0)), draft_n_diff=int(d.n_diff[ds].sum()))
-        per_step.append(entry)
+
+    def steps_of(a: np.ndarray, per: int, skip: int = 0) -> np.ndarray:  # [S, per] rows of each step
+        return a[skip:skip + s * per].reshape(s, per)
+
+    cols = {"max_abs": steps_of(ver.max_abs, k).max(1).tolist(), "max_ulp": steps_of(ver.max_ulp, k).max(1).tolist(),
+            "n_diff": steps_of(ver.n_diff, k).sum(1).astype(np.int64).tolist(),
+            "max_kl": steps_of(ver.kl, k).max(1).tolist(),
+            "argmax_agree": (steps_of(ver.golden_argmax, k) == steps_of(ver.got_argmax, k)).all(1).tolist()}
+    drafts = {}
+    if mtp:
+        d = by["draft"].rows
+        drafts = {"draft_max_abs": steps_of(d.max_abs, k - 1, 1).max(1, initial=0.0).tolist(),
+                  "draft_n_diff": steps_of(d.n_diff, k - 1, 1).sum(1).astype(np.int64).tolist()}
+    per_step = [{"step": i, **{n: c[i] for n, c in cols.items()}, "passed": i not in failed_steps,
+                 **{n: c[i] for n, c in drafts.items()}} for i in range(s)]
     summary = {}
     for kd in kinds:
         r = kd.rows

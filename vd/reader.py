@@ -219,7 +219,7 @@ class _K:
     host: dict = field(default_factory=dict)  # kind -> [R, V] storage array (page-locked on CUDA)
     device: dict = field(default_factory=dict)  # kind -> [R, V] integer bits on the device
     reads: dict = field(default_factory=dict)  # kind -> [Future] of its chunk reads
-    stats: dict = field(default_factory=dict)  # kind -> [len(STATS), R] float64 on the device
+    stats: dict = field(default_factory=dict)  # kind -> [len(STATS), R] float64, read back (page-locked)
     small: dict = field(default_factory=dict)  # tokens, accepted, step_ms, prompt (drafts) as read; the log
     event: object = None  # on the side stream after the last upload and summary
     error: BaseException | None = None
@@ -332,8 +332,9 @@ class GoldenReader:
         from vd.compare import stats_dict  # vd.compare imports vd.golden
 
         kk = self._drain(k)
-        with self._on_stream():
-            return {n: stats_dict(t.cpu().numpy()) for n, t in kk.stats.items()}
+        if self.cuda:
+            kk.event.synchronize()  # the statistics' copies (and every upload before them) are done
+        return {n: stats_dict(t.numpy()) for n, t in kk.stats.items()}
 
     def device_rows(self, k: int) -> dict[str, torch.Tensor]:
         kk = self._drain(k)
@@ -424,7 +425,10 @@ class GoldenReader:
             f.result()  # a read's error is the K's
         if kk.error is None:
             with self._on_stream():
-                kk.stats[kind] = golden_stats_tensor(kk.device[kind], self.logical)
+                stats = golden_stats_tensor(kk.device[kind], self.logical)
+                # Read back as soon as it is computed (a few kB), so asking for it later costs no wait.
+                kk.stats[kind] = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=self.cuda)
+                kk.stats[kind].copy_(stats, non_blocking=self.cuda)
                 if self.cuda:
                     kk.event = torch.cuda.Event()
                     kk.event.record(self.stream)
