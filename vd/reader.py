@@ -23,12 +23,14 @@ up the run's own CUDA calls; without the copies, 1.9 and 1.6 ms; everything on t
 
 Chunks are read straight from their files when the array's codecs are ones vd writes or wrote (bytes,
 then Blosc or Zstd, then CRC32C; `Chunks`), and array metadata straight from its ``zarr.json`` through
-zarr's own metadata class: one zarr array open or chunk read cost about 1 and 2-3 ms there (the
-hand-offs between threads), against 0.1 ms and 1 ms this way. Any other codec chain reads through
-zarr. A missing chunk, a checksum mismatch or undecodable bytes raise `GoldenCorruptError`, kept and
-raised when the K it belongs to is asked for, as reading in line would. Before any run, while a replay
-loads its model, a thread may run every unit (`start_thread`); `pause` stops it before graphs are
-captured. Whatever is left when a K's rows are needed runs then.
+zarr's own metadata class. Through zarr, opening an array took 1-3 ms and reading one 1 MB chunk
+0.7-2.3 ms on the H200 (tools/h200/reader-units.json; 1 and 2-3 ms on this project's 2-core machines),
+mostly hand-offs between its event loop and thread pool; this way, about 0.1 ms to parse the metadata
+and 1 ms to read, check and decode a chunk here. Any other codec chain reads through zarr. A missing
+chunk, a checksum mismatch or undecodable bytes raise `GoldenCorruptError`, kept and raised when the K
+it belongs to is asked for, as reading in line would. Before any run, while a replay loads its model,
+a thread may run every unit (`start_thread`); `pause` stops it before graphs are captured. Whatever is
+left when a K's rows are needed runs then.
 """
 
 from __future__ import annotations
