@@ -103,8 +103,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-
-
 def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """Golden storage rows as integer bits on the candidate's device."""
     return torch.from_numpy(int_bits(a)).to(device)
@@ -140,6 +138,7 @@ class Rows:
 
 
 POSITION_BINS = 64
+_MEASURES = ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp", "kl")  # per row, 0 if equal
 MAX_ROWS = 2000  # rows listed one by one in a comparison; the summaries cover them all
 
 
@@ -186,55 +185,47 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
         return Rows(differ=differ_host, passed=~differ_host, golden_argmax=stats["argmax"],
                     got_argmax=stats["argmax"].copy(), margin=stats["margin"], top1=stats["top1"],
                     golden_absmax=stats["absmax"], top1_p=stats["top1_p"],
-                    positions=np.zeros(POSITION_BINS, dtype=np.int64),
-                    **{n: zero.copy() for n in ("n_diff", "first_index", "first_golden", "first_got",
-                                               "max_abs", "max_ulp", "kl")})
-    zeros = torch.zeros(r, dtype=torch.float64, device=got.device)
-    out = {n: zeros.clone() for n in ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp",
-                                      "kl")}
-    passed = ~differ
+                    positions=np.zeros(POSITION_BINS, dtype=np.int64), **{n: zero.copy() for n in _MEASURES})
+    idx = torch.from_numpy(np.flatnonzero(differ_host)).to(got.device)
+    gd, cd, dm = gb[idx].view(TORCH_DTYPES[logical]).float(), got[idx].float(), gb[idx] != cb[idx]
+    first = dm.to(torch.int8).argmax(dim=1)
+    nan = gd.isnan() | cd.isnan()
+    absd = torch.where(dm, (gd - cd).abs(), 0.0)
+    absd = torch.where(dm & nan, torch.inf, absd)
+    ulp = (_ordered(gb[idx]) - _ordered(cb[idx])).abs().to(torch.float64)
+    ulp = torch.where(dm & nan, torch.inf, ulp)
+    kl = (torch.softmax(gd, 1) * (torch.log_softmax(gd, 1) - torch.log_softmax(cd, 1))).sum(1)
+    kl = torch.nan_to_num(kl.to(torch.float64), nan=torch.inf).clamp_min(0.0)
+    cols = dm.nonzero()[:, 1]
+    positions = torch.bincount(cols * POSITION_BINS // v, minlength=POSITION_BINS)
+    rows_at = torch.arange(idx.numel(), device=got.device)
+    c_arg = cd.argmax(1)
+    vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
+            "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values, "kl": kl}
+    host = {}
+    for n in _MEASURES:  # zero for the rows whose bits are equal
+        host[n] = np.zeros(r, dtype=np.float64)
+        host[n][differ_host] = vals[n].to(torch.float64).cpu().numpy()
+    if spec.name == "ulp":
+        ok = ulp.max(1).values <= spec.n
+    elif spec.name == "close":
+        ok = ~(absd > spec.atol + spec.rtol * gd.abs()).any(1)
+    elif spec.name == "argmax":
+        ok = gd.argmax(1) == c_arg
+    elif spec.name == "topk":
+        n = min(spec.n, v)
+        ok = (gd.topk(n, 1).indices.sort(1).values == cd.topk(n, 1).indices.sort(1).values).all(1)
+    elif spec.name == "kl":
+        ok = kl <= spec.kl
+    else:
+        ok = torch.zeros(idx.numel(), dtype=torch.bool, device=got.device)
+    passed = ~differ_host
+    passed[differ_host] = ok.cpu().numpy()
     got_argmax = stats["argmax"].copy()
-    positions = torch.zeros(POSITION_BINS, dtype=torch.int64, device=got.device)
-    idx = differ.nonzero().flatten()
-    if idx.numel():
-        gd, cd, dm = gb[idx].view(TORCH_DTYPES[logical]).float(), got[idx].float(), gb[idx] != cb[idx]
-        first = dm.to(torch.int8).argmax(dim=1)
-        nan = gd.isnan() | cd.isnan()
-        absd = torch.where(dm, (gd - cd).abs(), 0.0)
-        absd = torch.where(dm & nan, torch.inf, absd)
-        ulp = (_ordered(gb[idx]) - _ordered(cb[idx])).abs().to(torch.float64)
-        ulp = torch.where(dm & nan, torch.inf, ulp)
-        kl = (torch.softmax(gd, 1) * (torch.log_softmax(gd, 1) - torch.log_softmax(cd, 1))).sum(1)
-        kl = torch.nan_to_num(kl.to(torch.float64), nan=torch.inf).clamp_min(0.0)
-        cols = dm.nonzero()[:, 1]
-        positions = torch.bincount(cols * POSITION_BINS // v, minlength=POSITION_BINS)
-        rows_at = torch.arange(idx.numel(), device=got.device)
-        c_arg = cd.argmax(1)
-        vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
-                "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values,
-                "kl": kl}
-        for n, val in vals.items():
-            out[n][idx] = val.to(torch.float64)
-        if spec.name == "ulp":
-            ok = ulp.max(1).values <= spec.n
-        elif spec.name == "close":
-            ok = ~(absd > spec.atol + spec.rtol * gd.abs()).any(1)
-        elif spec.name == "argmax":
-            ok = gd.argmax(1) == c_arg
-        elif spec.name == "topk":
-            n = min(spec.n, v)
-            ok = (gd.topk(n, 1).indices.sort(1).values == cd.topk(n, 1).indices.sort(1).values).all(1)
-        elif spec.name == "kl":
-            ok = kl <= spec.kl
-        else:
-            ok = torch.zeros(idx.numel(), dtype=torch.bool, device=got.device)
-        passed = passed.clone()
-        passed[idx] = ok
-        got_argmax[idx.cpu().numpy()] = c_arg.cpu().numpy()
-    host = {n: t.cpu().numpy() for n, t in out.items()}
-    return Rows(differ=differ_host, passed=passed.cpu().numpy(), golden_argmax=stats["argmax"],
-                got_argmax=got_argmax, margin=stats["margin"], top1=stats["top1"], golden_absmax=stats["absmax"],
-                top1_p=stats["top1_p"], positions=positions.cpu().numpy(), **host)
+    got_argmax[differ_host] = c_arg.cpu().numpy()
+    return Rows(differ=differ_host, passed=passed, golden_argmax=stats["argmax"], got_argmax=got_argmax,
+                margin=stats["margin"], top1=stats["top1"], golden_absmax=stats["absmax"], top1_p=stats["top1_p"],
+                positions=positions.cpu().numpy(), **host)
 
 
 def ulp_of(x: float, logical: str) -> float:
@@ -385,7 +376,7 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
     positions = {"bins": POSITION_BINS, "vocab": int(golden.logits.shape[-1]),
                  "counts": [int(x) for x in sum(kd.rows.positions for kd in kinds)]}
 
-    vbad = sorted({kinds[1].where(int(f))[0] for f in np.flatnonzero(ver.differ)})
+    vbad = sorted({by["verify"].where(int(f))[0] for f in np.flatnonzero(ver.differ)})
     extra = {}
     if mtp:
         d = by["draft"].rows
