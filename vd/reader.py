@@ -35,6 +35,7 @@ left when a K's rows are needed runs then.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -54,13 +55,12 @@ from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from vd.errors import GoldenCorruptError
-from vd.golden import ENCODINGS, KLog, KRecord, Source, int_bits
+from vd.golden import ENCODINGS, KLog, KRecord, Source, expected_shapes, int_bits, log_from
 
 READ_WORKERS = 4  # threads decoding chunks (their work releases the interpreter lock)
 # Where each array's rows go: (kind, first row of the kind). A kind is laid out as `KRecord.rows_by_kind`.
 _LAYOUT = {"prefill": ("prefill", 0), "logits": ("verify", 0), "bootstrap_logits": ("draft", 0),
            "draft_logits": ("draft", 1)}
-_TORCH_INT = {2: torch.int16, 4: torch.int32}
 _POOL: ThreadPoolExecutor | None = None
 _STREAMS: dict = {}  # one side stream per device for every reader: its cached GPU memory is reused
 
@@ -222,7 +222,7 @@ class _K:
     device: dict = field(default_factory=dict)  # kind -> [R, V] integer bits on the device
     reads: dict = field(default_factory=dict)  # kind -> [Future] of its chunk reads
     stats: dict = field(default_factory=dict)  # kind -> [len(STATS), R] float64, read back (page-locked)
-    small: dict = field(default_factory=dict)  # tokens, accepted, step_ms, prompt (drafts) as read; the log
+    small: dict = field(default_factory=dict)  # tokens, accepted, step_ms (drafts) as read; the log
     event: object = None  # on the side stream after the last upload and summary
     error: BaseException | None = None
     record: KRecord | None = None
@@ -246,6 +246,7 @@ class GoldenReader:
         self.stop = threading.Event()  # the thread's signal to stop
         self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
         self.current: _Unit | None = None  # the unit running
+        self.stored_prompt: list[int] | None = None  # the prompt array, read once for every K's check
 
     # -- who runs units ---------------------------------------------------------------------------
     def start_thread(self) -> None:
@@ -368,7 +369,7 @@ class GoldenReader:
             # staged copies held up the run's own CUDA calls (+5-6 ms a 16-step run on the H200).
             kk.host[kind] = pinned((n, v), self.storage, self.device)
             with self._on_stream():
-                kk.device[kind] = torch.empty((n, v), dtype=_TORCH_INT[self.storage.itemsize], device=self.device)
+                kk.device[kind] = torch.empty_like(torch.from_numpy(int_bits(kk.host[kind])), device=self.device)
             kk.reads[kind] = []
 
     def _open(self, k: int, name: str) -> None:
@@ -376,9 +377,7 @@ class GoldenReader:
         array, the kind's summary) right after this unit."""
         where = f"{self.src.where(k)}/{name}"
         chunks = Chunks(self.src.path, f"k{k}/{name}", where)
-        s, v = self.src.meta["steps"], self.src.meta["vocab_size"]
-        expect = {"prefill": (len(self.src.prompt), v), "logits": (s, k, v), "bootstrap_logits": (1, v),
-                  "draft_logits": (s, k - 1, v)}[name]
+        expect = expected_shapes(self.src.meta, len(self.src.prompt), k)[name]
         if chunks.shape != expect:
             raise GoldenCorruptError(f"{where}: shape {chunks.shape}, expected {expect}")
         if chunks.dtype != self.storage:
@@ -438,6 +437,8 @@ class GoldenReader:
 
     def _small(self, k: int, name: str) -> None:
         if name == "prompt":
+            if self.stored_prompt is not None:  # read for an earlier K
+                return
             rel, where = name, f"{self.src.path}/{name}"
         else:
             rel, where = f"k{k}/{name}", f"{self.src.where(k)}/{name}"
@@ -445,25 +446,18 @@ class GoldenReader:
         chunks.check_present()
         out = np.empty(chunks.shape, dtype=chunks.dtype)
         chunks.read(0, chunks.shape[0], out)
-        self.ks[k].small[name] = out
+        if name == "prompt":
+            self.stored_prompt = out.astype(np.int64).tolist()
+        else:
+            self.ks[k].small[name] = out
 
     def _check(self, k: int) -> None:
         kk = self.ks[k]
         attrs = node(self.src.path, f"k{k}", self.src.where(k)).get("attributes") or {}
-        log = KLog(k=k, bootstrap=int(attrs.get("bootstrap", -1)), decoded=attrs.get("decoded"),
-                   committed_is_greedy=attrs.get("committed_is_greedy"), tokens=kk.small["tokens"],
-                   accepted=kk.small["accepted"], step_ms=kk.small["step_ms"])
-        self.src.check_log(k, self.known.get(k), log, kk.small["prompt"].astype(np.int64).tolist())
+        log = log_from(k, attrs, kk.small)
+        self.src.check_log(k, self.known.get(k), log, self.stored_prompt)
         kk.small["log"] = log
 
     def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.cuda else _Null()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
