@@ -141,7 +141,7 @@ def replay(
     if model is None:
         phase("loading model", 0)
         model = _open_model(golden, model_spec, head, device)
-    golden.prefetch(model.device)  # on CUDA: read and copied there while the GPU runs (`vd.reader`)
+    golden.prefetch(model.device)  # on CUDA: read and copied there in the GPU's idle time (`vd.reader`)
     notes = _check_model(golden, model, allow_model_mismatch)
     forwards = list(forwards) or [meta["forward"]]
     require_forwards(model, forwards)

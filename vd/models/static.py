@@ -24,10 +24,10 @@ positions the real step is about to overwrite), or ahead of time by `StaticRunne
 shape first (the prompt's prefill, then verify K, then decode), all in one shared memory pool; outputs
 live in that pool and are cloned before the next replay. The prefill is graphed too: run as eager
 kernels it launched ~1,100 kernels from Python for the 8B shape, the one stretch of a replay where the
-model's thread needs the interpreter while the golden's reader runs (measured on the H200: replays ran
-25-40 ms longer than bare loops, about the prefill's launch time). The lean step is compiled for every
-length; HF's modules only up to `GRAPH_MAX` tokens (HF: compiling the prefill "is known to fail"), and
-the MTP head's first proposal over a prefill runs as eager kernels in every mode.
+model's thread needed the interpreter while the golden's reader thread of the time ran (measured on the
+H200: replays ran 25-40 ms longer than bare loops, about the prefill's launch time). The lean step is
+compiled for every length; HF's modules only up to `GRAPH_MAX` tokens (HF: compiling the prefill "is
+known to fail"), and the MTP head's first proposal over a prefill runs as eager kernels in every mode.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ STATIC_FORWARDS: dict[str, str] = {
     "static": "{step} over vd's static KV cache (device-side length, additive mask over the whole cache), "
     "kernels launched one by one",
     "graphed": "the static forward captured as one CUDA graph per step shape (prefill, verify K, decode, MTP "
-    "propose), "
-    "shared memory pool, outputs cloned",
+    "propose), shared memory pool, outputs cloned",
     "compiled": "the static forward under torch.compile (Inductor, mode default, deterministic mode; the lean "
     "step compiles each layer's two elementwise regions once per shape; no CUDA graphs of its own); bit for "
     "bit within a process, not always across processes (measured on the H200: prefer graphed for goldens)",
