@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 import torch
@@ -95,7 +95,14 @@ class Comparison:
                 and not self.draft_mismatched_steps)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """As `dataclasses.asdict` (the nested mismatches and flips as dicts) without its deep copy of
+        every list and dict, which are this comparison's own (the copy took ~2 ms of a 16-step replay)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for n in ("first_mismatch", "prefill_first_mismatch", "draft_first_mismatch"):
+            if out[n] is not None:
+                out[n] = asdict(out[n])
+        out["flips"] = [asdict(f) for f in self.flips]
+        return out
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
