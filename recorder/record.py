@@ -81,6 +81,7 @@ def record(
     deterministic: bool = False,
     tolerances: Sequence[str] = (),
     require_coverage: bool = False,
+    compress: bool = False,
     on_step: Callable[[int], None] | None = None,
     on_phase: Callable[[str, int], None] | None = None,
 ) -> RecordResult:
@@ -90,6 +91,7 @@ def record(
     ``on_phase(name, total_steps)`` announces each phase and ``on_step`` ticks within it, for a progress
     bar. A passed-in ``model`` is used as it is (its device and dtype win over the arguments).
     ``deterministic`` applies `vd.env.DETERMINISTIC` (stored in the golden; replay applies it again).
+    ``compress`` stores the arrays Blosc-compressed (`vd.golden.codecs`; default: uncompressed).
 
     Each K's prefill and verify rows go to the writer as they are computed (on CUDA through pinned
     buffers, non-blocking copies and a writer thread: `vd.golden.KStream`, so compression and storage
@@ -136,7 +138,7 @@ def record(
 
     # On CUDA the writer works on its own thread while the GPU computes; on the CPU it writes in line,
     # since a writer thread would take the cores the model runs on (see vd.golden._Prefetched).
-    with GoldenWriter(out, refresh=refresh, background=model.device.type == "cuda") as writer:
+    with GoldenWriter(out, refresh=refresh, background=model.device.type == "cuda", compress=compress) as writer:
         t = time.perf_counter()
         accepted, thin, same = {}, [], {}
         for k in ks:

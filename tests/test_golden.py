@@ -201,10 +201,20 @@ def test_prefill_rows_are_stored_about_a_megabyte_to_a_chunk(tiny_golden):
     assert open_golden(tiny_golden).runs[2].prefill.shape == arr.shape
 
 
-def test_rows_are_stored_blosc_lz4_bitshuffled_with_a_checksum(tiny_golden):
-    """Fast to decode beside a model on the GPU (`vd.golden._codecs`), and every chunk checked."""
+def test_rows_are_stored_uncompressed_or_blosc_with_a_checksum(tiny_golden, tmp_path):
+    """By default a chunk is its values and a CRC32C (read straight into page-locked memory on a GPU
+    replay, `vd.golden.codecs`); ``compress`` stores Blosc-LZ4 over bit-shuffled values instead, and
+    both read back the same rows."""
     arr = zarr.open_group(str(tiny_golden), mode="r")["k2/logits"]
-    names = [c.to_dict() for c in arr.metadata.codecs]
-    assert [c["name"] for c in names] == ["bytes", "blosc", "crc32c"]
-    assert names[1]["configuration"]["cname"] == "lz4" and names[1]["configuration"]["shuffle"] == "bitshuffle"
-    assert names[1]["configuration"]["typesize"] == 2
+    assert [c.to_dict()["name"] for c in arr.metadata.codecs] == ["bytes", "crc32c"]
+    rec = _record()
+    plain, packed = tmp_path / "plain.zarr", tmp_path / "packed.zarr"
+    write_golden(plain, _meta(), [1, 2, 3, 4], [rec])
+    write_golden(packed, _meta(), [1, 2, 3, 4], [rec], compress=True)
+    for name in ("k2/logits", "k2/prefill", "k2/tokens"):
+        codecs = [c.to_dict() for c in zarr.open_group(str(packed), mode="r")[name].metadata.codecs]
+        assert [c["name"] for c in codecs] == ["bytes", "blosc", "crc32c"]
+        assert codecs[1]["configuration"]["cname"] == "lz4" and codecs[1]["configuration"]["shuffle"] == "bitshuffle"
+    a, b = open_golden(plain).runs[2], open_golden(packed).runs[2]
+    assert np.array_equal(a.logits, rec.logits) and np.array_equal(b.logits, rec.logits)
+    assert np.array_equal(a.prefill, b.prefill) and np.array_equal(a.tokens, b.tokens)

@@ -257,18 +257,18 @@ def test_golden_reader_in_idle_time_gives_what_reading_in_line_does(tiny_golden)
 
 
 def test_golden_reader_reads_chunk_files_as_zarr_does(tiny_golden, tmp_path):
-    """The direct path (`vd.reader.Chunks`) against zarr's read, for vd's Blosc chunks and the Zstd
-    chunks of older goldens, with a last chunk past the array's end; a codec chain it does not know
-    reads through zarr."""
+    """The direct path (`vd.reader.Chunks`) against zarr's read, for vd's uncompressed and Blosc chunks
+    and the Zstd chunks of older goldens, with a last chunk past the array's end; a codec chain it does
+    not know reads through zarr."""
     from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
 
-    from vd.golden import _codecs
+    from vd.golden import codecs as vd_codecs
     from vd.reader import Chunks
 
     data = zarr.open_group(str(tiny_golden), mode="r")["k3/prefill"][...]
     assert data.shape[0] % 8  # in chunks of 8 rows the last runs past the end
-    for name, codecs, direct in (("blosc", _codecs(), True), ("zstd", [ZstdCodec(level=1), Crc32cCodec()], True),
-                                 ("gzip", [GzipCodec()], False)):
+    for name, codecs, direct in (("plain", vd_codecs(False), True), ("blosc", vd_codecs(True), True),
+                                 ("zstd", [ZstdCodec(level=1), Crc32cCodec()], True), ("gzip", [GzipCodec()], False)):
         zarr.create_array(zarr.storage.LocalStore(tmp_path / name), name="k3/a", data=data, chunks=(8, data.shape[1]),
                           compressors=codecs, fill_value=0)
         c = Chunks(tmp_path / name, "k3/a", "x")
@@ -312,6 +312,16 @@ def test_golden_reader_keeps_an_error_for_its_k(tiny_copy):
     g, reader = _reader(tiny_copy)
     with pytest.raises(GoldenCorruptError, match=r"k4/prefill: chunk c/\d/0 is missing"):
         reader.device_rows(4)
+    flipped = tiny_copy / "k2" / "logits" / "c" / "1" / "0" / "0"  # read straight into place, then checked
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    flipped.write_bytes(bytes(data))
+    g, reader = _reader(tiny_copy)
+    with pytest.raises(GoldenCorruptError, match="k2/logits: chunk c/1/0/0 fails its CRC32C checksum"):
+        reader.record(2)
+    g, reader = _reader(tiny_copy)
+    with pytest.raises(GoldenCorruptError, match=r"k3/logits: chunk c/\d+/0/0 holds 1 bytes, expected \d+"):
+        reader.record(3)
 
 
 def test_prompt_tokens_in_the_metadata_are_checked(tiny_copy):

@@ -15,7 +15,8 @@ Layout (FORMAT.md is the reference; ``FORMAT_VERSION`` marks it):
         draft_logits          logits (S, K-1, V) MTP feed only: the head's logits for those drafts
 
 bfloat16 logits are stored as their uint16 bit patterns (zarr has no bfloat16); float16/float32 as
-themselves. Every array is Blosc-LZ4 over bit-shuffled values plus a CRC32C checksum (`_codecs`). A golden is
+themselves. Every chunk carries a CRC32C checksum; the values are stored as they are, or Blosc-LZ4 over
+bit-shuffled values with ``compress`` (`codecs`). A golden is
 written beside its destination and renamed into place when complete, so a reader never sees half of
 one; readers still check the ``complete`` flag, every chunk's presence and every checksum, and refuse
 instead of reading zeros. This module leaves out what the rows mean: it stores and loads arrays.
@@ -201,25 +202,30 @@ def prefill_chunks(shape: tuple[int, int], itemsize: int) -> tuple[int, int]:
     return (max(1, min(rows, shape[0])), shape[1])
 
 
-def _codecs() -> list:
-    """Blosc (LZ4 over bit-shuffled values), then a CRC32C checksum.
+def codecs(compress: bool) -> list:
+    """A golden array's bytes-to-bytes codecs: a CRC32C checksum, after Blosc (LZ4 over bit-shuffled
+    values) when ``compress``.
 
-    Measured here on bf16 logits (2 cores, one chunk per step): SmolLM2's real rows compress 1.44x
-    (zstd-1: 1.41x) and decode at 1.2-2.5 GB/s against zstd-1's 0.5-0.9; random-weight rows 1.18x
-    (zstd-1: 1.29x) at 1.5 against 0.6. A replay on the GPU reads its golden beside the model, so
-    decode speed is what counts (goldens written with zstd before it still read: zarr's metadata
-    names each array's codecs)."""
-    return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"), Crc32cCodec()]
+    Uncompressed is the default since issue 4: bf16 logits compress little (the low byte of each value
+    is noise; shared notes, storage.md: 1.0-1.6x by distribution) and a replay on the GPU reads its
+    golden in the time the GPU computes, where a chunk that needs no decoding is read straight into
+    page-locked memory and checked on the replay's own thread, with no decoding threads beside the
+    run (`vd.reader`). With ``compress`` (``vd record --compress``), measured on the 2-core machines
+    on bf16 logits, one chunk per step: SmolLM2's real rows 1.48x smaller (zstd-1: 1.41x), decoding
+    at 1.2-2.5 GB/s (zstd-1: 0.5-0.9); random-weight rows 1.18x. Goldens written with zstd before
+    still read: zarr's metadata names each array's codecs."""
+    blosc = [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")] if compress else []
+    return [*blosc, Crc32cCodec()]
 
 
-def _create_array(group: zarr.Group, name: str, chunks: tuple[int, ...], **kwargs) -> zarr.Array:
+def _create_array(group: zarr.Group, name: str, chunks: tuple[int, ...], compress: bool, **kwargs) -> zarr.Array:
     """Every golden array: vd's codecs, and every chunk written even where it holds only zeros."""
-    return group.create_array(name, chunks=chunks, compressors=_codecs(), fill_value=0,
+    return group.create_array(name, chunks=chunks, compressors=codecs(compress), fill_value=0,
                               config={"write_empty_chunks": True}, **kwargs)
 
 
-def _write_array(group: zarr.Group, name: str, data: np.ndarray, chunks: tuple[int, ...], **attrs) -> None:
-    _create_array(group, name, chunks, data=data, attributes=attrs or None)
+def _write_array(group: zarr.Group, name: str, data: np.ndarray, chunks: tuple[int, ...], compress: bool) -> None:
+    _create_array(group, name, chunks, compress, data=data)
 
 
 def _json_safe(obj):
@@ -281,7 +287,7 @@ class KStream:
         storage = to_storage(prefill[:0]).dtype
         for name, shape, chunks in (("prefill", prefill.shape, prefill_chunks(prefill.shape, prefill.element_size())),
                                     ("logits", verify.shape, (1, self.k, verify.shape[2]))):
-            _create_array(g, name, chunks, shape=shape, dtype=storage)
+            _create_array(g, name, chunks, self.writer.compress, shape=shape, dtype=storage)
         self.group = g
 
     def put(self, kind: str, index: int | None, rows: torch.Tensor) -> None:
@@ -310,17 +316,17 @@ class KStream:
     def _finish(self, record) -> None:
         r = record() if callable(record) else record
         self.writer._written.append(r)
-        _write_small(self.group, r, self.steps, self.k, self.host["verify"].shape[2])
+        _write_small(self.group, r, self.steps, self.k, self.host["verify"].shape[2], self.writer.compress)
 
 
-def _write_small(g: zarr.Group, r: KRecord, s: int, k: int, v: int) -> None:
-    _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k))
-    _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),))
-    _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),))
+def _write_small(g: zarr.Group, r: KRecord, s: int, k: int, v: int, compress: bool) -> None:
+    _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k), compress)
+    _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),), compress)
+    _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),), compress)
     if r.draft_logits is not None:
-        _write_array(g, "bootstrap_logits", r.bootstrap_logits, r.bootstrap_logits.shape)
-        _write_array(g, "drafts", r.drafts.astype(np.int32), (max(s, 1), k - 1))
-        _write_array(g, "draft_logits", r.draft_logits, (1, k - 1, v))
+        _write_array(g, "bootstrap_logits", r.bootstrap_logits, r.bootstrap_logits.shape, compress)
+        _write_array(g, "drafts", r.drafts.astype(np.int32), (max(s, 1), k - 1), compress)
+        _write_array(g, "draft_logits", r.draft_logits, (1, k - 1, v), compress)
     g.attrs.update({"k": r.k, "steps": s, "bootstrap": int(r.bootstrap),
                     "committed_is_greedy": r.committed_is_greedy, "decoded": r.decoded})
 
@@ -334,12 +340,14 @@ class GoldenWriter:
     `publish` waits for everything queued, writes the prompt and the metadata with ``complete`` set
     last, and renames. `abort` (or leaving a ``with`` block on an
     exception) removes the unfinished copy: an existing golden is never touched until `publish`.
+    ``compress``: Blosc-compressed arrays (`codecs`).
     """
 
-    def __init__(self, path: Path, *, refresh: bool = False, background: bool = True):
+    def __init__(self, path: Path, *, refresh: bool = False, background: bool = True, compress: bool = False):
         from concurrent.futures import ThreadPoolExecutor
 
         self.background = background  # False: each write runs at once, in the caller's thread
+        self.compress = compress
         self.path = Path(path)
         check_target(self.path, refresh)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -368,9 +376,9 @@ class GoldenWriter:
         self._written.append(r)  # its step log goes into the metadata too (`logs`), for a fast replay start
         g = self.root.create_group(f"k{r.k}")
         s, k, v = r.logits.shape
-        _write_array(g, "prefill", r.prefill, prefill_chunks(r.prefill.shape, r.prefill.itemsize))
-        _write_array(g, "logits", r.logits, (1, k, v))
-        _write_small(g, r, s, k, v)
+        _write_array(g, "prefill", r.prefill, prefill_chunks(r.prefill.shape, r.prefill.itemsize), self.compress)
+        _write_array(g, "logits", r.logits, (1, k, v), self.compress)
+        _write_small(g, r, s, k, v, self.compress)
 
     def _drain(self) -> None:
         try:
@@ -382,7 +390,7 @@ class GoldenWriter:
     def publish(self, meta: Mapping, prompt: list[int]) -> None:
         try:
             self._drain()
-            _write_array(self.root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),))
+            _write_array(self.root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),), self.compress)
             full = dict(meta)
             full.update(logs=logs_meta(self._written), prompt_tokens=[int(t) for t in prompt], format=FORMAT,
                         format_version=FORMAT_VERSION,
@@ -410,14 +418,15 @@ class GoldenWriter:
 
 
 def write_golden(
-    path: Path, meta: Mapping, prompt: list[int], records: list[KRecord], *, refresh: bool = False
+    path: Path, meta: Mapping, prompt: list[int], records: list[KRecord], *, refresh: bool = False,
+    compress: bool = False,
 ) -> None:
     """Write a complete golden beside ``path``, then rename it into place.
 
     With ``refresh`` an existing golden is replaced only once the new one is complete; without it an
-    existing golden is refused and left intact.
+    existing golden is refused and left intact. ``compress``: Blosc-compressed arrays (`codecs`).
     """
-    with GoldenWriter(path, refresh=refresh) as w:
+    with GoldenWriter(path, refresh=refresh, compress=compress) as w:
         for r in records:
             w.add(r)
         w.publish(meta, prompt)

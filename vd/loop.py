@@ -228,8 +228,9 @@ def run_verify(
     ``sink(kind, step, rows)`` receives the prefill's rows (``"prefill"``, None) and each step's verify
     rows (``"verify"``, step) as soon as they are computed (a recorder streams them to storage).
     ``idle(seconds)`` is called on CUDA while each step's forward runs, before its result is read back,
-    with the time the GPU is expected to stay busy (the last step's GPU time, measured by CUDA events;
-    0 before one is measured): a replay's golden reader works in it (`vd.reader`)."""
+    with the time the GPU is expected to stay busy (`IDLE_SHARE` of the last step's GPU time, measured
+    by CUDA events, less the time issuing this step took; 0 before one is measured): a replay's golden
+    reader works in it (`vd.reader`)."""
     vocab = model.vocab_size
     model.reset()
     prefill = model.forward(prompt)  # [P, V]
@@ -250,7 +251,9 @@ def run_verify(
         rows = model.forward(tokens)  # [K, V]
         if timed:
             end.record()
-            idle(IDLE_SHARE * gpu_s)
+            # The GPU began when the forward was issued: what is left of it is the last step's GPU time
+            # less the time issuing this one took (nearly all of it for a forward that is not graphed).
+            idle(IDLE_SHARE * max(0.0, gpu_s - (time.perf_counter() - t0)))
         outs = _argmax(rows)  # reads back to the host, so the forward has finished
         run.step_ms.append((time.perf_counter() - t0) * 1e3)
         if timed:

@@ -6,20 +6,25 @@ Python waits for the interpreter lock adds to a step (measured on the H200, tool
 such a thread made the 0.5B shape's 16-step K=4 loop 13-22 % slower, the 8B shape's 3-4 %). So
 `GoldenReader` cuts the reading into units and runs each where it costs the run nothing:
 
-* units with Python in them (allocate a K's buffers, read an array's metadata, read a chunk's bytes
-  and check its CRC32C, read a small array, summarise a kind's rows on the GPU, check the step log) run
-  on the replay's own thread in the time the GPU is busy with a step anyway: a run hands that time over
-  (`vd.loop.run_verify`'s ``idle``, after a step's forward is issued and before its result is read
-  back) and the reader runs, in order, the units it expects to end within it, timing each kind of unit
-  to refine the expectation;
-* what holds no lock (a chunk's Blosc or Zstd decode into page-locked memory, then its copy to the GPU
-  on a side stream) runs on a few worker threads (`READ_WORKERS`) on other cores; a kind's summary
-  waits for its chunks.
+* every unit (allocate a K's buffers, read an array's metadata, read a chunk, read a small array,
+  summarise a kind's rows on the GPU, check the step log) runs on the replay's own thread in the time
+  the GPU is busy with a step anyway: a run hands that time over (`vd.loop.run_verify`'s ``idle``,
+  after a step's forward is issued and before its result is read back) and the reader runs, in order,
+  the units it expects to end within it, timing each kind of unit to refine the expectation (a running
+  mean kept across the process's readers). A chunk of an uncompressed array (what vd writes unless
+  asked to compress, `vd.golden.codecs`) is read from its file straight into page-locked memory, its
+  CRC32C checked there and its copy to the GPU issued on a side stream, all in one unit (about 0.6 ms
+  for a 1.2 MB chunk in a replay on the H200 host);
+* a compressed chunk's bytes are read and checked in such a unit, and its decode (Blosc or Zstd into
+  page-locked memory, no interpreter lock held) and copy run on a few worker threads
+  (`READ_WORKERS`); a kind's summary waits for its chunks.
 
-Measured there (tools/h200/reader-variants.json, 16-step K=4 loops): decoding on the workers but copying
-from pageable memory added 6.7 ms (0.5B) and 7.5 ms (8B) to the run, the driver's staged copies holding
-up the run's own CUDA calls; without the copies, 1.9 and 1.6 ms; everything on the replay's thread,
-1.3 and 1.2 ms, but the 0.5B shape's 2.3 ms steps leave 15 ms of it for after the run.
+Measured there (16-step K=4 loops over the bare loop; tools/h200/reader-variants.json and
+tools/h200/reader-inline.json): decoding on the workers but copying from pageable memory added 6.7 ms
+(0.5B) and 7.5 ms (8B) to the run, the driver's staged copies holding up the run's own CUDA calls; with
+page-locked copies 3.3-3.6 ms (0.5B) and 0.7-1.5 ms (8B) more than the same replay with every row read
+before the run; reading and checking on the workers as well, 4.9 ms (0.5B); uncompressed chunks read in
+the run's idle time, 0.2 ms (0.5B) and 0.25 ms (8B).
 
 Chunks are read straight from their files when the array's codecs are ones vd writes or wrote (bytes,
 then Blosc or Zstd, then CRC32C; `Chunks`), and array metadata straight from its ``zarr.json`` through
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from collections import deque
@@ -57,11 +63,14 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from vd.errors import GoldenCorruptError
 from vd.golden import ENCODINGS, KLog, KRecord, Source, expected_shapes, int_bits, log_from
 
-READ_WORKERS = 4  # threads decoding chunks (their work releases the interpreter lock)
+READ_WORKERS = 4  # threads decoding compressed chunks (their work releases the interpreter lock)
 # Where each array's rows go: (kind, first row of the kind). A kind is laid out as `KRecord.rows_by_kind`.
 _LAYOUT = {"prefill": ("prefill", 0), "logits": ("verify", 0), "bootstrap_logits": ("draft", 0),
            "draft_logits": ("draft", 1)}
 _POOL: ThreadPoolExecutor | None = None
+# Seconds a unit of each kind took, a running mean over this process's readers: a reader starts from it
+# (a replay's second K, forward or golden packs its units as well as the first one's last steps did).
+_EXPECT: dict[str, float] = {}
 _STREAMS: dict = {}  # one side stream per device for every reader: its cached GPU memory is reused
 
 
@@ -152,12 +161,45 @@ class Chunks:
                 raise GoldenCorruptError(f"{self.where}: cannot read its chunks: {str(e).splitlines()[0]}") from e
             return
         for c in range(i, j, self.step):
-            self.decode(c // self.step, self.fetch(c // self.step), out[c - i:c - i + min(self.step, j - c)])
+            rows = out[c - i:c - i + min(self.step, j - c)]
+            if self.decoder is None:
+                self.read_into(c // self.step, rows)
+            else:
+                self.decode(c // self.step, self.fetch(c // self.step), rows)
+
+    def _key(self, index: int) -> str:
+        return self.meta.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
+
+    def read_into(self, index: int, out: np.ndarray) -> None:
+        """An uncompressed chunk ``index`` (``decoder`` None, the direct path) read from its file straight
+        into ``out`` (its rows; fewer for the array's last chunk where it runs past the end), its
+        checksum checked there: no copy between the file and ``out``."""
+        key = self._key(index)
+        assert out.flags.c_contiguous, "read in place: the destination must be one block"
+        flat = out.reshape(-1).view(np.uint8)
+        dest = memoryview(flat)
+        whole = self.step * int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        pad, trailer = bytearray(whole - dest.nbytes), bytearray(4 * self.crc)
+        try:
+            with open(self.root / self.rel / key, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == whole + len(trailer):
+                    for part in (dest, memoryview(pad), memoryview(trailer)):
+                        _read_exact(f, part)
+        except FileNotFoundError as e:  # zarr would read it back as zeros: a golden never lacks one
+            raise GoldenCorruptError(f"{self.where}: chunk {key} is missing") from e
+        except OSError as e:
+            raise GoldenCorruptError(f"{self.where}: chunk {key} is unreadable: {e}") from e
+        if size != whole + len(trailer):
+            raise GoldenCorruptError(f"{self.where}: chunk {key} holds {size - len(trailer)} bytes, expected {whole}")
+        crc = google_crc32c.extend(google_crc32c.value(flat), bytes(pad)) if self.crc else 0
+        if self.crc and crc != int.from_bytes(trailer, "little"):
+            raise GoldenCorruptError(f"{self.where}: chunk {key} fails its CRC32C checksum")
 
     def fetch(self, index: int) -> np.ndarray:
         """Chunk ``index``'s stored bytes, their checksum checked (the direct path). The check holds the
         interpreter lock (google-crc32c does not release it), the file read and `decode` do not."""
-        key = self.meta.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
+        key = self._key(index)
         try:
             data = np.fromfile(self.root / self.rel / key, dtype=np.uint8)
         except FileNotFoundError as e:  # zarr would read it back as zeros: a golden never lacks one
@@ -187,6 +229,16 @@ class Chunks:
             raise GoldenCorruptError(f"{self.where}: chunk {index} holds {got} bytes, expected {flat.size}")
         if whole is not out:
             out[...] = whole[:out.shape[0]]
+
+
+def _read_exact(f, into: memoryview) -> None:
+    """Fill ``into`` from the unbuffered file ``f`` (a read may return less than asked)."""
+    done = 0
+    while done < into.nbytes:
+        n = f.readinto(into[done:])
+        if not n:
+            raise OSError("file ended early")
+        done += n
 
 
 def _blosc_into(data: np.ndarray, out: np.ndarray) -> int:
@@ -242,7 +294,7 @@ class GoldenReader:
         self.ks = {k: _K(k) for k in source.ks}
         self.units: deque[_Unit] = deque(u for k in source.ks for u in self._plan(k))
         self.lock = threading.Lock()
-        self.expect: dict[str, float] = {}  # seconds a unit of each kind takes (a running mean)
+        self.expect: dict[str, float] = dict(_EXPECT)  # seconds a unit of each kind takes (a running mean)
         self.stop = threading.Event()  # the thread's signal to stop
         self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
         self.current: _Unit | None = None  # the unit running
@@ -316,7 +368,8 @@ class GoldenReader:
             self.units.remove(u)
         dt = time.perf_counter() - t
         self.timeline.append((who, u.kind, dt))
-        self.expect[u.kind] = dt if u.kind not in self.expect else 0.7 * self.expect[u.kind] + 0.3 * dt
+        mean = dt if u.kind not in self.expect else 0.7 * self.expect[u.kind] + 0.3 * dt
+        self.expect[u.kind] = _EXPECT[u.kind] = mean
         return True
 
     # -- what a caller asks for -------------------------------------------------------------------
@@ -393,26 +446,46 @@ class GoldenReader:
             self.units.insert(at + offset, q)
 
     def _submit(self, k: int, name: str, chunks: Chunks, i: int, j: int) -> None:
-        """Here: the chunk's bytes read and checked; on a worker: decoded and copied to the device."""
+        """Rows ``i:j`` of array ``name`` (one chunk's) to the host buffer and the device. Uncompressed:
+        read, checked and its copy issued here. Otherwise the bytes read and checked here, then decoded
+        and copied on a worker (through zarr there, for a codec chain vd did not write)."""
         kk = self.ks[k]
         kind = _LAYOUT[name][0]
+        if chunks.direct and chunks.decoder is None:
+            rows = self._rows(kk, name, chunks, i, j)
+            chunks.read_into(i // chunks.step, rows)
+            self._upload(kk, name, chunks, i, j)
+            return
         data = chunks.fetch(i // chunks.step) if chunks.direct else None
         kk.reads[kind].append(_pool().submit(self._read, kk, name, chunks, i, j, data))
 
     def _read(self, kk: _K, name: str, chunks: Chunks, i: int, j: int, data: np.ndarray | None) -> None:
-        """On a worker: rows ``i:j`` of array ``name`` (one chunk's, ``data`` its fetched bytes; None:
-        read through zarr) into the host buffer, then to the device."""
-        kind, first = _LAYOUT[name]
-        per = int(np.prod(chunks.shape[1:-1]))  # rows of the kind per index of the array's first axis
-        r0, r1 = first + i * per, first + j * per
-        host = kk.host[kind][r0:r1]
-        rows = host.reshape((j - i,) + chunks.shape[1:])
+        """On a worker: the chunk's ``data`` (its fetched bytes; None: read through zarr) decoded into
+        the host buffer, then copied to the device."""
+        rows = self._rows(kk, name, chunks, i, j)
         if data is None:
             chunks.read(i, j, rows)
         else:
             chunks.decode(i // chunks.step, data, rows)
+        self._upload(kk, name, chunks, i, j)
+
+    @staticmethod
+    def _span(name: str, chunks: Chunks, i: int, j: int) -> tuple[str, int, int]:
+        """The kind and the rows of it that array ``name``'s rows ``i:j`` are."""
+        kind, first = _LAYOUT[name]
+        per = int(np.prod(chunks.shape[1:-1]))  # rows of the kind per index of the array's first axis
+        return kind, first + i * per, first + j * per
+
+    def _rows(self, kk: _K, name: str, chunks: Chunks, i: int, j: int) -> np.ndarray:
+        """The host buffer's rows for array ``name``'s rows ``i:j``, shaped as the array's."""
+        kind, r0, r1 = self._span(name, chunks, i, j)
+        return kk.host[kind][r0:r1].reshape((j - i,) + chunks.shape[1:])
+
+    def _upload(self, kk: _K, name: str, chunks: Chunks, i: int, j: int) -> None:
+        """Copy those rows to the device on the side stream (from page-locked memory: no wait here)."""
+        kind, r0, r1 = self._span(name, chunks, i, j)
         with torch.inference_mode(), self._on_stream():
-            kk.device[kind][r0:r1].copy_(torch.from_numpy(int_bits(host)), non_blocking=self.cuda)
+            kk.device[kind][r0:r1].copy_(torch.from_numpy(int_bits(kk.host[kind][r0:r1])), non_blocking=self.cuda)
 
     def _summarise(self, k: int, kind: str, wait: bool) -> bool:
         """Once the kind's reads are done (or, with ``wait``, after waiting for them): its statistics."""
