@@ -263,12 +263,12 @@ def replay(
 
 def _reader_summary(golden: Golden) -> dict | None:
     """Where the golden's reading went (`vd.reader`): units (of them chunk reads) and seconds on the
-    thread while the model loaded, in the GPU's idle time during runs, and left for when the rows were
-    needed."""
+    thread while the model loaded, before the runs (buffers left to allocate), in the GPU's idle time
+    during runs, and left for when the rows were needed."""
     reader = getattr(golden.runs, "reader", None)
     if reader is None:
         return None
-    out = {w: {"units": 0, "reads": 0, "seconds": 0.0} for w in ("thread", "idle", "drain")}
+    out = {w: {"units": 0, "reads": 0, "seconds": 0.0} for w in ("thread", "prefetch", "idle", "drain")}
     for who, kind, sec in reader.timeline:
         out[who]["units"] += 1
         out[who]["reads"] += kind.startswith("read")

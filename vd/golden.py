@@ -677,6 +677,7 @@ class _Prefetched(Mapping):
             self.reader.start_thread()
         else:  # the model is ready: from now on only its runs' idle time (no thread beside a capture)
             self.reader.pause()
+            self.reader.allocate()  # what is left of it: too slow for a step's idle time
 
     def idle(self, seconds: float) -> None:
         """The GPU is busy for about ``seconds`` more: read what fits (a no-op unless prefetched)."""

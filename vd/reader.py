@@ -68,6 +68,7 @@ READ_WORKERS = 4  # threads decoding compressed chunks (their work releases the 
 _LAYOUT = {"prefill": ("prefill", 0), "logits": ("verify", 0), "bootstrap_logits": ("draft", 0),
            "draft_logits": ("draft", 1)}
 _POOL: ThreadPoolExecutor | None = None
+UNIT_S = 1e-3  # seconds a unit of a kind not timed yet is expected to take
 # Seconds a unit of each kind took, a running mean over this process's readers: a reader starts from it
 # (a replay's second K, forward or golden packs its units as well as the first one's last steps did).
 _EXPECT: dict[str, float] = {}
@@ -324,15 +325,24 @@ class GoldenReader:
                     for f in futures:
                         f.exception()  # waits; an error is taken up by the kind's summary
 
+    def allocate(self) -> None:
+        """Allocate now every K's buffers not allocated yet (before a run: page-locked memory that torch's
+        caching allocator holds no block for took 10-34 ms to allocate on the H200, longer than any step,
+        and a K's other units queue behind its allocation)."""
+        self.stop.set()
+        with self.lock:
+            for u in [u for u in self.units if u.kind == "alloc"]:
+                self._run(u, "prefetch", wait=True)
+
     def idle(self, seconds: float) -> None:
         """The GPU is busy for about ``seconds`` more: run the units expected to end within that time,
-        in order (a kind of unit never timed yet is expected to take 1 ms)."""
+        in order (a kind of unit never timed yet is expected to take `UNIT_S`)."""
         self.stop.set()
         until = time.perf_counter() + seconds
         if not self.lock.acquire(blocking=False):
             return
         try:
-            while self.units and time.perf_counter() + self.expect.get(self.units[0].kind, 1e-3) <= until:
+            while self.units and time.perf_counter() + self.expect.get(self.units[0].kind, UNIT_S) <= until:
                 if not self._run(self.units[0], "idle", wait=False):
                     break
         finally:
@@ -368,8 +378,11 @@ class GoldenReader:
             self.units.remove(u)
         dt = time.perf_counter() - t
         self.timeline.append((who, u.kind, dt))
-        mean = dt if u.kind not in self.expect else 0.7 * self.expect[u.kind] + 0.3 * dt
-        self.expect[u.kind] = _EXPECT[u.kind] = mean
+        # A running mean that one slow unit moves at most 1.6x (a first CUDA allocation or a cold file
+        # can take 10-50x the usual): a kind expected to take longer than a step would run only after
+        # the run, and every unit queued behind it with it (measured on the H200, tools/h200/).
+        old = self.expect.get(u.kind, UNIT_S)
+        self.expect[u.kind] = _EXPECT[u.kind] = 0.7 * old + 0.3 * min(dt, 3 * old)
         return True
 
     # -- what a caller asks for -------------------------------------------------------------------
