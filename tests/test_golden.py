@@ -194,6 +194,8 @@ def test_prefill_rows_are_stored_about_a_megabyte_to_a_chunk(tiny_golden):
 
     assert prefill_chunks((41, 151936), 2) == (3, 151936) and prefill_chunks((41, 128256), 2) == (4, 128256)
     assert prefill_chunks((2, 49152), 2) == (2, 49152) and prefill_chunks((5, 1 << 20), 4) == (1, 1 << 20)
+    # At most 10 rows of SmolLM2's vocabulary fit: 21 rows go 7 to a chunk, not 10, 10 and 1 padded to 10.
+    assert prefill_chunks((21, 49152), 2) == (7, 49152) and prefill_chunks((11, 49152), 2) == (6, 49152)
     g = zarr.open_group(str(tiny_golden), mode="r")
     arr = g["k2/prefill"]
     rows = PREFILL_CHUNK_BYTES // (arr.shape[1] * 2)

@@ -159,3 +159,23 @@ def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(tiny_golden):
         expected = {"demand": where == {"prefetch", "drain"}, "idle": where == {"prefetch", "idle"},
                     "thread": "thread" in where}
         assert expected[how], where
+
+
+def test_a_run_hands_its_idle_time_over_until_told_nothing_is_left():
+    """`vd.loop.run_verify` times each step with CUDA events and calls ``idle`` with what the GPU has
+    left, the first time with 0; once ``idle`` returns False it no longer times or calls it."""
+    from vd.loop import ReferenceFeed, continuation, run_verify
+
+    m = load_model("tiny-llama", device="cuda")
+    m.set_forward("graphed")
+    prompt = m.encode("a prompt")
+    greedy = continuation(m, prompt, 4 * 8 + 1)
+    calls = []
+
+    def idle(seconds):
+        calls.append(seconds)
+        return len(calls) < 3
+
+    run = run_verify(m, prompt, 4, 8, ReferenceFeed(greedy), idle=idle)
+    assert len(run.steps) == 8 and len(calls) == 3
+    assert calls[0] == 0.0 and all(c >= 0.0 for c in calls)

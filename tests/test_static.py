@@ -234,7 +234,7 @@ def test_golden_reader_in_idle_time_gives_what_reading_in_line_does(tiny_golden)
     """Units run in the time a run hands over (`idle`), in order, as far as each is expected to fit;
     the rest when a K is asked for."""
     g, reader = _reader(tiny_golden)
-    reader.idle(0.0)
+    assert reader.idle(0.0) is True  # units left: the run should keep handing its time over
     assert not reader.timeline  # no time, no unit
     reader.expect.update({"alloc": 0.0, "open": 60.0})
     with torch.inference_mode():  # a run calls idle in inference mode, a replay drains outside it
@@ -242,11 +242,10 @@ def test_golden_reader_in_idle_time_gives_what_reading_in_line_does(tiny_golden)
     assert [(w, kind) for w, kind, _ in reader.timeline] == [("idle", "alloc")]  # an open would not fit
     reader.expect["open"] = 0.0
     for _ in range(2000):  # as a run's steps would: a summary waits for its reads on the workers
-        reader.idle(30.0)
-        if not reader.units:
+        if not reader.idle(30.0):
             break
         time.sleep(0.005)
-    assert {w for w, _, _ in reader.timeline} == {"idle"} and not reader.units
+    assert {w for w, _, _ in reader.timeline} == {"idle"} and not reader.units and reader.idle(30.0) is False
     _same_as_inline(tiny_golden, reader)
 
     g, reader = _reader(tiny_golden)

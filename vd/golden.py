@@ -181,7 +181,7 @@ class Golden:
             reader.pause()
 
     @property
-    def idle(self) -> Callable[[float], None] | None:
+    def idle(self) -> Callable[[float], bool] | None:
         """What a run hands its GPU's busy time to (`vd.loop.run_verify`'s ``idle``): the reader of a
         golden prefetched to CUDA, else None."""
         return self.runs.idle if getattr(self.runs, "reader", None) is not None else None
@@ -194,12 +194,15 @@ class Golden:
 
 
 def prefill_chunks(shape: tuple[int, int], itemsize: int) -> tuple[int, int]:
-    """The prefill's rows are stored about `PREFILL_CHUNK_BYTES` to a chunk (at least one row): the
-    size of a K=4 step's chunk on a 128k-150k vocabulary, so a replay's reader reads either in about the
-    same time (`vd.reader`: a unit of reading must fit in a GPU step). Before issue 4's reader, 8 rows
-    to a chunk; before that, all of them in one (both read unchanged)."""
-    rows = max(1, PREFILL_CHUNK_BYTES // max(1, shape[1] * itemsize))
-    return (max(1, min(rows, shape[0])), shape[1])
+    """The prefill's rows are stored at most about `PREFILL_CHUNK_BYTES` to a chunk (at least one row):
+    the size of a K=4 step's chunk on a 128k-150k vocabulary, so a replay's reader reads either in about
+    the same time (`vd.reader`: a unit of reading must fit in a GPU step). The rows are spread evenly
+    over as few chunks as that allows: zarr stores the last chunk whole, and uncompressed its padding
+    would be stored too. Before issue 4's reader, 8 rows to a chunk; before that, all of them in one
+    (both read unchanged)."""
+    most = max(1, PREFILL_CHUNK_BYTES // max(1, shape[1] * itemsize))
+    n = -(-shape[0] // most)  # chunks
+    return (max(1, -(-shape[0] // max(1, n))), shape[1])
 
 
 def codecs(compress: bool) -> list:
@@ -679,10 +682,10 @@ class _Prefetched(Mapping):
             self.reader.pause()
             self.reader.allocate()  # what is left of it: too slow for a step's idle time
 
-    def idle(self, seconds: float) -> None:
-        """The GPU is busy for about ``seconds`` more: read what fits (a no-op unless prefetched)."""
-        if self.reader is not None:
-            self.reader.idle(seconds)
+    def idle(self, seconds: float) -> bool:
+        """The GPU is busy for about ``seconds`` more: read what fits (a no-op unless prefetched); False
+        once nothing is left to read."""
+        return self.reader is not None and self.reader.idle(seconds)
 
     def stats(self, k: int) -> dict:
         """The golden's per-row statistics of K (`vd.compare.golden_stats` per kind)."""

@@ -193,8 +193,8 @@ class Chunks:
             raise GoldenCorruptError(f"{self.where}: chunk {key} is unreadable: {e}") from e
         if size != whole + len(trailer):
             raise GoldenCorruptError(f"{self.where}: chunk {key} holds {size - len(trailer)} bytes, expected {whole}")
-        crc = google_crc32c.extend(google_crc32c.value(flat), bytes(pad)) if self.crc else 0
-        if self.crc and crc != int.from_bytes(trailer, "little"):
+        stored = int.from_bytes(trailer, "little")
+        if self.crc and google_crc32c.extend(google_crc32c.value(flat), bytes(pad)) != stored:
             raise GoldenCorruptError(f"{self.where}: chunk {key} fails its CRC32C checksum")
 
     def fetch(self, index: int) -> np.ndarray:
@@ -334,17 +334,19 @@ class GoldenReader:
             for u in [u for u in self.units if u.kind == "alloc"]:
                 self._run(u, "prefetch", wait=True)
 
-    def idle(self, seconds: float) -> None:
+    def idle(self, seconds: float) -> bool:
         """The GPU is busy for about ``seconds`` more: run the units expected to end within that time,
-        in order (a kind of unit never timed yet is expected to take `UNIT_S`)."""
+        in order (a kind of unit never timed yet is expected to take `UNIT_S`). False once no unit is
+        left (a run need not hand its time over any more)."""
         self.stop.set()
         until = time.perf_counter() + seconds
         if not self.lock.acquire(blocking=False):
-            return
+            return True
         try:
             while self.units and time.perf_counter() + self.expect.get(self.units[0].kind, UNIT_S) <= until:
                 if not self._run(self.units[0], "idle", wait=False):
                     break
+            return bool(self.units)
         finally:
             self.lock.release()
 
@@ -378,9 +380,10 @@ class GoldenReader:
             self.units.remove(u)
         dt = time.perf_counter() - t
         self.timeline.append((who, u.kind, dt))
-        # A running mean that one slow unit moves at most 1.6x (a first CUDA allocation or a cold file
-        # can take 10-50x the usual): a kind expected to take longer than a step would run only after
-        # the run, and every unit queued behind it with it (measured on the H200, tools/h200/).
+        # A running mean that one slow unit moves at most 1.6x: a first CUDA allocation can take 10-50x
+        # the usual, and a kind expected to take longer than a step runs only after the run, with every
+        # unit queued behind it (on the H200 that left 24 of 37 units for after some replays' runs:
+        # tools/h200/bench_gpu_history.json, the run of b71c000).
         old = self.expect.get(u.kind, UNIT_S)
         self.expect[u.kind] = _EXPECT[u.kind] = 0.7 * old + 0.3 * min(dt, 3 * old)
         return True
