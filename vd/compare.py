@@ -173,20 +173,27 @@ def golden_stats(gold_bits: torch.Tensor, logical: str) -> dict[str, np.ndarray]
     return stats_dict(golden_stats_tensor(gold_bits, logical).cpu().numpy())
 
 
+def differing(gold_bits: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """Which candidate rows ``[R, V]`` differ from the golden's bit patterns, on the device (``[R]``)."""
+    cb = _bits(got)
+    return (gold_bits.view(cb.shape) != cb).any(dim=1)
+
+
 def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec,
-            stats: dict[str, np.ndarray] | None = None) -> Rows:
+            stats: dict[str, np.ndarray] | None = None, differ_host: np.ndarray | None = None) -> Rows:
     """Measure candidate rows ``[R, V]`` against golden bit patterns ``[R, V]``, on the candidate's device.
 
     Rows whose bits are equal cost one comparison (their argmax is the golden's); only rows that differ
     are converted and measured element by element, and only their argmax is recomputed. ``stats``
-    (`golden_stats` of the same rows) saves recomputing the golden's side.
+    (`golden_stats` of the same rows) saves recomputing the golden's side; ``differ_host`` (`differing`,
+    read back) the comparison.
     """
     r, v = got.shape
     cb = _bits(got)
     gb = gold_bits.view(cb.shape)
     stats = stats if stats is not None else golden_stats(gb, logical)
-    differ = (gb != cb).any(dim=1)
-    differ_host = differ.cpu().numpy()  # the one read-back when every row is equal (the usual case)
+    if differ_host is None:
+        differ_host = differing(gb, got).cpu().numpy()  # the one read-back when every row is equal
     if not differ_host.any():
         zero = np.zeros(r, dtype=np.float64)
         return Rows(differ=differ_host, passed=~differ_host, golden_argmax=stats["argmax"],
@@ -264,14 +271,22 @@ class _Kind:
         return (flat // self.per_step if self.stepped else None), flat % self.per_step
 
 
-def _measure_kind(name: str, gold: np.ndarray, got: torch.Tensor, logical: str, spec: Spec,
-                  gold_dev: torch.Tensor | None, stats: dict | None) -> Rows:
-    v = gold.shape[-1]
-    flat_got = got.reshape(-1, v)
-    if gold_dev is None or gold_dev.device != got.device:
-        gold_dev = _on_device(gold, got.device)
-    gold_dev = gold_dev.reshape(-1, v)
-    return measure(gold_dev, flat_got, logical, spec, (stats or {}).get(name))
+def _measure_kinds(gold: dict[str, np.ndarray], got: dict[str, torch.Tensor], logical: str,
+                   specs: dict[str, Spec], device_rows: dict, stats: dict | None) -> dict[str, Rows]:
+    """Every kind's rows measured, with one read-back for all of them when every row is equal."""
+    pairs = {}
+    for name, rows in got.items():
+        v = gold[name].shape[-1]
+        g = device_rows.get(name)
+        if g is None or g.device != rows.device:
+            g = _on_device(gold[name], rows.device)
+        pairs[name] = (g.reshape(-1, v), rows.reshape(-1, v))
+    flags = torch.cat([differing(g, c) for g, c in pairs.values()]).cpu().numpy()
+    out, at = {}, 0
+    for name, (g, c) in pairs.items():
+        out[name] = measure(g, c, logical, specs[name], (stats or {}).get(name), flags[at:at + c.shape[0]])
+        at += c.shape[0]
+    return out
 
 
 def _first_mismatch(kind: _Kind, skip: int = 0) -> Mismatch | None:
@@ -309,8 +324,8 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
         got["draft"] = torch.cat([run.bootstrap_row.reshape(-1, v),
                                   _stack(run.draft_rows, golden.draft_logits).reshape(-1, v)])
         shape["draft"] = (k - 1, True, 1)
-    kinds = [_Kind(n, _measure_kind(n, gold[n], got[n], logical, specs[n], dev.get(n), stats), *shape[n])
-             for n in gold]
+    measured = _measure_kinds(gold, {n: got[n] for n in gold}, logical, specs, dev, stats)
+    kinds = [_Kind(n, measured[n], *shape[n]) for n in gold]
     by = {kd.name: kd for kd in kinds}
 
     flips, failed_steps, failures = [], set(), []
