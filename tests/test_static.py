@@ -274,6 +274,24 @@ def test_golden_reader_allocates_up_front_and_one_slow_unit_moves_its_mean_littl
     assert reader.expect["open"] == R._EXPECT["open"] == pytest.approx(0.7e-3 + 0.3 * 3e-3)
 
 
+def test_golden_reader_passes_over_a_summary_too_long_for_the_time_given(tiny_golden):
+    """Reads, small arrays and checks go on in idle time while each kind's summary waits for a longer
+    window (or the K's drain); nothing else is run out of order."""
+    g, reader = _reader(tiny_golden)
+    reader.allocate()
+    reader.expect.update({k: 0.0 for k in ("open", "read", "small", "check")}, summarise=60.0)
+    for _ in range(2000):
+        reader.idle(30.0)
+        if all(u.kind == "summarise" for u in reader.units):
+            break
+        time.sleep(0.005)
+    assert [(u.k, u.kind) for u in reader.units] == [(k, "summarise") for k in (2, 3, 4) for _ in (0, 1)]
+    order = [kind for w, kind, _ in reader.timeline if w == "idle"]
+    assert order[:2] == ["open", "read"] and "summarise" not in order
+    _same_as_inline(tiny_golden, reader)  # the summaries run when each K is asked for
+    assert sum(kind == "summarise" for w, kind, _ in reader.timeline if w == "drain") == 6
+
+
 def test_golden_reader_reads_chunk_files_as_zarr_does(tiny_golden, tmp_path):
     """The direct path (`vd.reader.Chunks`) against zarr's read, for vd's uncompressed and Blosc chunks
     and the Zstd chunks of older goldens, with a last chunk past the array's end; a codec chain it does
