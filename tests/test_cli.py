@@ -220,6 +220,7 @@ def test_show_models_forwards(cli, tiny_golden):
     assert "tiny-llama" in out and "sha256:" in out and "eager" in out
     assert "K=4  accepted [3, 1, 3, 0, 3, 2, 3, 1]" in out or "K=4  accepted" in out
     assert "histogram {0:" in out and "AVX" in out or "threads" in out
+    assert "MB; logits rows bytes + crc32c" in out  # uncompressed unless recorded with --compress
     code, out, err = cli("models")
     assert code == 0 and "smollm2" in out and "tiny-llama" in out and "module:factory" in out
     code, out, err = cli("forwards", "--model", "tiny-llama")
@@ -263,3 +264,14 @@ def test_pinned_sdpa_backends_compared_as_they_are(cli, tiny_golden, tmp_path):
     for c in r["verify"][0]["comparisons"]:
         assert c["prefill_equal"] == torch.equal(rows[c["variant"]], rows["eager"]), c["variant"]
     assert {v["name"] for v in r["variants"]} == {"sdpa", *pinned}
+
+
+def test_record_compress_stores_blosc_rows_that_replay(cli, tmp_path):
+    """``--compress``: Blosc-LZ4 rows (smaller on real logits), shown by ``vd show``, replayed as any."""
+    path = tmp_path / "packed.zarr"
+    code, out, err = cli("record", path, "--model", "tiny-llama", "--steps", "8", "--k", "2,4", "--compress")
+    assert code == 0, err
+    code, out, err = cli("show", path)
+    assert code == 0 and "logits rows bytes + blosc + crc32c" in out
+    code, out, err = cli("replay", path)
+    assert code == 0 and "PASS" in out, out + err

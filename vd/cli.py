@@ -292,6 +292,9 @@ def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) ->
               f"zarr {e.get('zarr')}, python {e.get('python')} on {e.get('host')}")
     gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
     out.print(f"          CPU {e.get('cpu_model')} ({e.get('cpu_capability')}), {e.get('threads')} threads{gpu}")
+    size = sum(f.stat().st_size for f in g.path.rglob("*") if f.is_file())
+    codecs = json.loads((g.path / f"k{next(iter(g.runs))}" / "logits" / "zarr.json").read_text())["codecs"]
+    out.print(f"storage   {size / 1e6:.1f} MB; logits rows {' + '.join(c['name'] for c in codecs)}")
     for k, r in g.runs.items():
         acc = r.accepted.tolist()
         hist = ", ".join(f"{i}:{n}" for i, n in enumerate(histogram(k, acc)))
