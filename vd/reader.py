@@ -13,7 +13,7 @@ such a thread made the 0.5B shape's 16-step K=4 loop 13-22 % slower, the 8B shap
   the units it expects to end within it, timing each kind of unit to refine the expectation (a running
   mean kept across the process's readers). A chunk of an uncompressed array (what vd writes unless
   asked to compress, `vd.golden.codecs`) is read from its file straight into page-locked memory, its
-  CRC32C checked there and its copy to the GPU issued on a side stream, all in one unit (about 0.6 ms
+  CRC32C checked there and its copy to the GPU issued on a side stream, all in one unit (0.4-0.6 ms
   for a 1.2 MB chunk in a replay on the H200 host);
 * a compressed chunk's bytes are read and checked in such a unit, and its decode (Blosc or Zstd into
   page-locked memory, no interpreter lock held) and copy run on a few worker threads
