@@ -96,7 +96,8 @@ class Comparison:
 
     def to_json(self) -> dict:
         """As `dataclasses.asdict` (the nested mismatches and flips as dicts) without its deep copy of
-        every list and dict, which are this comparison's own (the copy took ~2 ms of a 16-step replay)."""
+        every list and dict, which are this comparison's own (0.47 against 0.015 ms for a 6-step
+        comparison on the 2-core machines)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for n in ("first_mismatch", "prefill_first_mismatch", "draft_first_mismatch"):
             if out[n] is not None:
@@ -434,8 +435,8 @@ def compare_run(variant: str, golden: KRecord, run: Run, logical: str,
 
 
 def _median(a: np.ndarray) -> float:
-    """`np.nanmedian` as its one-dimensional case computes it, without its overhead (0.13 ms a call on
-    the 2-core machines); 0.5 for no rows, NaN when every value is NaN."""
+    """`np.nanmedian` as its one-dimensional case computes it, with less overhead (51 against 72 us for
+    64 rows on the 2-core machines); 0.5 for no rows, NaN when every value is NaN."""
     kept = a[~np.isnan(a)]
     return float(np.median(kept)) if kept.size else (0.5 if not a.size else float("nan"))
 
