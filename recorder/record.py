@@ -40,13 +40,16 @@ FEEDS = ("reference", "mtp")
 
 @dataclass(slots=True)
 class RecordResult:
-    """What a recording did: where it went (None when refused), its accept counts and timings."""
+    """What a recording did: where it went (None when refused), its accept counts and timings, why its
+    reference is too thin (``thin``; stored anyway with ``allow_thin``) and, with ``require_coverage``,
+    which K misses an accept count (``short``; never stored)."""
 
     path: Path | None
     accepted: dict[int, list[int]]
     thin: list[str]
     committed_is_greedy: dict[int, bool]
     seconds: dict[str, float] = field(default_factory=dict)
+    short: list[str] = field(default_factory=list)
 
 
 def check_ks(ks: Sequence[int]) -> list[int]:
@@ -140,7 +143,7 @@ def record(
     # since a writer thread would take the cores the model runs on (see vd.golden._Prefetched).
     with GoldenWriter(out, refresh=refresh, background=model.device.type == "cuda", compress=compress) as writer:
         t = time.perf_counter()
-        accepted, thin, same = {}, [], {}
+        accepted, thin, short, same = {}, [], [], {}
         for k in ks:
             phase(f"recording K={k}", steps)
             chooser = ReferenceFeed(greedy) if feed == "reference" else DrafterFeed(k, steps)
@@ -155,10 +158,10 @@ def record(
                 thin.append(reason)
             hist = histogram(k, accepted[k])
             if require_coverage and 0 in hist:
-                thin.append(coverage_reason(k, hist))
+                short.append(coverage_reason(k, hist))
         seconds["verify"] = time.perf_counter() - t
-        if thin and (not allow_thin or any(x.startswith("coverage") for x in thin)):
-            return RecordResult(None, accepted, thin, same, seconds)
+        if short or (thin and not allow_thin):
+            return RecordResult(None, accepted, thin, same, seconds, short)
         t = time.perf_counter()
         phase("writing golden", 0)
         meta = _meta(model, model_spec, head, forward, feed, ks, steps, prompt, greedy, thin, deterministic)

@@ -180,6 +180,10 @@ def test_coverage_table_and_require_coverage(cli, tiny_golden, tmp_path):
                                           "[0, 4, 4])"]
     code, out, err = cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--steps", "8", "--require-coverage")
     assert code == 1 and "coverage K=3" in err and not (tmp_path / "g.zarr").exists()
+    assert "--allow-thin" not in err  # it would not help: coverage is never waived
+    code, out, err = cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--steps", "8", "--require-coverage",
+                         "--allow-thin")
+    assert code == 1 and "coverage K=3" in err and not (tmp_path / "g.zarr").exists()
 
 
 def _edit_one_row(path: Path, k: int, step: int, row: int, index: int, value: float) -> None:

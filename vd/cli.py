@@ -141,10 +141,10 @@ def record(
         same = "" if r.committed_is_greedy[kk] else "  (committed sequence left the greedy continuation)"
         out.print(f"K={kk}: accepted {acc}{same}")
     if r.path is None:
-        for reason in r.thin:
+        for reason in r.thin + r.short:
             err.print(f"vd: {reason}")
         err.print("vd: reference too thin or short of coverage; nothing written" +
-                  ("" if any("coverage" in x for x in r.thin) else " (pass --allow-thin to store it anyway)"))
+                  ("" if r.short else " (pass --allow-thin to store it anyway)"))
         return EXIT_FAIL
     for reason in r.thin:
         err.print(f"vd: warning: {reason}")
