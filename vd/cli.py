@@ -153,12 +153,6 @@ def record(
     return EXIT_PASS
 
 
-def _reports():
-    from replayer import reports
-
-    return reports
-
-
 def _json_default(o):
     return str(o)
 
@@ -242,19 +236,19 @@ def replay(
                            ks=_parse_ks(k) if k else (), tolerances=tolerance or (),
                            require_coverage=require_coverage,
                            allow_model_mismatch=allow_model_mismatch, on_phase=bar.phase, on_step=bar.step)
+    from replayer import reports  # bundle, JUnit, HTML; imported here as replay is, for a quick `vd --help`
+
     rows = result.pop("_first_failure_rows")
     if bundle is None and report is not None:
         bundle = report.with_name(report.name + ".bundle")
     if result["verdict"] == "FAIL" and rows is not None and bundle is not None:
-        from replayer.reports import write_bundle
-
         args = {"model": model, "head": head, "device": device, "threads": threads,
                 "allow_model_mismatch": allow_model_mismatch}
-        result["bundle"] = str(write_bundle(bundle, result, rows, args).parent)
+        result["bundle"] = str(reports.write_bundle(bundle, result, rows, args).parent)
     for path, write in ((report, lambda p: p.write_text(json.dumps(_finite(result), indent=2, default=_json_default)
                                                            + "\n")),
-                        (junit, lambda p: _reports().write_junit(p, result)),
-                        (html, lambda p: _reports().write_html(p, result))):
+                        (junit, lambda p: reports.write_junit(p, result)),
+                        (html, lambda p: reports.write_html(p, result))):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             write(path)
