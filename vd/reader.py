@@ -171,6 +171,21 @@ class Chunks:
     def _key(self, index: int) -> str:
         return self.meta.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
 
+    @contextlib.contextmanager
+    def _chunk_file(self, key: str):
+        """Chunk ``key``'s file, opened unbuffered; a missing or unreadable one is a corrupt golden."""
+        try:
+            with open(self.root / self.rel / key, "rb", buffering=0) as f:
+                yield f
+        except FileNotFoundError as e:  # zarr would read it back as zeros: a golden never lacks one
+            raise GoldenCorruptError(f"{self.where}: chunk {key} is missing") from e
+        except OSError as e:
+            raise GoldenCorruptError(f"{self.where}: chunk {key} is unreadable: {e}") from e
+
+    def _check_crc(self, key: str, computed: int, stored: bytes) -> None:
+        if computed != int.from_bytes(stored, "little"):
+            raise GoldenCorruptError(f"{self.where}: chunk {key} fails its CRC32C checksum")
+
     def read_into(self, index: int, out: np.ndarray) -> None:
         """An uncompressed chunk ``index`` (``decoder`` None, the direct path) read from its file straight
         into ``out`` (its rows; fewer for the array's last chunk where it runs past the end), its
@@ -178,52 +193,38 @@ class Chunks:
         key = self._key(index)
         assert out.flags.c_contiguous, "read in place: the destination must be one block"
         flat = out.reshape(-1).view(np.uint8)
-        dest = memoryview(flat)
         whole = self.step * int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-        pad, trailer = bytearray(whole - dest.nbytes), bytearray(4 * self.crc)
-        try:
-            with open(self.root / self.rel / key, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == whole + len(trailer):
-                    for part in (dest, memoryview(pad), memoryview(trailer)):
-                        _read_exact(f, part)
-        except FileNotFoundError as e:  # zarr would read it back as zeros: a golden never lacks one
-            raise GoldenCorruptError(f"{self.where}: chunk {key} is missing") from e
-        except OSError as e:
-            raise GoldenCorruptError(f"{self.where}: chunk {key} is unreadable: {e}") from e
-        if size != whole + len(trailer):
-            raise GoldenCorruptError(f"{self.where}: chunk {key} holds {size - len(trailer)} bytes, expected {whole}")
-        stored = int.from_bytes(trailer, "little")
-        if self.crc and google_crc32c.extend(google_crc32c.value(flat), bytes(pad)) != stored:
-            raise GoldenCorruptError(f"{self.where}: chunk {key} fails its CRC32C checksum")
+        pad, trailer = bytearray(whole - flat.nbytes), bytearray(4 * self.crc)
+        with self._chunk_file(key) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != whole + len(trailer):
+                raise GoldenCorruptError(f"{self.where}: chunk {key} holds {size - len(trailer)} bytes, "
+                                         f"expected {whole}")
+            for part in (flat, pad, trailer):
+                _read_exact(f, memoryview(part))
+        if self.crc:
+            self._check_crc(key, google_crc32c.extend(google_crc32c.value(flat), bytes(pad)), trailer)
 
     def fetch(self, index: int) -> np.ndarray:
-        """Chunk ``index``'s stored bytes, their checksum checked (the direct path). The check holds the
-        interpreter lock (google-crc32c does not release it), the file read and `decode` do not."""
+        """Chunk ``index``'s stored bytes, their checksum checked (the direct path, a chunk to decode).
+        The check holds the interpreter lock (google-crc32c does not release it), the file read and
+        `decode` do not."""
         key = self._key(index)
-        try:
-            data = np.fromfile(self.root / self.rel / key, dtype=np.uint8)
-        except FileNotFoundError as e:  # zarr would read it back as zeros: a golden never lacks one
-            raise GoldenCorruptError(f"{self.where}: chunk {key} is missing") from e
+        with self._chunk_file(key) as f:
+            data = np.fromfile(f, dtype=np.uint8)
         if self.crc:
-            if len(data) < 4 or np.uint32(google_crc32c.value(data[:-4])).tobytes() != data[-4:].tobytes():
-                raise GoldenCorruptError(f"{self.where}: chunk {key} fails its CRC32C checksum")
+            self._check_crc(key, google_crc32c.value(data[:-4]) if len(data) >= 4 else -1, data[-4:].tobytes())
             data = data[:-4]
         return data
 
     def decode(self, index: int, data: np.ndarray, out: np.ndarray) -> None:
-        """`fetch`'s bytes of chunk ``index`` decoded into ``out``: its rows, fewer for the array's last
-        chunk where it runs past the end."""
+        """`fetch`'s bytes of chunk ``index`` decoded (``decoder``) into ``out``: its rows, fewer for the
+        array's last chunk where it runs past the end. Uncompressed chunks are read by `read_into`."""
         whole = out if out.shape[0] == self.step else np.empty((self.step,) + out.shape[1:], self.dtype)
         assert whole.flags.c_contiguous, "decoded in place: the destination must be one block"
         flat = whole.reshape(-1).view(np.uint8)
         try:
-            if self.decoder is None:
-                got = data.size
-                if got == flat.size:
-                    flat[...] = data
-            else:
-                got = self.decoder(data, flat)
+            got = self.decoder(data, flat)
         except Exception as e:  # undecodable bytes
             raise GoldenCorruptError(f"{self.where}: cannot decode chunk {index}: {str(e).splitlines()[0]}") from e
         if got != flat.size:
