@@ -189,18 +189,31 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
     (`golden_stats` of the same rows) saves recomputing the golden's side; ``differ_host`` (`differing`,
     read back) the comparison.
     """
-    r, v = got.shape
+    r = got.shape[0]
     cb = _bits(got)
     gb = gold_bits.view(cb.shape)
     stats = stats if stats is not None else golden_stats(gb, logical)
     if differ_host is None:
         differ_host = differing(gb, got).cpu().numpy()  # the one read-back when every row is equal
-    if not differ_host.any():
-        zero = np.zeros(r, dtype=np.float64)
-        return Rows(differ=differ_host, passed=~differ_host, golden_argmax=stats["argmax"],
-                    got_argmax=stats["argmax"].copy(), margin=stats["margin"], top1=stats["top1"],
-                    golden_absmax=stats["absmax"], top1_p=stats["top1_p"],
-                    positions=np.zeros(POSITION_BINS, dtype=np.int64), **{n: zero.copy() for n in _MEASURES})
+    host = {n: np.zeros(r, dtype=np.float64) for n in _MEASURES}  # zero for the rows whose bits are equal
+    passed, got_argmax = ~differ_host, stats["argmax"].copy()
+    positions = np.zeros(POSITION_BINS, dtype=np.int64)
+    if differ_host.any():
+        vals, ok, c_arg, positions = _measure_differing(gb, cb, got, differ_host, logical, spec)
+        for n in _MEASURES:
+            host[n][differ_host] = vals[n]
+        passed[differ_host] = ok
+        got_argmax[differ_host] = c_arg
+    return Rows(differ=differ_host, passed=passed, golden_argmax=stats["argmax"], got_argmax=got_argmax,
+                margin=stats["margin"], top1=stats["top1"], golden_absmax=stats["absmax"], top1_p=stats["top1_p"],
+                positions=positions, **host)
+
+
+def _measure_differing(gb: torch.Tensor, cb: torch.Tensor, got: torch.Tensor, differ_host: np.ndarray,
+                       logical: str, spec: Spec) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """The rows ``differ_host`` marks, measured (`_MEASURES`), judged under ``spec`` and their argmax
+    taken, on the device; with the histogram of their differing elements over the vocabulary."""
+    v = got.shape[1]
     idx = torch.from_numpy(np.flatnonzero(differ_host)).to(got.device)
     gd, cd, dm = gb[idx].view(TORCH_DTYPES[logical]).float(), got[idx].float(), gb[idx] != cb[idx]
     first = dm.to(torch.int8).argmax(dim=1)
@@ -217,10 +230,6 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
     c_arg = cd.argmax(1)
     vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
             "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values, "kl": kl}
-    host = {}
-    for n in _MEASURES:  # zero for the rows whose bits are equal
-        host[n] = np.zeros(r, dtype=np.float64)
-        host[n][differ_host] = vals[n].to(torch.float64).cpu().numpy()
     if spec.name == "ulp":
         ok = ulp.max(1).values <= spec.n
     elif spec.name == "close":
@@ -234,13 +243,8 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
         ok = kl <= spec.kl
     else:
         ok = torch.zeros(idx.numel(), dtype=torch.bool, device=got.device)
-    passed = ~differ_host
-    passed[differ_host] = ok.cpu().numpy()
-    got_argmax = stats["argmax"].copy()
-    got_argmax[differ_host] = c_arg.cpu().numpy()
-    return Rows(differ=differ_host, passed=passed, golden_argmax=stats["argmax"], got_argmax=got_argmax,
-                margin=stats["margin"], top1=stats["top1"], golden_absmax=stats["absmax"], top1_p=stats["top1_p"],
-                positions=positions.cpu().numpy(), **host)
+    host = {n: vals[n].to(torch.float64).cpu().numpy() for n in _MEASURES}
+    return host, ok.cpu().numpy(), c_arg.cpu().numpy(), positions.cpu().numpy()
 
 
 def ulp_of(x: float, logical: str) -> float:
