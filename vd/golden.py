@@ -678,9 +678,10 @@ class _Prefetched(Mapping):
             self.reader = GoldenReader(self._src, self._known, device)
         if background:
             self.reader.start_thread()
-        else:  # the model is ready: from now on only its runs' idle time (no thread beside a capture)
-            self.reader.pause()
-            self.reader.allocate()  # what is left of it: too slow for a step's idle time
+        else:  # the model is ready: from now on only its runs' idle time (the replay pauses the reader
+            # before each graph capture); the thread stops here, and the buffers it has not allocated
+            # yet are allocated now: too slow for a step's idle time
+            self.reader.allocate()
 
     def idle(self, seconds: float) -> bool:
         """The GPU is busy for about ``seconds`` more: read what fits (a no-op unless prefetched); False

@@ -327,9 +327,9 @@ class GoldenReader:
                         f.exception()  # waits; an error is taken up by the kind's summary
 
     def allocate(self) -> None:
-        """Allocate now every K's buffers not allocated yet (before a run: page-locked memory that torch's
-        caching allocator holds no block for took 10-34 ms to allocate on the H200, longer than any step,
-        and a K's other units queue behind its allocation)."""
+        """Stop the thread, then allocate every K's buffers not allocated yet (before a run: page-locked
+        memory that torch's caching allocator holds no block for took 10-34 ms to allocate on the H200,
+        longer than any step, and a K's other units queue behind its allocation)."""
         self.stop.set()
         with self.lock:
             for u in [u for u in self.units if u.kind == "alloc"]:
