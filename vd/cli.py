@@ -263,6 +263,7 @@ def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) ->
     """Print a golden's model, environment, settings, steps and accept counts."""
     from vd.compare import histogram
     from vd.golden import open_golden
+    from vd.reader import node
 
     g = open_golden(golden)
     m = g.meta
@@ -287,7 +288,8 @@ def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) ->
     gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
     out.print(f"          CPU {e.get('cpu_model')} ({e.get('cpu_capability')}), {e.get('threads')} threads{gpu}")
     size = sum(f.stat().st_size for f in g.path.rglob("*") if f.is_file())
-    codecs = json.loads((g.path / f"k{next(iter(g.runs))}" / "logits" / "zarr.json").read_text())["codecs"]
+    first = f"k{next(iter(g.runs))}/logits"
+    codecs = node(g.path, first, f"{g.path}/{first}")["codecs"]
     out.print(f"storage   {size / 1e6:.1f} MB; logits rows {' + '.join(c['name'] for c in codecs)}")
     for k, r in g.runs.items():
         acc = r.accepted.tolist()
