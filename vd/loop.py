@@ -59,6 +59,16 @@ class Run:
     # Generated tokens committed before the first step (the drafter's bootstrap decode commits one).
     committed_before: list[int] = field(default_factory=list)
 
+    def rows_by_kind(self) -> dict[str, torch.Tensor]:
+        """The computed rows ``[R, V]`` per kind, laid out as `vd.golden.KRecord.rows_by_kind`: prefill,
+        verify (steps × K) and, with a draft head, draft (the bootstrap row, then each step's K-1 rows)."""
+        v = self.prefill.shape[-1]
+        out = {"prefill": self.prefill,
+               "verify": torch.cat([r.reshape(-1, v) for r in self.rows]) if self.rows else self.prefill[:0]}
+        if self.bootstrap_row is not None:
+            out["draft"] = torch.cat([self.bootstrap_row.reshape(-1, v), *(r.reshape(-1, v) for r in self.draft_rows)])
+        return out
+
     def committed(self) -> list[int]:
         """The generated sequence this run committed: each step's ``last`` and accepted drafts."""
         out: list[int] = list(self.committed_before)
@@ -240,6 +250,9 @@ def run_verify(
     timed = idle is not None and prefill.is_cuda
     if timed:
         begin, end, gpu_s = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0.0
+        # The stream named once: Event.record() looks the current one up each time (30-45 us a call
+        # under a profiler on the H200's host, two calls a step).
+        stream = torch.cuda.current_stream(prefill.device)
     run = Run(k=k, prefill=prefill)
     last = run.bootstrap = feed.start(model, run, _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
@@ -248,10 +261,10 @@ def run_verify(
         assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
         t0 = time.perf_counter()
         if timed:
-            begin.record()
+            begin.record(stream)
         rows = model.forward(tokens)  # [K, V]
         if timed:
-            end.record()
+            end.record(stream)
             # The GPU began when the forward was issued: what is left of it is the last step's GPU time
             # less the time issuing this one took (nearly all of it for a forward that is not graphed).
             more = idle(IDLE_SHARE * max(0.0, gpu_s - (time.perf_counter() - t0)))

@@ -24,6 +24,7 @@ catch. A golden stores the policy it was recorded with as its default; ``--toler
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -51,8 +52,10 @@ class Spec:
     kl: float = 0.0
 
 
+@functools.lru_cache(maxsize=256)
 def parse_spec(text: str) -> Spec:
-    """A SPEC string to a `Spec`, or a UsageError naming the accepted forms."""
+    """A SPEC string to a `Spec`, or a UsageError naming the accepted forms (cached: every comparison
+    parses its policy's three)."""
     m = _SPEC.match(text.strip())
     if not m:
         raise UsageError(f"unknown tolerance {text!r}: use exact, ulp:N, atol:X,rtol:Y, argmax, topk:N or kl:X")
