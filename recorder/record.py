@@ -23,7 +23,7 @@ import torch
 from vd import env
 from vd.compare import coverage_reason, histogram, thin_reason
 from vd.errors import UsageError
-from vd.golden import ENCODINGS, GoldenWriter, KRecord, check_target, dtype_name, to_storage
+from vd.golden import ENCODINGS, GoldenWriter, KRecord, check_target, dtype_name, row_summary, to_storage
 from vd.loop import DrafterFeed, ReferenceFeed, continuation, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.policy import parse_policy
@@ -171,8 +171,10 @@ def record(
 
 
 def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:
-    """A finished run's step log and MTP rows as a `KRecord`, built on the writer thread (MTP rows are
-    copied off the device there); its prefill and verify rows were streamed, so those fields are empty."""
+    """A finished run's step log, MTP rows and every row's digest and statistics as a `KRecord`, built on
+    the writer thread (digests and statistics computed on the run's device, MTP rows copied off it
+    there); its prefill and verify rows were streamed, so those fields are empty."""
+    digests, stats = row_summary(run.rows_by_kind())
     extra = {}
     if mtp:
         extra = dict(bootstrap_logits=to_storage(run.bootstrap_row),
@@ -185,7 +187,7 @@ def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:
         prefill=np.empty((0, 0), np.uint16),
         logits=np.empty((steps, k, 0), np.uint16),
         step_ms=np.array(run.step_ms, dtype=np.float64),
-        committed_is_greedy=same, **extra,
+        committed_is_greedy=same, digests=digests, stats=stats, **extra,
     )
 
 

@@ -25,6 +25,7 @@ import torch
 from vd import env
 from vd.compare import compare_run, coverage_reason, histogram, thin_reason
 from vd.errors import ModelMismatchError, UsageError
+from vd.gold import Gold, step_rows
 from vd.golden import Golden, open_golden, to_storage
 from vd.loop import DrafterFeed, ReplayFeed, Step, prepare, run_verify
 from vd.models import check_device, load_model, require_forwards
@@ -120,11 +121,12 @@ def replay(
     """
     phase = on_phase or (lambda name, total: None)
     # Where a replay's own time goes (seconds), beside the model's: the report's "phases".
-    clock = dict.fromkeys(("open", "prepare", "run", "wait_golden", "compare", "control", "finish"), 0.0)
+    clock = dict.fromkeys(("open", "setup", "prepare", "run", "wait_golden", "compare", "control", "finish"), 0.0)
     t = time.perf_counter()
     # Metadata and prompt now; each K's arrays when needed (on CUDA, ahead of time on a thread).
     golden = open_golden(golden_path, lazy=True)
     clock["open"] = time.perf_counter() - t
+    t, loading = time.perf_counter(), 0.0
     meta = golden.meta
     recorded_env = meta.get("environment", {})
     if threads is not None and threads < 1:
@@ -140,7 +142,9 @@ def replay(
     torch.set_num_threads(threads or recorded_env.get("threads") or torch.get_num_threads())
     if model is None:
         phase("loading model", 0)
+        t_load = time.perf_counter()
         model = _open_model(golden, model_spec, head, device)
+        loading = time.perf_counter() - t_load
     golden.prefetch(model.device)  # on CUDA: read and copied there in the GPU's idle time (`vd.reader`)
     notes = _check_model(golden, model, allow_model_mismatch)
     forwards = list(forwards) or [meta["forward"]]
@@ -156,6 +160,7 @@ def replay(
 
     verify, reasons, differs, kept = [], [], False, None
     t_start = time.perf_counter()
+    clock["setup"] = t_start - t - loading  # checks, the model's and the golden's, outside loading the model
     for k in ks:
         rec = golden.log(k)  # the step log; the rows are still being read and uploaded
         log, comparisons, timings = rec.steps, [], [_timing(f"{meta['forward']} (golden)", rec.step_ms.tolist())]
@@ -170,10 +175,10 @@ def replay(
             run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step,
                              idle=golden.idle)
             t2 = time.perf_counter()
-            # The golden's rows and per-row statistics (on CUDA read beside the run), asked for only now.
-            stats, gold, gold_dev = golden.stats(k), golden.runs[k], golden.device_rows(k)
+            # The golden's side, asked for only now: its digests, or its rows (on CUDA read beside the run).
+            gold = golden.gold(k)
             t3 = time.perf_counter()
-            c = compare_run(name, gold, run, logical, gold_dev, policy, stats)
+            c = compare_run(name, gold, run, logical, policy)
             t4 = time.perf_counter()
             for key, dt in (("prepare", t1 - t), ("run", t2 - t1), ("wait_golden", t3 - t2), ("compare", t4 - t3)):
                 clock[key] += dt
@@ -183,7 +188,7 @@ def replay(
             c_reasons.append(_reasons(k, name, c))
             reasons.extend(c_reasons[-1])
             if not c.passed and kept is None:
-                kept = _failure_rows(k, name, c, golden.runs[k], run)
+                kept = _failure_rows(k, name, c, gold, run)
         hist = histogram(k, rec.accepted.tolist())
         entry = {
             "k": k,
@@ -200,8 +205,7 @@ def replay(
             phase(f"K={k} control", steps)  # runs under the last forward, still selected
             run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
                              on_step=on_step, idle=golden.idle)
-            dc = compare_run(f"{forwards[-1]}, one draft changed", golden.runs[k], run, logical,
-                             golden.device_rows(k), policy, stats)
+            dc = compare_run(f"{forwards[-1]}, one draft changed", golden.gold(k), run, logical, policy)
             at = steps // 2
             # It must fail at the very step whose draft changed, under the active policy (or by a changed
             # decision), whatever else differs: a policy too loose to see a changed input is blind.
@@ -331,7 +335,7 @@ def _failure(f: dict | None) -> str:
     return f"{where} index {f['index']}: golden {f['golden']!r}, got {f['got']!r}"
 
 
-def _failure_rows(k: int, name: str, c, rec, run) -> dict | None:
+def _failure_rows(k: int, name: str, c, gold: Gold, run) -> dict | None:
     """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle)."""
     f = c.first_failure
     if f is None:  # a changed accept count alone: keep its step's verify rows
@@ -339,16 +343,10 @@ def _failure_rows(k: int, name: str, c, rec, run) -> dict | None:
             return None
         f = {"kind": "verify", "step": c.accept_changes[0]["step"]}
     kind, step = f["kind"], f["step"]
-    if kind == "prefill":
-        gold, got = rec.prefill, run.prefill
-    elif kind == "verify":
-        gold, got = rec.logits[step], run.rows[step]
-    elif step is None:
-        gold, got = rec.bootstrap_logits, run.bootstrap_row
-    else:
-        gold, got = rec.draft_logits[step], run.draft_rows[step]
-    return {"k": k, "forward": name, "kind": kind, "step": step, "golden": gold, "candidate": to_storage(got),
-            "tokens": rec.tokens[step].tolist() if step is not None else None, "first_failure": f}
+    idx = step_rows(kind, step, k, gold.counts)
+    return {"k": k, "forward": name, "kind": kind, "step": step, "golden": gold.host_rows(kind, idx),
+            "candidate": to_storage(run.rows_by_kind()[kind][torch.from_numpy(idx).to(run.prefill.device)]),
+            "tokens": gold.tokens[step].tolist() if step is not None else None, "first_failure": f}
 
 
 def _sensitivity(policy: dict, logical: str, verify: list[dict]) -> dict:

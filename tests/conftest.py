@@ -3,6 +3,7 @@ CLI runner that returns exit code, stdout and stderr separately."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -49,6 +50,18 @@ def tiny_copy(tiny_golden, tmp_path) -> Path:
     """A private copy of the session golden, free to break."""
     dst = tmp_path / "copy.zarr"
     shutil.copytree(tiny_golden, dst)
+    return dst
+
+
+@pytest.fixture
+def rows_golden(tiny_golden, tmp_path):
+    """The session golden as a golden without row digests (format 2, or a digest scheme this vd does
+    not compute): a GPU replay reads its rows beside the run."""
+    dst = tmp_path / "rows.zarr"
+    shutil.copytree(tiny_golden, dst)
+    doc = json.loads((dst / "zarr.json").read_text())
+    del doc["attributes"]["vd"]["digest"]
+    (dst / "zarr.json").write_text(json.dumps(doc))
     return dst
 
 

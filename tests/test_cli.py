@@ -9,7 +9,7 @@ import pytest
 import torch
 import zarr
 
-from vd.golden import to_float
+from vd.golden import rewrite_summaries, to_float
 from vd.models import load_model
 
 PLUGINS = Path(__file__).parent / "plugins"
@@ -81,6 +81,7 @@ def test_one_edited_element_is_the_first_mismatch(cli, tiny_copy, tmp_path):
     arr = zarr.open_array(tiny_copy / "k3" / "logits", mode="r+")
     original = int(arr[5, 2, 100])
     arr[5, 2, 100] = original ^ 0x0001  # the next-door bf16 value
+    rewrite_summaries(tiny_copy, 3)  # as a recording whose model computed that value
     code, out, err = cli("replay", tiny_copy, "--report", tmp_path / "r.json")
     assert code == 1 and "FAIL" in out
     r = json.loads((tmp_path / "r.json").read_text())

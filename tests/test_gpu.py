@@ -125,35 +125,25 @@ class TestCudaGraphedConformance(ModelConformance, DraftHeadConformance):
         return m
 
 
-def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(tiny_golden):
-    """On CUDA a lazily opened golden is read by worker threads, uploaded on a side stream and
-    summarised on the GPU (`vd.reader`): in idle time, on the thread, or on demand, the same rows and
-    statistics as reading it in line on the CPU."""
-    import time
-
+def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(rows_golden):
+    """On CUDA a lazily opened golden without row digests is read and uploaded on a side stream
+    (`vd.reader`): in idle time, on the thread, or on demand, the same rows as reading it in line on the
+    CPU."""
     import numpy as np
+
+    tiny_golden = rows_golden
 
     inline = open_golden(tiny_golden, lazy=True)
     for how in ("demand", "idle", "thread"):
         ahead = open_golden(tiny_golden, lazy=True)
         ahead.prefetch(torch.device("cuda"), background=how == "thread")
         if how == "idle":
-            for _ in range(2000):  # as a run's steps do: a kind's summary waits for its chunk reads
-                ahead.idle(30.0)
-                if not ahead.runs.reader.units:
-                    break
-                time.sleep(0.005)
-            assert not ahead.runs.reader.units
+            assert ahead.idle(30.0) is False and not ahead.runs.reader.units
         for k in (2, 3, 4):
             rows = ahead.device_rows(k)
             assert all(t.is_cuda for t in rows.values())
             for name, a in inline.runs[k].rows_by_kind().items():
                 assert np.array_equal(rows[name].cpu().numpy(), a.view(rows[name].cpu().numpy().dtype))
-            sa, sb = inline.stats(k), ahead.stats(k)
-            assert sa.keys() == sb.keys()
-            for n in sa:
-                assert np.array_equal(sa[n]["argmax"], sb[n]["argmax"])
-                assert np.allclose(sa[n]["margin"], sb[n]["margin"])
         where = {w for w, _, _ in ahead.runs.reader.timeline}
         # Buffers are allocated when prefetching to a ready model, whatever reads the rest.
         expected = {"demand": where == {"prefetch", "drain"}, "idle": where == {"prefetch", "idle"},
@@ -179,3 +169,27 @@ def test_a_run_hands_its_idle_time_over_until_told_nothing_is_left():
     run = run_verify(m, prompt, 4, 8, ReferenceFeed(greedy), idle=idle)
     assert len(run.steps) == 8 and len(calls) == 3
     assert calls[0] == 0.0 and all(c >= 0.0 for c in calls)
+
+
+def test_row_digests_are_the_same_on_cpu_and_cuda(cli, tmp_path):
+    """`vd.digest` sums exact integers in float64: cuBLAS gives the CPU's digest bit for bit (a 152k
+    vocabulary in bf16, float32 rows, the blocked path); a golden recorded on CUDA stores the digests
+    its rows have when read back on the CPU."""
+    import numpy as np
+
+    from vd.digest import BLOCK_BYTES, digest
+    from vd.golden import row_summary
+
+    g = torch.Generator().manual_seed(0)
+    for rows in (torch.randn(BLOCK_BYTES // (8 * 151936) + 5, 151936, generator=g).mul(30).to(torch.bfloat16),
+                 torch.randn(7, 50000, generator=g).mul(1e4)):
+        assert torch.equal(digest(rows), digest(rows.cuda()).cpu())
+    path = tmp_path / "g.zarr"
+    code, out, err = cli("record", path, "--model", "tiny-llama-mtp", "--feed", "mtp", "--device", "cuda",
+                         "--steps", "8", "--forward", "graphed", "--allow-thin")
+    assert code == 0, err
+    for k, rec in open_golden(path).runs.items():
+        digests, stats = row_summary(rec.rows_by_kind())
+        assert np.array_equal(rec.digests, digests), k
+        # argmax, top-1, margin and largest |logit| are exact on either device; the top-1 probability sums
+        assert np.array_equal(rec.stats[:, :4], stats[:, :4]) and np.allclose(rec.stats, stats, rtol=1e-5), k

@@ -166,7 +166,7 @@ def test_record_and_replay_static_with_k_and_determinism(cli, tmp_path):
     assert r["determinism"]["applied"]["deterministic_algorithms"] is True
     assert r["determinism"]["replayed"]["deterministic_algorithms"] is True
     assert r["graphs"] == "eager" and r["variants"][0]["graphs"] == "eager"
-    assert set(r["phases"]) == {"open", "prepare", "run", "wait_golden", "compare", "control", "finish"}
+    assert set(r["phases"]) == {"open", "setup", "prepare", "run", "wait_golden", "compare", "control", "finish"}
     assert r["phases"]["run"] > 0 and all(v >= 0 for v in r["phases"].values())
     torch.use_deterministic_algorithms(False)
     code, out, err = cli("replay", path, "--k", "5")
@@ -226,13 +226,12 @@ def _same_as_inline(path, reader):
         rows = reader.device_rows(k)
         for name, arr in a.rows_by_kind().items():
             assert np.array_equal(rows[name].numpy(), arr.view(rows[name].numpy().dtype)), name
-        sa, sb = inline.stats(k), reader.stats(k)
-        assert sa.keys() == sb.keys() and all(np.array_equal(sa[n][f], sb[n][f]) for n in sa for f in sa[n])
 
 
-def test_golden_reader_in_idle_time_gives_what_reading_in_line_does(tiny_golden):
+def test_golden_reader_in_idle_time_gives_what_reading_in_line_does(rows_golden):
     """Units run in the time a run hands over (`idle`), in order, as far as each is expected to fit;
     the rest when a K is asked for."""
+    tiny_golden = rows_golden
     g, reader = _reader(tiny_golden)
     assert reader.idle(0.0) is True  # units left: the run should keep handing its time over
     assert not reader.timeline  # no time, no unit
@@ -241,10 +240,7 @@ def test_golden_reader_in_idle_time_gives_what_reading_in_line_does(tiny_golden)
         reader.idle(30.0)
     assert [(w, kind) for w, kind, _ in reader.timeline] == [("idle", "alloc")]  # an open would not fit
     reader.expect["open"] = 0.0
-    for _ in range(2000):  # as a run's steps would: a summary waits for its reads on the workers
-        if not reader.idle(30.0):
-            break
-        time.sleep(0.005)
+    assert not reader.idle(30.0)  # as a run's steps would
     assert {w for w, _, _ in reader.timeline} == {"idle"} and not reader.units and reader.idle(30.0) is False
     _same_as_inline(tiny_golden, reader)
 
@@ -255,12 +251,13 @@ def test_golden_reader_in_idle_time_gives_what_reading_in_line_does(tiny_golden)
     assert sum(kind.startswith("read") for _, kind, _ in reader.timeline) == chunks
 
 
-def test_golden_reader_allocates_up_front_and_one_slow_unit_moves_its_mean_little(tiny_golden, monkeypatch):
+def test_golden_reader_allocates_up_front_and_one_slow_unit_moves_its_mean_little(rows_golden, monkeypatch):
     """`allocate` runs every K's allocation before a run (slow when torch holds no page-locked block);
     a unit 50x slower than usual raises its kind's expected time 1.6x at most, so it does not keep the
     units behind it out of every later step's idle time."""
     import vd.reader as R
 
+    tiny_golden = rows_golden
     g, reader = _reader(tiny_golden)
     reader.allocate()
     assert [(w, kind) for w, kind, _ in reader.timeline] == [("prefetch", "alloc")] * 3
@@ -270,26 +267,27 @@ def test_golden_reader_allocates_up_front_and_one_slow_unit_moves_its_mean_littl
     reader.expect["open"] = 1e-3
     clock = iter([0.0, 0.05, 1.0, 1.0])  # the unit's start and end, then the idle call's bookkeeping
     monkeypatch.setattr(R.time, "perf_counter", lambda: next(clock, 2.0))
-    reader._run(reader.units[1], "idle", wait=True)  # an open taking 50 ms
+    reader._run(reader.units[1], "idle")  # an open taking 50 ms
     assert reader.expect["open"] == R._EXPECT["open"] == pytest.approx(0.7e-3 + 0.3 * 3e-3)
 
 
-def test_golden_reader_passes_over_a_summary_too_long_for_the_time_given(tiny_golden):
-    """Reads, small arrays and checks go on in idle time while each kind's summary waits for a longer
-    window (or the K's drain); nothing else is run out of order."""
+def test_golden_reader_of_a_golden_with_digests_reads_no_rows(tiny_golden):
+    """With row digests the reader reads each K's step log, prompt and digests and checks the log; no
+    row, no buffer (a replay reads rows only where a candidate's digests differ)."""
+    from vd.golden import Source
+
     g, reader = _reader(tiny_golden)
-    reader.allocate()
-    reader.expect.update({k: 0.0 for k in ("open", "read", "small", "check")}, summarise=60.0)
-    for _ in range(2000):
-        reader.idle(30.0)
-        if all(u.kind == "summarise" for u in reader.units):
-            break
-        time.sleep(0.005)
-    assert [(u.k, u.kind) for u in reader.units] == [(k, "summarise") for k in (2, 3, 4) for _ in (0, 1)]
-    order = [kind for w, kind, _ in reader.timeline if w == "idle"]
-    assert order[:2] == ["open", "read"] and "summarise" not in order
-    _same_as_inline(tiny_golden, reader)  # the summaries run when each K is asked for
-    assert sum(kind == "summarise" for w, kind, _ in reader.timeline if w == "drain") == 6
+    assert {u.kind for u in reader.units} == {"small", "check"}
+    assert reader.idle(30.0) is False and not reader.units
+    src = Source(tiny_golden)
+    src.meta, src.prompt = g.meta, g.prompt
+    inline = open_golden(tiny_golden)
+    for k in (2, 3, 4):
+        (d, st), (d2, st2) = reader.summaries(k), src.summaries(k)
+        assert np.array_equal(d, d2) and np.array_equal(st, st2)
+        assert np.array_equal(d, inline.runs[k].digests) and np.array_equal(st, inline.runs[k].stats)
+        assert np.array_equal(reader.log(k).tokens, inline.runs[k].tokens)
+        assert not reader.ks[k].host and not reader.ks[k].device
 
 
 def test_golden_reader_reads_chunk_files_as_zarr_does(tiny_golden, tmp_path):
@@ -315,9 +313,10 @@ def test_golden_reader_reads_chunk_files_as_zarr_does(tiny_golden, tmp_path):
         assert np.array_equal(out, data)
 
 
-def test_golden_reader_thread_and_drafter_arrays(tiny_golden):
+def test_golden_reader_thread_and_drafter_arrays(rows_golden):
     from pathlib import Path
 
+    tiny_golden = rows_golden
     g, reader = _reader(tiny_golden)
     reader.start_thread()
     for _ in range(600):
@@ -332,15 +331,16 @@ def test_golden_reader_thread_and_drafter_arrays(tiny_golden):
     _same_as_inline(mtp, reader)
 
 
-def test_golden_reader_keeps_an_error_for_its_k(tiny_copy):
+def test_golden_reader_keeps_an_error_for_its_k(rows_golden):
     from vd.errors import GoldenCorruptError
 
+    tiny_copy = rows_golden
     chunk = next(p for p in (tiny_copy / "k3" / "logits").rglob("*") if p.is_file() and p.name != "zarr.json")
     chunk.write_bytes(chunk.read_bytes()[:5])
     g, reader = _reader(tiny_copy)
     reader.idle(30.0)  # reads past the broken chunk: K=3's error is kept, K=4 still read
     assert reader.record(2).k == 2 and reader.record(4).k == 4
-    for ask in (reader.record, reader.stats, reader.device_rows):
+    for ask in (reader.record, reader.device_rows):
         with pytest.raises(GoldenCorruptError, match="k3/logits"):
             ask(3)
     missing = next(p for p in (tiny_copy / "k4" / "prefill").rglob("*") if p.is_file() and p.name != "zarr.json")

@@ -291,6 +291,9 @@ def show(golden: Annotated[Path, typer.Argument(help="Golden to describe.")]) ->
     first = f"k{next(iter(g.runs))}/logits"
     codecs = node(g.path, first, f"{g.path}/{first}")["codecs"]
     out.print(f"storage   {size / 1e6:.1f} MB; logits rows {' + '.join(c['name'] for c in codecs)}")
+    d = m.get("digest")
+    out.print(f"digests   {d['lanes']} x {d['bits']}-bit per row ({d['scheme']}), each checked against its row's bytes"
+              if d else "digests   none (written before format 3): a replay reads every row")
     for k, r in g.runs.items():
         acc = r.accepted.tolist()
         hist = ", ".join(f"{i}:{n}" for i, n in enumerate(histogram(k, acc)))

@@ -13,6 +13,8 @@ Layout (FORMAT.md is the reference; ``FORMAT_VERSION`` marks it):
         bootstrap_logits      logits (1, V)      MTP feed only: the bootstrap decode's row
         drafts                int32 (S, K-1)     MTP feed only: the head's proposal each step verifies
         draft_logits          logits (S, K-1, V) MTP feed only: the head's logits for those drafts
+        digests               int64 (R, 6)       each row's digest (`vd.digest`), every kind's rows in order
+        stats                 float64 (R, 5)     each row's argmax, top-1, margin, largest |logit|, top-1 probability
 
 bfloat16 logits are stored as their uint16 bit patterns (zarr has no bfloat16); float16/float32 as
 themselves. Every chunk carries a CRC32C checksum; the values are stored as they are, or Blosc-LZ4 over
@@ -24,6 +26,7 @@ instead of reading zeros. This module leaves out what the rows mean: it stores a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -38,6 +41,7 @@ import torch
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
+from vd import digest as _digest
 from vd.errors import (
     GoldenCorruptError,
     GoldenError,
@@ -48,7 +52,7 @@ from vd.errors import (
 from vd.loop import Step
 
 FORMAT = "vd-golden"
-FORMAT_VERSION = 2  # 2: optional MTP arrays; version 1 goldens read unchanged
+FORMAT_VERSION = 3  # 3: each row's digest (`vd.digest`); 2: optional MTP arrays; older goldens read unchanged
 PREFILL_CHUNK_BYTES = 1 << 20  # about how much of the prefill's rows one zarr chunk holds (`prefill_chunks`)
 
 # logical dtype -> (numpy storage dtype, description)
@@ -109,6 +113,8 @@ class KRecord:
     drafts: np.ndarray | None = None  # int32 [S, K-1]                 (MTP feed)
     draft_logits: np.ndarray | None = None  # storage [S, K-1, V]      (MTP feed)
     decoded: int | None = None  # the token the bootstrap decode ran on  (MTP feed)
+    digests: np.ndarray | None = None  # int64 [R, LANES]: `rows_by_kind`'s rows' digests, in order
+    stats: np.ndarray | None = None  # float64 [R, len(STATS)]: the same rows' statistics (`vd.digest`)
 
     @property
     def steps(self) -> list[Step]:
@@ -160,16 +166,21 @@ class Golden:
         log = getattr(self.runs, "log", None)
         return log(k) if log is not None else self.runs[k]
 
-    def stats(self, k: int) -> dict:
-        """The golden's per-row statistics of K, per kind, from a lazily opened golden's loader; else
-        empty (each comparison then computes its own)."""
-        stats = getattr(self.runs, "stats", None)
-        return stats(k) if stats is not None else {}
+    def gold(self, k: int):
+        """K's side of a comparison (`vd.gold.Gold`): known by its rows' digests when the golden stores
+        them in the scheme this vd computes (`vd.digest`), its rows read only where a candidate's differ;
+        else every row, read (on CUDA, ahead of time: `prefetch`)."""
+        gold = getattr(self.runs, "gold", None)
+        if gold is not None:
+            return gold(k)
+        from vd.gold import InMemory  # vd.gold builds on this module
+
+        return InMemory(self.runs[k])
 
     def prefetch(self, device: torch.device, background: bool = False) -> None:
-        """For a replay on a CUDA ``device``: read a lazily opened golden's rows ahead of use and copy
-        them to the device (`vd.reader.GoldenReader`; ``background``: on a thread too, until a run
-        starts); a no-op otherwise."""
+        """For a replay on a CUDA ``device``: read a lazily opened golden ahead of use (`vd.reader.
+        GoldenReader`: its step logs and digests, or for a golden without digests its rows, copied to the
+        device; ``background``: on a thread too, until a run starts); a no-op otherwise."""
         if hasattr(self.runs, "prefetch"):
             self.runs.prefetch(device, background)
 
@@ -203,6 +214,12 @@ def prefill_chunks(shape: tuple[int, int], itemsize: int) -> tuple[int, int]:
     most = max(1, PREFILL_CHUNK_BYTES // max(1, shape[1] * itemsize))
     n = -(-shape[0] // most)  # chunks
     return (max(1, -(-shape[0] // max(1, n))), shape[1])
+
+
+def row_summary(rows: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """The digests and statistics (`vd.digest.summarise`) of rows per kind: `KRecord.rows_by_kind`'s
+    storage arrays, or `vd.loop.Run.rows_by_kind`'s tensors on any device."""
+    return _digest.summarise({n: to_tensor(a) if isinstance(a, np.ndarray) else a for n, a in rows.items()})
 
 
 def codecs(compress: bool) -> list:
@@ -318,11 +335,18 @@ class KStream:
 
     def _finish(self, record) -> None:
         r = record() if callable(record) else record
+        if r.digests is None:  # the streamed rows are in the host buffers by now (each write waited for its copy)
+            r = dataclasses.replace(r, prefill=to_storage(self.host["prefill"]), logits=to_storage(self.host["verify"]))
         self.writer._written.append(r)
         _write_small(self.group, r, self.steps, self.k, self.host["verify"].shape[2], self.writer.compress)
 
 
 def _write_small(g: zarr.Group, r: KRecord, s: int, k: int, v: int, compress: bool) -> None:
+    """K's step log, MTP arrays, row digests and statistics (``r.digests``, ``r.stats``: computed here
+    from ``r``'s rows on the host when absent) and its attributes."""
+    digests, stats = (r.digests, r.stats) if r.digests is not None else row_summary(r.rows_by_kind())
+    _write_array(g, "digests", digests.astype(np.int64), digests.shape, compress)
+    _write_array(g, "stats", stats.astype(np.float64), stats.shape, compress)
     _write_array(g, "tokens", r.tokens.astype(np.int32), (max(s, 1), k), compress)
     _write_array(g, "accepted", r.accepted.astype(np.int32), (max(s, 1),), compress)
     _write_array(g, "step_ms", r.step_ms.astype(np.float64), (max(s, 1),), compress)
@@ -395,6 +419,9 @@ class GoldenWriter:
             self._drain()
             _write_array(self.root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),), self.compress)
             full = dict(meta)
+            logical = full.get("logits", {}).get("dtype")
+            if logical in ENCODINGS and "vocab_size" in full:  # every K was written with its rows' digests
+                full["digest"] = _digest.meta(full["vocab_size"], ENCODINGS[logical][0].itemsize)
             full.update(logs=logs_meta(self._written), prompt_tokens=[int(t) for t in prompt], format=FORMAT,
                         format_version=FORMAT_VERSION,
                         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
@@ -537,6 +564,26 @@ class Source:
         return list(self.meta.get("k", []))
 
     @property
+    def digested(self) -> bool:
+        """Whether each K stores its rows' digests in the scheme this vd computes (`vd.digest`)."""
+        m = self.meta
+        return m.get("digest") == _digest.meta(m["vocab_size"], ENCODINGS[m["logits"]["dtype"]][0].itemsize)
+
+    def counts(self, k: int) -> dict[str, int]:
+        """K's rows per kind, as `KRecord.rows_by_kind` lays them out."""
+        s = self.meta["steps"]
+        out = {"prefill": len(self.prompt), "verify": s * k}
+        if self.meta.get("feed") == "mtp":
+            out["draft"] = 1 + s * (k - 1)
+        return out
+
+    def summaries(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """K's row digests and statistics, checked against its row counts."""
+        d, s = (_read(self.group(k), n, self.where(k)) for n in ("digests", "stats"))
+        check_summaries(d, s, self.counts(k), self.where(k))
+        return d, s
+
+    @property
     def big(self) -> list[str]:
         """The arrays of rows (and, for the drafter feed, the head's drafts)."""
         mtp = ["bootstrap_logits", "draft_logits", "drafts"] if self.meta.get("feed") == "mtp" else []
@@ -592,11 +639,26 @@ class Source:
                       self.where(stored.k))
         return rec
 
-    def load(self, k: int, log: KLog | None = None) -> KRecord:
-        """K's record, every array read in this thread."""
+    def load(self, k: int, log: KLog | None = None, verify: bool = True) -> KRecord:
+        """K's record, every array read in this thread; with ``verify``, each row's stored digest checked
+        against its bytes (a replay trusts the digests in place of the rows: `vd.gold.ByDigest`)."""
         stored = self.checked_log(k, log)
         g = self.group(k)
-        return self.record(stored, {n: _read(g, n, self.where(k)) for n in self.big})
+        arrays = {n: _read(g, n, self.where(k)) for n in self.big}
+        d, s = self.summaries(k) if self.digested else (None, None)
+        rec = self.record(stored, {**arrays, "digests": d, "stats": s})
+        if verify and d is not None:
+            bad = np.flatnonzero((row_summary(rec.rows_by_kind())[0] != d).any(axis=1))
+            if bad.size:
+                at, first = int(bad[0]), ""
+                for kind, n in self.counts(k).items():
+                    if at < n:
+                        first = f"{kind} row {at}"
+                        break
+                    at -= n
+                raise GoldenCorruptError(f"{self.where(k)}/digests: {bad.size} row(s) disagree with the stored rows "
+                                         f"(first: {first})")
+        return rec
 
 
 def _meta_logs(meta: Mapping) -> dict[int, KLog]:
@@ -627,10 +689,11 @@ def logs_meta(records) -> dict:
 
 
 class _Prefetched(Mapping):
-    """Each K's step log, record and golden statistics, read when first asked for, in the caller's
-    thread; or, after `prefetch` to a CUDA device, by a `vd.reader.GoldenReader`: in the time the
-    replay's GPU steps take (``idle``), on a thread while the model loads, and whatever is left when
-    the rows are needed.
+    """Each K's step log, record and comparison side (`gold`), read when first asked for, in the
+    caller's thread; or, after `prefetch` to a CUDA device, by a `vd.reader.GoldenReader`: in the time
+    the replay's GPU steps take (``idle``), on a thread while the model loads, and whatever is left when
+    they are needed. A golden with row digests (`Source.digested`) is compared without reading its rows
+    (`vd.gold.ByDigest`): only its step logs and digests are read ahead.
 
     On the CPU nothing is read ahead: the cores computing the model are the ones a reader would take
     (measured: a prefetch thread beside torch's two OpenMP threads on this project's 2-core machines
@@ -659,17 +722,20 @@ class _Prefetched(Mapping):
             return self._known[k] if k in self._known else self._src.load_log(k)
         if what == "record":
             return self._src.load(k, self._known.get(k))
-        if what == "stats":
-            from vd.compare import golden_stats  # compare imports this module
-
-            rec = self._get("record", k)
-            logical = _LOGICAL[rec.prefill.dtype.str]
-            return {n: golden_stats(torch.from_numpy(int_bits(a)), logical) for n, a in rec.rows_by_kind().items()}
+        if what == "checked":  # the step log as stored, checked against the metadata's copy
+            return self._src.checked_log(k, self._known.get(k))
+        if what == "summaries":
+            return self._src.summaries(k)
         raise KeyError(what)
 
     def prefetch(self, device: torch.device, background: bool = False) -> None:
-        """On a CUDA ``device``: from now on read every K ahead of use (`vd.reader.GoldenReader`): on a
-        thread while ``background`` (a replay loading its model), else in the runs' idle time."""
+        """Make the digest weights for ``device`` (`vd.digest.weights`, tens of ms the first time in a
+        process) when the golden has digests; on a CUDA ``device``, from now on read every K ahead of use
+        (`vd.reader.GoldenReader`): on a thread while ``background`` (a replay loading its model), else
+        in the runs' idle time."""
+        if self._src.digested:
+            m = self._src.meta
+            _digest.weights(_digest.words(m["vocab_size"], ENCODINGS[m["logits"]["dtype"]][0].itemsize), device)
         if device.type != "cuda":
             return
         if self.reader is None:
@@ -688,9 +754,26 @@ class _Prefetched(Mapping):
         once nothing is left to read."""
         return self.reader is not None and self.reader.idle(seconds)
 
-    def stats(self, k: int) -> dict:
-        """The golden's per-row statistics of K (`vd.compare.golden_stats` per kind)."""
-        return self.reader.stats(k) if self.reader is not None else self._get("stats", k)
+    def gold(self, k: int):
+        """K's side of a comparison (`Golden.gold`)."""
+        from vd.gold import ByDigest, InMemory  # vd.gold builds on this module
+
+        if k not in self._keys:
+            raise KeyError(k)
+        src = self._src
+        if not src.digested:
+            return InMemory(self[k], self.device_rows(k))
+        if self.reader is not None:
+            log, (digests, stats) = self.reader.log(k), self.reader.summaries(k)
+        else:
+            log, (digests, stats) = self._get("checked", k), self._get("summaries", k)
+
+        def load(kind: str, idx: np.ndarray) -> np.ndarray:
+            from vd.reader import read_rows
+
+            return read_rows(src, k, kind, idx)
+
+        return ByDigest(log, src.counts(k), src.meta["vocab_size"], digests, stats, load)
 
     def log(self, k: int) -> KLog:
         return self._get("log", k)
@@ -698,12 +781,12 @@ class _Prefetched(Mapping):
     def __getitem__(self, k: int) -> KRecord:
         if k not in self._keys:
             raise KeyError(k)
-        return self.reader.record(k) if self.reader is not None else self._get("record", k)
+        return self.reader.record(k) if self.reader is not None and not self._src.digested else self._get("record", k)
 
     def device_rows(self, k: int) -> dict[str, torch.Tensor] | None:
         """K's rows per kind (`KRecord.rows_by_kind`) as integer bits on the device, ordered after their
-        upload; None unless prefetched to a CUDA device."""
-        return self.reader.device_rows(k) if self.reader is not None else None
+        upload; None unless prefetched to a CUDA device (and for a golden with digests: never read ahead)."""
+        return self.reader.device_rows(k) if self.reader is not None and not self._src.digested else None
 
     def __contains__(self, k) -> bool:  # Mapping's would read the record
         return k in self._keys
@@ -713,6 +796,29 @@ class _Prefetched(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def rewrite_summaries(path: str | os.PathLike, k: int) -> None:
+    """Recompute K's row digests and statistics from the rows stored in the golden at ``path`` and store
+    them (for tools and tests that edit a golden's rows in place: a replay reads rows only where digests
+    differ, so an edit without this goes unseen)."""
+    src = Source(Path(path))
+    g = zarr.open_group(zarr.storage.LocalStore(src.path), mode="r+")
+    src.meta = dict(g.attrs["vd"])
+    src.prompt = src.read_prompt()
+    d, s = row_summary(src.load(k, verify=False).rows_by_kind())
+    g[f"k{k}/digests"][...] = d
+    g[f"k{k}/stats"][...] = s
+
+
+def check_summaries(d: np.ndarray, s: np.ndarray, counts: Mapping[str, int], where: str) -> None:
+    """Refuse digests and statistics arrays that do not hold one digest (`vd.digest.LANES` int64) and one
+    set of statistics (`vd.digest.STATS`, float64) per row."""
+    rows = sum(counts.values())
+    for name, a, want in (("digests", d, (np.int64, _digest.LANES)), ("stats", s, (np.float64, len(_digest.STATS)))):
+        if a.shape != (rows, want[1]) or a.dtype != want[0]:
+            raise GoldenCorruptError(f"{where}/{name}: {a.dtype} {a.shape}, expected {np.dtype(want[0])} "
+                                     f"{(rows, want[1])}")
 
 
 def log_from(k: int, attrs: Mapping, arrays: Mapping[str, np.ndarray]) -> KLog:

@@ -1,5 +1,11 @@
 """A golden read beside a replay on the GPU without slowing it.
 
+A golden of format 3 stores each row's digest and statistics (`vd.digest`): a replay compares digests
+and reads rows only where they differ, after the run (`read_rows`, `vd.gold.ByDigest`). Here it reads
+each K's small arrays (step log, prompt, digests, statistics) and checks the step log; an older golden's
+rows are read and copied to the GPU ahead of their comparison. Either way the reading must not cost
+the run:
+
 A plain reader thread beside the run costs the run: zarr's reads run Python between their lock-free
 decodes (its event loop and thread pool hand each chunk between threads), and each moment the run's own
 Python waits for the interpreter lock adds to a step (measured on the H200, tools/h200/reader-ab.json:
@@ -7,17 +13,17 @@ such a thread made the 0.5B shape's 16-step K=4 loop 13-22 % slower, the 8B shap
 `GoldenReader` cuts the reading into units and runs each where it costs the run nothing:
 
 * every unit (allocate a K's buffers, read an array's metadata, read a chunk, read a small array,
-  summarise a kind's rows on the GPU, check the step log) runs on the replay's own thread in the time
-  the GPU is busy with a step anyway: a run hands that time over (`vd.loop.run_verify`'s ``idle``,
-  after a step's forward is issued and before its result is read back) and the reader runs, in order,
-  the units it expects to end within it, timing each kind of unit to refine the expectation (a running
-  mean kept across the process's readers). A chunk of an uncompressed array (what vd writes unless
-  asked to compress, `vd.golden.codecs`) is read from its file straight into page-locked memory, its
-  CRC32C checked there and its copy to the GPU issued on a side stream, all in one unit (0.4-0.6 ms
-  for a 1.2 MB chunk in a replay on the H200 host);
+  check the step log) runs on the replay's own thread in the time the GPU is busy with a step anyway:
+  a run hands that time over (`vd.loop.run_verify`'s ``idle``, after a step's forward is issued and
+  before its result is read back) and the reader runs, in order, the units it expects to end within
+  it, timing each kind of unit to refine the expectation (a running mean kept across the process's
+  readers). A chunk of an uncompressed array (what vd writes unless asked to compress,
+  `vd.golden.codecs`) is read from its file straight into page-locked memory, its CRC32C checked there
+  and its copy to the GPU issued on a side stream, all in one unit (0.4-0.6 ms for a 1.2 MB chunk in a
+  replay on the H200 host);
 * a compressed chunk's bytes are read and checked in such a unit, and its decode (Blosc or Zstd into
   page-locked memory, no interpreter lock held) and copy run on a few worker threads
-  (`READ_WORKERS`); a kind's summary waits for its chunks.
+  (`READ_WORKERS`).
 
 Measured there (16-step K=4 loops over the bare loop; tools/h200/reader-variants.json and
 tools/h200/reader-inline.json): decoding on the workers but copying from pageable memory added 6.7 ms
@@ -27,15 +33,16 @@ before the run; reading and checking on the workers as well, 4.9 ms (0.5B); unco
 the run's idle time, 0.2 ms (0.5B) and 0.25 ms (8B).
 
 Chunks are read straight from their files when the array's codecs are ones vd writes or wrote (bytes,
-then Blosc or Zstd, then CRC32C; `Chunks`), and array metadata straight from its ``zarr.json`` through
-zarr's own metadata class. Through zarr, opening an array took 1-3 ms and reading one 1 MB chunk
-0.7-2.3 ms on the H200 (tools/h200/reader-units.json; 1 and 2-3 ms on this project's 2-core machines),
-mostly hand-offs between its event loop and thread pool; this way, about 0.1 ms to parse the metadata
-and 1 ms to read, check and decode a chunk here. Any other codec chain reads through zarr. A missing
-chunk, a checksum mismatch or undecodable bytes raise `GoldenCorruptError`, kept and raised when the K
-it belongs to is asked for, as reading in line would. Before any run, while a replay loads its model,
-a thread may run every unit (`start_thread`); `pause` stops it before graphs are captured. Whatever is
-left when a K's rows are needed runs then.
+then Blosc or Zstd, then CRC32C; `Chunks`), and array metadata straight from its ``zarr.json`` (`_plain`;
+any other metadata through zarr's own class). Through zarr, opening an array took 1-3 ms and reading
+one 1 MB chunk 0.7-2.3 ms on the H200 (tools/h200/reader-units.json; 1 and 2-3 ms on this project's
+2-core machines), mostly hand-offs between its event loop and thread pool; through zarr's metadata
+class alone 0.3-0.4 ms; this way, 0.08 ms to parse the metadata and 1 ms to read, check and decode a
+chunk here. Any other codec chain reads through zarr. A missing chunk, a checksum mismatch or
+undecodable bytes raise `GoldenCorruptError`, kept and raised when the K it belongs to is asked for, as
+reading in line would. Before any run, while a replay loads its model, a thread may run every unit
+(`start_thread`); `pause` stops it before graphs are captured. Whatever is left when a K is needed runs
+then.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from vd.errors import GoldenCorruptError
-from vd.golden import ENCODINGS, KLog, KRecord, Source, expected_shapes, int_bits, log_from
+from vd.golden import ENCODINGS, KLog, KRecord, Source, check_summaries, expected_shapes, int_bits, log_from
 
 READ_WORKERS = 4  # threads decoding compressed chunks (their work releases the interpreter lock)
 # Where each array's rows go: (kind, first row of the kind). A kind is laid out as `KRecord.rows_by_kind`.
@@ -111,26 +118,31 @@ class Chunks:
     def __init__(self, root: Path, rel: str, where: str):
         self.root, self.rel, self.where = root, rel, where
         doc = node(root, rel, where)
-        try:
-            self.meta = ArrayV3Metadata.from_dict(doc)
-        except Exception as e:
-            raise GoldenCorruptError(f"{where}/zarr.json is not array metadata: {str(e).splitlines()[0]}") from e
-        self.shape = tuple(self.meta.shape)
-        self.dtype = np.dtype(self.meta.data_type.to_native_dtype())
-        chunk = tuple(getattr(self.meta.chunk_grid, "chunk_shape", ()))
+        plain = _plain(doc)
+        if plain is not None:  # what vd writes: read from the JSON (0.05 against 0.3-0.4 ms through zarr)
+            self.shape, self.dtype, chunk, names = plain
+        else:
+            try:
+                meta = ArrayV3Metadata.from_dict(doc)
+            except Exception as e:
+                raise GoldenCorruptError(f"{where}/zarr.json is not array metadata: {str(e).splitlines()[0]}") from e
+            self.shape = tuple(meta.shape)
+            self.dtype = np.dtype(meta.data_type.to_native_dtype())
+            chunk = tuple(getattr(meta.chunk_grid, "chunk_shape", ()))
+            key = meta.chunk_key_encoding
+            names = [_CODEC_NAMES.get(type(c), "other") for c in meta.codecs]
+            if names and names[0] == "bytes" and not (meta.codecs[0].endian is None
+                                                       or meta.codecs[0].endian.value == "little"):
+                names[0] = "other"
+            if not (getattr(key, "name", None) == "default" and getattr(key, "separator", None) == "/"):
+                names = ["other"]  # chunk files named otherwise: read through zarr
         self.step = chunk[0] if chunk else 1
-        codecs = list(self.meta.codecs)
-        self.crc = bool(codecs) and isinstance(codecs[-1], Crc32cCodec)
-        inner = codecs[1:-1] if self.crc else codecs[1:]
-        self.decoder = None
-        if len(inner) == 1 and isinstance(inner[0], BloscCodec):
-            self.decoder = _blosc_into
-        elif len(inner) == 1 and isinstance(inner[0], ZstdCodec):
-            self.decoder = _zstd_into
+        self.crc = bool(names) and names[-1] == "crc32c"
+        inner = names[1:-1] if self.crc else names[1:]
+        self.decoder = {("blosc",): _blosc_into, ("zstd",): _zstd_into}.get(tuple(inner))
         self.direct = (
             len(chunk) == len(self.shape) > 0 and chunk[1:] == self.shape[1:]
-            and bool(codecs) and isinstance(codecs[0], BytesCodec)
-            and (codecs[0].endian is None or codecs[0].endian.value == "little") and np.little_endian
+            and bool(names) and names[0] == "bytes" and np.little_endian
             and (not inner or self.decoder is not None)
         )
         self._array = None
@@ -169,7 +181,8 @@ class Chunks:
                 self.decode(c // self.step, self.fetch(c // self.step), rows)
 
     def _key(self, index: int) -> str:
-        return self.meta.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
+        """A chunk's file under the array (the default chunk key encoding, ``/`` separated: `direct`)."""
+        return "/".join(["c", str(index), *("0" * (len(self.shape) - 1))])
 
     @contextlib.contextmanager
     def _chunk_file(self, key: str):
@@ -233,6 +246,34 @@ class Chunks:
             out[...] = whole[:out.shape[0]]
 
 
+_CODEC_NAMES = {BytesCodec: "bytes", BloscCodec: "blosc", ZstdCodec: "zstd", Crc32cCodec: "crc32c"}
+_PLAIN_TYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+                "float32", "float64"}
+
+
+def _plain(doc: dict) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...], list[str]] | None:
+    """Shape, dtype, chunk shape and codec names of an array's metadata as vd writes it (a plain numeric
+    type, regular chunks, default ``/`` chunk keys, bytes little-endian, then Blosc or Zstd, then
+    CRC32C), read from its ``zarr.json`` document; None for anything else (zarr's metadata class reads
+    it then)."""
+    try:
+        grid, codecs = doc["chunk_grid"], doc["codecs"]
+        if (doc.get("zarr_format") != 3 or doc.get("node_type") != "array" or doc["data_type"] not in _PLAIN_TYPES
+                or grid["name"] != "regular" or doc.get("storage_transformers")
+                or doc["chunk_key_encoding"] != {"name": "default", "configuration": {"separator": "/"}}):
+            return None
+        shape = tuple(int(x) for x in doc["shape"])
+        chunk = tuple(int(x) for x in grid["configuration"]["chunk_shape"])
+        names = [c["name"] for c in codecs]
+        if (len(chunk) != len(shape) or any(c < 1 for c in chunk) or any(n < 0 for n in shape)
+                or names not in (["bytes", "crc32c"], ["bytes", "blosc", "crc32c"], ["bytes", "zstd", "crc32c"])
+                or codecs[0].get("configuration", {}).get("endian", "little") != "little"):
+            return None
+        return shape, np.dtype(doc["data_type"]).newbyteorder("<"), chunk, names
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
 def _read_exact(f, into: memoryview) -> None:
     """Fill ``into`` from the unbuffered file ``f`` (a read may return less than asked)."""
     done = 0
@@ -260,11 +301,54 @@ def _zstd_into(data: np.ndarray, out: np.ndarray) -> int:
     return decoded.size
 
 
+def row_chunks(src: Source, k: int, name: str) -> Chunks:
+    """K's row array ``name``, its metadata read and checked against the golden's."""
+    where = f"{src.where(k)}/{name}"
+    chunks = Chunks(src.path, f"k{k}/{name}", where)
+    expect = expected_shapes(src.meta, len(src.prompt), k)[name]
+    if chunks.shape != expect:
+        raise GoldenCorruptError(f"{where}: shape {chunks.shape}, expected {expect}")
+    storage = ENCODINGS[src.meta["logits"]["dtype"]][0]
+    if chunks.dtype != storage:
+        raise GoldenCorruptError(f"{where}: dtype {chunks.dtype}, expected {storage}")
+    chunks.check_present()
+    return chunks
+
+
+def read_rows(src: Source, k: int, kind: str, idx: np.ndarray) -> np.ndarray:
+    """Rows ``idx`` of K's ``kind`` (laid out as `vd.golden.KRecord.rows_by_kind`) read from the store:
+    only the chunks holding them, each checked (a golden with digests reads its rows this way, where a
+    candidate's differ: `vd.gold.ByDigest`)."""
+    v = src.meta["vocab_size"]
+    out = np.empty((len(idx), v), ENCODINGS[src.meta["logits"]["dtype"]][0])
+    if kind == "prefill":
+        where = [("prefill", int(r), 0) for r in idx]
+    elif kind == "verify":
+        where = [("logits", int(r) // k, int(r) % k) for r in idx]
+    else:
+        where = [("bootstrap_logits", 0, 0) if r == 0 else ("draft_logits", (int(r) - 1) // (k - 1),
+                                                            (int(r) - 1) % (k - 1)) for r in idx]
+    arrays: dict[str, Chunks] = {}
+    held: dict[tuple[str, int], np.ndarray] = {}  # (array, chunk) -> its rows, read once
+    for i, (name, a0, within) in enumerate(where):
+        if name not in arrays:
+            arrays[name] = row_chunks(src, k, name)
+        chunks = arrays[name]
+        c = a0 // chunks.step
+        if (name, c) not in held:
+            lo, hi = c * chunks.step, min((c + 1) * chunks.step, chunks.shape[0])
+            held[(name, c)] = np.empty((hi - lo,) + chunks.shape[1:], chunks.dtype)
+            chunks.read(lo, hi, held[(name, c)])
+        block = held[(name, c)][a0 - c * chunks.step]
+        out[i] = block if block.ndim == 1 else block[within]
+    return out
+
+
 @dataclass(slots=True)
 class _Unit:
-    kind: str  # "alloc", "open", "read", "summarise", "small", "check": how long it takes is learnt per kind
+    kind: str  # "alloc", "open", "read", "small", "check": how long it takes is learnt per kind
     k: int
-    fn: Callable[[bool], bool | None]  # given ``wait``; False: cannot run yet (a summary, its reads running)
+    fn: Callable[[], None]
 
 
 @dataclass
@@ -275,9 +359,7 @@ class _K:
     host: dict = field(default_factory=dict)  # kind -> [R, V] storage array (page-locked on CUDA)
     device: dict = field(default_factory=dict)  # kind -> [R, V] integer bits on the device
     reads: dict = field(default_factory=dict)  # kind -> [Future] of its chunk reads
-    stats: dict = field(default_factory=dict)  # kind -> [len(STATS), R] float64, read back (page-locked)
-    small: dict = field(default_factory=dict)  # tokens, accepted, step_ms (drafts) as read; the log
-    event: object = None  # on the side stream after the last upload and summary
+    small: dict = field(default_factory=dict)  # tokens, accepted, step_ms (drafts, digests) as read; the log
     error: BaseException | None = None
     record: KRecord | None = None
 
@@ -312,7 +394,7 @@ class GoldenReader:
                 with self.lock:
                     if not self.units or self.stop.is_set():
                         return
-                    self._run(self.units[0], "thread", wait=True)
+                    self._run(self.units[0], "thread")
 
         threading.Thread(target=work, name="vd-golden", daemon=True).start()
 
@@ -324,7 +406,7 @@ class GoldenReader:
             for kk in self.ks.values():
                 for futures in kk.reads.values():
                     for f in futures:
-                        f.exception()  # waits; an error is taken up by the kind's summary
+                        f.exception()  # waits; an error is raised when the K is asked for
 
     def allocate(self) -> None:
         """Stop the thread, then allocate every K's buffers not allocated yet (before a run: page-locked
@@ -333,57 +415,49 @@ class GoldenReader:
         self.stop.set()
         with self.lock:
             for u in [u for u in self.units if u.kind == "alloc"]:
-                self._run(u, "prefetch", wait=True)
+                self._run(u, "prefetch")
 
     def idle(self, seconds: float) -> bool:
         """The GPU is busy for about ``seconds`` more: run the units expected to end within that time,
-        in order (a kind of unit never timed yet is expected to take `UNIT_S`), passing over a kind's
-        summary that does not fit or waits for its reads (no unit depends on it; on the H200 one that
-        never fitted a 1.3 ms step left 24 of 40 units for after the run). False once no unit is left
-        (a run need not hand its time over any more)."""
+        in order (a kind of unit never timed yet is expected to take `UNIT_S`). False once no unit is
+        left (a run need not hand its time over any more)."""
         self.stop.set()
         until = time.perf_counter() + seconds
         if not self.lock.acquire(blocking=False):
             return True
         try:
-            i = 0
-            while i < len(self.units):
-                u = self.units[i]
-                fits = time.perf_counter() + self.expect.get(u.kind, UNIT_S) <= until
-                if fits and self._run(u, "idle", wait=False):
-                    i = 0  # from the front again: a summary passed over may be ready now
-                elif u.kind == "summarise":
-                    i += 1  # too long for what is left, or its reads still running: nothing needs it yet
-                else:
-                    break  # every other unit waits for those before it
+            while self.units and time.perf_counter() + self.expect.get(self.units[0].kind, UNIT_S) <= until:
+                self._run(self.units[0], "idle")
             return bool(self.units)
         finally:
             self.lock.release()
 
     def _drain(self, k: int) -> _K:
-        """Run K's remaining units now."""
+        """Run K's remaining units now, and wait for its chunk decodes on the workers."""
         self.stop.set()
         with self.lock:
             while any(u.k == k for u in self.units):  # an open unit queues its reads: more rounds
-                self._run(next(u for u in self.units if u.k == k), "drain", wait=True)
+                self._run(next(u for u in self.units if u.k == k), "drain")
         kk = self.ks[k]
+        for futures in kk.reads.values():
+            for f in futures:
+                if kk.error is None and f.exception() is not None:
+                    kk.error = f.exception()
         if kk.error is not None:
             raise kk.error
         return kk
 
-    def _run(self, u: _Unit, who: str, wait: bool) -> bool:
-        """Run ``u`` (queued; taken off the queue unless it cannot run yet and ``wait`` is False)."""
+    def _run(self, u: _Unit, who: str) -> None:
+        """Run ``u`` (queued) and take it off the queue."""
         kk = self.ks[u.k]
         t = time.perf_counter()
-        self.current, done = u, None
+        self.current = u
         try:
             with torch.inference_mode():  # as the run that may call it: its tensors stay writable in both
-                done = u.fn(wait)
+                u.fn()
         except Exception as e:  # kept for the K's first use, as reading in line would raise it there
             kk.error = e
         self.current = None  # no reference from the reader to a unit's closure (a cycle) once it ran
-        if done is False:
-            return False
         if kk.error is not None:  # the K's other units are moot
             self.units = deque(x for x in self.units if x.k != u.k)
         else:
@@ -396,7 +470,6 @@ class GoldenReader:
         # tools/h200/bench_gpu_history.json, the run of b71c000).
         old = self.expect.get(u.kind, UNIT_S)
         self.expect[u.kind] = _EXPECT[u.kind] = 0.7 * old + 0.3 * min(dt, 3 * old)
-        return True
 
     # -- what a caller asks for -------------------------------------------------------------------
     def record(self, k: int) -> KRecord:
@@ -410,33 +483,40 @@ class GoldenReader:
             kk.record = self.src.record(kk.small["log"], arrays)
         return kk.record
 
-    def stats(self, k: int) -> dict:
-        from vd.compare import stats_dict  # vd.compare imports vd.golden
+    def log(self, k: int) -> KLog:
+        """K's step log as stored, checked against the metadata's copy."""
+        return self._drain(k).small["log"]
 
+    def summaries(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """K's row digests and statistics (a golden with digests)."""
         kk = self._drain(k)
-        if self.cuda:
-            kk.event.synchronize()  # the statistics' copies (and every upload before them) are done
-        return {n: stats_dict(t.numpy()) for n, t in kk.stats.items()}
+        return kk.small["digests"], kk.small["stats"]
 
     def device_rows(self, k: int) -> dict[str, torch.Tensor]:
         kk = self._drain(k)
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
-            current.wait_event(kk.event)
+            current.wait_event(self.stream.record_event())  # every upload of K's was issued before this
             for t in kk.device.values():
                 t.record_stream(current)  # used there now: not reused before that stream is done with it
         return kk.device
 
     # -- the units --------------------------------------------------------------------------------
     def _plan(self, k: int) -> list[_Unit]:
-        """K's units, in order: its buffers; each row array opened (queueing its chunk reads and, after a
-        kind's last array, the kind's summary); the small arrays; the step log check."""
+        """K's units, in order. A golden with row digests: the small arrays (step log, prompt, digests)
+        and the step log check; no rows (`vd.gold.ByDigest` reads those that differ, after the run).
+        Otherwise: its buffers; each row array opened (queueing its chunk reads); the small arrays; the
+        check."""
+        if self.src.digested:
+            return ([_Unit("small", k, lambda n=n: self._small(k, n))
+                     for n in (*Source.SMALL, "prompt", "digests", "stats")]
+                    + [_Unit("check", k, lambda: self._check(k))])
         big = [n for n in self.src.big if n in _LAYOUT]
         small = [*Source.SMALL, "prompt"] + (["drafts"] if "drafts" in self.src.big else [])
-        return ([_Unit("alloc", k, lambda wait: self._alloc(k))]
-                + [_Unit("open", k, lambda wait, n=n: self._open(k, n)) for n in big]
-                + [_Unit("small", k, lambda wait, n=n: self._small(k, n)) for n in small]
-                + [_Unit("check", k, lambda wait: self._check(k))])
+        return ([_Unit("alloc", k, lambda: self._alloc(k))]
+                + [_Unit("open", k, lambda n=n: self._open(k, n)) for n in big]
+                + [_Unit("small", k, lambda n=n: self._small(k, n)) for n in small]
+                + [_Unit("check", k, lambda: self._check(k))])
 
     def _alloc(self, k: int) -> None:
         kk, s, v = self.ks[k], self.src.meta["steps"], self.src.meta["vocab_size"]
@@ -452,21 +532,10 @@ class GoldenReader:
             kk.reads[kind] = []
 
     def _open(self, k: int, name: str) -> None:
-        """Read a row array's metadata, check it, and queue its chunk reads (then, after a kind's last
-        array, the kind's summary) right after this unit."""
-        where = f"{self.src.where(k)}/{name}"
-        chunks = Chunks(self.src.path, f"k{k}/{name}", where)
-        expect = expected_shapes(self.src.meta, len(self.src.prompt), k)[name]
-        if chunks.shape != expect:
-            raise GoldenCorruptError(f"{where}: shape {chunks.shape}, expected {expect}")
-        if chunks.dtype != self.storage:
-            raise GoldenCorruptError(f"{where}: dtype {chunks.dtype}, expected {self.storage}")
-        chunks.check_present()
-        kind = _LAYOUT[name][0]
-        queued = [_Unit("read", k, lambda wait, i=i, j=j: self._submit(k, name, chunks, i, j))
+        """Read a row array's metadata, check it, and queue its chunk reads right after this unit."""
+        chunks = row_chunks(self.src, k, name)
+        queued = [_Unit("read", k, lambda i=i, j=j: self._submit(k, name, chunks, i, j))
                   for i, j in chunks.ranges()]
-        if name != "bootstrap_logits":  # a kind's last array: summarise its rows
-            queued.append(_Unit("summarise", k, lambda wait: self._summarise(k, kind, wait)))
         at = self.units.index(self.current)  # this unit, still queued while it runs
         for offset, q in enumerate(queued, 1):
             self.units.insert(at + offset, q)
@@ -513,27 +582,6 @@ class GoldenReader:
         with torch.inference_mode(), self._on_stream():
             kk.device[kind][r0:r1].copy_(torch.from_numpy(int_bits(kk.host[kind][r0:r1])), non_blocking=self.cuda)
 
-    def _summarise(self, k: int, kind: str, wait: bool) -> bool:
-        """Once the kind's reads are done (or, with ``wait``, after waiting for them): its statistics."""
-        from vd.compare import golden_stats_tensor  # vd.compare imports vd.golden
-
-        kk = self.ks[k]
-        futures = kk.reads[kind]
-        if not wait and not all(f.done() for f in futures):
-            return False
-        for f in futures:
-            f.result()  # a read's error is the K's
-        if kk.error is None:
-            with self._on_stream():
-                stats = golden_stats_tensor(kk.device[kind], self.logical)
-                # Read back as soon as it is computed (a few kB), so asking for it later costs no wait.
-                kk.stats[kind] = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=self.cuda)
-                kk.stats[kind].copy_(stats, non_blocking=self.cuda)
-                if self.cuda:
-                    kk.event = torch.cuda.Event()
-                    kk.event.record(self.stream)
-        return True
-
     def _small(self, k: int, name: str) -> None:
         if name == "prompt":
             if self.stored_prompt is not None:  # read for an earlier K
@@ -553,6 +601,8 @@ class GoldenReader:
     def _check(self, k: int) -> None:
         kk = self.ks[k]
         attrs = node(self.src.path, f"k{k}", self.src.where(k)).get("attributes") or {}
+        if "digests" in kk.small:
+            check_summaries(kk.small["digests"], kk.small["stats"], self.src.counts(k), self.src.where(k))
         log = log_from(k, attrs, kk.small)
         self.src.check_log(k, self.known.get(k), log, self.stored_prompt)
         kk.small["log"] = log

@@ -1,0 +1,128 @@
+"""What a golden stores about each logits row besides its bytes: a digest (a few integers), so a replay
+can tell which of its rows equal the golden's without reading the golden's rows, and the row's
+statistics (`STATS`), which a report and its decision checks use.
+
+A row's bytes are read as little-endian signed 16-bit words ``x_0 .. x_{n-1}`` (``n`` is the row's
+width for bfloat16 and float16, twice it for float32). Its digest is ``LANES`` integers
+
+    d_l = sum_j x_j * w[j, l]        (exact: no rounding, no wrap-around)
+
+with fixed pseudo-random weights ``w[j, l]`` in ``[0, 2**bits)`` (SplitMix64 of ``j * LANES + l + 1``,
+top ``bits`` bits; `weights`). Every product and every partial sum is an integer below 2**53 in
+magnitude (``bits`` is chosen from ``n`` so that ``n * 2**15 * 2**bits <= 2**53``), so the sums are exact
+in float64 whatever order a matrix multiply adds them in: the CPU's BLAS and cuBLAS give the same
+digest bit for bit, and a row computed on a GPU digests as its stored copy does on the CPU.
+
+Two rows with the same digest: for two different rows, each lane's sums agree for at most one value of
+any one weight where the rows differ, so over weights drawn at random the chance is at most
+``2**-(bits * LANES)`` (2**-120 for vocabularies up to 2**18 words). The weights here are fixed, not
+drawn per golden: that bound holds for changes that do not depend on them (a kernel, a build, a
+machine), not for rows crafted to collide. A replay compares digests first and reads, measures and
+judges the golden's rows only where the digests differ (`vd.compare`); "byte for byte" means: equal
+digests, and for rows whose digests differ, their bytes.
+
+On the GPU a digest is one conversion and one float64 matrix multiply per block of rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+SCHEME = "vd-linear-int16-f64/1"  # what `weights` and `digest` compute; stored in a golden's metadata
+LANES = 6
+MAX_BITS = 20
+BLOCK_BYTES = 1 << 28  # rows converted to float64 at a time: at most 256 MB of them (210 rows of 152k words)
+_CACHE: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def words(width: int, itemsize: int) -> int:
+    """16-bit words in a row of ``width`` values of ``itemsize`` bytes."""
+    return width * itemsize // 2
+
+
+def bits_for(n: int) -> int:
+    """The weight width for rows of ``n`` words: the largest (at most `MAX_BITS`) that keeps every sum
+    exact in float64."""
+    b = min(MAX_BITS, 38 - max(1, math.ceil(math.log2(max(n, 2)))))
+    if b < 8:
+        raise ValueError(f"rows of {n} 16-bit words are too wide to digest exactly")
+    return b
+
+
+def meta(width: int, itemsize: int) -> dict:
+    """The golden metadata entry (``digest``) that names this scheme for rows of ``width`` values."""
+    n = words(width, itemsize)
+    return {"scheme": SCHEME, "lanes": LANES, "bits": bits_for(n), "words": n}
+
+
+def _splitmix64(i: np.ndarray) -> np.ndarray:
+    z = i * np.uint64(0x9E3779B97F4A7C15)  # uint64 arrays wrap modulo 2**64
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def weights(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The ``[n, LANES]`` float64 weights for rows of ``n`` words, on ``device`` (cached per process:
+    about 10 ms to make for a 152k vocabulary)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one cache entry for "cuda" and "cuda:0"
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (n, str(device))
+    if key not in _CACHE:
+        with np.errstate(over="ignore"):
+            z = _splitmix64(np.arange(1, n * LANES + 1, dtype=np.uint64))
+        w = (z >> np.uint64(64 - bits_for(n))).astype(np.float64).reshape(n, LANES)
+        _CACHE[key] = torch.from_numpy(w).to(device)
+    return _CACHE[key]
+
+
+def digest(rows: torch.Tensor) -> torch.Tensor:
+    """The digests ``[R, LANES]`` (float64, exact integers) of logits rows ``[R, V]`` of any dtype,
+    computed on their device (nothing read back)."""
+    x = rows.reshape(rows.shape[0], -1).contiguous().view(torch.int16)
+    w = weights(x.shape[1], x.device)
+    block = max(1, BLOCK_BYTES // (8 * x.shape[1]))
+    if x.shape[0] <= block:
+        return x.to(torch.float64) @ w
+    return torch.cat([x[i:i + block].to(torch.float64) @ w for i in range(0, x.shape[0], block)])
+
+
+def digest_host(rows: np.ndarray) -> np.ndarray:
+    """`digest` of storage rows ``[R, V]`` on the host, as int64 (what a golden stores)."""
+    a = np.ascontiguousarray(rows)
+    return digest(torch.from_numpy(a.reshape(a.shape[0], -1).view(np.int16))).numpy().astype(np.int64)
+
+
+STATS = ("argmax", "top1", "margin", "absmax", "top1_p")  # a golden's statistics of each row, in order
+
+
+def stats_tensor(rows: torch.Tensor) -> torch.Tensor:
+    """Per row of logits ``[R, V]`` (any float dtype): argmax, top-1 value, top-1/top-2 margin, largest
+    |logit| and top-1 probability, as one float64 tensor ``[len(STATS), R]`` on the rows' device. A
+    golden stores them for its rows (a replay's report and decision checks use them without reading the
+    rows: `vd.compare`)."""
+    g = rows.float()
+    top = g.topk(min(2, g.shape[1]), dim=1).values
+    return torch.stack([g.argmax(1).double(), top[:, 0].double(), (top[:, 0] - top[:, -1]).double(),
+                        g.abs().amax(1).double(), (1.0 / torch.exp(g - top[:, :1]).sum(1)).double()])
+
+
+def stats_dict(stacked: np.ndarray) -> dict[str, np.ndarray]:
+    """Statistics ``[len(STATS), R]`` by name (argmax as int64, the rest float32)."""
+    out = {n: stacked[i].astype(np.float32) for i, n in enumerate(STATS)}
+    out["argmax"] = stacked[0].astype(np.int64)
+    return out
+
+
+def summarise(rows) -> tuple[np.ndarray, np.ndarray]:
+    """What a golden stores about rows per kind (logits tensors ``[R, V]`` on any device, every kind's
+    in order): their digests (int64 ``[R, LANES]``) and statistics (float64 ``[R, len(STATS)]``),
+    computed on the rows' device and read back once."""
+    d = torch.cat([digest(t) for t in rows.values()])
+    s = torch.cat([stats_tensor(t) for t in rows.values()], dim=1).T
+    both = torch.cat([d, s], dim=1).cpu().numpy()
+    return both[:, :LANES].astype(np.int64), np.ascontiguousarray(both[:, LANES:])

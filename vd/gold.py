@@ -1,0 +1,141 @@
+"""The golden's side of one K's comparison (`vd.compare.compare_run`): its step log, how many rows of
+each kind it holds, which of a candidate's rows differ from its own, and its rows where they do.
+
+* `InMemory`: the golden's rows are at hand (a golden read whole, a `vd diff`, or a golden written
+  before row digests, whose rows a GPU replay reads beside the run: `vd.reader`); a candidate row
+  differs where its bits do.
+* `ByDigest`: the golden stores each row's digest and statistics (`vd.digest`, format 3): a candidate
+  row differs where its digest does, and the golden's rows are read from disk only for the rows that
+  differ, after the run. A replay of a passing golden reads no rows at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from vd.digest import digest, stats_dict, stats_tensor
+from vd.golden import KLog, KRecord, int_bits, to_tensor
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A logits tensor viewed as signed integers of its width: equal bits, equal integers."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def step_rows(kind: str, step: int | None, k: int, counts: Mapping[str, int]) -> np.ndarray:
+    """The rows of ``kind`` that step ``step`` computed (None: the prefill's, or the bootstrap row)."""
+    if kind == "prefill":
+        return np.arange(counts["prefill"])
+    if kind == "verify":
+        return np.arange(step * k, step * k + k)
+    return np.array([0]) if step is None else np.arange(1 + step * (k - 1), 1 + (step + 1) * (k - 1))
+
+
+class Gold:
+    """One K of a golden as a comparison needs it. ``counts``: rows per kind (prefill, verify and, for
+    the drafter feed, draft), laid out as `vd.golden.KRecord.rows_by_kind`."""
+
+    k: int
+    tokens: np.ndarray  # int32 [S, K]
+    accepted: np.ndarray  # int32 [S]
+    counts: dict[str, int]
+    vocab: int
+
+    @property
+    def steps(self) -> int:
+        return int(self.accepted.shape[0])
+
+    def differ(self, got: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """For each kind, which candidate rows ``[R, V]`` differ from the golden's (bool ``[R]`` on the
+        candidate's device; nothing read back)."""
+        raise NotImplementedError
+
+    def stats(self, kind: str, device: torch.device) -> dict[str, np.ndarray]:
+        """The golden's statistics of every row of ``kind`` (`vd.digest.STATS`, by name)."""
+        raise NotImplementedError
+
+    def rows(self, kind: str, idx: np.ndarray, device: torch.device) -> torch.Tensor:
+        """The golden's rows ``idx`` of ``kind`` as integer bits ``[len(idx), V]`` on ``device``."""
+        return torch.from_numpy(int_bits(self.host_rows(kind, idx))).to(device)
+
+    def host_rows(self, kind: str, idx: np.ndarray) -> np.ndarray:
+        """The golden's rows ``idx`` of ``kind`` as stored (``[len(idx), V]``)."""
+        raise NotImplementedError
+
+
+class InMemory(Gold):
+    """A golden K whose rows are all at hand (``device``: some of them already on the replay's device as
+    integer bits, `vd.golden.Golden.device_rows`)."""
+
+    def __init__(self, record: KRecord, device: Mapping[str, torch.Tensor] | None = None):
+        self.record, self.k, self.tokens, self.accepted = record, record.k, record.tokens, record.accepted
+        self.arrays = record.rows_by_kind()
+        self.counts = {n: a.shape[0] for n, a in self.arrays.items()}
+        self.vocab = record.logits.shape[-1]
+        self._device = dict(device or {})
+        self._stats: dict[str, dict[str, np.ndarray]] = {}
+        if record.stats is not None:
+            self._stats = _by_kind(record.stats, self.counts)
+
+    def _on(self, kind: str, device: torch.device) -> torch.Tensor:
+        g = self._device.get(kind)
+        if g is None or g.device != device:
+            g = self._device[kind] = torch.from_numpy(int_bits(self.arrays[kind])).to(device)
+        return g.reshape(-1, self.vocab)
+
+    def differ(self, got):
+        return {n: (self._on(n, c.device) != _bits(c)).any(dim=1) for n, c in got.items()}
+
+    def stats(self, kind, device):
+        if kind not in self._stats:  # a golden without stored statistics: computed from its rows
+            rows = self._on(kind, device).view(to_tensor(self.arrays[kind][:0]).dtype)
+            self._stats[kind] = stats_dict(stats_tensor(rows).cpu().numpy())
+        return self._stats[kind]
+
+    def rows(self, kind, idx, device):
+        return self._on(kind, device)[torch.from_numpy(np.asarray(idx, dtype=np.int64)).to(device)]
+
+    def host_rows(self, kind, idx):
+        return self.arrays[kind][idx]
+
+
+class ByDigest(Gold):
+    """A golden K known by its rows' digests and statistics (``digests``: int64 ``[R, LANES]``; ``stats``:
+    float64 ``[R, len(STATS)]``; every kind's rows in order), with ``load(kind, idx)`` to read rows from
+    its store when they are needed."""
+
+    def __init__(self, log: KLog, counts: Mapping[str, int], vocab: int, digests: np.ndarray,
+                 stats: np.ndarray, load: Callable[[str, np.ndarray], np.ndarray]):
+        self.k, self.tokens, self.accepted = log.k, log.tokens, log.accepted
+        self.counts, self.vocab, self.digests, self._load = dict(counts), vocab, digests, load
+        self._stats = _by_kind(stats, self.counts)
+
+    def differ(self, got):
+        if not got:
+            return {}
+        # The stored digests of the kinds asked for uploaded first, in one copy, while the device is idle
+        # (a copy from pageable memory waits for the work queued before it); then one digest of all rows.
+        starts = dict(zip(self.counts, np.cumsum([0, *self.counts.values()]).tolist()))
+        at = np.concatenate([np.arange(starts[n], starts[n] + self.counts[n]) for n in got])
+        rows = list(got.values())
+        stored = torch.from_numpy(self.digests[at].astype(np.float64)).to(rows[0].device)
+        differ = (digest(torch.cat(rows) if len(rows) > 1 else rows[0]) != stored).any(dim=1)
+        return dict(zip(got, differ.split([c.shape[0] for c in rows])))
+
+    def stats(self, kind, device):
+        return self._stats[kind]
+
+    def host_rows(self, kind, idx):
+        return self._load(kind, np.asarray(idx, dtype=np.int64))
+
+
+def _by_kind(stats: np.ndarray, counts: Mapping[str, int]) -> dict[str, dict[str, np.ndarray]]:
+    """Stored statistics ``[R, len(STATS)]`` split by kind (rows in `counts`' order), by name."""
+    out, at = {}, 0
+    for kind, r in counts.items():
+        out[kind] = stats_dict(stats[at:at + r].T)
+        at += r
+    return out
