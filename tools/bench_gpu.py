@@ -13,9 +13,10 @@ a median over ``--reps`` interleaved repetitions in this one process; the JSON k
   (bytes read plus written per second): a verify step must stream every weight once.
 * ``record_ratio``: `recorder.record` (greedy continuation, the K run, the background zarr write,
   publishing) over the bare decode plus verify loop.
-* ``replay_ratio``: `replayer.replay` without the detection control (opening the golden, its rows read
-  and copied to the GPU beside the run by `vd.reader`, the run, the on-GPU comparison, the report) over
-  the bare verify loop. ``reader`` says where the last replay's reading ran (`vd.reader`).
+* ``replay_ratio``: `replayer.replay` without the detection control (opening the golden, its small
+  arrays read beside the run by `vd.reader`, the run, the comparison by row digests on the GPU, the
+  report) over the bare verify loop. ``reader`` says where the last replay's reading ran
+  (`vd.reader`); ``samples`` keeps each replay's ``phases``.
 
 Rows are appended to ``--out`` (a JSON file holding a list of runs), so the shapes can run as separate
 processes (each needs its own GPU memory) into one file.
