@@ -151,7 +151,10 @@ def record(
             run = run_verify(model, tokens, k, steps, chooser, on_step=on_step, sink=stream.put)
             committed = run.committed()
             same[k] = committed == greedy[: len(committed)]
-            stream.finish(lambda run=run, k=k: _krecord(run, k, steps, same[k], feed == "mtp"))
+            # Built here, between runs: the writer thread touches no GPU (a CUDA call of its own during a
+            # graph captured mid-run, such as a draft head's first propose of a shape, invalidated that
+            # capture on the H200: cudaErrorStreamCaptureInvalidated).
+            stream.finish(_krecord(run, k, steps, same[k], feed == "mtp"))
             accepted[k] = [s.accepted for s in run.steps]
             reason = thin_reason(k, accepted[k])
             if reason:
@@ -171,9 +174,9 @@ def record(
 
 
 def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:
-    """A finished run's step log, MTP rows and every row's digest and statistics as a `KRecord`, built on
-    the writer thread (digests and statistics computed on the run's device, MTP rows copied off it
-    there); its prefill and verify rows were streamed, so those fields are empty."""
+    """A finished run's step log, MTP rows and every row's digest and statistics as a `KRecord` (digests
+    and statistics computed on the run's device, read back with the MTP rows); its prefill and verify
+    rows were streamed, so those fields are empty."""
     digests, stats = row_summary(run.rows_by_kind())
     extra = {}
     if mtp:

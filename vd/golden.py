@@ -329,8 +329,9 @@ class KStream:
             self.group["logits"][index] = to_storage(block)
 
     def finish(self, record) -> None:
-        """The run is over: ``record()`` (called on the writer thread) gives the `KRecord` of its small
-        arrays and MTP rows (its ``prefill`` and ``logits`` fields are ignored: they were streamed)."""
+        """The run is over: ``record`` is the `KRecord` of its small arrays, MTP rows and row summaries, or a
+        function giving it on the writer thread (its ``prefill`` and ``logits`` fields are ignored: they
+        were streamed)."""
         self.writer._submit(self._finish, record)
 
     def _finish(self, record) -> None:

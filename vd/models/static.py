@@ -178,7 +178,9 @@ class GraphSet:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of other threads (a golden's writer or reader) cannot invalidate a
+        # capture that happens mid-run (a draft head's first propose of a shape).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = fn(*inputs)
         self.graphs[key] = (graph, inputs, outputs)
 
