@@ -106,10 +106,11 @@ def main() -> None:
         "golden_logits_bytes": logits_stored,
         "raw_bf16_logits_bytes": raw,
         "logits_compression_ratio": raw / logits_stored,
-        "notes": "record includes the greedy continuation and the zarr write; bare_record the same "
-                 "continuation and verify steps with no storage. replay includes reading the golden and "
-                 "the byte comparison; replay_with_control adds the detection-control pass (one more "
-                 "replay of every K), which the CLI always runs.",
+        "notes": "record includes the greedy continuation, the rows' digests and the zarr write; bare_record "
+                 "the same continuation and verify steps with no storage. replay includes opening the "
+                 "golden, reading its step logs and digests, and comparing every row by digest (rows read "
+                 "only where digests differ); replay_with_control adds the detection-control pass (one "
+                 "more replay of every K, whose changed rows are read), which the CLI always runs.",
     }
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("seconds_median", "record_ratio", "replay_ratio",
