@@ -162,7 +162,7 @@ def replay(
     t_start = time.perf_counter()
     clock["setup"] = t_start - t - loading  # checks, the model's and the golden's, outside loading the model
     for k in ks:
-        rec = golden.log(k)  # the step log; the rows are still being read and uploaded
+        rec = golden.log(k)  # the step log (the metadata's copy); the golden's arrays are read beside the run
         log, comparisons, timings = rec.steps, [], [_timing(f"{meta['forward']} (golden)", rec.step_ms.tolist())]
         c_reasons: list[list[str]] = []  # each comparison's own reasons, in order
         for name in forwards:

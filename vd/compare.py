@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from vd.gold import Gold, InMemory, _bits
+from vd.gold import Gold, InMemory, int_view
 from vd.golden import ENCODINGS, TORCH_DTYPES, KRecord
 from vd.loop import Run
 from vd.policy import KINDS, MANTISSA_BITS, Spec, parse_spec
@@ -194,7 +194,7 @@ def _measure_differing(gb: torch.Tensor, got: torch.Tensor, logical: str, spec: 
     device: golden bits ``gb`` and candidate rows ``got``, both ``[D, V]``; with the histogram of their
     differing elements over the vocabulary. One read-back."""
     v = got.shape[1]
-    cb = _bits(got)
+    cb = int_view(got)
     gd, cd, dm = gb.view(TORCH_DTYPES[logical]).float(), got.float(), gb != cb
     first = dm.to(torch.int8).argmax(dim=1)
     nan = gd.isnan() | cd.isnan()

@@ -91,12 +91,6 @@ def digest(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[i:i + block].to(torch.float64) @ w for i in range(0, x.shape[0], block)])
 
 
-def digest_host(rows: np.ndarray) -> np.ndarray:
-    """`digest` of storage rows ``[R, V]`` on the host, as int64 (what a golden stores)."""
-    a = np.ascontiguousarray(rows)
-    return digest(torch.from_numpy(a.reshape(a.shape[0], -1).view(np.int16))).numpy().astype(np.int64)
-
-
 STATS = ("argmax", "top1", "margin", "absmax", "top1_p")  # a golden's statistics of each row, in order
 
 

@@ -20,7 +20,7 @@ from vd.digest import digest, stats_dict, stats_tensor
 from vd.golden import KLog, KRecord, int_bits, to_tensor
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def int_view(t: torch.Tensor) -> torch.Tensor:
     """A logits tensor viewed as signed integers of its width: equal bits, equal integers."""
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -87,7 +87,7 @@ class InMemory(Gold):
         return g.reshape(-1, self.vocab)
 
     def differ(self, got):
-        return {n: (self._on(n, c.device) != _bits(c)).any(dim=1) for n, c in got.items()}
+        return {n: (self._on(n, c.device) != int_view(c)).any(dim=1) for n, c in got.items()}
 
     def stats(self, kind, device):
         if kind not in self._stats:  # a golden without stored statistics: computed from its rows

@@ -568,7 +568,9 @@ class Source:
     def digested(self) -> bool:
         """Whether each K stores its rows' digests in the scheme this vd computes (`vd.digest`)."""
         m = self.meta
-        return m.get("digest") == _digest.meta(m["vocab_size"], ENCODINGS[m["logits"]["dtype"]][0].itemsize)
+        v, logical = m.get("vocab_size"), (m.get("logits") or {}).get("dtype")
+        return (m.get("digest") is not None and isinstance(v, int) and logical in ENCODINGS
+                and m["digest"] == _digest.meta(v, ENCODINGS[logical][0].itemsize))
 
     def counts(self, k: int) -> dict[str, int]:
         """K's rows per kind, as `KRecord.rows_by_kind` lays them out."""
