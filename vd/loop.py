@@ -62,11 +62,9 @@ class Run:
     def rows_by_kind(self) -> dict[str, torch.Tensor]:
         """The computed rows ``[R, V]`` per kind, laid out as `vd.golden.KRecord.rows_by_kind`: prefill,
         verify (steps × K) and, with a draft head, draft (the bootstrap row, then each step's K-1 rows)."""
-        v = self.prefill.shape[-1]
-        out = {"prefill": self.prefill,
-               "verify": torch.cat([r.reshape(-1, v) for r in self.rows]) if self.rows else self.prefill[:0]}
-        if self.bootstrap_row is not None:
-            out["draft"] = torch.cat([self.bootstrap_row.reshape(-1, v), *(r.reshape(-1, v) for r in self.draft_rows)])
+        out = {"prefill": self.prefill, "verify": torch.cat(self.rows) if self.rows else self.prefill[:0]}
+        if self.bootstrap_row is not None:  # every row tensor is [n, V]
+            out["draft"] = torch.cat([self.bootstrap_row, *self.draft_rows])
         return out
 
     def committed(self) -> list[int]:
