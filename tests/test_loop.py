@@ -64,3 +64,26 @@ def test_replay_feed_forces_tokens_and_accepts(fp32_model):
     rep0 = run_verify(fp32_model, prompt, 3, 6, ReplayFeed(forced, ref.bootstrap))
     assert [s.accepted for s in rep0.steps] == [0] * 6
     assert rep0.computed[0] == ref.steps[0].accepted
+
+
+def test_flat_rows_lay_every_kind_out_in_order_and_a_replay_needs_no_read_back_to_start():
+    """`Run.flat_rows` is `Run.rows_by_kind` in one tensor (what a comparison digests); a feed that knows
+    its bootstrap token starts without reading the prefill's argmax back (the GPU runs on)."""
+    from vd.loop import DrafterFeed
+    from vd.models import load_model
+
+    m = load_model("tiny-llama-mtp", device="cpu", dtype="float32")
+    prompt = m.encode("rows in order")
+    run = run_verify(m, prompt, 3, 5, DrafterFeed(3, 5))
+    flat, counts = run.flat_rows()
+    kinds = run.rows_by_kind()
+    assert counts == {n: t.shape[0] for n, t in kinds.items()} == {"prefill": len(prompt), "verify": 15, "draft": 11}
+    assert torch.equal(torch.cat(list(kinds.values())), flat)
+
+    def never() -> int:  # the prefill's greedy token, were it read back
+        raise AssertionError("read back")
+
+    assert ReplayFeed(run.steps, 7).start(m, run, never) == 7
+    forced = ReplayFeed(run.steps, run.bootstrap, run.committed_before[0])
+    again = run_verify(m, prompt, 3, 5, DrafterFeed(3, 5, forced))
+    assert again.steps == run.steps and torch.equal(again.flat_rows()[0], flat)

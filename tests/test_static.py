@@ -272,20 +272,25 @@ def test_golden_reader_allocates_up_front_and_one_slow_unit_moves_its_mean_littl
 
 
 def test_golden_reader_of_a_golden_with_digests_reads_no_rows(tiny_golden):
-    """With row digests the reader reads each K's step log, prompt and digests and checks the log; no
+    """With row digests the reader reads each K's step log, prompt and digests, checks the log and makes
+    the comparison side (`vd.gold.ByDigest`, its digests on the device and its report figures made); no
     row, no buffer (a replay reads rows only where a candidate's digests differ)."""
+    from vd.gold import ByDigest, _by_kind
     from vd.golden import Source
 
     g, reader = _reader(tiny_golden)
-    assert {u.kind for u in reader.units} == {"small", "check"}
+    assert {u.kind for u in reader.units} == {"small", "check", "gold"}
     assert reader.idle(30.0) is False and not reader.units
     src = Source(tiny_golden)
     src.meta, src.prompt = g.meta, g.prompt
     inline = open_golden(tiny_golden)
     for k in (2, 3, 4):
-        (d, st), (d2, st2) = reader.summaries(k), src.summaries(k)
-        assert np.array_equal(d, d2) and np.array_equal(st, st2)
-        assert np.array_equal(d, inline.runs[k].digests) and np.array_equal(st, inline.runs[k].stats)
+        gold, (d2, st2) = reader.gold(k), src.summaries(k)
+        assert isinstance(gold, ByDigest) and gold._device is not None and set(gold._figures) == set(gold.counts)
+        assert np.array_equal(gold.digests, d2) and np.array_equal(gold.digests, inline.runs[k].digests)
+        assert np.array_equal(gold._device[0].numpy(), d2.astype(np.float64))
+        stored = _by_kind(st2, gold.counts)
+        assert all(np.array_equal(gold.stats(n, None)[s], stored[n][s]) for n in gold.counts for s in stored[n])
         assert np.array_equal(reader.log(k).tokens, inline.runs[k].tokens)
         assert not reader.ks[k].host and not reader.ks[k].device
 

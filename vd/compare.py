@@ -148,38 +148,38 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
     rec = KRecord(k=1, bootstrap=0, tokens=np.zeros((0, 1), np.int32), accepted=np.zeros(0, np.int32),
                   prefill=gold_bits.cpu().numpy().view(ENCODINGS[logical][0]).reshape(-1, v),
                   logits=np.zeros((0, 1, v), ENCODINGS[logical][0]), step_ms=np.zeros(0))
-    return measure_kinds(InMemory(rec), {"prefill": got.reshape(-1, v)}, logical, {"prefill": spec})["prefill"]
+    return measure_kinds(InMemory(rec), got.reshape(-1, v), logical, {"prefill": spec, "verify": spec})["prefill"]
 
 
-def measure_kinds(gold: Gold, got: Mapping[str, torch.Tensor], logical: str,
-                  specs: Mapping[str, Spec]) -> dict[str, Rows]:
-    """Each kind's candidate rows ``[R, V]`` measured against the golden's, on the candidate's device.
+def measure_kinds(gold: Gold, got: torch.Tensor, logical: str, specs: Mapping[str, Spec]) -> dict[str, Rows]:
+    """Each kind's candidate rows measured against the golden's, on the candidate's device: ``got`` is
+    ``[R, V]``, every kind's rows in ``gold.counts``' order (`vd.loop.Run.flat_rows`).
 
-    Which rows differ (`vd.gold.Gold.differ`: their bits, or their digests) comes back in one read-back
-    for every kind; the golden's statistics of each row (argmax, margin, ...) are the golden's own
-    (`vd.gold.Gold.stats`: stored, or computed from its rows), and a row equal to the golden's has the
-    golden's argmax. Only rows that differ are fetched from the golden (from its store, for a golden
-    known by digests), measured element by element and judged under their kind's spec.
+    Which rows differ (`vd.gold.Gold.differ`: their bits, or their digests) comes back in one read-back;
+    the golden's statistics of each row (argmax, margin, ...) are the golden's own (`vd.gold.Gold.stats`:
+    stored, or computed from its rows), and a row equal to the golden's has the golden's argmax. Only
+    rows that differ are fetched from the golden (from its store, for a golden known by digests),
+    measured element by element and judged under their kind's spec.
     """
-    flags = gold.differ(got)
-    differ_all = torch.cat([flags[n] for n in got]).cpu().numpy()
+    differ_all = gold.differ(got).cpu().numpy()
     out, at = {}, 0
-    for name, c in got.items():
-        differ = differ_all[at:at + c.shape[0]]
-        at += c.shape[0]
-        golden = gold.stats(name, c.device)
-        zero = np.zeros(c.shape[0], dtype=np.float64)  # every measure of a row whose bits are equal
+    for name, n in gold.counts.items():
+        differ = differ_all[at:at + n]
+        c = got[at:at + n]
+        at += n
+        golden = gold.stats(name, got.device)
+        zero = np.zeros(n, dtype=np.float64)  # every measure of a row whose bits are equal
         host = dict.fromkeys(_MEASURES, zero)
         passed, got_argmax = ~differ, golden["argmax"]
         positions = np.zeros(POSITION_BINS, dtype=np.int64)
         if differ.any():
-            host = {n: zero.copy() for n in _MEASURES}
+            host = {m: zero.copy() for m in _MEASURES}
             got_argmax = got_argmax.copy()
             idx = np.flatnonzero(differ)
-            vals, ok, c_arg, positions = _measure_differing(gold.rows(name, idx, c.device), c[idx], logical,
+            vals, ok, c_arg, positions = _measure_differing(gold.rows(name, idx, got.device), c[idx], logical,
                                                             specs[name])
-            for n in _MEASURES:
-                host[n][idx] = vals[n]
+            for m in _MEASURES:
+                host[m][idx] = vals[m]
             passed[idx] = ok
             got_argmax[idx] = c_arg
         out[name] = Rows(differ=differ, passed=passed, golden_argmax=golden["argmax"], got_argmax=got_argmax,
@@ -273,14 +273,15 @@ def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
     gold = InMemory(golden) if isinstance(golden, KRecord) else golden
     policy = dict(policy or {k: "exact" for k in KINDS})
     specs = {k: parse_spec(policy.get(k, "exact")) for k in KINDS}
-    got = run.rows_by_kind()
-    assert {n: t.shape[0] for n, t in got.items() if n in gold.counts} == gold.counts, "shapes checked on load"
+    got, counts = run.flat_rows()
+    assert {n: counts[n] for n in gold.counts} == gold.counts, "shapes checked on load"
+    assert list(counts)[:len(gold.counts)] == list(gold.counts), "kinds in one order"
     s, k = gold.steps, gold.k
     shape = {"prefill": (gold.counts["prefill"], False, 0), "verify": (k, True, 0)}
     mtp = "draft" in gold.counts
     if mtp:  # the bootstrap row, then each step's K-1 draft rows, as `KRecord.rows_by_kind` lays them out
         shape["draft"] = (k - 1, True, 1)
-    measured = measure_kinds(gold, {n: got[n] for n in gold.counts}, logical, specs)
+    measured = measure_kinds(gold, got[:sum(gold.counts.values())], logical, specs)
     kinds = [_Kind(n, measured[n], *shape[n]) for n in gold.counts]
     by = {kd.name: kd for kd in kinds}
 
@@ -325,24 +326,29 @@ def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
     def steps_of(a: np.ndarray, per: int, skip: int = 0) -> np.ndarray:  # [S, per] rows of each step
         return a[skip:skip + s * per].reshape(s, per)
 
-    if quiet["verify"]:
-        cols = {"max_abs": [0.0] * s, "max_ulp": [0.0] * s, "n_diff": [0] * s, "max_kl": [0.0] * s,
-                "argmax_agree": [True] * s}
+    if quiet["verify"] and (not mtp or quiet["draft"]):  # every step's figures are zeros
+        zeros = {"max_abs": 0.0, "max_ulp": 0.0, "n_diff": 0, "max_kl": 0.0, "argmax_agree": True}
+        tail = {"draft_max_abs": 0.0, "draft_n_diff": 0} if mtp else {}
+        per_step = [{"step": i, **zeros, "passed": i not in failed_steps, **tail} for i in range(s)]
     else:
-        cols = {"max_abs": steps_of(ver.max_abs, k).max(1).tolist(),
-                "max_ulp": steps_of(ver.max_ulp, k).max(1).tolist(),
-                "n_diff": steps_of(ver.n_diff, k).sum(1).astype(np.int64).tolist(),
-                "max_kl": steps_of(ver.kl, k).max(1).tolist(),
-                "argmax_agree": (steps_of(ver.golden_argmax, k) == steps_of(ver.got_argmax, k)).all(1).tolist()}
-    drafts = {}
-    if mtp and quiet["draft"]:
-        drafts = {"draft_max_abs": [0.0] * s, "draft_n_diff": [0] * s}
-    elif mtp:
-        d = by["draft"].rows
-        drafts = {"draft_max_abs": steps_of(d.max_abs, k - 1, 1).max(1, initial=0.0).tolist(),
-                  "draft_n_diff": steps_of(d.n_diff, k - 1, 1).sum(1).astype(np.int64).tolist()}
-    per_step = [{"step": i, **{n: c[i] for n, c in cols.items()}, "passed": i not in failed_steps,
-                 **{n: c[i] for n, c in drafts.items()}} for i in range(s)]
+        if quiet["verify"]:
+            cols = {"max_abs": [0.0] * s, "max_ulp": [0.0] * s, "n_diff": [0] * s, "max_kl": [0.0] * s,
+                    "argmax_agree": [True] * s}
+        else:
+            cols = {"max_abs": steps_of(ver.max_abs, k).max(1).tolist(),
+                    "max_ulp": steps_of(ver.max_ulp, k).max(1).tolist(),
+                    "n_diff": steps_of(ver.n_diff, k).sum(1).astype(np.int64).tolist(),
+                    "max_kl": steps_of(ver.kl, k).max(1).tolist(),
+                    "argmax_agree": (steps_of(ver.golden_argmax, k) == steps_of(ver.got_argmax, k)).all(1).tolist()}
+        drafts = {}
+        if mtp and quiet["draft"]:
+            drafts = {"draft_max_abs": [0.0] * s, "draft_n_diff": [0] * s}
+        elif mtp:
+            d = by["draft"].rows
+            drafts = {"draft_max_abs": steps_of(d.max_abs, k - 1, 1).max(1, initial=0.0).tolist(),
+                      "draft_n_diff": steps_of(d.n_diff, k - 1, 1).sum(1).astype(np.int64).tolist()}
+        per_step = [{"step": i, **{n: c[i] for n, c in cols.items()}, "passed": i not in failed_steps,
+                     **{n: c[i] for n, c in drafts.items()}} for i in range(s)]
     summary = {}
     for kd in kinds:
         r = kd.rows
@@ -354,10 +360,7 @@ def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
                        "argmax_flips": int(sum(f.kind == kd.name for f in flips)),
                        "max_abs": float(r.max_abs.max(initial=0.0)), "max_ulp": float(r.max_ulp.max(initial=0.0)),
                        "max_kl": float(r.kl.max(initial=0.0)), "n_diff": int(r.n_diff.sum())}
-        summary[kd.name] = {"rows": int(r.differ.size), **figures,
-                            "golden_max_abs": float(np.nanmax(r.golden_absmax, initial=0.0)),
-                            "golden_min_margin": float(np.nanmin(r.margin, initial=np.inf)),
-                            "golden_median_top1_p": _median(r.top1_p)}
+        summary[kd.name] = {"rows": int(r.differ.size), **figures, **gold.figures(kd.name, got.device)}
     row_list = []
     for kd in kinds:
         if quiet[kd.name]:
@@ -370,7 +373,8 @@ def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
                              "max_abs": float(r.max_abs[f]), "max_ulp": float(r.max_ulp[f]), "kl": float(r.kl[f]),
                              "argmax_agree": bool(r.golden_argmax[f] == r.got_argmax[f])})
     positions = {"bins": POSITION_BINS, "vocab": int(gold.vocab),
-                 "counts": [int(x) for x in sum(kd.rows.positions for kd in kinds)]}
+                 "counts": [0] * POSITION_BINS if all(quiet.values())
+                 else [int(x) for x in sum(kd.rows.positions for kd in kinds)]}
 
     vbad = [] if quiet["verify"] else sorted({by["verify"].where(int(f))[0] for f in np.flatnonzero(ver.differ)})
     extra = {}
@@ -405,17 +409,6 @@ def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
         positions=positions,
         **extra,
     )
-
-
-def _median(a: np.ndarray) -> float:
-    """`np.nanmedian` of a one-dimensional array, as numpy computes it (the middle value, or the mean of
-    the two in the array's dtype) without its overhead (5 against 72 us for 64 rows on the 2-core
-    machines); 0.5 for no rows, NaN when every value is NaN."""
-    kept = np.sort(a[~np.isnan(a)])
-    n = kept.size
-    if not n:
-        return 0.5 if not a.size else float("nan")
-    return float(kept[n // 2]) if n % 2 else float((kept[n // 2 - 1] + kept[n // 2]) / 2)
 
 
 def thin_reason(k: int, accepted: Sequence[int]) -> str | None:

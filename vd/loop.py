@@ -59,13 +59,25 @@ class Run:
     # Generated tokens committed before the first step (the drafter's bootstrap decode commits one).
     committed_before: list[int] = field(default_factory=list)
 
+    def counts(self) -> dict[str, int]:
+        """Rows per kind, as `rows_by_kind` lays them out."""
+        out = {"prefill": self.prefill.shape[0], "verify": len(self.rows) * self.k}
+        if self.bootstrap_row is not None:
+            out["draft"] = 1 + sum(r.shape[0] for r in self.draft_rows)
+        return out
+
+    def flat_rows(self) -> tuple[torch.Tensor, dict[str, int]]:
+        """Every computed row in one ``[R, V]`` tensor, in `rows_by_kind`'s order, and each kind's count."""
+        parts = [self.prefill, *self.rows]
+        if self.bootstrap_row is not None:  # every row tensor is [n, V]
+            parts += [self.bootstrap_row, *self.draft_rows]
+        return torch.cat(parts), self.counts()
+
     def rows_by_kind(self) -> dict[str, torch.Tensor]:
         """The computed rows ``[R, V]`` per kind, laid out as `vd.golden.KRecord.rows_by_kind`: prefill,
         verify (steps × K) and, with a draft head, draft (the bootstrap row, then each step's K-1 rows)."""
-        out = {"prefill": self.prefill, "verify": torch.cat(self.rows) if self.rows else self.prefill[:0]}
-        if self.bootstrap_row is not None:  # every row tensor is [n, V]
-            out["draft"] = torch.cat([self.bootstrap_row, *self.draft_rows])
-        return out
+        flat, counts = self.flat_rows()
+        return dict(zip(counts, flat.split(list(counts.values()))))
 
     def committed(self) -> list[int]:
         """The generated sequence this run committed: each step's ``last`` and accepted drafts."""
@@ -98,9 +110,11 @@ def reference_drafts(greedy: Sequence[int], p: int, s: int, k: int, vocab: int) 
 class Feed:
     """How a run picks each step. The base class is the neutral hook set; subclasses choose tokens."""
 
-    def start(self, model: VerifyModel, run: Run, last: int) -> int:
-        """After the prefill (``run.prefill``): the token the first step starts from (the bootstrap)."""
-        return last
+    def start(self, model: VerifyModel, run: Run, first: Callable[[], int]) -> int:
+        """After the prefill (``run.prefill``): the token the first step starts from (the bootstrap).
+        ``first()`` reads back the prefill's greedy token (a feed that knows its bootstrap token need not:
+        the GPU then runs on without waiting for the host)."""
+        return first()
 
     def tokens(self, s: int, last: int, p: int, k: int, vocab: int) -> list[int]:
         """Step ``s``'s verify input, given ``last`` and the committed count ``p`` of generated tokens."""
@@ -136,7 +150,7 @@ class ReplayFeed(Feed):
         self.steps = list(steps)
         self.bootstrap, self.decoded = bootstrap, decoded
 
-    def start(self, model: VerifyModel, run: Run, last: int) -> int:
+    def start(self, model: VerifyModel, run: Run, first: Callable[[], int]) -> int:
         return self.bootstrap
 
     def tokens(self, s: int, last: int, p: int, k: int, vocab: int) -> list[int]:
@@ -166,10 +180,10 @@ class DrafterFeed(Feed):
         run.drafts.append(tuple(int(d) for d in drafts))
         run.draft_rows.append(rows)
 
-    def start(self, model, run: Run, last: int) -> int:
-        # Bootstrap decode: commit the prefill's rows and ``last``, then the first propose.
-        if self.forced is not None and self.forced.decoded is not None:
-            last = self.forced.decoded
+    def start(self, model, run: Run, first: Callable[[], int]) -> int:
+        # Bootstrap decode: commit the prefill's rows and its greedy token, then the first propose.
+        forced = self.forced is not None and self.forced.decoded is not None
+        last = self.forced.decoded if forced else first()
         model.save_hidden(run.prefill.shape[0] - 1)
         row = model.forward([last])  # [1, V]
         run.bootstrap_row, run.committed_before = row, [last]
@@ -221,6 +235,15 @@ def continuation(model: VerifyModel, prompt: Sequence[int], n: int) -> list[int]
     return out
 
 
+def _log(run: Run, s: int, tokens: Sequence[int], rows: torch.Tensor, na: int, computed: int,
+         on_step: Callable[[int], None] | None) -> None:
+    run.rows.append(rows)
+    run.steps.append(Step(tuple(int(t) for t in tokens), na))
+    run.computed.append(computed)
+    if on_step is not None:
+        on_step(s)
+
+
 @torch.inference_mode()
 def run_verify(
     model: VerifyModel,
@@ -252,8 +275,9 @@ def run_verify(
         # under a profiler on the H200's host, two calls a step).
         stream = torch.cuda.current_stream(prefill.device)
     run = Run(k=k, prefill=prefill)
-    last = run.bootstrap = feed.start(model, run, _argmax(prefill[-1:])[0])
+    last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
+    logged = None  # a step's record, kept once the next step's forward is issued (off the critical path)
     for s in range(steps):
         tokens = feed.tokens(s, last, p, k, vocab)
         assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
@@ -263,8 +287,12 @@ def run_verify(
         rows = model.forward(tokens)  # [K, V]
         if timed:
             end.record(stream)
+        if logged is not None:
+            _log(run, *logged, on_step)
+        if timed:
             # The GPU began when the forward was issued: what is left of it is the last step's GPU time
-            # less the time issuing this one took (nearly all of it for a forward that is not graphed).
+            # less the time issuing this one (and logging the last) took (nearly all of it for a forward
+            # that is not graphed).
             more = idle(IDLE_SHARE * max(0.0, gpu_s - (time.perf_counter() - t0)))
         outs = _argmax(rows)  # reads back to the host, so the forward has finished
         run.step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -277,12 +305,12 @@ def run_verify(
         model.rewind(k - 1 - na)
         last = feed.next_last(s, outs[na])
         p += na + 1
-        run.rows.append(rows)
         if sink is not None:
             sink("verify", s, rows)
-        run.steps.append(Step(tuple(int(t) for t in tokens), na))
-        run.computed.append(computed)
+        # Between a step's result and the next forward only what that forward needs runs (what the step
+        # committed, and a drafter's propose); the step is logged while the next one runs.
+        logged = (s, tokens, rows, na, computed)
         feed.after_commit(model, run, s, na, last)
-        if on_step is not None:
-            on_step(s)
+    if logged is not None:
+        _log(run, *logged, on_step)
     return run

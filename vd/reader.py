@@ -68,6 +68,7 @@ from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from vd.errors import GoldenCorruptError
+from vd.gold import ByDigest
 from vd.golden import ENCODINGS, KLog, KRecord, Source, check_summaries, expected_shapes, int_bits, log_from
 
 READ_WORKERS = 4  # threads decoding compressed chunks (their work releases the interpreter lock)
@@ -362,6 +363,7 @@ class _K:
     small: dict = field(default_factory=dict)  # tokens, accepted, step_ms (drafts, digests) as read; the log
     error: BaseException | None = None
     record: KRecord | None = None
+    gold: ByDigest | None = None  # K's comparison side, for a golden with row digests
 
 
 class GoldenReader:
@@ -487,10 +489,10 @@ class GoldenReader:
         """K's step log as stored, checked against the metadata's copy."""
         return self._drain(k).small["log"]
 
-    def summaries(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """K's row digests and statistics (a golden with digests)."""
-        kk = self._drain(k)
-        return kk.small["digests"], kk.small["stats"]
+    def gold(self, k: int) -> ByDigest:
+        """K's comparison side (a golden with row digests): made, with its digests on the device, in a
+        run's idle time (`_gold`)."""
+        return self._drain(k).gold
 
     def device_rows(self, k: int) -> dict[str, torch.Tensor]:
         kk = self._drain(k)
@@ -503,14 +505,14 @@ class GoldenReader:
 
     # -- the units --------------------------------------------------------------------------------
     def _plan(self, k: int) -> list[_Unit]:
-        """K's units, in order. A golden with row digests: the small arrays (step log, prompt, digests)
-        and the step log check; no rows (`vd.gold.ByDigest` reads those that differ, after the run).
-        Otherwise: its buffers; each row array opened (queueing its chunk reads); the small arrays; the
-        check."""
+        """K's units, in order. A golden with row digests: the small arrays (step log, prompt, digests),
+        the step log check and the comparison side (`_gold`); no rows (`vd.gold.ByDigest` reads those
+        that differ, after the run). Otherwise: its buffers; each row array opened (queueing its chunk
+        reads); the small arrays; the check."""
         if self.src.digested:
             return ([_Unit("small", k, lambda n=n: self._small(k, n))
                      for n in (*Source.SMALL, "prompt", "digests", "stats")]
-                    + [_Unit("check", k, lambda: self._check(k))])
+                    + [_Unit("check", k, lambda: self._check(k)), _Unit("gold", k, lambda: self._gold(k))])
         big = [n for n in self.src.big if n in _LAYOUT]
         small = [*Source.SMALL, "prompt"] + (["drafts"] if "drafts" in self.src.big else [])
         return ([_Unit("alloc", k, lambda: self._alloc(k))]
@@ -606,6 +608,14 @@ class GoldenReader:
         log = log_from(k, attrs, kk.small)
         self.src.check_log(k, self.known.get(k), log, self.stored_prompt)
         kk.small["log"] = log
+
+    def _gold(self, k: int) -> None:
+        """K's `vd.gold.ByDigest`, its digests copied to the device on the side stream and its report
+        figures made (so that after the run only the comparison itself is left)."""
+        kk, src = self.ks[k], self.src
+        kk.gold = ByDigest(kk.small["log"], src.counts(k), src.meta["vocab_size"], kk.small["digests"],
+                           kk.small["stats"], lambda kind, idx: read_rows(src, k, kind, idx))
+        kk.gold.prepare(self.device, self.stream)
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
