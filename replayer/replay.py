@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from vd import env
-from vd.compare import compare_run, coverage_reason, histogram, thin_reason
+from vd.compare import Queued, compare_run, coverage_reason, histogram, thin_reason
 from vd.errors import ModelMismatchError, UsageError
 from vd.gold import Gold, step_rows
 from vd.golden import Golden, open_golden, to_storage
@@ -158,6 +158,12 @@ def replay(
         forced = ReplayFeed(log, bootstrap, golden.log(k).decoded)
         return DrafterFeed(k, steps, forced) if mtp else forced
 
+    cuda = model.device.type == "cuda"
+
+    def queue(k: int, into: list) -> Callable | None:
+        """On CUDA: while the GPU runs a run's last step, its comparison's GPU work queued behind it."""
+        return (lambda run, rows: into.append(Queued(golden.gold(k), run, rows))) if cuda else None
+
     verify, reasons, differs, kept = [], [], False, None
     t_start = time.perf_counter()
     clock["setup"] = t_start - t - loading  # checks, the model's and the golden's, outside loading the model
@@ -172,13 +178,14 @@ def replay(
             golden.pause()  # no reader work beside a graph capture
             prepare(model, len(golden.prompt), steps, golden.runs.keys())
             t1 = time.perf_counter()
+            queued: list[Queued] = []
             run = run_verify(model, golden.prompt, k, steps, feed(k, log, rec.bootstrap), on_step=on_step,
-                             idle=golden.idle)
+                             idle=golden.idle, on_last=queue(k, queued))
             t2 = time.perf_counter()
-            # The golden's side, asked for only now: its digests, or its rows (on CUDA read beside the run).
+            # The golden's side (made in the run's idle time on CUDA): its digests, or its rows.
             gold = golden.gold(k)
             t3 = time.perf_counter()
-            c = compare_run(name, gold, run, logical, policy)
+            c = compare_run(name, gold, run, logical, policy, *queued)
             t4 = time.perf_counter()
             for key, dt in (("prepare", t1 - t), ("run", t2 - t1), ("wait_golden", t3 - t2), ("compare", t4 - t3)):
                 clock[key] += dt
@@ -203,9 +210,10 @@ def replay(
         if control:
             t = time.perf_counter()
             phase(f"K={k} control", steps)  # runs under the last forward, still selected
+            queued = []
             run = run_verify(model, golden.prompt, k, steps, feed(k, control_steps(log, vocab), rec.bootstrap),
-                             on_step=on_step, idle=golden.idle)
-            dc = compare_run(f"{forwards[-1]}, one draft changed", golden.gold(k), run, logical, policy)
+                             on_step=on_step, idle=golden.idle, on_last=queue(k, queued))
+            dc = compare_run(f"{forwards[-1]}, one draft changed", golden.gold(k), run, logical, policy, *queued)
             at = steps // 2
             # It must fail at the very step whose draft changed, under the active policy (or by a changed
             # decision), whatever else differs: a policy too loose to see a changed input is blind.

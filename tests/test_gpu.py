@@ -171,6 +171,34 @@ def test_a_run_hands_its_idle_time_over_until_told_nothing_is_left():
     assert calls[0] == 0.0 and all(c >= 0.0 for c in calls)
 
 
+def test_comparison_queued_during_the_last_step_is_the_comparison_after_the_run(tmp_path):
+    """`vd.compare.Queued` (which rows differ, asked of the GPU on a side stream while it runs the last
+    step) gives the comparison made after the run, for the golden's forward (equal) and for eager
+    (rows that differ, measured from the queued rows)."""
+    from recorder.record import record
+    from vd.compare import Queued, compare_run
+    from vd.loop import ReplayFeed, run_verify
+
+    m = load_model("tiny-qwen2", device="cuda")
+    m.set_forward("graphed")
+    path = tmp_path / "g.zarr"
+    record(path, model=m, model_spec="tiny-qwen2", prompt="The three laws of thermodynamics state that", ks=[3],
+           steps=6, forward="graphed", allow_thin=True)
+    g = open_golden(path, lazy=True)
+    g.prefetch(m.device)
+    log, verdicts = g.log(3), []
+    for fwd in ("graphed", "eager"):
+        m.set_forward(fwd)
+        queued = []
+        run = run_verify(m, g.prompt, 3, 6, ReplayFeed(log.steps, log.bootstrap), idle=g.idle,
+                         on_last=lambda r, rows, into=queued: into.append(Queued(g.gold(3), r, rows)))
+        assert len(queued) == 1
+        a = compare_run(fwd, g.gold(3), run, g.logical_dtype, None, queued[0]).to_json()
+        assert a == compare_run(fwd, g.gold(3), run, g.logical_dtype).to_json()
+        verdicts.append((a["passed"], a["mismatched_steps"] > 0 or not a["prefill_equal"]))
+    assert verdicts[0] == (True, False) and verdicts[1][1], verdicts
+
+
 def test_row_digests_are_the_same_on_cpu_and_cuda(cli, tmp_path):
     """`vd.digest` sums exact integers in float64: cuBLAS gives the CPU's digest bit for bit (a 152k
     vocabulary in bf16, float32 rows, the blocked path); a golden recorded on CUDA stores the digests

@@ -151,9 +151,11 @@ def measure(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
     return measure_kinds(InMemory(rec), got.reshape(-1, v), logical, {"prefill": spec, "verify": spec})["prefill"]
 
 
-def measure_kinds(gold: Gold, got: torch.Tensor, logical: str, specs: Mapping[str, Spec]) -> dict[str, Rows]:
+def measure_kinds(gold: Gold, got: torch.Tensor, logical: str, specs: Mapping[str, Spec],
+                  flags: np.ndarray | None = None) -> dict[str, Rows]:
     """Each kind's candidate rows measured against the golden's, on the candidate's device: ``got`` is
-    ``[R, V]``, every kind's rows in ``gold.counts``' order (`vd.loop.Run.flat_rows`).
+    ``[R, V]``, every kind's rows in ``gold.counts``' order (`vd.loop.Run.flat_rows`); ``flags``, when
+    given, say which differ (`Queued`).
 
     Which rows differ (`vd.gold.Gold.differ`: their bits, or their digests) comes back in one read-back;
     the golden's statistics of each row (argmax, margin, ...) are the golden's own (`vd.gold.Gold.stats`:
@@ -161,7 +163,7 @@ def measure_kinds(gold: Gold, got: torch.Tensor, logical: str, specs: Mapping[st
     rows that differ are fetched from the golden (from its store, for a golden known by digests),
     measured element by element and judged under their kind's spec.
     """
-    differ_all = gold.differ(got).cpu().numpy()
+    differ_all = gold.differ(got).cpu().numpy() if flags is None else flags
     out, at = {}, 0
     for name, n in gold.counts.items():
         differ = differ_all[at:at + n]
@@ -264,16 +266,59 @@ def _first_mismatch(kind: _Kind, skip: int = 0) -> Mismatch | None:
     return Mismatch(step, row, int(r.first_index[f]), float(r.first_golden[f]), float(r.first_got[f]))
 
 
+class Queued:
+    """Which of a run's rows differ from the golden's, asked of the GPU while it still runs the run's last
+    step (`vd.loop.run_verify`'s ``on_last``): the rows gathered, compared (`vd.gold.Gold.differ`) and
+    the answer copied back to page-locked memory on a side stream behind that step's forward, nothing
+    waited for; `compare_run` takes it instead of doing the same after the run. On the H200 that host
+    work took 0.1-0.5 ms after a run (tools/bench_gpu.json), where the GPU waited for it."""
+
+    def __init__(self, gold: Gold, run: Run, last: torch.Tensor):
+        device = last.device
+        self.stream = _side(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # behind the forward just issued
+        with torch.cuda.stream(self.stream):
+            flat, self.counts = run.flat_rows(last)
+            self.rows = flat[:sum(gold.counts.values())]
+            flags = gold.differ(self.rows)
+            self.flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            self.flags.copy_(flags, non_blocking=True)
+            self.done = self.stream.record_event()
+
+    def result(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The rows (for the current stream) and which of them differ, once the side stream is done."""
+        self.done.synchronize()
+        self.rows.record_stream(torch.cuda.current_stream(self.rows.device))
+        return self.rows, self.flags.numpy()
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the process (its cached memory is reused)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
 def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
-                policy: Mapping[str, str] | None = None) -> Comparison:
+                policy: Mapping[str, str] | None = None, queued: Queued | None = None) -> Comparison:
     """Measure every row of ``run`` (its prefill, each step's K rows and, for an MTP golden, the bootstrap
     decode row and the head's draft rows) against ``golden`` (a `vd.gold.Gold`; a `KRecord` is taken as
     `vd.gold.InMemory`), judge them under ``policy`` (exact by default), and check every decision: each
-    row's argmax, and each step's accept count."""
+    row's argmax, and each step's accept count. ``queued``: which rows differ, asked of the GPU during
+    the run's last step (`Queued`)."""
     gold = InMemory(golden) if isinstance(golden, KRecord) else golden
     policy = dict(policy or {k: "exact" for k in KINDS})
     specs = {k: parse_spec(policy.get(k, "exact")) for k in KINDS}
-    got, counts = run.flat_rows()
+    flags = None
+    if queued is not None:
+        (got, flags), counts = queued.result(), queued.counts
+    else:
+        got, counts = run.flat_rows()
     assert {n: counts[n] for n in gold.counts} == gold.counts, "shapes checked on load"
     assert list(counts)[:len(gold.counts)] == list(gold.counts), "kinds in one order"
     s, k = gold.steps, gold.k
@@ -281,7 +326,7 @@ def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
     mtp = "draft" in gold.counts
     if mtp:  # the bootstrap row, then each step's K-1 draft rows, as `KRecord.rows_by_kind` lays them out
         shape["draft"] = (k - 1, True, 1)
-    measured = measure_kinds(gold, got[:sum(gold.counts.values())], logical, specs)
+    measured = measure_kinds(gold, got[:sum(gold.counts.values())], logical, specs, flags)
     kinds = [_Kind(n, measured[n], *shape[n]) for n in gold.counts]
     by = {kd.name: kd for kd in kinds}
 

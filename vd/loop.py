@@ -66,12 +66,16 @@ class Run:
             out["draft"] = 1 + sum(r.shape[0] for r in self.draft_rows)
         return out
 
-    def flat_rows(self) -> tuple[torch.Tensor, dict[str, int]]:
-        """Every computed row in one ``[R, V]`` tensor, in `rows_by_kind`'s order, and each kind's count."""
-        parts = [self.prefill, *self.rows]
+    def flat_rows(self, last: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, int]]:
+        """Every computed row in one ``[R, V]`` tensor, in `rows_by_kind`'s order, and each kind's count;
+        with ``last``, as if those verify rows were one more step's (a run's last, not logged yet)."""
+        parts = [self.prefill, *self.rows, *([] if last is None else [last])]
         if self.bootstrap_row is not None:  # every row tensor is [n, V]
             parts += [self.bootstrap_row, *self.draft_rows]
-        return torch.cat(parts), self.counts()
+        counts = self.counts()
+        if last is not None:
+            counts["verify"] += last.shape[0]
+        return torch.cat(parts), counts
 
     def rows_by_kind(self) -> dict[str, torch.Tensor]:
         """The computed rows ``[R, V]`` per kind, laid out as `vd.golden.KRecord.rows_by_kind`: prefill,
@@ -254,6 +258,7 @@ def run_verify(
     on_step: Callable[[int], None] | None = None,
     sink: Callable[[str, int | None, torch.Tensor], None] | None = None,
     idle: Callable[[float], bool | None] | None = None,
+    on_last: Callable[[Run, torch.Tensor], None] | None = None,
 ) -> Run:
     """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them.
     ``sink(kind, step, rows)`` receives the prefill's rows (``"prefill"``, None) and each step's verify
@@ -262,7 +267,10 @@ def run_verify(
     with the time the GPU is expected to stay busy (`IDLE_SHARE` of: the last step's GPU time, measured
     by CUDA events, less the time issuing this step took; 0 before one is measured): a replay's golden
     reader works in it (`vd.reader`). Once it returns False (nothing left to do) steps are no longer
-    timed or handed over (the events cost 15-30 us a step on the H200)."""
+    timed or handed over (the events cost 15-30 us a step on the H200). ``on_last(run, rows)`` is called
+    once the last step's forward is issued, before its result is read back, with the run so far and that
+    step's rows (`Run.flat_rows`): a replay queues its comparison's GPU work behind that forward there
+    (`vd.compare.Queued`), while the GPU still runs it."""
     vocab = model.vocab_size
     model.reset()
     prefill = model.forward(prompt)  # [P, V]
@@ -289,6 +297,8 @@ def run_verify(
             end.record(stream)
         if logged is not None:
             _log(run, *logged, on_step)
+        if on_last is not None and s == steps - 1:
+            on_last(run, rows)
         if timed:
             # The GPU began when the forward was issued: what is left of it is the last step's GPU time
             # less the time issuing this one (and logging the last) took (nearly all of it for a forward
