@@ -271,7 +271,7 @@ class Queued:
     step (`vd.loop.run_verify`'s ``on_last``): the rows gathered, compared (`vd.gold.Gold.differ`) and
     the answer copied back to page-locked memory on a side stream behind that step's forward, nothing
     waited for; `compare_run` takes it instead of doing the same after the run. On the H200 that host
-    work took 0.1-0.5 ms after a run (tools/bench_gpu.json), where the GPU waited for it."""
+    work took 0.1-0.5 ms after a run (tools/h200/bench_gpu_history.json), where the GPU waited for it."""
 
     def __init__(self, gold: Gold, run: Run, last: torch.Tensor):
         device = last.device

@@ -2,8 +2,9 @@
 
 A golden of format 3 stores each row's digest and statistics (`vd.digest`): a replay compares digests
 and reads rows only where they differ, after the run (`read_rows`, `vd.gold.ByDigest`). Here it reads
-each K's small arrays (step log, prompt, digests, statistics) and checks the step log; an older golden's
-rows are read and copied to the GPU ahead of their comparison. Either way the reading must not cost
+each K's small arrays (step log, prompt, digests, statistics), checks the step log and makes the K's
+comparison side (its digests copied to the GPU); an older golden's rows are read and copied to the GPU
+ahead of their comparison. Either way the reading must not cost
 the run:
 
 A plain reader thread beside the run costs the run: zarr's reads run Python between their lock-free
@@ -13,7 +14,7 @@ such a thread made the 0.5B shape's 16-step K=4 loop 13-22 % slower, the 8B shap
 `GoldenReader` cuts the reading into units and runs each where it costs the run nothing:
 
 * every unit (allocate a K's buffers, read an array's metadata, read a chunk, read a small array,
-  check the step log) runs on the replay's own thread in the time the GPU is busy with a step anyway:
+  check the step log, make the comparison side) runs on the replay's own thread in the time the GPU is busy with a step anyway:
   a run hands that time over (`vd.loop.run_verify`'s ``idle``, after a step's forward is issued and
   before its result is read back) and the reader runs, in order, the units it expects to end within
   it, timing each kind of unit to refine the expectation (a running mean kept across the process's
@@ -347,7 +348,7 @@ def read_rows(src: Source, k: int, kind: str, idx: np.ndarray) -> np.ndarray:
 
 @dataclass(slots=True)
 class _Unit:
-    kind: str  # "alloc", "open", "read", "small", "check": how long it takes is learnt per kind
+    kind: str  # "alloc", "open", "read", "small", "check", "gold": how long it takes is learnt per kind
     k: int
     fn: Callable[[], None]
 
