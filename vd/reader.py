@@ -15,10 +15,10 @@ such a thread made the 0.5B shape's 16-step K=4 loop 13-22 % slower, the 8B shap
 
 * every unit (allocate a K's buffers, read an array's metadata, read a chunk, read a small array,
   check the step log, make the comparison side) runs on the replay's own thread in the time the GPU is
-  busy with a step anyway: a run hands that time over (`vd.loop.run_verify`'s ``idle``, after a step's forward is issued and
-  before its result is read back) and the reader runs, in order, the units it expects to end within
-  it, timing each kind of unit to refine the expectation (a running mean kept across the process's
-  readers). A chunk of an uncompressed array (what vd writes unless asked to compress,
+  busy with a step anyway: a run hands that time over (`vd.loop.run_verify`'s ``idle``, after a step's
+  forward is issued and before its result is read back) and the reader runs, in order, the units it
+  expects to end within it, timing each kind of unit to refine the expectation (a running mean kept
+  across the process's readers). A chunk of an uncompressed array (what vd writes unless asked to compress,
   `vd.golden.codecs`) is read from its file straight into page-locked memory, its CRC32C checked there
   and its copy to the GPU issued on a side stream, all in one unit (0.4-0.6 ms for a 1.2 MB chunk in a
   replay on the H200 host);
