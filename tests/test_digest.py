@@ -118,3 +118,19 @@ def test_reading_a_golden_whole_checks_every_digest_against_its_row(cli, tiny_co
     rewrite_summaries(tiny_copy, 3)
     code, out, err = cli("show", tiny_copy)
     assert code == 0 and "each checked against its row's bytes" in out
+
+
+def test_a_stored_digest_that_disagrees_with_its_row_is_a_corrupt_golden(cli, tiny_copy):
+    """A replay reads a golden row only where digests differ, and checks what it reads against the stored
+    digest: a digest edited (or a row edited without `rewrite_summaries`) is a corrupt golden, exit 2,
+    not a difference of the model's."""
+    import zarr
+
+    arr = zarr.open_array(tiny_copy / "k3" / "digests", mode="r+")
+    arr[5, 2] = int(arr[5, 2]) + 1  # the prefill's row 5
+    code, out, err = cli("replay", tiny_copy, "--k", "3")
+    assert code == 2 and "k3/digests: 1 row(s) disagree with the stored rows (first: prefill row 5)" in err
+    assert "Traceback" not in err
+    rewrite_summaries(tiny_copy, 3)
+    code, out, err = cli("replay", tiny_copy, "--k", "3")
+    assert code == 0, err

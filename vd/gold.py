@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from vd.digest import digest, stats_dict, stats_tensor
+from vd.errors import GoldenCorruptError
 from vd.golden import KLog, KRecord, int_bits, to_tensor
 
 
@@ -129,12 +130,16 @@ class InMemory(Gold):
 class ByDigest(Gold):
     """A golden K known by its rows' digests and statistics (``digests``: int64 ``[R, LANES]``; ``stats``:
     float64 ``[R, len(STATS)]``; every kind's rows in order), with ``load(kind, idx)`` to read rows from
-    its store when they are needed."""
+    its store when they are needed. A row read is checked against its stored digest: one that disagrees
+    (its golden corrupt, or edited without `vd.golden.rewrite_summaries`) raises `GoldenCorruptError`
+    naming ``where`` (the K's group) rather than be taken for a candidate's difference."""
 
     def __init__(self, log: KLog, counts: Mapping[str, int], vocab: int, digests: np.ndarray,
-                 stats: np.ndarray, load: Callable[[str, np.ndarray], np.ndarray]):
+                 stats: np.ndarray, load: Callable[[str, np.ndarray], np.ndarray], where: str = "golden"):
         self.k, self.tokens, self.accepted = log.k, log.tokens, log.accepted
         self.counts, self.vocab, self.digests, self._load = dict(counts), vocab, digests, load
+        self.where = where
+        self._first = dict(zip(self.counts, np.cumsum([0, *self.counts.values()]).tolist()))  # a kind's first row
         self._stats = _by_kind(stats, self.counts)
         self._device: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # `_upload`
 
@@ -167,7 +172,14 @@ class ByDigest(Gold):
         return self._stats[kind]
 
     def host_rows(self, kind, idx):
-        return self._load(kind, np.asarray(idx, dtype=np.int64))
+        idx = np.asarray(idx, dtype=np.int64)
+        rows = self._load(kind, idx)
+        stored = self.digests[self._first[kind] + idx]
+        bad = np.flatnonzero((digest(torch.from_numpy(int_bits(rows))).numpy() != stored).any(1))
+        if bad.size:
+            raise GoldenCorruptError(f"{self.where}/digests: {bad.size} row(s) disagree with the stored rows "
+                                     f"(first: {kind} row {int(idx[bad[0]])})")
+        return rows
 
 
 def _median(a: np.ndarray) -> float:

@@ -797,7 +797,7 @@ class _Prefetched(Mapping):
 
             return read_rows(src, k, kind, idx)
 
-        return ByDigest(log, src.counts(k), src.meta["vocab_size"], digests, stats, load)
+        return ByDigest(log, src.counts(k), src.meta["vocab_size"], digests, stats, load, src.where(k))
 
     def log(self, k: int) -> KLog:
         return self._get("log", k)

@@ -615,7 +615,7 @@ class GoldenReader:
         figures made (so that after the run only the comparison itself is left)."""
         kk, src = self.ks[k], self.src
         kk.gold = ByDigest(kk.small["log"], src.counts(k), src.meta["vocab_size"], kk.small["digests"],
-                           kk.small["stats"], lambda kind, idx: read_rows(src, k, kind, idx))
+                           kk.small["stats"], lambda kind, idx: read_rows(src, k, kind, idx), src.where(k))
         kk.gold.prepare(self.device, self.stream)
 
     def _on_stream(self):
