@@ -4,8 +4,7 @@ A golden of format 3 stores each row's digest and statistics (`vd.digest`): a re
 and reads rows only where they differ, after the run (`read_rows`, `vd.gold.ByDigest`). Here it reads
 each K's small arrays (step log, prompt, digests, statistics), checks the step log and makes the K's
 comparison side (its digests copied to the GPU); an older golden's rows are read and copied to the GPU
-ahead of their comparison. Either way the reading must not cost
-the run:
+ahead of their comparison. Either way the reading must not cost the run:
 
 A plain reader thread beside the run costs the run: zarr's reads run Python between their lock-free
 decodes (its event loop and thread pool hand each chunk between threads), and each moment the run's own
@@ -13,15 +12,15 @@ Python waits for the interpreter lock adds to a step (measured on the H200, tool
 such a thread made the 0.5B shape's 16-step K=4 loop 13-22 % slower, the 8B shape's 3-4 %). So
 `GoldenReader` cuts the reading into units and runs each where it costs the run nothing:
 
-* every unit (allocate a K's buffers, read an array's metadata, read a chunk, read a small array,
-  check the step log, make the comparison side) runs on the replay's own thread in the time the GPU is
-  busy with a step anyway: a run hands that time over (`vd.loop.run_verify`'s ``idle``, after a step's
+* every unit (allocate a K's buffers, read an array's metadata, read a chunk, read a small array, check
+  the step log, make the comparison side) runs on the replay's own thread in the time the GPU is busy
+  with a step anyway: a run hands that time over (`vd.loop.run_verify`'s ``idle``, after a step's
   forward is issued and before its result is read back) and the reader runs, in order, the units it
   expects to end within it, timing each kind of unit to refine the expectation (a running mean kept
-  across the process's readers). A chunk of an uncompressed array (what vd writes unless asked to compress,
-  `vd.golden.codecs`) is read from its file straight into page-locked memory, its CRC32C checked there
-  and its copy to the GPU issued on a side stream, all in one unit (0.4-0.6 ms for a 1.2 MB chunk in a
-  replay on the H200 host);
+  across the process's readers). A chunk of an uncompressed array (what vd writes unless asked to
+  compress, `vd.golden.codecs`) is read from its file straight into page-locked memory, its CRC32C
+  checked there and its copy to the GPU issued on a side stream, all in one unit (0.4-0.6 ms for a 1.2
+  MB chunk in a replay on the H200 host);
 * a compressed chunk's bytes are read and checked in such a unit, and its decode (Blosc or Zstd into
   page-locked memory, no interpreter lock held) and copy run on a few worker threads
   (`READ_WORKERS`).
