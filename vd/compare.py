@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from vd.gold import Gold, InMemory, int_view
+from vd.gold import Gold, InMemory, int_view, side_stream
 from vd.golden import ENCODINGS, TORCH_DTYPES, KRecord
 from vd.loop import Run
 from vd.policy import KINDS, MANTISSA_BITS, Spec, parse_spec
@@ -275,7 +275,7 @@ class Queued:
 
     def __init__(self, gold: Gold, run: Run, last: torch.Tensor):
         device = last.device
-        self.stream = _side(device)
+        self.stream = side_stream(device)
         self.stream.wait_stream(torch.cuda.current_stream(device))  # behind the forward just issued
         with torch.cuda.stream(self.stream):
             flat, self.counts = run.flat_rows(last)
@@ -290,18 +290,6 @@ class Queued:
         self.done.synchronize()
         self.rows.record_stream(torch.cuda.current_stream(self.rows.device))
         return self.rows, self.flags.numpy()
-
-
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the process (its cached memory is reused)."""
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
 
 
 def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
@@ -371,29 +359,24 @@ def compare_run(variant: str, golden: Gold | KRecord, run: Run, logical: str,
     def steps_of(a: np.ndarray, per: int, skip: int = 0) -> np.ndarray:  # [S, per] rows of each step
         return a[skip:skip + s * per].reshape(s, per)
 
-    if quiet["verify"] and (not mtp or quiet["draft"]):  # every step's figures are zeros
-        zeros = {"max_abs": 0.0, "max_ulp": 0.0, "n_diff": 0, "max_kl": 0.0, "argmax_agree": True}
-        tail = {"draft_max_abs": 0.0, "draft_n_diff": 0} if mtp else {}
-        per_step = [{"step": i, **zeros, "passed": i not in failed_steps, **tail} for i in range(s)]
+    if quiet["verify"]:
+        cols = {"max_abs": [0.0] * s, "max_ulp": [0.0] * s, "n_diff": [0] * s, "max_kl": [0.0] * s,
+                "argmax_agree": [True] * s}
     else:
-        if quiet["verify"]:
-            cols = {"max_abs": [0.0] * s, "max_ulp": [0.0] * s, "n_diff": [0] * s, "max_kl": [0.0] * s,
-                    "argmax_agree": [True] * s}
-        else:
-            cols = {"max_abs": steps_of(ver.max_abs, k).max(1).tolist(),
-                    "max_ulp": steps_of(ver.max_ulp, k).max(1).tolist(),
-                    "n_diff": steps_of(ver.n_diff, k).sum(1).astype(np.int64).tolist(),
-                    "max_kl": steps_of(ver.kl, k).max(1).tolist(),
-                    "argmax_agree": (steps_of(ver.golden_argmax, k) == steps_of(ver.got_argmax, k)).all(1).tolist()}
-        drafts = {}
-        if mtp and quiet["draft"]:
-            drafts = {"draft_max_abs": [0.0] * s, "draft_n_diff": [0] * s}
-        elif mtp:
-            d = by["draft"].rows
-            drafts = {"draft_max_abs": steps_of(d.max_abs, k - 1, 1).max(1, initial=0.0).tolist(),
-                      "draft_n_diff": steps_of(d.n_diff, k - 1, 1).sum(1).astype(np.int64).tolist()}
-        per_step = [{"step": i, **{n: c[i] for n, c in cols.items()}, "passed": i not in failed_steps,
-                     **{n: c[i] for n, c in drafts.items()}} for i in range(s)]
+        cols = {"max_abs": steps_of(ver.max_abs, k).max(1).tolist(),
+                "max_ulp": steps_of(ver.max_ulp, k).max(1).tolist(),
+                "n_diff": steps_of(ver.n_diff, k).sum(1).astype(np.int64).tolist(),
+                "max_kl": steps_of(ver.kl, k).max(1).tolist(),
+                "argmax_agree": (steps_of(ver.golden_argmax, k) == steps_of(ver.got_argmax, k)).all(1).tolist()}
+    drafts = {}
+    if mtp and quiet["draft"]:
+        drafts = {"draft_max_abs": [0.0] * s, "draft_n_diff": [0] * s}
+    elif mtp:
+        d = by["draft"].rows
+        drafts = {"draft_max_abs": steps_of(d.max_abs, k - 1, 1).max(1, initial=0.0).tolist(),
+                  "draft_n_diff": steps_of(d.n_diff, k - 1, 1).sum(1).astype(np.int64).tolist()}
+    per_step = [{"step": i, **{n: c[i] for n, c in cols.items()}, "passed": i not in failed_steps,
+                 **{n: c[i] for n, c in drafts.items()}} for i in range(s)]
     summary = {}
     for kd in kinds:
         r = kd.rows

@@ -17,8 +17,19 @@ import numpy as np
 import torch
 
 from vd.digest import digest, stats_dict, stats_tensor
-from vd.errors import GoldenCorruptError
-from vd.golden import KLog, KRecord, int_bits, to_tensor
+from vd.golden import KLog, KRecord, Source, check_digests, int_bits, to_tensor
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per CUDA device for the process, shared by the golden's reader and the queued
+    comparison (`vd.reader`, `vd.compare.Queued`): its cached GPU memory is reused."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -143,6 +154,18 @@ class ByDigest(Gold):
         self._stats = _by_kind(stats, self.counts)
         self._device: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # `_upload`
 
+    @classmethod
+    def of(cls, src: Source, k: int, log: KLog, digests: np.ndarray, stats: np.ndarray) -> ByDigest:
+        """K of the golden ``src`` (its step log as checked, its digests and statistics), its rows read
+        from the store where asked for (`vd.reader.read_rows`)."""
+
+        def load(kind: str, idx: np.ndarray) -> np.ndarray:
+            from vd.reader import read_rows  # the reader builds on this module
+
+            return read_rows(src, k, kind, idx)
+
+        return cls(log, src.counts(k), src.meta["vocab_size"], digests, stats, load, src.where(k))
+
     def prepare(self, device, stream=None):
         super().prepare(device, stream)
         self._upload(device, stream)
@@ -174,11 +197,8 @@ class ByDigest(Gold):
     def host_rows(self, kind, idx):
         idx = np.asarray(idx, dtype=np.int64)
         rows = self._load(kind, idx)
-        stored = self.digests[self._first[kind] + idx]
-        bad = np.flatnonzero((digest(torch.from_numpy(int_bits(rows))).numpy() != stored).any(1))
-        if bad.size:
-            raise GoldenCorruptError(f"{self.where}/digests: {bad.size} row(s) disagree with the stored rows "
-                                     f"(first: {kind} row {int(idx[bad[0]])})")
+        check_digests(digest(torch.from_numpy(int_bits(rows))).numpy(), self.digests[self._first[kind] + idx],
+                      self.where, lambda i: f"{kind} row {int(idx[i])}")
         return rows
 
 

@@ -425,9 +425,9 @@ class GoldenWriter:
             self._drain()
             _write_array(self.root, "prompt", np.asarray(prompt, dtype=np.int32), (max(len(prompt), 1),), self.compress)
             full = dict(meta)
-            logical = full.get("logits", {}).get("dtype")
-            if logical in ENCODINGS and "vocab_size" in full:  # every K was written with its rows' digests
-                full["digest"] = _digest.meta(full["vocab_size"], ENCODINGS[logical][0].itemsize)
+            scheme = digest_meta(full)
+            if scheme is not None:  # every K was written with its rows' digests
+                full["digest"] = scheme
             full.update(logs=logs_meta(self._written), prompt_tokens=[int(t) for t in prompt], format=FORMAT,
                         format_version=FORMAT_VERSION,
                         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
@@ -581,10 +581,7 @@ class Source:
     @property
     def digested(self) -> bool:
         """Whether each K stores its rows' digests in the scheme this vd computes (`vd.digest`)."""
-        m = self.meta
-        v, logical = m.get("vocab_size"), (m.get("logits") or {}).get("dtype")
-        return (m.get("digest") is not None and isinstance(v, int) and logical in ENCODINGS
-                and m["digest"] == _digest.meta(v, ENCODINGS[logical][0].itemsize))
+        return self.meta.get("digest") is not None and self.meta["digest"] == digest_meta(self.meta)
 
     def counts(self, k: int) -> dict[str, int]:
         """K's rows per kind, as `KRecord.rows_by_kind` lays them out."""
@@ -667,16 +664,14 @@ class Source:
         if verify and d is not None:
             # Digests alone (the statistics need not be checked against anything here).
             digests = torch.cat([_digest.digest(to_tensor(a)) for a in rec.rows_by_kind().values()]).numpy()
-            bad = np.flatnonzero((digests != d).any(axis=1))
-            if bad.size:
-                at, first = int(bad[0]), ""
+            def name(i: int) -> str:  # row i of every kind's rows in order, by its kind
                 for kind, n in self.counts(k).items():
-                    if at < n:
-                        first = f"{kind} row {at}"
-                        break
-                    at -= n
-                raise GoldenCorruptError(f"{self.where(k)}/digests: {bad.size} row(s) disagree with the stored rows "
-                                         f"(first: {first})")
+                    if i < n:
+                        return f"{kind} row {i}"
+                    i -= n
+                return f"row {i}"
+
+            check_digests(digests, d, self.where(k), name)
         return rec
 
 
@@ -755,8 +750,7 @@ class _Prefetched(Mapping):
         (`vd.reader.GoldenReader`): on a thread while ``background`` (a replay loading its model), else
         in the runs' idle time."""
         if self._src.digested:
-            m = self._src.meta
-            _digest.weights(_digest.words(m["vocab_size"], ENCODINGS[m["logits"]["dtype"]][0].itemsize), device)
+            _digest.weights(self._src.meta["digest"]["words"], device)
         if device.type != "cuda":
             return
         if self.reader is None:
@@ -790,14 +784,7 @@ class _Prefetched(Mapping):
             return InMemory(self[k], self.device_rows(k))
         if self.reader is not None:  # made in a run's idle time
             return self.reader.gold(k)
-        log, (digests, stats) = self._get("checked", k), self._get("summaries", k)
-
-        def load(kind: str, idx: np.ndarray) -> np.ndarray:
-            from vd.reader import read_rows
-
-            return read_rows(src, k, kind, idx)
-
-        return ByDigest(log, src.counts(k), src.meta["vocab_size"], digests, stats, load, src.where(k))
+        return ByDigest.of(src, k, self._get("checked", k), *self._get("summaries", k))
 
     def log(self, k: int) -> KLog:
         return self._get("log", k)
@@ -833,6 +820,22 @@ def rewrite_summaries(path: str | os.PathLike, k: int) -> None:
     d, s = row_summary(src.load(k, verify=False).rows_by_kind())
     g[f"k{k}/digests"][...] = d
     g[f"k{k}/stats"][...] = s
+
+
+def digest_meta(meta: Mapping) -> dict | None:
+    """The ``digest`` metadata entry (`vd.digest.meta`) a golden with this metadata is written with, and
+    must carry for a replay to compare by digests; None without a vocabulary or a known logits dtype."""
+    v, logical = meta.get("vocab_size"), (meta.get("logits") or {}).get("dtype")
+    return _digest.meta(v, ENCODINGS[logical][0].itemsize) if isinstance(v, int) and logical in ENCODINGS else None
+
+
+def check_digests(computed: np.ndarray, stored: np.ndarray, where: str, name: Callable[[int], str]) -> None:
+    """Refuse rows whose digests (``computed``, ``[R, LANES]``) disagree with the ``stored`` ones: the
+    golden is corrupt, or its rows were edited without `rewrite_summaries`. ``name(i)`` names row ``i``."""
+    bad = np.flatnonzero((computed != stored).any(axis=1))
+    if bad.size:
+        raise GoldenCorruptError(f"{where}/digests: {bad.size} row(s) disagree with the stored rows "
+                                 f"(first: {name(int(bad[0]))})")
 
 
 def check_summaries(d: np.ndarray, s: np.ndarray, counts: Mapping[str, int], where: str) -> None:

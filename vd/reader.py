@@ -68,7 +68,7 @@ from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from vd.errors import GoldenCorruptError
-from vd.gold import ByDigest
+from vd.gold import ByDigest, side_stream
 from vd.golden import ENCODINGS, KLog, KRecord, Source, check_summaries, expected_shapes, int_bits, log_from
 
 READ_WORKERS = 4  # threads decoding compressed chunks (their work releases the interpreter lock)
@@ -80,7 +80,6 @@ UNIT_S = 1e-3  # seconds a unit of a kind not timed yet is expected to take
 # Seconds a unit of each kind took, a running mean over this process's readers: a reader starts from it
 # (a replay's second K, forward or golden packs its units as well as the first one's last steps did).
 _EXPECT: dict[str, float] = {}
-_STREAMS: dict = {}  # one side stream per device for every reader: its cached GPU memory is reused
 
 
 def pinned(shape: tuple[int, ...], dtype: np.dtype, device: torch.device) -> np.ndarray:
@@ -372,9 +371,7 @@ class GoldenReader:
     def __init__(self, source: Source, known: Mapping[int, KLog], device: torch.device):
         self.src, self.known, self.device = source, known, device
         self.cuda = device.type == "cuda"
-        if self.cuda and device not in _STREAMS:
-            _STREAMS[device] = torch.cuda.Stream(device)
-        self.stream = _STREAMS.get(device)
+        self.stream = side_stream(device) if self.cuda else None
         self.logical = source.meta["logits"]["dtype"]
         self.storage = ENCODINGS[self.logical][0]
         self.ks = {k: _K(k) for k in source.ks}
@@ -613,8 +610,7 @@ class GoldenReader:
         """K's `vd.gold.ByDigest`, its digests copied to the device on the side stream and its report
         figures made (so that after the run only the comparison itself is left)."""
         kk, src = self.ks[k], self.src
-        kk.gold = ByDigest(kk.small["log"], src.counts(k), src.meta["vocab_size"], kk.small["digests"],
-                           kk.small["stats"], lambda kind, idx: read_rows(src, k, kind, idx), src.where(k))
+        kk.gold = ByDigest.of(src, k, kk.small["log"], kk.small["digests"], kk.small["stats"])
         kk.gold.prepare(self.device, self.stream)
 
     def _on_stream(self):
