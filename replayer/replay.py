@@ -147,6 +147,10 @@ def replay(
         loading = time.perf_counter() - t_load
     golden.prefetch(model.device)  # on CUDA: read and copied there in the GPU's idle time (`vd.reader`)
     notes = _check_model(golden, model, allow_model_mismatch)
+    if not forwards and meta["forward"] not in model.forwards():  # e.g. a CUDA golden replayed on a CPU
+        raise UsageError(f"the golden was recorded with forward {meta['forward']!r}, which this model on "
+                         f"{model.device.type} does not offer; choose one with --forward "
+                         f"({', '.join(model.forwards())})")
     forwards = list(forwards) or [meta["forward"]]
     require_forwards(model, forwards)
     offered = model.forwards()

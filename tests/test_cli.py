@@ -215,6 +215,19 @@ def test_replay_unknown_forward_exits_2(cli, tiny_golden):
     _one_line_error(*cli("replay", tiny_golden, "--forward", "flash"), "no forward 'flash'", "eager")
 
 
+def test_replay_of_a_forward_this_device_lacks_names_the_choice(cli, tiny_copy):
+    """A golden recorded with a forward this machine does not offer (``graphed`` on CUDA, replayed on
+    a CPU): one line saying which forward it was and what to pass, not a bare 'no forward'."""
+    meta_file = tiny_copy / "zarr.json"
+    doc = json.loads(meta_file.read_text())
+    assert doc["attributes"]["vd"]["forward"] == "eager"
+    doc["attributes"]["vd"]["forward"] = "graphed"
+    meta_file.write_text(json.dumps(doc))
+    _one_line_error(*cli("replay", tiny_copy), "recorded with forward 'graphed'", "on cpu", "--forward", "eager")
+    code, out, err = cli("replay", tiny_copy, "--forward", "eager")
+    assert code == 0, err
+
+
 def test_show_models_forwards(cli, tiny_golden):
     code, out, err = cli("show", tiny_golden)
     assert code == 0
