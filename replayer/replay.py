@@ -29,6 +29,7 @@ from vd.gold import Gold, step_rows
 from vd.golden import Golden, open_golden, to_storage
 from vd.loop import DrafterFeed, ReplayFeed, Step, prepare, run_verify
 from vd.models import check_device, load_model, require_forwards
+from vd.models.static import CUDA_ONLY
 from vd.policy import describe, parse_policy, sensitivity
 from vd.protocol import DraftHead, VerifyModel
 
@@ -53,13 +54,16 @@ def _timing(variant: str, step_ms: Sequence[float]) -> dict:
     }
 
 
-def _open_model(golden: Golden, spec: str | None, head: str | None, device: str | None) -> VerifyModel:
+def _open_model(golden: Golden, spec: str | None, head: str | None, device: str | None,
+                forwards: Sequence[str]) -> VerifyModel:
     meta = golden.meta
     dev = device or meta["device"]
     if dev.startswith("cuda") and not torch.cuda.is_available():
+        also = (f", with --forward naming a CPU forward (it was recorded with {meta['forward']!r}, which runs on "
+                f"CUDA only; `vd forwards` lists them)" if not forwards and meta["forward"] in CUDA_ONLY else "")
         raise UsageError(
             f"{golden.path} was recorded on {dev} and this machine has no CUDA device; "
-            "pass --device cpu to replay it on the CPU"
+            f"pass --device cpu to replay it on the CPU{also}"
         )
     if head is None and spec is None:
         head = meta["model"].get("head")  # another SPEC brings its own head, if any
@@ -143,7 +147,7 @@ def replay(
     if model is None:
         phase("loading model", 0)
         t_load = time.perf_counter()
-        model = _open_model(golden, model_spec, head, device)
+        model = _open_model(golden, model_spec, head, device, forwards)
         loading = time.perf_counter() - t_load
     golden.prefetch(model.device)  # on CUDA: read and copied there in the GPU's idle time (`vd.reader`)
     notes = _check_model(golden, model, allow_model_mismatch)

@@ -228,6 +228,21 @@ def test_replay_of_a_forward_this_device_lacks_names_the_choice(cli, tiny_copy):
     assert code == 0, err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_golden_on_a_cpu_machine_says_what_to_pass(cli, tiny_copy):
+    """A golden recorded on CUDA with a CUDA-only forward, replayed where there is no GPU: the one line
+    names both flags it takes (--device cpu, and --forward unless one was given)."""
+    meta_file = tiny_copy / "zarr.json"
+    doc = json.loads(meta_file.read_text())
+    doc["attributes"]["vd"].update(device="cuda", forward="graphed")
+    meta_file.write_text(json.dumps(doc))
+    _one_line_error(*cli("replay", tiny_copy), "no CUDA device", "--device cpu", "--forward", "'graphed'")
+    code, out, err = cli("replay", tiny_copy, "--forward", "eager")
+    assert code == 2 and "--device cpu" in err and "--forward" not in err
+    code, out, err = cli("replay", tiny_copy, "--device", "cpu", "--forward", "eager")
+    assert code == 0, err
+
+
 def test_show_models_forwards(cli, tiny_golden):
     code, out, err = cli("show", tiny_golden)
     assert code == 0
