@@ -151,13 +151,12 @@ def replay(
         loading = time.perf_counter() - t_load
     golden.prefetch(model.device)  # on CUDA: read and copied there in the GPU's idle time (`vd.reader`)
     notes = _check_model(golden, model, allow_model_mismatch)
-    if not forwards and meta["forward"] not in model.forwards():  # e.g. a CUDA golden replayed on a CPU
+    offered = model.forwards()
+    if not forwards and meta["forward"] not in offered:  # e.g. a CUDA golden replayed on a CPU
         raise UsageError(f"the golden was recorded with forward {meta['forward']!r}, which this model on "
-                         f"{model.device.type} does not offer; choose one with --forward "
-                         f"({', '.join(model.forwards())})")
+                         f"{model.device.type} does not offer; choose one with --forward ({', '.join(offered)})")
     forwards = list(forwards) or [meta["forward"]]
     require_forwards(model, forwards)
-    offered = model.forwards()
 
     logical, vocab, steps = golden.logical_dtype, model.vocab_size, meta["steps"]
     mtp = meta.get("feed") == "mtp"
