@@ -66,8 +66,8 @@ def _splitmix64(i: np.ndarray) -> np.ndarray:
 
 
 def weights(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The ``[n, LANES]`` float64 weights for rows of ``n`` words, on ``device`` (cached per process:
-    about 10 ms to make for a 152k vocabulary)."""
+    """The ``[n, LANES]`` float64 weights for rows of ``n`` words, on ``device`` (made once per process
+    and device, then cached)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # one cache entry for "cuda" and "cuda:0"
         device = torch.device("cuda", torch.cuda.current_device())

@@ -67,8 +67,8 @@ def capture(device: torch.device) -> dict:
 
 @functools.cache
 def _fixed(kind: str, index: int | None) -> tuple[dict, dict]:
-    """What cannot change while a process runs, found once per device (0.15 ms a replay on the H200 host
-    otherwise): versions and machine; the device's kind, GPU and host. `capture` adds the rest."""
+    """What cannot change while a process runs, found once per device rather than at every replay:
+    versions and machine; the device's kind, GPU and host. `capture` adds the rest."""
     machine = {
         "vd": vd.__version__,
         "python": platform.python_version(),
@@ -110,8 +110,8 @@ def numerics_differences(recorded: dict, replayed: dict) -> list[str]:
     return out
 
 
-# What `vd record --deterministic` applies (shared notes models.md §5): deterministic algorithms with a
-# fixed cuBLAS workspace, and no reduced-precision (split-K) reductions in bf16/fp16 matmuls.
+# What `vd record --deterministic` applies: deterministic algorithms with a fixed cuBLAS workspace, and no
+# reduced-precision (split-K) reductions in bf16/fp16 matmuls.
 DETERMINISTIC = {
     "deterministic_algorithms": True,
     "cublas_workspace_config": ":4096:8",

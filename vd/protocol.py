@@ -3,8 +3,8 @@
 Structural (`typing.Protocol`): an engine fits without inheriting from anything. An adapter wraps one
 sequence's state (its KV cache) and exposes a single `forward` that appends tokens at the current
 position and returns one logits row per token; prefill, decode and a K-token verify are all calls of it.
-`vd.testing.ModelConformance` is the test class every adapter must pass. Optional capabilities (an MTP
-draft head, CUDA graphs) will be separate runtime-checkable protocols beside this one.
+`vd.testing.ModelConformance` is the test class every adapter must pass. Optional capabilities are
+separate runtime-checkable protocols beside this one (`DraftHead`, an MTP draft head).
 """
 
 from __future__ import annotations

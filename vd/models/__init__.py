@@ -21,26 +21,16 @@ from pathlib import Path
 
 import torch
 
+from vd.dtypes import parse_dtype
 from vd.errors import ModelSpecError, UsageError
 from vd.models.hf import HFModel, all_forwards, check_device, load_checkpoint
 from vd.models.mtp import attach_head, native_layer
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 from vd.protocol import DraftHead, VerifyModel, protocol_members
 
-__all__ = ["DEFAULT_MODEL", "DTYPES", "PRESETS", "forwards_of", "load_model", "parse_dtype", "require_forwards",
-           "spec_kind"]
+__all__ = ["DEFAULT_MODEL", "PRESETS", "forwards_of", "load_model", "require_forwards", "spec_kind"]
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _PLUGIN = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w.]*):(?P<factory>[A-Za-z_]\w*)$")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``bfloat16``/``float16``/``float32`` (or bf16, fp16, fp32) to a torch dtype."""
-    key = _DTYPE_ALIASES.get(name, name)
-    if key not in DTYPES:
-        raise UsageError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
-    return DTYPES[key]
 
 
 def spec_kind(spec: str) -> str:
@@ -94,7 +84,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     """Load the model a SPEC names, on ``device``, computing in ``dtype``; with ``head``, attach the
     MTP draft head that safetensors file holds (`vd.models.mtp.save_head` format)."""
     dev = check_device(device)
-    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dt = parse_dtype(dtype).torch if isinstance(dtype, str) else dtype
     kind = spec_kind(spec)
     if kind == "plugin":
         model = _load_plugin(spec, dev, dt)

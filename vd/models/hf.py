@@ -4,7 +4,7 @@ The dynamic forwards (eager, SDPA, SDPA pinned to a backend) grow a `DynamicCach
 `crop`; the static forwards (static, graphed, compiled, compiled-graphed: `vd.models.static`) step over a
 preallocated cache whose length lives on the device. It loads local checkpoints only (a directory, a
 `.gguf` file, or a random-weight config built in process): nothing is fetched from a hub. Written against
-the pinned transformers 5.24 API (`cache=`, `crop(-n)`; shared notes models.md §1).
+the pinned transformers 5.24 API (`cache=`, `crop(-n)`).
 """
 
 from __future__ import annotations
@@ -160,6 +160,15 @@ class HFModel:
             self._identity = ModelIdentity(self._name, self._fingerprinter(self.model, self.config), details)
         return self._identity
 
+    def forget_identity(self) -> None:
+        """Drop the cached identity, so the next `identity` hashes the weights again (after an in-place edit)."""
+        self._identity = None
+
+    @property
+    def static_runner(self) -> StaticRunner | None:
+        """The selected static forward's runner (None under a dynamic forward): to inspect its cache and step."""
+        return self._runner
+
     def forwards(self) -> Mapping[str, str]:
         """Eager and SDPA attention, SDPA pinned to each backend the device runs (probed once, when
         first asked, so a load that never lists or pins a backend pays nothing for it), and the static
@@ -186,7 +195,7 @@ class HFModel:
 
     def set_forward(self, name: str) -> None:
         """Switch the attention implementation or the static mode in place (no reload); selecting the
-        selected forward again costs nothing (HF's switch walks every module: ~1 ms for 30 layers)."""
+        selected forward again costs nothing (HF's switch walks every module, so it is skipped)."""
         if name == self._forward:
             return
         if name not in HF_FORWARDS and name not in self.forwards():
@@ -332,7 +341,7 @@ def hash_uniform_(t: torch.Tensor, seed: int, std: float, chunk: int = 1 << 25) 
     Element ``i`` is a 32-bit integer hash (lowbias32) of ``i`` and ``seed`` in int64 arithmetic, whose 24
     high bits give ``u`` in [0, 1); the value is ``(2u - 1) * std * sqrt(3)`` in float32, rounded once to
     ``t``'s dtype. Integer operations and single IEEE roundings are exact on every CPU and GPU, so the
-    weights are the same bits everywhere, and a GPU fills an 8 B-parameter model in about a second.
+    weights are the same bits everywhere, and a full-size model is filled on its GPU, not drawn on the host.
     """
     flat = t.view(-1)
     bound = float(np.float32(std * np.sqrt(3.0)))
@@ -380,7 +389,7 @@ def generated_fingerprint(seed: int) -> Callable[[torch.nn.Module, object], str]
 
 def build_generated(config, *, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
     """A model of ``config`` with `hash_uniform_` weights built directly on ``device`` in ``dtype`` (norm
-    weights one): for full-size shapes (8 B parameters) that `build_random` would take minutes over."""
+    weights one): for full-size shapes (8 B parameters), too large for `build_random` to draw on the host."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 

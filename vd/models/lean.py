@@ -1,9 +1,9 @@
 """vd's own step for Llama-family stacks (Llama, Qwen2) over the static KV cache: the HF model's own
 weights, norms' and rotary's arithmetic, in fewer kernels than HF's modules launch.
 
-Why: a graphed 8B-shape verify step of HF's modules launched ~49 kernels a layer, and the GPU spent
-2.6 of its 7.1 ms of kernel time outside the GEMMs (tools/profile_step.json, H200): norms, rotary,
-cache writes, the attention's key/value repeats, splits and copies of ~2 us each. This step:
+Why: besides its GEMMs, each layer of HF's modules launches many small kernels (norms, rotary, cache
+writes, the attention's key/value repeats, splits and copies), and on a GPU those add up to a large
+share of a verify step's time. This step:
 
 * multiplies by the layer's query, key and value weights in one GEMM and by its gate and up weights in
   another (the fused weights are the storage the HF modules use: their weights become views into it,
@@ -17,12 +17,11 @@ cache writes, the attention's key/value repeats, splits and copies of ~2 us each
   and SiLU(gate) * up.
 
 Its logits are HF's within float rounding, and bit for bit only where the kernels happen to agree (a
-fused GEMM may pick another cuBLAS kernel, grouped-query SDPA another backend): on the H200 they equal
-HF's dynamic ``sdpa`` forward on SmolLM2 and the Qwen2.5-0.5B shape and differ by up to 0.37 on the
-Llama-3-8B shape. Like every forward, it is held bit for bit to its own goldens.
+fused GEMM may pick another cuBLAS kernel, grouped-query SDPA another backend). Like every forward, it
+is held bit for bit to its own goldens.
 Under ``compiled`` each layer's two elementwise-heavy regions (norm, QKV, rotary; output projection,
 residual, norm, MLP, residual) are compiled with Inductor once per step shape and reused by every layer
-(the weights are arguments), so compiling an 8B stack costs what compiling one layer does.
+(the weights are arguments), so compiling a stack of any depth costs what compiling one layer does.
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from vd.models.inductor import inductor_settings
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # position-only tables; dynamic and longrope are not
@@ -160,8 +161,6 @@ class LeanStack:
 
     def compile(self) -> None:
         """Compile each layer's two regions (one compilation per step shape, shared by every layer)."""
-        from vd.models.static import inductor_settings
-
         inductor_settings()
         self._attn_in = torch.compile(attn_in, dynamic=False, fullgraph=True)
         self._attn_out_mlp = torch.compile(attn_out_mlp, dynamic=False, fullgraph=True)

@@ -13,7 +13,7 @@ shared embedding and output head):
 (recorded in every MTP golden as ``head_info()``):
 
 * the hidden state fed to the head is the host's ``last_hidden_state``, **after** its final norm (as HF's
-  own MTP generation does; notes/models.md §1.5, §2); later drafts feed back the head's post-norm output;
+  own MTP generation does); later drafts feed back the head's post-norm output;
 * a head entry sits at the position of the hidden state it was computed from (vLLM's convention);
 * after each verify the accepted rows are saved, the previous proposal's speculative entries (``n - 1``
   of them) are trimmed from the head's cache, and the saved rows are re-run through the head with the
@@ -124,6 +124,11 @@ class HFMtpModel(HFModel):
         self._embed = self.model.get_input_embeddings()
         self._lm_head = self.model.get_output_embeddings()
         self._rotary = getattr(self.model.get_decoder(), "rotary_emb", None)
+
+    @property
+    def head_layer(self) -> torch.nn.Module:
+        """The MTP layer the head runs: to check which weights a head was loaded with."""
+        return self._layer
 
     # -- VerifyModel, extended to keep what the head needs -----------------------------------------
 

@@ -6,28 +6,27 @@ else the HF model's own modules over the cache below:
 
 * ``static``: the step's PyTorch kernels, launched one by one (CPU and CUDA);
 * ``graphed``: the same kernels captured as one CUDA graph per input length (prefill, verify K, decode) and,
-  for an MTP head, one graph per proposal shape; a graph of these kernels replays bitwise equal to them
-  (shared notes gpu.md), so ``graphed`` is expected to equal ``static`` bit for bit;
+  for an MTP head, one graph per proposal shape; a graph of the same kernels replays them bit for bit,
+  so ``graphed`` is expected to equal ``static`` bit for bit;
 * ``compiled``: the step under ``torch.compile`` (Inductor, default mode, no CUDA graphs of its own);
 * ``compiled-graphed``: the compiled step captured as CUDA graphs as above.
 
-How the cache works (notes models.md §3-4): every layer holds preallocated keys and values of
-``capacity`` positions. The sequence length lives on the device as the last element of each step's
-input buffer, which carries the step's token ids too, so one small host-to-device copy from pinned
-memory moves both; positions, the cache write indices and the additive attention mask (each query sees
-the keys at or before its own position) are computed from it on the device inside the step. Rewinding
-lowers the length: nothing is cleared, a later step overwrites the stale positions and the mask hides
-them until then. Nothing inside a step reads a value back to the host, which is what lets it be captured.
+How the cache works: every layer holds preallocated keys and values of ``capacity`` positions. The
+sequence length lives on the device as the last element of each step's input buffer, which carries the
+step's token ids too, so one small host-to-device copy from pinned memory moves both; positions, the cache
+write indices and the additive attention mask (each query sees the keys at or before its own position) are
+computed from it on the device inside the step. Rewinding lowers the length: nothing is cleared, a later
+step overwrites the stale positions and the mask hides them until then. Nothing inside a step reads a
+value back to the host, which is what lets it be captured.
 
 Graphs are captured lazily for each new shape (at the current length: the warm-up runs write only the
-positions the real step is about to overwrite), or ahead of time by `StaticRunner.prepare`, largest
-shape first (the prompt's prefill, then verify K, then decode), all in one shared memory pool; outputs
-live in that pool and are cloned before the next replay. The prefill is graphed too: run as eager
-kernels it launched ~1,100 kernels from Python for the 8B shape, the one stretch of a replay where the
-model's thread needed the interpreter while the golden's reader thread of the time ran (measured on the
-H200: replays ran 25-40 ms longer than bare loops, about the prefill's launch time). The lean step is
-compiled for every length; HF's modules only up to `GRAPH_MAX` tokens (HF: compiling the prefill "is
-known to fail"), and the MTP head's first proposal over a prefill runs as eager kernels in every mode.
+positions the real step is about to overwrite), or ahead of time by `StaticRunner.prepare`, largest shape
+first (the prompt's prefill, then verify K, then decode), all in one shared memory pool; outputs live in
+that pool and are cloned before the next replay. The prefill is graphed too: as eager kernels it is the
+longest run of launches from Python in a replay, and while it runs the model's thread holds the
+interpreter that a golden reader on another thread needs. The lean step is compiled for every length; HF's
+modules only up to `GRAPH_MAX` tokens (HF: compiling the prefill "is known to fail"), and the MTP head's
+first proposal over a prefill runs as eager kernels in every mode.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vd.models.inductor import inductor_settings
 from vd.models.lean import LeanStack
 from vd.models.lean import unsupported as lean_unsupported
 
@@ -191,21 +191,6 @@ class GraphSet:
 
     def inputs(self, key) -> tuple[torch.Tensor, ...]:
         return self.graphs[key][1]
-
-
-def inductor_settings() -> None:
-    """Inductor and Dynamo settings every vd compilation runs under."""
-    import torch._dynamo
-    import torch._inductor.config
-
-    # Inductor's deterministic mode turns off the choices it makes by timing candidates (pad-mm, template
-    # and reduction autotuning): without it two compilations of one step (a recording and its replay in
-    # another process) measured different numbers on the H200.
-    if hasattr(torch._inductor.config, "deterministic"):
-        torch._inductor.config.deterministic = True
-    # Each step shape (verify K, decode, every proposal shape) is its own compilation.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.cache_size_limit = max(getattr(torch._dynamo.config, "cache_size_limit", 8), 64)
 
 
 def _maybe_compile(fn: Callable, compiled: bool) -> Callable:
