@@ -1,41 +1,82 @@
-"""Record a golden: greedy continuation, then for each K the reference feed (or the drafter feed, with
-an MTP head) through the shared loop, then one complete write of the zarr store.
+"""Record a golden: the greedy continuation, then for each K the reference feed (or the drafter feed, with
+an MTP head) through the shared loop, its rows streamed to the store, then one publish.
 
-The greedy continuation is computed for both feeds: the reference drafts from it, and for either feed
-the golden notes whether each K's committed sequence equals it (it must, unless a verify row's argmax
-differs from plain decode's).
-
-A reference that never had both a full and a partial accept at some K is not written (it could not
-tell a broken commit or rewind from a working one) unless the caller allows it; the caller learns why.
-This module leaves out comparison and verdicts: those are the replayer's.
+The greedy continuation is computed for both feeds: the reference drafts from it, and for either feed the
+golden notes whether each K's committed sequence equals it (it must, unless a verify row's argmax differs
+from plain decode's). A reference that never had both a full and a partial accept at some K is not
+written (it could not tell a broken commit or rewind from a working one) unless the caller allows it;
+the caller learns why. This module leaves out comparison and verdicts: those are the replayer's.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from vd import env
-from vd.compare import coverage_reason, histogram, thin_reason
+from vd.coverage import coverage_reason, thin_reason
+from vd.digest import summarise
+from vd.dtypes import of_torch, to_storage
 from vd.errors import UsageError
-from vd.golden import ENCODINGS, GoldenWriter, KRecord, check_target, dtype_name, row_summary, to_storage
-from vd.loop import DrafterFeed, ReferenceFeed, continuation, prepare, run_verify
+from vd.layout import RowLayout, StepLog
+from vd.loop import DrafterFeed, ReferenceFeed, Run, continuation, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
-from vd.policy import parse_policy
+from vd.policy import Policy
+from vd.progress import SILENT, Progress
 from vd.protocol import DraftHead, VerifyModel
+from vd.store import GoldenWriter, Location, check_target, locate
+from vd.store import format as F
 
-# An ordinary instruction for the instruct model. (An earlier two-sentence prompt sent SmolLM2 into a
-# continuation its draft head rarely predicted: no full accept at K=4 in 16 steps.)
+# An ordinary instruction for the instruct model. (With an earlier two-sentence prompt SmolLM2's
+# continuation was one its draft head rarely predicted: no full accept at K=4 in 16 steps.)
 DEFAULT_PROMPT = "Explain how speculative decoding speeds up a large language model."
 DEFAULT_KS = (2, 3, 4)
 DEFAULT_STEPS = 16
 MAX_K = 16
 FEEDS = ("reference", "mtp")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordSettings:
+    """What a recording asks for: the model and its head, the prompt, the verify widths and steps, the
+    forward, feed, device, dtype and threads, determinism, the policy stored as the golden's default
+    (``tolerances``), and what makes a reference acceptable (``require_coverage``, ``allow_thin``)."""
+
+    model: str = DEFAULT_MODEL
+    head: str | None = None
+    prompt: str = DEFAULT_PROMPT
+    ks: tuple[int, ...] = DEFAULT_KS
+    steps: int = DEFAULT_STEPS
+    forward: str | None = None
+    feed: str = "reference"
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    threads: int | None = None
+    deterministic: bool = False
+    tolerances: tuple[str, ...] = ()
+    require_coverage: bool = False
+    allow_thin: bool = False
+
+    def check(self) -> Policy:
+        """Refuse settings that cannot work, before any work; the policy they ask for."""
+        if not self.ks:
+            raise UsageError("--k needs at least one verify width")
+        bad = [k for k in self.ks if not 2 <= k <= MAX_K]
+        if bad:
+            raise UsageError(f"verify width K must be 2..{MAX_K}; got {bad}")
+        if len(set(self.ks)) != len(self.ks):
+            raise UsageError(f"repeated verify width in --k {list(self.ks)}")
+        if self.feed not in FEEDS:
+            raise UsageError(f"unknown feed {self.feed!r} (choose from {', '.join(FEEDS)})")
+        if self.steps < 1:
+            raise UsageError(f"--steps must be at least 1; got {self.steps}")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError(f"--threads must be at least 1; got {self.threads}")
+        return Policy.parse(self.tolerances)
 
 
 @dataclass(slots=True)
@@ -44,177 +85,137 @@ class RecordResult:
     reference is too thin (``thin``; stored anyway with ``allow_thin``) and, with ``require_coverage``,
     which K misses an accept count (``short``; never stored)."""
 
-    path: Path | None
+    location: Location | None
     accepted: dict[int, list[int]]
     thin: list[str]
     committed_is_greedy: dict[int, bool]
     seconds: dict[str, float] = field(default_factory=dict)
     short: list[str] = field(default_factory=list)
 
-
-def check_ks(ks: Sequence[int]) -> list[int]:
-    """A usable K list: each 2..MAX_K, no repeats."""
-    ks = list(ks)
-    if not ks:
-        raise UsageError("--k needs at least one verify width")
-    bad = [k for k in ks if not 2 <= k <= MAX_K]
-    if bad:
-        raise UsageError(f"verify width K must be 2..{MAX_K}; got {bad}")
-    if len(set(ks)) != len(ks):
-        raise UsageError(f"repeated verify width in --k {ks}")
-    return ks
+    @property
+    def path(self) -> str | None:
+        return None if self.location is None else self.location.url
 
 
-def record(
-    out: str | Path,
-    *,
-    model: VerifyModel | None = None,
-    model_spec: str = DEFAULT_MODEL,
-    prompt: str = DEFAULT_PROMPT,
-    ks: Sequence[int] = DEFAULT_KS,
-    steps: int = DEFAULT_STEPS,
-    forward: str | None = None,
-    feed: str = "reference",
-    head: str | None = None,
-    device: str = "cpu",
-    dtype: str = "bfloat16",
-    threads: int | None = None,
-    refresh: bool = False,
-    allow_thin: bool = False,
-    deterministic: bool = False,
-    tolerances: Sequence[str] = (),
-    require_coverage: bool = False,
-    compress: bool = False,
-    on_step: Callable[[int], None] | None = None,
-    on_phase: Callable[[str, int], None] | None = None,
-) -> RecordResult:
-    """Record ``feed`` (``reference`` or ``mtp``) of ``model`` (or the model ``model_spec`` names, with
-    the MTP head file ``head`` attached if given) into ``out``.
-
-    ``on_phase(name, total_steps)`` announces each phase and ``on_step`` ticks within it, for a progress
-    bar. A passed-in ``model`` is used as it is (its device and dtype win over the arguments).
-    ``deterministic`` applies `vd.env.DETERMINISTIC` (stored in the golden; replay applies it again).
-    ``compress`` stores the arrays Blosc-compressed (`vd.golden.codecs`; default: uncompressed).
-
-    Each K's prefill and verify rows go to the writer as they are computed (on CUDA through pinned
-    buffers, non-blocking copies and a writer thread: `vd.golden.KStream`, so compression and storage
-    overlap the run); the golden appears only when complete and not thin.
-    """
-    out = Path(out)
-    ks = check_ks(ks)
-    if feed not in FEEDS:
-        raise UsageError(f"unknown feed {feed!r} (choose from {', '.join(FEEDS)})")
-    if steps < 1:
-        raise UsageError(f"--steps must be at least 1; got {steps}")
-    check_target(out, refresh)  # fail before the expensive part (the writer checks again)
-    policy = parse_policy(tolerances)
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads must be at least 1; got {threads}")
-        torch.set_num_threads(threads)
-    phase = on_phase or (lambda name, total: None)
+def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), *, refresh: bool = False,
+           model: VerifyModel | None = None, progress: Progress = SILENT) -> RecordResult:
+    """Record ``settings`` into the golden at ``out`` (a directory, a ``.zip`` file or an ``s3://`` URL);
+    ``refresh`` replaces a golden already there. A passed-in ``model`` is used as it is (its device and
+    dtype win over the settings')."""
+    policy = settings.check()
+    location = locate(out)
+    check_target(location, refresh)  # before the expensive part (the writer checks again)
     seconds: dict[str, float] = {}
-    if deterministic:
-        env.apply_determinism(env.DETERMINISTIC)
-
     t = time.perf_counter()
-    if model is None:
-        phase("loading model", 0)
-        model = load_model(model_spec, device=device, dtype=dtype, head=head)
+    model = _model(settings, model, progress)
     seconds["load"] = time.perf_counter() - t
-    if feed == "mtp" and not isinstance(model, DraftHead):
-        raise UsageError(f"model {model_spec} has no MTP draft head: use an -mtp preset, a checkpoint "
-                         "with MTP layers, or --head FILE")
-    forward = forward or model.default_forward()
+    forward = settings.forward or model.default_forward()
     require_forwards(model, [forward])
     model.set_forward(forward)
-    tokens = model.encode(prompt)
+    tokens = model.encode(settings.prompt)
     if not tokens:
         raise UsageError("the prompt encodes to no tokens")
-    prepare(model, len(tokens), steps, ks)
-
+    prepare(model, len(tokens), settings.steps, settings.ks)
     t = time.perf_counter()
-    n = steps * max(ks) + 1
-    phase("greedy continuation", 0)
-    greedy = continuation(model, tokens, n)
+    progress.phase("greedy continuation", 0)
+    greedy = continuation(model, tokens, settings.steps * max(settings.ks) + 1)
     seconds["continuation"] = time.perf_counter() - t
-
-    # On CUDA the writer works on its own thread while the GPU computes; on the CPU it writes in line,
-    # since a writer thread would take the cores the model runs on (see vd.golden._Prefetched).
-    with GoldenWriter(out, refresh=refresh, background=model.device.type == "cuda", compress=compress) as writer:
+    # On CUDA the writer works on its own thread while the GPU computes; on the CPU it writes in line.
+    with GoldenWriter(location, refresh=refresh, background=model.device.type == "cuda") as writer:
         t = time.perf_counter()
-        accepted, thin, short, same = {}, [], [], {}
-        for k in ks:
-            phase(f"recording K={k}", steps)
-            chooser = ReferenceFeed(greedy) if feed == "reference" else DrafterFeed(k, steps)
-            stream = writer.stream(k, steps, len(tokens), model.vocab_size, model.dtype)
-            run = run_verify(model, tokens, k, steps, chooser, on_step=on_step, sink=stream.put)
-            committed = run.committed()
-            same[k] = committed == greedy[: len(committed)]
-            # Built here, between runs: the writer thread touches no GPU (a CUDA call of its own during a
-            # graph captured mid-run, such as a draft head's first propose of a shape, invalidated that
-            # capture on the H200: cudaErrorStreamCaptureInvalidated).
-            stream.finish(_krecord(run, k, steps, same[k], feed == "mtp"))
-            accepted[k] = [s.accepted for s in run.steps]
-            reason = thin_reason(k, accepted[k])
-            if reason:
-                thin.append(reason)
-            hist = histogram(k, accepted[k])
-            if require_coverage and 0 in hist:
-                short.append(coverage_reason(k, hist))
+        result = RecordResult(None, {}, [], {}, seconds)
+        for k in settings.ks:
+            progress.phase(f"recording K={k}", settings.steps)
+            _record_k(model, writer, tokens, greedy, k, settings, progress, result)
         seconds["verify"] = time.perf_counter() - t
-        if short or (thin and not allow_thin):
-            return RecordResult(None, accepted, thin, same, seconds, short)
+        if result.short or (result.thin and not settings.allow_thin):
+            return result
         t = time.perf_counter()
-        phase("writing golden", 0)
-        meta = _meta(model, model_spec, head, forward, feed, ks, steps, prompt, greedy, thin, deterministic)
-        writer.publish({**meta, "policy": policy, "require_coverage": require_coverage}, tokens)
+        progress.phase("writing golden", 0)
+        meta = _meta(model, settings, forward, greedy, result.thin)
+        writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens)
     seconds["write"] = time.perf_counter() - t
-    return RecordResult(out, accepted, thin, same, seconds)
+    result.location = location
+    return result
 
 
-def _krecord(run, k: int, steps: int, same: bool, mtp: bool) -> KRecord:
-    """A finished run's step log, MTP rows and every row's digest and statistics as a `KRecord` (digests
-    and statistics computed on the run's device, read back with the MTP rows); its prefill and verify
-    rows were streamed, so those fields are empty."""
-    digests, stats = row_summary(run.rows_by_kind())
-    extra = {}
-    if mtp:
-        extra = dict(bootstrap_logits=to_storage(run.bootstrap_row),
-                     drafts=np.array(run.drafts, dtype=np.int32).reshape(steps, k - 1),
-                     draft_logits=to_storage(torch.stack(run.draft_rows)), decoded=run.committed_before[0])
-    return KRecord(
-        k=k, bootstrap=run.bootstrap,
-        tokens=np.array([s.tokens for s in run.steps], dtype=np.int32),
-        accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
-        prefill=np.empty((0, 0), np.uint16),
-        logits=np.empty((steps, k, 0), np.uint16),
-        step_ms=np.array(run.step_ms, dtype=np.float64),
-        committed_is_greedy=same, digests=digests, stats=stats, **extra,
-    )
+def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progress) -> VerifyModel:
+    """The model to record, loaded if not given, with the settings' threads and determinism applied."""
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    if settings.deterministic:
+        env.apply_determinism(env.DETERMINISTIC)
+    if model is None:
+        progress.phase("loading model", 0)
+        model = load_model(settings.model, device=settings.device, dtype=settings.dtype, head=settings.head)
+    if settings.feed == "mtp" and not isinstance(model, DraftHead):
+        raise UsageError(f"model {settings.model} has no MTP draft head: use an -mtp preset, a checkpoint with MTP "
+                         "layers, or --head FILE")
+    return model
 
 
-def _meta(model, model_spec, head, forward, feed, ks, steps, prompt, greedy, thin, deterministic) -> dict:
+def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greedy: list[int], k: int,
+              settings: RecordSettings, progress: Progress, result: RecordResult) -> None:
+    """One K's run, its rows streamed to ``writer``, its accept counts and checks into ``result``."""
+    steps, mtp = settings.steps, settings.feed == "mtp"
+    chooser = DrafterFeed(k, steps) if mtp else ReferenceFeed(greedy)
+    layout = RowLayout(len(tokens), steps, k, mtp)
+    stream = writer.stream(layout, model.vocab_size, model.dtype)
+    run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step, sink=stream.put)
+    committed = run.committed()
+    same = committed == greedy[:len(committed)]
+    # Made here, between runs: the writer thread touches no GPU (a CUDA call of its own during a graph
+    # captured mid-run, such as a draft head's first propose of a shape, would invalidate that capture).
+    log, summary, draft_rows, drafts = _finished(run, same)
+    stream.finish(log, summary, draft_rows, drafts)
+    accepted = log.accepted.tolist()
+    result.accepted[k], result.committed_is_greedy[k] = accepted, same
+    if (reason := thin_reason(k, accepted)) is not None:
+        result.thin.append(reason)
+    if settings.require_coverage and (reason := coverage_reason(k, accepted)) is not None:
+        result.short.append(reason)
+
+
+def _finished(run: Run, same: bool) -> tuple[StepLog, tuple[np.ndarray, np.ndarray], np.ndarray | None,
+                                             np.ndarray | None]:
+    """A finished run's step log, every row's digest and statistics (computed on the run's device, read
+    back once) and, for the drafter feed, its draft rows as stored and the head's drafts."""
+    log = StepLog(k=run.k, bootstrap=run.bootstrap, committed_is_greedy=same,
+                  tokens=np.array([s.tokens for s in run.steps], dtype=np.int32).reshape(-1, run.k),
+                  accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
+                  step_ms=np.array(run.step_ms, dtype=np.float64),
+                  decoded=run.committed_before[0] if run.bootstrap_row is not None else None)
+    by_kind = run.rows_by_kind()
+    summary = summarise(by_kind)
+    if run.bootstrap_row is None:
+        return log, summary, None, None
+    drafts = np.array(run.drafts, dtype=np.int32).reshape(len(run.steps), run.k - 1)
+    return log, summary, to_storage(by_kind["draft"]), drafts
+
+
+def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int], thin: list[str]) -> dict:
     ident = model.identity()
-    logical = dtype_name(model.dtype)
+    logical = of_torch(model.dtype).name
     graphs = getattr(model, "forward_uses_graphs", lambda name: False)(forward)
     return {
-        "model": {"spec": model_spec, "head": head, "name": ident.name, "fingerprint": ident.fingerprint,
-                  "details": dict(ident.details)},
+        "model": {"spec": settings.model, "head": settings.head, "name": ident.name,
+                  "fingerprint": ident.fingerprint, "details": dict(ident.details)},
         "forward": forward,
         "forward_description": model.forwards()[forward],
         "graphs": "graphed" if graphs else "eager",
-        "feed": feed,
-        "mtp": dict(model.head_info()) if feed == "mtp" else None,
+        "feed": settings.feed,
+        "mtp": dict(model.head_info()) if settings.feed == "mtp" else None,
         "dtype": logical,
         "device": model.device.type,
-        "k": ks,
-        "steps": steps,
+        "k": list(settings.ks),
+        "steps": settings.steps,
         "vocab_size": model.vocab_size,
-        "prompt_text": prompt,
+        "prompt_text": settings.prompt,
         "greedy": greedy,
         "thin": thin,
-        "logits": {"dtype": logical, "encoding": ENCODINGS[logical][1]},
+        "logits": F.logits_meta(logical),
         "environment": env.capture(model.device),
-        "determinism": {"applied": env.DETERMINISTIC if deterministic else None, "settings": env.determinism()},
+        "determinism": {"applied": env.DETERMINISTIC if settings.deterministic else None,
+                        "settings": env.determinism()},
     }
+

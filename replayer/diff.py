@@ -2,31 +2,36 @@
 without running a model.
 
 The recordings must match in what was asked (prompt tokens, K list, steps, vocabulary, dtype and feed),
-else the question is ill-posed and the answer is a usage error. Within that, B is judged against A
-exactly as a replay's candidate is judged against its golden: every row under the policy (A's stored
-policy unless ``--tolerance`` overrides it), every row's argmax, and each step's accept count; a
-recording whose steps took other tokens (a decision changed while recording) differs too.
+else the question is ill-posed and the answer is a usage error. Within that, B is judged against A exactly
+as a replay's candidate is judged against its golden: every row under the policy (A's stored policy
+unless ``tolerances`` override it), every row's argmax, and each step's accept count; a recording whose
+steps took other tokens (a decision changed while recording) differs too. B's rows are read whole and
+checked against its digests; A's are read only where B's differ (A may be slim under exact or argmax).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from pathlib import Path
 
 from vd.compare import compare_run
+from vd.dtypes import to_tensor
 from vd.errors import UsageError
-from vd.golden import Golden, KRecord, open_golden, to_tensor
-from vd.loop import Run, Step
-from vd.policy import parse_policy
+from vd.layout import Step
+from vd.loop import Run
+from vd.policy import Policy
+from vd.store import Golden, open_golden
 
 
-def _as_run(rec: KRecord) -> Run:
-    """A golden's record as the run a candidate would have produced (its rows as tensors, bits unchanged)."""
-    run = Run(k=rec.k, prefill=to_tensor(rec.prefill), rows=list(to_tensor(rec.logits)),
-              steps=rec.steps, computed=rec.accepted.tolist(), bootstrap=rec.bootstrap)
-    if rec.draft_logits is not None:
-        run.bootstrap_row = to_tensor(rec.bootstrap_logits)
-        run.draft_rows = list(to_tensor(rec.draft_logits))
+def _as_run(golden: Golden, k: int) -> Run:
+    """K of a golden as the run a candidate would have produced (its rows as tensors, bits unchanged)."""
+    rows = {kind: to_tensor(a) for kind, a in golden.verify_rows(k).items()}
+    log = golden.checked_log(k)
+    run = Run(k=k, prefill=rows["prefill"], rows=list(rows["verify"].split(k)), steps=log.steps,
+              computed=log.accepted.tolist(), bootstrap=log.bootstrap)
+    if "draft" in rows:
+        run.bootstrap_row = rows["draft"][:1]
+        run.draft_rows = list(rows["draft"][1:].split(k - 1))
     return run
 
 
@@ -37,37 +42,39 @@ def _same_recording(a: Golden, b: Golden) -> None:
         if x != y:
             shown = (f"{len(x)} vs {len(y)} tokens" if what == "prompt tokens" and len(x) != len(y)
                      else "they differ" if what == "prompt tokens" else f"{x} vs {y}")
-            raise UsageError(f"{a.path} and {b.path} are not recordings of the same thing: {what} ({shown})")
+            raise UsageError(f"{a.url} and {b.url} are not recordings of the same thing: {what} ({shown})")
+    if b.slim:
+        raise UsageError(f"{b.url} is slim: vd diff judges B's rows, so B must be a full golden")
 
 
-def diff(a_path: str | Path, b_path: str | Path, *, tolerances: Sequence[str] = ()) -> dict:
+def diff(a_path: str | os.PathLike, b_path: str | os.PathLike, *, tolerances: Sequence[str] = ()) -> dict:
     """Judge golden B against golden A; the report's ``verdict`` is PASS or FAIL."""
     a, b = open_golden(a_path), open_golden(b_path)
     _same_recording(a, b)
-    logical = a.logical_dtype
-    policy = parse_policy(tolerances, a.meta.get("policy"))
+    policy = Policy.parse(tolerances, a.meta.get("policy"))
+    if a.slim and policy.needs_rows:
+        raise UsageError(f"{a.url} is slim: judging {', '.join(policy.needs_rows)} rows needs its rows")
     verify, reasons = [], []
-    for k, ra in a.runs.items():
-        rb = b.runs[k]
-        c = compare_run(str(b.path), ra, _as_run(rb), logical, policy=policy)
-        steps_a, steps_b = ra.steps, rb.steps
+    for k in a.ks:
+        c = compare_run(b.url, a.side(k), _as_run(b, k), a.logical, policy)
+        steps_a, steps_b = a.checked_log(k).steps, b.checked_log(k).steps
         changed = [i for i, (x, y) in enumerate(zip(steps_a, steps_b)) if x != y]
         if changed:
             i = changed[0]
             reasons.append(f"K={k}: {len(changed)} of {len(steps_a)} steps verified other tokens or accepted "
                            f"another count (first at step {i}: {_step(steps_a[i])} vs {_step(steps_b[i])})")
-        if rb.bootstrap != ra.bootstrap:
-            reasons.append(f"K={k}: bootstrap token {ra.bootstrap} vs {rb.bootstrap}")
+        if b.checked_log(k).bootstrap != a.checked_log(k).bootstrap:
+            reasons.append(f"K={k}: bootstrap token {a.checked_log(k).bootstrap} vs {b.checked_log(k).bootstrap}")
         if not c.passed:
             f = c.first_failure or {}
-            reasons.append(f"K={k}: rows differ under {', '.join(f'{x} {y}' for x, y in policy.items())}: "
+            reasons.append(f"K={k}: rows differ under {policy.describe()}: "
                            + ", ".join(f"{n} {s['rows_failed']}/{s['rows']} rows fail, {s['argmax_flips']} argmax "
                                        f"flip(s), max |Δ| {s['max_abs']:.4g}" for n, s in c.summary.items())
                            + (f" (first: {f.get('kind')} step {f.get('step')} row {f.get('row')} index "
                               f"{f.get('index')})" if f else ""))
         verify.append({"k": k, "comparison": c.to_json(), "steps_changed": changed})
     return {
-        "a": str(a.path), "b": str(b.path), "policy": policy, "dtype": logical,
+        "a": a.url, "b": b.url, "policy": policy.to_json(), "dtype": a.logical,
         "environment": {"a": a.meta.get("environment"), "b": b.meta.get("environment")},
         "verify": verify, "verdict": "FAIL" if reasons else "PASS", "reasons": reasons,
     }

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from vd.golden import open_golden
 from vd.models import load_model
+from vd.store import Prefetcher, open_golden
 from vd.testing import DraftHeadConformance, ModelConformance
 
 pytestmark = [
@@ -71,8 +71,8 @@ def _equal(cs):
 
 @pytest.mark.parametrize("spec, feed", [("tiny-llama-mtp", "mtp"), ("tiny-qwen2", "reference")])
 def test_graphed_replays_static_bit_for_bit(cli, tmp_path, spec, feed):
-    """A CUDA graph of the static forward's kernels replays them bitwise (verify, decode and, with a
-    head, propose): measured on the H200 for every K, verify and draft rows. Every forward is compared."""
+    """A CUDA graph of the static forward's kernels replays them bitwise (verify, decode and, with a head,
+    propose), for every K, verify and draft rows. Every forward is compared."""
     path = tmp_path / "graphed.zarr"
     code, out, err = cli("record", path, "--model", spec, "--feed", feed, "--device", "cuda", "--steps", "8",
                          "--forward", "graphed", "--allow-thin",
@@ -90,8 +90,8 @@ def test_graphed_replays_static_bit_for_bit(cli, tmp_path, spec, feed):
 
 def test_compiled_forwards_replay_their_own_golden(cli, tmp_path):
     """In one process a compiled golden replays bit for bit, and the compiled step captured as CUDA graphs
-    equals it (the same compiled kernels; measured equal on the H200, 2026-11-30). Across processes it
-    did not always (README, On the GPU): that is not asserted here."""
+    equals it (the same compiled kernels). Across processes it did not always (README, On the GPU): that is
+    not asserted here."""
     path = tmp_path / "compiled.zarr"
     code, out, err = cli("record", path, "--model", "tiny-llama-mtp", "--feed", "mtp", "--device", "cuda",
                          "--steps", "8", "--forward", "compiled", "--allow-thin",
@@ -125,30 +125,34 @@ class TestCudaGraphedConformance(ModelConformance, DraftHeadConformance):
         return m
 
 
-def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(rows_golden):
-    """On CUDA a lazily opened golden without row digests is read and uploaded on a side stream
-    (`vd.reader`): in idle time, on the thread, or on demand, the same rows as reading it in line on the
-    CPU."""
+def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(tiny_golden, rows_golden):
+    """On CUDA a golden's small arrays are read in units (in idle time, on the thread, or when a K is
+    judged) and its digests copied to the device on the side stream: the same side as reading in line on
+    the CPU. A golden without digests has them computed from its rows."""
     import numpy as np
 
-    tiny_golden = rows_golden
-
-    inline = open_golden(tiny_golden, lazy=True)
-    for how in ("demand", "idle", "thread"):
-        ahead = open_golden(tiny_golden, lazy=True)
-        ahead.prefetch(torch.device("cuda"), background=how == "thread")
-        if how == "idle":
-            assert ahead.idle(30.0) is False and not ahead.runs.reader.units
-        for k in (2, 3, 4):
-            rows = ahead.device_rows(k)
-            assert all(t.is_cuda for t in rows.values())
-            for name, a in inline.runs[k].rows_by_kind().items():
-                assert np.array_equal(rows[name].cpu().numpy(), a.view(rows[name].cpu().numpy().dtype))
-        where = {w for w, _, _ in ahead.runs.reader.timeline}
-        # Buffers are allocated when prefetching to a ready model, whatever reads the rest.
-        expected = {"demand": where == {"prefetch", "drain"}, "idle": where == {"prefetch", "idle"},
-                    "thread": "thread" in where}
-        assert expected[how], where
+    cuda = torch.device("cuda")
+    for path in (tiny_golden, rows_golden):
+        inline = open_golden(path)
+        for how in ("demand", "idle", "thread"):
+            p = Prefetcher(open_golden(path), cuda)
+            if how == "thread":
+                p.start_thread()
+            if how == "idle":
+                while p.idle(30.0):
+                    pass
+            for k in (2, 3, 4):
+                side, want = p.side(k), inline.side(k)
+                assert np.array_equal(side.digests, want.digests) and side.log.same_steps(want.log)
+                rows = inline.all_rows(k)
+                got = torch.cat([torch.from_numpy(a.view(np.int16)) for a in rows.values()]).view(torch.bfloat16)
+                assert not side.differ(got.to(cuda)).any()  # the golden's own rows do not differ on the GPU
+            where = {w for w, _, _ in p.timeline}
+            if path == tiny_golden:
+                assert where <= {"thread", "drain"} if how == "thread" else where == {
+                    "demand": {"drain"}, "idle": {"idle"}}[how], where
+            else:
+                assert not where  # nothing is read ahead for a golden without digests
 
 
 def test_a_run_hands_its_idle_time_over_until_told_nothing_is_left():
@@ -173,28 +177,29 @@ def test_a_run_hands_its_idle_time_over_until_told_nothing_is_left():
 
 def test_comparison_queued_during_the_last_step_is_the_comparison_after_the_run(tmp_path):
     """`vd.compare.Queued` (which rows differ, asked of the GPU on a side stream while it runs the last
-    step) gives the comparison made after the run, for the golden's forward (equal) and for eager
-    (rows that differ, measured from the queued rows)."""
-    from recorder.record import record
+    step) gives the comparison made after the run, for the golden's forward (equal) and for eager (rows
+    that differ, measured from the queued rows)."""
+    from recorder import RecordSettings, record
     from vd.compare import Queued, compare_run
     from vd.loop import ReplayFeed, run_verify
+    from vd.policy import Policy
 
     m = load_model("tiny-qwen2", device="cuda")
     m.set_forward("graphed")
     path = tmp_path / "g.zarr"
-    record(path, model=m, model_spec="tiny-qwen2", prompt="The three laws of thermodynamics state that", ks=[3],
-           steps=6, forward="graphed", allow_thin=True)
-    g = open_golden(path, lazy=True)
-    g.prefetch(m.device)
-    log, verdicts = g.log(3), []
+    record(path, RecordSettings(model="tiny-qwen2", prompt="The three laws of thermodynamics state that", ks=(3,),
+                                steps=6, forward="graphed", allow_thin=True), model=m)
+    g = open_golden(path)
+    p = Prefetcher(g, m.device)
+    log, verdicts, policy = g.log(3), [], Policy.parse()
     for fwd in ("graphed", "eager"):
         m.set_forward(fwd)
         queued = []
-        run = run_verify(m, g.prompt, 3, 6, ReplayFeed(log.steps, log.bootstrap), idle=g.idle,
-                         on_last=lambda r, rows, into=queued: into.append(Queued(g.gold(3), r, rows)))
+        run = run_verify(m, g.prompt, 3, 6, ReplayFeed(log.steps, log.bootstrap), idle=p.idle,
+                         on_last=lambda r, rows, into=queued: into.append(Queued(p.side(3), r, rows)))
         assert len(queued) == 1
-        a = compare_run(fwd, g.gold(3), run, g.logical_dtype, None, queued[0]).to_json()
-        assert a == compare_run(fwd, g.gold(3), run, g.logical_dtype).to_json()
+        a = compare_run(fwd, p.side(3), run, g.logical, policy, queued[0]).to_json()
+        assert a == compare_run(fwd, p.side(3), run, g.logical, policy).to_json()
         verdicts.append((a["passed"], a["mismatched_steps"] > 0 or not a["prefill_equal"]))
     assert verdicts[0] == (True, False) and verdicts[1][1], verdicts
 
@@ -205,8 +210,8 @@ def test_row_digests_are_the_same_on_cpu_and_cuda(cli, tmp_path):
     its rows have when read back on the CPU."""
     import numpy as np
 
-    from vd.digest import BLOCK_BYTES, digest
-    from vd.golden import row_summary
+    from vd.digest import BLOCK_BYTES, digest, summarise
+    from vd.dtypes import to_tensor
 
     g = torch.Generator().manual_seed(0)
     for rows in (torch.randn(BLOCK_BYTES // (8 * 151936) + 5, 151936, generator=g).mul(30).to(torch.bfloat16),
@@ -216,8 +221,10 @@ def test_row_digests_are_the_same_on_cpu_and_cuda(cli, tmp_path):
     code, out, err = cli("record", path, "--model", "tiny-llama-mtp", "--feed", "mtp", "--device", "cuda",
                          "--steps", "8", "--forward", "graphed", "--allow-thin")
     assert code == 0, err
-    for k, rec in open_golden(path).runs.items():
-        digests, stats = row_summary(rec.rows_by_kind())
-        assert np.array_equal(rec.digests, digests), k
+    golden = open_golden(path)
+    for k in golden.ks:
+        digests, stats = summarise({kind: to_tensor(a) for kind, a in golden.verify_rows(k).items()})
+        stored_digests, stored_stats = golden.summary(k)
+        assert np.array_equal(stored_digests, digests), k
         # argmax, top-1, margin and largest |logit| are exact on either device; the top-1 probability sums
-        assert np.array_equal(rec.stats[:, :4], stats[:, :4]) and np.allclose(rec.stats, stats, rtol=1e-5), k
+        assert np.array_equal(stored_stats[:, :4], stats[:, :4]) and np.allclose(stored_stats, stats, rtol=1e-5), k

@@ -4,7 +4,8 @@ exactly the model's plain greedy continuation (checked against HF's own generate
 import pytest
 import torch
 
-from vd.loop import ReferenceFeed, ReplayFeed, Step, accepted, continuation, reference_drafts, run_verify
+from vd.layout import Step
+from vd.loop import ReferenceFeed, ReplayFeed, accepted, continuation, reference_drafts, run_verify
 from vd.models import load_model
 
 
@@ -75,10 +76,11 @@ def test_flat_rows_lay_every_kind_out_in_order_and_a_replay_needs_no_read_back_t
     m = load_model("tiny-llama-mtp", device="cpu", dtype="float32")
     prompt = m.encode("rows in order")
     run = run_verify(m, prompt, 3, 5, DrafterFeed(3, 5))
-    flat, counts = run.flat_rows()
+    flat = run.flat_rows()
     kinds = run.rows_by_kind()
-    assert counts == {n: t.shape[0] for n, t in kinds.items()} == {"prefill": len(prompt), "verify": 15, "draft": 11}
-    assert torch.equal(torch.cat(list(kinds.values())), flat)
+    assert run.layout.counts == {n: t.shape[0] for n, t in kinds.items()} == {"prefill": len(prompt), "verify": 15,
+                                                                               "draft": 11}
+    assert torch.equal(torch.cat(list(kinds.values())), flat) and flat.shape[0] == run.layout.total
 
     def never() -> int:  # the prefill's greedy token, were it read back
         raise AssertionError("read back")
@@ -86,4 +88,4 @@ def test_flat_rows_lay_every_kind_out_in_order_and_a_replay_needs_no_read_back_t
     assert ReplayFeed(run.steps, 7).start(m, run, never) == 7
     forced = ReplayFeed(run.steps, run.bootstrap, run.committed_before[0])
     again = run_verify(m, prompt, 3, 5, DrafterFeed(3, 5, forced))
-    assert again.steps == run.steps and torch.equal(again.flat_rows()[0], flat)
+    assert again.steps == run.steps and torch.equal(again.flat_rows(), flat)

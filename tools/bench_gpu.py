@@ -14,9 +14,10 @@ a median over ``--reps`` interleaved repetitions in this one process; the JSON k
 * ``record_ratio``: `recorder.record` (greedy continuation, the K run, the background zarr write,
   publishing) over the bare decode plus verify loop.
 * ``replay_ratio``: `replayer.replay` without the detection control (opening the golden, its small
-  arrays read beside the run by `vd.reader`, the run, the comparison by row digests on the GPU, the
-  report) over the bare verify loop. ``reader`` says where the last replay's reading ran
-  (`vd.reader`); ``samples`` keeps each replay's ``phases``.
+  arrays read beside the run by `vd.store.prefetch`, the run, the comparison by row digests on the GPU,
+  the report) over the bare verify loop. ``reader`` says where the last replay's reading ran;
+  ``samples`` keeps each replay's ``phases``.
+* ``golden_bytes`` and ``raw_rows_bytes``: the golden's size and its prefill and verify rows' raw bytes.
 
 Rows are appended to ``--out`` (a JSON file holding a list of runs), so the shapes can run as separate
 processes (each needs its own GPU memory) into one file.
@@ -38,12 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recorder.record import record  # noqa: E402
-from replayer.replay import replay  # noqa: E402
+from recorder import RecordSettings, record  # noqa: E402
+from replayer import ReplaySettings, replay  # noqa: E402
 from vd import env  # noqa: E402
-from vd.golden import open_golden  # noqa: E402
 from vd.loop import prepare  # noqa: E402
 from vd.models import load_model  # noqa: E402
+from vd.store import locate, open_golden  # noqa: E402
 
 PROMPT = "Speculative decoding: draft, then verify."
 
@@ -111,6 +112,13 @@ def bare_decode(model, prompt, n) -> float:
     return time.perf_counter() - t0
 
 
+def _raw_bytes(path: Path, k: int) -> int:
+    """The golden's prefill and verify rows as raw values (what its stored rows are measured against)."""
+    g = open_golden(path)
+    counts = g.layout(k).counts
+    return (counts["prefill"] + counts["verify"]) * g.info.vocab * g.info.dtype.storage.itemsize
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3-8b-shape")
@@ -164,19 +172,19 @@ def main() -> None:
         warm_s = time.perf_counter() - t
         for k in ks:
             path = tmp / f"{fwd}-k{k}.zarr"
-            rec = record(path, model=model, model_spec=args.model, prompt=args.prompt, ks=[k], steps=args.steps,
-                         forward=fwd, refresh=True, allow_thin=True)  # first record: warm-up (compiles) too
-            steps = open_golden(path).runs[k].steps
+            settings = RecordSettings(model=args.model, prompt=args.prompt, ks=(k,), steps=args.steps, forward=fwd,
+                                      allow_thin=True)
+            rec = record(path, settings, refresh=True, model=model)  # the first record warms up (compiles) too
+            steps = open_golden(path).checked_log(k).steps
             samples = {"record_s": [], "bare_record_s": [], "replay_s": [], "bare_replay_s": [], "step_ms": []}
             for _ in range(args.reps):  # interleaved, so drift hits both sides alike
                 t = time.perf_counter()
-                record(path, model=model, model_spec=args.model, prompt=args.prompt, ks=[k], steps=args.steps,
-                       forward=fwd, refresh=True, allow_thin=True)
+                record(path, settings, refresh=True, model=model)
                 samples["record_s"].append(time.perf_counter() - t)
                 bare_s, _ = bare_verify(model, prompt, steps)
                 samples["bare_record_s"].append(bare_decode(model, prompt, args.steps * k + 1) + bare_s)
                 t = time.perf_counter()
-                r = replay(path, model=model, forwards=[fwd], control=False)
+                r = replay(path, ReplaySettings(forwards=(fwd,), control=False), model=model).to_json()
                 samples["replay_s"].append(time.perf_counter() - t)
                 for name, sec in r["phases"].items():  # where replay's own time went
                     samples.setdefault(f"replay_{name}_s", []).append(sec)
@@ -190,6 +198,7 @@ def main() -> None:
                 "record_ratio": med["record_s"] / med["bare_record_s"],
                 "replay_ratio": med["replay_s"] / med["bare_replay_s"],
                 "accepted": rec.accepted[k], "reader": r["reader"], "samples": samples,
+                "golden_bytes": locate(path).nbytes(), "raw_rows_bytes": _raw_bytes(path, k),
             }
             rows.append(row)
             print(f"  {fwd:17s} K={k}: step {row['step_ms']:.3f} ms ({row['step_over_floor']:.2f}x floor), "

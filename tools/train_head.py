@@ -24,7 +24,7 @@ import torch
 
 from recorder import DEFAULT_PROMPT
 from vd import env
-from vd.compare import histogram
+from vd.coverage import histogram
 from vd.loop import DrafterFeed, run_verify
 from vd.models import load_model
 from vd.models.hf import _seeded_init

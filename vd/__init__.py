@@ -1,8 +1,10 @@
 """vd: record-and-replay golden files for the logits of an LLM's speculative-decoding verify path.
 
-This package holds what the recorder and the replayer share: the model protocol and its adapters
-(`vd.protocol`, `vd.models`), the one verify step loop (`vd.loop`), the zarr golden store (`vd.golden`),
-row comparison (`vd.compare`), environment capture (`vd.env`) and the command line (`vd.cli`).
+This package is the core the recorder and the replayer share: the model protocol and its adapters
+(`vd.protocol`, `vd.models`), the values a recording is made of (`vd.layout`, `vd.dtypes`), the one
+verify step loop (`vd.loop`) and the checks beside it (`vd.coverage`), the golden store (`vd.store`),
+row digests (`vd.digest`), the comparison (`vd.policy`, `vd.measure`, `vd.compare`) and environment
+capture (`vd.env`). It never imports `recorder`, `replayer` or the command line (`vdcli`) above it.
 Importing it never initialises CUDA and sets no global torch flags.
 """
 

@@ -23,15 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vd.layout import RowLayout, Step
 from vd.protocol import VerifyModel
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One verify step's inputs ``[last, d1 .. d_{K-1}]`` and how many drafts it accepted."""
-
-    tokens: tuple[int, ...]
-    accepted: int
 
 
 @dataclass(slots=True)
@@ -59,29 +52,22 @@ class Run:
     # Generated tokens committed before the first step (the drafter's bootstrap decode commits one).
     committed_before: list[int] = field(default_factory=list)
 
-    def counts(self) -> dict[str, int]:
-        """Rows per kind, as `rows_by_kind` lays them out."""
-        out = {"prefill": self.prefill.shape[0], "verify": len(self.rows) * self.k}
-        if self.bootstrap_row is not None:
-            out["draft"] = 1 + sum(r.shape[0] for r in self.draft_rows)
-        return out
+    @property
+    def layout(self) -> RowLayout:
+        """How this run's rows are laid out (`vd.layout.RowLayout`)."""
+        return RowLayout(self.prefill.shape[0], len(self.rows), self.k, self.bootstrap_row is not None)
 
-    def flat_rows(self, last: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, int]]:
-        """Every computed row in one ``[R, V]`` tensor, in `rows_by_kind`'s order, and each kind's count;
-        with ``last``, as if those verify rows were one more step's (a run's last, not logged yet)."""
+    def flat_rows(self, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Every computed row in one ``[R, V]`` tensor in layout order; with ``last``, as if those verify rows
+        were one more step's (a run's last, not logged yet)."""
         parts = [self.prefill, *self.rows, *([] if last is None else [last])]
         if self.bootstrap_row is not None:  # every row tensor is [n, V]
             parts += [self.bootstrap_row, *self.draft_rows]
-        counts = self.counts()
-        if last is not None:
-            counts["verify"] += last.shape[0]
-        return torch.cat(parts), counts
+        return torch.cat(parts)
 
     def rows_by_kind(self) -> dict[str, torch.Tensor]:
-        """The computed rows ``[R, V]`` per kind, laid out as `vd.golden.KRecord.rows_by_kind`: prefill,
-        verify (steps × K) and, with a draft head, draft (the bootstrap row, then each step's K-1 rows)."""
-        flat, counts = self.flat_rows()
-        return dict(zip(counts, flat.split(list(counts.values()))))
+        """The computed rows ``[R, V]`` per kind (`vd.layout.RowLayout.split`)."""
+        return self.layout.split(self.flat_rows())
 
     def committed(self) -> list[int]:
         """The generated sequence this run committed: each step's ``last`` and accepted drafts."""
@@ -221,9 +207,6 @@ def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) 
         fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({prompt_len, 1, *ks}, reverse=True))
 
 
-IDLE_SHARE = 0.8  # of the last step's GPU time, handed to ``idle`` while the next runs (`run_verify`)
-
-
 def _argmax(rows: torch.Tensor) -> list[int]:
     # torch.argmax returns the first maximal index, so ties resolve the same way everywhere.
     return rows.argmax(dim=-1).tolist()
@@ -248,6 +231,42 @@ def _log(run: Run, s: int, tokens: Sequence[int], rows: torch.Tensor, na: int, c
         on_step(s)
 
 
+IDLE_SHARE = 0.8  # of the last step's GPU time, handed to ``idle`` while the next runs (`_IdleClock`)
+
+
+class _IdleClock:
+    """Hands the time the GPU stays busy with each step to ``idle`` (`run_verify`): CUDA events time each
+    step's forward, and while the next one runs, `IDLE_SHARE` of the last one's GPU time, less the time
+    issuing this one took, is offered. Stops timing once ``idle`` says nothing is left (False)."""
+
+    def __init__(self, idle: Callable[[float], bool] | None, device: torch.device):
+        self.idle, self.on = idle, idle is not None and device.type == "cuda"
+        if self.on:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.stream = torch.cuda.current_stream(device)  # looked up once, not at each record()
+            self.gpu_s, self.more = 0.0, True
+
+    def started(self) -> None:
+        if self.on:
+            self.begin.record(self.stream)
+
+    def issued(self) -> None:
+        """The step's forward is issued: mark its end on the stream."""
+        if self.on:
+            self.end.record(self.stream)
+
+    def hand_over(self, t0: float) -> None:
+        """Offer what is left of the GPU's time for the step issued at ``t0``."""
+        if self.on:
+            self.more = self.idle(IDLE_SHARE * max(0.0, self.gpu_s - (time.perf_counter() - t0)))
+
+    def finished(self) -> None:
+        """The step's result is read back (its events have passed)."""
+        if self.on:
+            self.gpu_s = self.begin.elapsed_time(self.end) / 1e3
+            self.on = self.more is not False
+
+
 @torch.inference_mode()
 def run_verify(
     model: VerifyModel,
@@ -257,70 +276,51 @@ def run_verify(
     feed: Feed,
     on_step: Callable[[int], None] | None = None,
     sink: Callable[[str, int | None, torch.Tensor], None] | None = None,
-    idle: Callable[[float], bool | None] | None = None,
+    idle: Callable[[float], bool] | None = None,
     on_last: Callable[[Run, torch.Tensor], None] | None = None,
 ) -> Run:
     """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them.
-    ``sink(kind, step, rows)`` receives the prefill's rows (``"prefill"``, None) and each step's verify
-    rows (``"verify"``, step) as soon as they are computed (a recorder streams them to storage).
-    ``idle(seconds)`` is called on CUDA while each step's forward runs, before its result is read back,
-    with the time the GPU is expected to stay busy (`IDLE_SHARE` of: the last step's GPU time, measured
-    by CUDA events, less the time issuing this step took; 0 before one is measured): a replay's golden
-    reader works in it (`vd.reader`). Once it returns False (nothing left to do) steps are no longer
-    timed or handed over (the events cost 15-30 us a step on the H200). ``on_last(run, rows)`` is called
-    once the last step's forward is issued, before its result is read back, with the run so far and that
-    step's rows (`Run.flat_rows`): a replay queues its comparison's GPU work behind that forward there
-    (`vd.compare.Queued`), while the GPU still runs it."""
-    vocab = model.vocab_size
+
+    ``sink(kind, step, rows)`` receives the prefill's rows (``"prefill"``, None) and each step's verify rows
+    (``"verify"``, step) as soon as they are computed (a recorder streams them to storage). ``idle(seconds)``
+    is offered, on CUDA, the time the GPU stays busy with each step (`_IdleClock`: a replay reads its golden
+    there). ``on_last(run, rows)`` is called once the last step's forward is issued, before its result is
+    read back, with the run so far and that step's rows (a replay queues its comparison behind it).
+    ``on_step(s)`` ticks once step ``s`` is logged.
+    """
     model.reset()
     prefill = model.forward(prompt)  # [P, V]
     if sink is not None:
         sink("prefill", None, prefill)
-    timed = idle is not None and prefill.is_cuda
-    if timed:
-        begin, end, gpu_s = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0.0
-        # The stream named once: Event.record() looks the current one up each time (30-45 us a call
-        # under a profiler on the H200's host, two calls a step).
-        stream = torch.cuda.current_stream(prefill.device)
+    clock = _IdleClock(idle, prefill.device)
     run = Run(k=k, prefill=prefill)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
-    logged = None  # a step's record, kept once the next step's forward is issued (off the critical path)
+    logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)
     for s in range(steps):
-        tokens = feed.tokens(s, last, p, k, vocab)
+        tokens = feed.tokens(s, last, p, k, model.vocab_size)
         assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
         t0 = time.perf_counter()
-        if timed:
-            begin.record(stream)
+        clock.started()
         rows = model.forward(tokens)  # [K, V]
-        if timed:
-            end.record(stream)
+        clock.issued()
         if logged is not None:
             _log(run, *logged, on_step)
         if on_last is not None and s == steps - 1:
             on_last(run, rows)
-        if timed:
-            # The GPU began when the forward was issued: what is left of it is the last step's GPU time
-            # less the time issuing this one (and logging the last) took (nearly all of it for a forward
-            # that is not graphed).
-            more = idle(IDLE_SHARE * max(0.0, gpu_s - (time.perf_counter() - t0)))
+        clock.hand_over(t0)
         outs = _argmax(rows)  # reads back to the host, so the forward has finished
         run.step_ms.append((time.perf_counter() - t0) * 1e3)
-        if timed:
-            gpu_s = begin.elapsed_time(end) / 1e3
-            timed = more is not False
+        clock.finished()
         computed = accepted(tokens, outs)
         na = feed.accept(s, computed)
-        # As a scheduler does: rewind the rejected rows, keep [last, accepted drafts] committed.
-        model.rewind(k - 1 - na)
+        model.rewind(k - 1 - na)  # as a scheduler does: the rejected rows go, [last, accepted drafts] stay
         last = feed.next_last(s, outs[na])
         p += na + 1
         if sink is not None:
             sink("verify", s, rows)
-        # Between a step's result and the next forward only what that forward needs runs (what the step
-        # committed, and a drafter's propose); the step is logged while the next one runs.
         logged = (s, tokens, rows, na, computed)
-        feed.after_commit(model, run, s, na, last)
+        feed.after_commit(model, run, s, na, last)  # a drafter proposes the next step's drafts here
     if logged is not None:
         _log(run, *logged, on_step)
     return run

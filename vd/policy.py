@@ -19,7 +19,8 @@ bootstrap row) to a SPEC:
 Whatever the policy, decisions are checked as well (`vd.compare`): a row whose argmax differs from the
 golden's fails even when its values are within tolerance, because it changes which draft a scheduler
 accepts or which token it emits. `sensitivity` states the smallest change a policy is guaranteed to
-catch. A golden stores the policy it was recorded with as its default; ``--tolerance`` overrides it.
+catch. A golden stores the policy it was recorded with as its default; ``--tolerance`` overrides it. A slim
+golden (`vd.store.slim`) can be judged under ``exact`` and ``argmax`` only, unless its full golden is named.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from vd.dtypes import DTYPES
 from vd.errors import UsageError
+from vd.layout import KINDS
 
-KINDS = ("prefill", "verify", "draft")
 _SPEC = re.compile(
     r"^(?:(?P<exact>exact)|ulp:(?P<ulp>\d+)|atol:(?P<atol>[^,]+),rtol:(?P<rtol>[^,]+)|(?P<argmax>argmax)"
     r"|topk:(?P<topk>\d+)|kl:(?P<kl>.+))$"
 )
-MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,38 +85,57 @@ def parse_spec(text: str) -> Spec:
         raise UsageError(f"bad number in tolerance {text!r}") from e
 
 
-def parse_policy(items: Iterable[str], base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``[KIND=]SPEC`` items over ``base`` (default: exact everywhere); later items win. A SPEC without a
-    KIND applies to every kind."""
-    policy = {k: "exact" for k in KINDS}
-    policy.update({k: v for k, v in (base or {}).items() if k in KINDS})
-    for item in items:
-        kind, sep, spec = item.partition("=")
-        if not sep:
-            kind, spec = "", item
-        if kind and kind not in KINDS:
-            raise UsageError(f"unknown row kind {kind!r} in --tolerance {item!r} (choose from {', '.join(KINDS)})")
-        parse_spec(spec)
-        for k in [kind] if kind else KINDS:
-            policy[k] = spec.strip()
-    for spec in policy.values():
-        parse_spec(spec)  # a stored policy must parse too
-    return policy
+ROWLESS = ("exact", "argmax")  # specs a golden's stored digests and statistics decide without its rows
 
 
-def describe(policy: Mapping[str, str]) -> str:
-    """``prefill exact, verify ulp:2, draft exact``."""
-    return ", ".join(f"{k} {policy.get(k, 'exact')}" for k in KINDS)
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A SPEC per kind of row (`KINDS`)."""
+
+    prefill: Spec
+    verify: Spec
+    draft: Spec
+
+    @classmethod
+    def parse(cls, items: Iterable[str] = (), base: Mapping[str, str] | None = None) -> Policy:
+        """``[KIND=]SPEC`` items over ``base`` (a stored policy; default exact everywhere); later items win.
+        A SPEC without a KIND applies to every kind."""
+        texts = {k: "exact" for k in KINDS}
+        texts.update({k: v for k, v in (base or {}).items() if k in KINDS})
+        for item in items:
+            kind, sep, spec = item.partition("=")
+            if not sep:
+                kind, spec = "", item
+            if kind and kind not in KINDS:
+                raise UsageError(f"unknown row kind {kind!r} in --tolerance {item!r} (choose from {', '.join(KINDS)})")
+            parse_spec(spec)
+            for k in [kind] if kind else KINDS:
+                texts[k] = spec.strip()
+        return cls(**{k: parse_spec(texts[k]) for k in KINDS})  # a stored policy must parse too
+
+    def __getitem__(self, kind: str) -> Spec:
+        return getattr(self, kind)
+
+    def to_json(self) -> dict[str, str]:
+        return {k: self[k].text for k in KINDS}
+
+    def describe(self) -> str:
+        """``prefill exact, verify ulp:2, draft exact``."""
+        return ", ".join(f"{k} {self[k].text}" for k in KINDS)
+
+    @property
+    def needs_rows(self) -> list[str]:
+        """The kinds whose spec cannot be judged from a golden's digests and statistics alone."""
+        return [k for k in KINDS if self[k].name not in ROWLESS]
 
 
-def sensitivity(spec_text: str, logical: str, stats: Mapping[str, float]) -> str:
+def sensitivity(spec: Spec, logical: str, stats: Mapping[str, float]) -> str:
     """The smallest change the policy is guaranteed to catch in a row, in words and figures.
 
     ``stats`` describes the golden's rows of this kind: ``max_abs`` (largest |logit|), ``min_margin``
     (smallest top-1/top-2 gap) and ``median_top1_p`` (median probability of the top token).
     """
-    spec = parse_spec(spec_text)
-    ulp_at = 2.0 ** (math.floor(math.log2(max(stats.get("max_abs", 1.0), 2.0 ** -126))) - MANTISSA_BITS[logical])
+    ulp_at = 2.0 ** (math.floor(math.log2(max(stats.get("max_abs", 1.0), 2.0 ** -126))) - DTYPES[logical].mantissa_bits)
     flip = (f"; and always any change of a row's argmax (the golden's smallest top-1/top-2 margin is "
             f"{stats.get('min_margin', float('nan')):.4g})")
     if spec.name == "exact":

@@ -50,7 +50,7 @@ STATIC_FORWARDS: dict[str, str] = {
     "propose), shared memory pool, outputs cloned",
     "compiled": "the static forward under torch.compile (Inductor, mode default, deterministic mode; the lean "
     "step compiles each layer's two elementwise regions once per shape; no CUDA graphs of its own); bit for "
-    "bit within a process, not always across processes (measured on the H200: prefer graphed for goldens)",
+    "bit within a process, not always across processes (prefer graphed for goldens)",
     "compiled-graphed": "the compiled static forward captured as one CUDA graph per step shape",
 }
 

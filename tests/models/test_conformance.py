@@ -7,7 +7,7 @@ import pytest
 from vd.models import load_model
 from vd.testing import ModelConformance
 
-PLUGINS = Path(__file__).parent / "plugins"
+PLUGINS = Path(__file__).parent.parent / "plugins"  # tests/plugins
 
 
 class TestTinyLlama(ModelConformance):

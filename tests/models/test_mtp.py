@@ -12,7 +12,7 @@ from vd.loop import DrafterFeed, run_verify
 from vd.models import load_model
 from vd.testing import DraftHeadConformance, ModelConformance
 
-PLUGINS = Path(__file__).parent / "plugins"
+PLUGINS = Path(__file__).parent.parent / "plugins"  # tests/plugins
 
 
 # The tiny-llama-mtp head is a test fixture: on random weights a head learns little that carries to new
@@ -33,7 +33,9 @@ def test_mtp_round_trip_passes(cli, mtp_golden, tmp_path):
     code, out, err = cli("replay", mtp_golden, "--report", tmp_path / "r.json")
     r = json.loads((tmp_path / "r.json").read_text())
     assert code == 0 and r["verdict"] == "PASS", r["reasons"]
-    assert r["mtp"] is True and r["warmup"] is False and r["head"]["hidden"].startswith("post_norm")
+    # The report's head is the attached head the golden was recorded with. (Its "warmup" field is a constant:
+    # test_first_propose_matches_later_ones checks what it claims.)
+    assert r["mtp"] is True and r["head"]["source"] == "attached" and r["head"]["hidden"].startswith("post_norm")
     for v in r["verify"]:
         c = v["comparisons"][0]
         assert c["draft_mismatched_steps"] == 0 and c["draft_first_mismatch"] is None and c["bootstrap_equal"]
@@ -130,7 +132,8 @@ def test_native_head_round_trip(cli, tmp_path):
 
 
 def test_first_propose_matches_later_ones():
-    """The seed's engine needed a discarded warm-up run; measure it here, in a fresh process."""
+    """A process's first proposal equals its later ones, so no warm-up run is discarded (the report's
+    ``warmup: false``): checked in a fresh process, where nothing has run before."""
     code = """
 import torch
 from vd.loop import DrafterFeed, run_verify
@@ -167,10 +170,10 @@ def test_native_head_from_checkpoint(tmp_path, cli):
     """A checkpoint that carries its MTP layer the way DeepSeek-V3 ships it (``model.layers.61.*``,
     ``shared_head.norm``) loads with HF's own MtpModel.from_pretrained, weights intact."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
-    from transformers.modeling_layers import MtpModel
+    from transformers import DeepseekV3Config
 
-    from vd.models.hf import _seeded_init
+    from vd.models.hf import build_random
+    from vd.models.mtp import native_layer
 
     cfg = DeepseekV3Config(
         vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=61,
@@ -178,20 +181,18 @@ def test_native_head_from_checkpoint(tmp_path, cli):
         n_group=1, topk_group=1, first_k_dense_replace=62, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
         qk_nope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=1, max_position_embeddings=256,
         initializer_range=0.1)
-    main = AutoModelForCausalLM.from_config(cfg)
-    _seeded_init(main, 0, 0.1)
-    mtp = MtpModel(main, 1)
-    _seeded_init(mtp.layers, 1, 0.1)
+    main = build_random(cfg, seed=0, name="ds", device=torch.device("cpu"), dtype=torch.float32).model
+    layer, _ = native_layer(main, seed=1)  # HF's MtpModel over ``main``, seeded
     ckpt = tmp_path / "ds-ckpt"
     main.save_pretrained(ckpt)
     weights = load_file(ckpt / "model.safetensors")
-    for k, v in mtp.layers[0].state_dict().items():  # back to the checkpoint's names
+    for k, v in layer.state_dict().items():  # back to the checkpoint's names
         weights["model.layers.61." + k.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")] = v
     save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
 
     model = load_model(str(ckpt), dtype="float32")
     assert model.head_info()["source"] == "native"
-    want, got = mtp.layers[0].state_dict(), model._layer.state_dict()
+    want, got = layer.state_dict(), model.head_layer.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     code, out, err = cli("record", tmp_path / "g.zarr", "--model", ckpt, "--feed", "mtp", "--k", "2", "--steps", "3",
                          "--dtype", "float32", "--allow-thin")

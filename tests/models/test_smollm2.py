@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from recorder import record
-from replayer import replay
+from recorder import RecordSettings, record
+from replayer import ReplaySettings, replay
 from vd.loop import ReferenceFeed, continuation, run_verify
 
 pytestmark = pytest.mark.slow
@@ -12,16 +12,16 @@ pytestmark = pytest.mark.slow
 
 def test_record_replay_round_trip(smollm2, tmp_path):
     path = tmp_path / "smollm2.zarr"
-    r = record(path, model=smollm2, model_spec="smollm2", steps=6)
-    assert r.path == path and not r.thin and all(r.committed_is_greedy.values())
-    report = replay(path, model=smollm2, forwards=["eager", "sdpa"])
-    for v in report["verify"]:
-        eager, sdpa = v["comparisons"]
-        assert eager["prefill_equal"] and eager["mismatched_steps"] == 0
-        assert v["detection_control"]["fired"]
-    # bf16 on the CPU: SDPA's kernels round differently from eager attention (shared notes models.md §5).
-    assert report["verdict"] == "FAIL" and all("sdpa" in x for x in report["reasons"])
-    assert replay(path, model=smollm2)["verdict"] == "PASS"
+    r = record(path, RecordSettings(model="smollm2", steps=6), model=smollm2)
+    assert r.path == str(path) and not r.thin and all(r.committed_is_greedy.values())
+    report = replay(path, ReplaySettings(forwards=("eager", "sdpa")), model=smollm2)
+    for v in report.verify:
+        eager, sdpa = (j.comparison for j in v.comparisons)
+        assert eager.prefill_equal and eager.mismatched_steps == 0
+        assert v.control.fired
+    # bf16 on the CPU: SDPA's kernels round differently from eager attention's, so only sdpa fails.
+    assert report.verdict == "FAIL" and {x.variant for x in report.reasons} == {"sdpa"}, report.reasons
+    assert replay(path, model=smollm2).verdict == "PASS"
 
 
 def test_reference_commits_hf_greedy(smollm2):
@@ -46,8 +46,8 @@ def test_drafter_feed_on_default_model(smollm2, tmp_path):
 
     model = attach_head(smollm2, HEADS / "smollm2-mtp.safetensors")
     path = tmp_path / "smollm2-mtp.zarr"
-    r = record(path, model=model, model_spec="smollm2-mtp", feed="mtp")
-    assert r.path == path and not r.thin, r.accepted
+    r = record(path, RecordSettings(model="smollm2-mtp", feed="mtp"), model=model)
+    assert r.path == str(path) and not r.thin, r.accepted
     report = replay(path, model=model)
-    assert report["verdict"] == "PASS", report["reasons"]
-    assert report["mtp"] and all(v["detection_control"]["fired"] for v in report["verify"])
+    assert report.verdict == "PASS", [str(x) for x in report.reasons]
+    assert report.mtp and all(v.control.fired for v in report.verify)

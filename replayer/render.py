@@ -22,34 +22,43 @@ from pathlib import Path
 
 import numpy as np
 
+from replayer.report import Report
+
 # -- bundle --------------------------------------------------------------------------------------------
 
 
-def reproduce_command(report: Mapping, rows: Mapping, args: Mapping, out: Path) -> list[str]:
-    """``vd replay`` of just the failing K and forward, with the policy spelled out, writing ``out``."""
-    cmd = ["vd", "replay", str(Path(report["golden"]).resolve()), "--k", str(rows["k"]), "--forward", rows["forward"]]
-    for flag in ("model", "head", "device", "threads"):
+def reproduce_command(report: Report, args: Mapping, out: Path) -> list[str]:
+    """``vd replay`` of just the first failing K and forward, with the policy spelled out, writing ``out``."""
+    rows = report.failure_rows
+    golden = report.golden if "://" in report.golden else str(Path(report.golden).resolve())
+    cmd = ["vd", "replay", golden, "--k", str(rows.k), "--forward", rows.forward]
+    for flag in ("model", "head", "device", "threads", "rows"):
         if args.get(flag) is not None:
             cmd += [f"--{flag}", str(args[flag])]
-    for kind, spec in report["policy"].items():
+    for kind, spec in report.policy.to_json().items():
         cmd += ["--tolerance", f"{kind}={spec}"]
     if args.get("allow_model_mismatch"):
         cmd.append("--allow-model-mismatch")
     return [*cmd, "--report", str(out)]
 
 
-def write_bundle(directory: Path, report: Mapping, rows: Mapping, args: Mapping) -> Path:
-    """Write the first-divergence bundle into ``directory`` (created); return the command file's path."""
+def write_bundle(directory: Path, report: Report, args: Mapping) -> Path:
+    """Write the first-divergence bundle of ``report`` (which has `Report.failure_rows`) into ``directory``
+    (created); return the command file's path."""
+    rows = report.failure_rows
     directory.mkdir(parents=True, exist_ok=True)
-    np.savez(directory / "rows.npz", golden=rows["golden"], candidate=rows["candidate"],
-             tokens=np.asarray(rows["tokens"] if rows["tokens"] is not None else [], dtype=np.int64))
-    failure = {k: rows[k] for k in ("k", "forward", "kind", "step", "tokens", "first_failure")}
-    failure.update(dtype=report["dtype"], storage="bfloat16 rows as uint16 bit patterns" if report["dtype"] ==
-                   "bfloat16" else report["dtype"], policy=report["policy"], golden=report["golden"],
-                   verdict=report["verdict"], reasons=report["reasons"])
+    arrays = {"candidate": rows.candidate, "tokens": np.asarray(rows.tokens or [], dtype=np.int64)}
+    if rows.golden is not None:  # a slim golden replayed without its rows has none to give
+        arrays["golden"] = rows.golden
+    np.savez(directory / "rows.npz", **arrays)
+    failure = {"k": rows.k, "forward": rows.forward, "kind": rows.kind, "step": rows.step, "tokens": rows.tokens,
+               "first_failure": rows.first_failure, "dtype": report.dtype,
+               "storage": "bfloat16 rows as uint16 bit patterns" if report.dtype == "bfloat16" else report.dtype,
+               "policy": report.policy.to_json(), "golden": report.golden, "verdict": report.verdict,
+               "reasons": [r.text for r in report.reasons]}
     (directory / "failure.json").write_text(json.dumps(failure, indent=2, default=str) + "\n")
-    (directory / "environment.json").write_text(json.dumps(report["environment"], indent=2, default=str) + "\n")
-    cmd = reproduce_command(report, rows, args, directory / "replay.json")
+    (directory / "environment.json").write_text(json.dumps(report.environment, indent=2, default=str) + "\n")
+    cmd = reproduce_command(report, args, directory / "replay.json")
     path = directory / "command.sh"
     path.write_text("#!/bin/sh\n# Replays the first failing K and forward; exits 1 as the original replay did.\n"
                     + " ".join(shlex.quote(c) for c in cmd) + "\n")
@@ -60,28 +69,25 @@ def write_bundle(directory: Path, report: Mapping, rows: Mapping, args: Mapping)
 # -- JUnit -----------------------------------------------------------------------------------------------
 
 
-def write_junit(path: Path, report: Mapping) -> None:
+def write_junit(path: Path, report: Report) -> None:
     """JUnit XML: a test case per K × forward, and per K one for the golden's control, thinness, coverage."""
-    suite = ET.Element("testsuite", name=f"vd replay {report['golden']}")
+    suite = ET.Element("testsuite", name=f"vd replay {report.golden}")
     cases = failures = 0
-    for v in report["verify"]:
-        k = v["k"]
-        for c in v["comparisons"]:
-            ms = sum(t["total_ms"] for t in v["timings"] if t["variant"] == c["variant"])
-            case = ET.SubElement(suite, "testcase", classname=f"vd.K{k}", name=f"K={k} {c['variant']}",
-                                 time=f"{ms / 1e3:.3f}")
-            cases += 1
-            if c["reasons"]:
-                failures += 1
-                ET.SubElement(case, "failure", message=c["reasons"][0]).text = "\n".join(c["reasons"])
-        own = [r for r in report["reasons"] if r.startswith((f"verify K={k}: ", f"coverage K={k}:"))
-               or (r.startswith(f"verify K={k}: the reference") and "full and partial" in r)]
-        case = ET.SubElement(suite, "testcase", classname=f"vd.K{k}", name=f"K={k} golden checks (control, thin, "
-                             "coverage)")
+
+    def case(name: str, classname: str, seconds: float, reasons: list) -> None:
+        nonlocal cases, failures
+        c = ET.SubElement(suite, "testcase", classname=classname, name=name, time=f"{seconds:.3f}")
         cases += 1
-        if own:
+        if reasons:
             failures += 1
-            ET.SubElement(case, "failure", message=own[0]).text = "\n".join(own)
+            ET.SubElement(c, "failure", message=str(reasons[0])).text = "\n".join(map(str, reasons))
+
+    for v in report.verify:
+        for j in v.comparisons:
+            ms = sum(sum(t.step_ms) for t in v.timings if t.variant == j.comparison.variant)
+            case(f"K={v.k} {j.comparison.variant}", f"vd.K{v.k}", ms / 1e3, list(j.reasons))
+        case(f"K={v.k} golden checks (control, thin, coverage)", f"vd.K{v.k}", 0.0,
+             report.reasons_of(("control", "thin", "coverage"), v.k))
     suite.set("tests", str(cases))
     suite.set("failures", str(failures))
     suite.set("errors", "0")
@@ -143,8 +149,9 @@ def _bar_chart(values: Sequence[float], title: str, xlabel: str, color: str = "#
     return _svg(w, h, "".join(parts), title)
 
 
-def write_html(path: Path, report: Mapping) -> None:
+def write_html(path: Path, typed: Report) -> None:
     """One offline page: verdict, reasons, policy and sensitivity, and per K the plots and a table."""
+    report = typed.to_json()
     e = html.escape
     verdict = report["verdict"]
     out = ["<!DOCTYPE html><html><head><meta charset='utf-8'>",

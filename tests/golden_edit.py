@@ -1,0 +1,61 @@
+"""Editing a golden on disk as the tests need: its rows (as a recording whose model computed other values
+would store them, digests and all, or behind its digests' back), its chunk files and its metadata."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from vd.digest import summarise
+from vd.dtypes import to_tensor
+from vd.layout import RowLayout
+from vd.store import format as F
+from vd.store import open_golden
+
+
+def chunk(golden: Path, k: int, name: str = "logits", index: int = 0, plane: str = "hi") -> Path:
+    """The file of chunk ``index`` (along the first axis) of K's row array ``name``'s ``plane``."""
+    arr = Path(golden) / f"k{k}" / f"{name}.{plane}"
+    ndim = len(json.loads((arr / "zarr.json").read_text())["shape"])
+    return arr.joinpath("c", str(index), *("0" * (ndim - 1)))
+
+
+def edit_rows(golden: Path, k: int, kind: str, edit: Callable[[np.ndarray], None], *, digests: bool = True) -> None:
+    """Apply ``edit`` in place to K's rows of ``kind`` as stored (``[R, V]``; bf16 as uint16 bits) and write
+    them back; with ``digests``, also that K's digests and statistics, as a recording would have them."""
+    g = open_golden(golden)
+    rows = g.all_rows(k)
+    edit(rows[kind])
+    root = zarr.open_group(zarr.storage.LocalStore(golden), mode="r+")
+    layout = RowLayout(len(g.prompt), g.info.steps, k, g.info.drafted)
+    v = g.info.vocab
+    arrays = {"prefill": rows["prefill"], "logits": rows["verify"].reshape(layout.steps, k, v)}
+    if g.info.drafted:
+        arrays.update(bootstrap_logits=rows["draft"][:1],
+                      draft_logits=rows["draft"][1:].reshape(layout.steps, k - 1, v))
+    for name in F.ROW_ARRAYS[kind]:
+        hi, lo = F.split_planes(arrays[name])
+        root[f"k{k}/{name}.hi"][...] = hi
+        root[f"k{k}/{name}.lo"][...] = lo
+    if digests:
+        d, s = summarise({n: to_tensor(a) for n, a in rows.items()})
+        root[f"k{k}/digests"][...] = d
+        root[f"k{k}/stats"][...] = s
+
+
+def edit_meta(golden: Path, change: Callable[[dict], None]) -> None:
+    """Apply ``change`` to the golden's vd metadata (its root ``zarr.json``), bypassing every check."""
+    path = Path(golden) / "zarr.json"
+    doc = json.loads(path.read_text())
+    change(doc["attributes"]["vd"])
+    path.write_text(json.dumps(doc))
+
+
+def flip_byte(path: Path, mask: int = 0x10) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= mask
+    path.write_bytes(bytes(data))

@@ -1,0 +1,48 @@
+"""A plug-in engine that crashes mid-run (``VD_CRASH_AT_STEP``: its forward raises on that verify step), for
+the command line's internal-error path."""
+
+import os
+
+from vd.models import load_model
+
+
+class Crashing:
+    def __init__(self, inner, at: int):
+        self.inner, self.at, self.calls = inner, at, 0
+        self.vocab_size, self.device, self.dtype = inner.vocab_size, inner.device, inner.dtype
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def reset(self):
+        self.calls = 0
+        self.inner.reset()
+
+    def forward(self, tokens):
+        self.calls += 1
+        if self.calls == self.at + 2:  # the prefill is call 1, verify step s is call s + 2
+            raise RuntimeError(f"kernel fault at step {self.at}")
+        return self.inner.forward(tokens)
+
+    # The protocol's methods, delegated (a structural protocol sees only what the class defines).
+    def identity(self):
+        return self.inner.identity()
+
+    def forwards(self):
+        return self.inner.forwards()
+
+    def default_forward(self):
+        return self.inner.default_forward()
+
+    def set_forward(self, name):
+        self.inner.set_forward(name)
+
+    def encode(self, text):
+        return self.inner.encode(text)
+
+    def rewind(self, n):
+        self.inner.rewind(n)
+
+
+def factory(device, dtype):
+    return Crashing(load_model("tiny-llama", device=device, dtype=dtype), int(os.environ.get("VD_CRASH_AT_STEP", 2)))

@@ -1,0 +1,45 @@
+"""Small synthetic goldens written straight through the store, without a model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vd.layout import RowLayout, StepLog
+from vd.store import GoldenWriter
+from vd.store import format as F
+
+PROMPT = [1, 2, 3, 4]
+V = 8
+
+
+def k_data(k: int = 2, steps: int = 3, seed: int = 0, drafted: bool = False):
+    """K's layout, step log and rows by kind (random bf16 bit patterns, NaNs and infinities included)."""
+    layout = RowLayout(len(PROMPT), steps, k, drafted)
+    rng = np.random.default_rng(seed)
+    log = StepLog(k=k, bootstrap=5, tokens=rng.integers(0, V, (steps, k)).astype(np.int32),
+                  accepted=np.array([k - 1, 0, 1, 0][:steps], dtype=np.int32), step_ms=rng.random(steps),
+                  committed_is_greedy=True, decoded=3 if drafted else None)
+    rows = {kind: rng.integers(0, 2 ** 16, (n, V)).astype(np.uint16) for kind, n in layout.counts.items()}
+    return layout, log, rows
+
+
+def meta(ks=(2,), steps: int = 3, feed: str = "reference") -> dict:
+    out = {"model": {"spec": "x", "name": "x", "fingerprint": "sha256:0"}, "forward": "eager", "dtype": "bfloat16",
+           "device": "cpu", "k": list(ks), "steps": steps, "vocab_size": V, "feed": feed,
+           "logits": F.logits_meta("bfloat16")}
+    if feed == "mtp":
+        out["mtp"] = {"fingerprint": "sha256:1"}
+    return out
+
+
+def write(where, ks=(2,), seed: int = 0, refresh: bool = False, drafted: bool = False) -> dict:
+    """A complete golden at ``where``; returns each K's rows by kind."""
+    written = {}
+    with GoldenWriter(where, refresh=refresh, background=False) as w:
+        for k in ks:
+            layout, log, rows = k_data(k, seed=seed, drafted=drafted)
+            drafts = log.tokens[:, 1:] if drafted else None
+            w.add(layout, log, rows, drafts=drafts)
+            written[k] = rows
+        w.publish(meta(ks, feed="mtp" if drafted else "reference"), PROMPT)
+    return written

@@ -1,0 +1,78 @@
+"""The prefetcher: a golden's small arrays read in units, in the time a run hands over, on a thread, or when
+a K is judged, giving what reading in line gives; an error kept for its own K. Driven here on the CPU
+(``ahead=True``); the GPU tests drive it beside real runs."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from golden_edit import chunk, flip_byte
+
+from vd.errors import GoldenCorruptError
+from vd.store import Prefetcher, open_golden
+
+CPU = torch.device("cpu")
+
+
+def _same_side(a, b) -> None:
+    assert a.log.same_steps(b.log) and np.array_equal(a.digests, b.digests) and a.layout == b.layout
+    for kind in a.counts:
+        assert all(np.array_equal(a.stats(kind)[n], b.stats(kind)[n]) for n in a.stats(kind))
+
+
+def test_units_run_in_the_idle_time_handed_over_and_give_what_reading_in_line_does(tiny_golden):
+    p = Prefetcher(open_golden(tiny_golden), CPU, ahead=True)
+    assert p.units and p.idle(0.0) is True and not p.timeline  # no time, no unit; units left
+    while p.idle(30.0):  # as a run's steps would, until nothing is left
+        pass
+    assert not p.units and {who for who, _, _ in p.timeline} == {"idle"}
+    assert p.idle(30.0) is False and p.summary()["idle"]["units"] == len(p.timeline) == 3 * 8
+    inline = open_golden(tiny_golden)
+    for k in inline.ks:
+        _same_side(p.side(k), inline.side(k))
+
+
+def test_a_thread_reads_ahead_until_stopped(tiny_golden):
+    p = Prefetcher(open_golden(tiny_golden), CPU, ahead=True)
+    p.start_thread()
+    deadline = time.monotonic() + 30
+    while p.units and time.monotonic() < deadline:
+        time.sleep(0.01)
+    p.pause()
+    assert not p.units and {who for who, _, _ in p.timeline} == {"thread"}
+    assert p.side(3).k == 3 and not [t for t in p.timeline if t[0] == "drain"]
+
+
+def test_what_is_left_runs_when_a_k_is_judged(tiny_golden):
+    p = Prefetcher(open_golden(tiny_golden), CPU, ahead=True)
+    side = p.side(4)
+    assert side.k == 4 and {who for who, _, _ in p.timeline} == {"drain"}
+    assert all(u.k != 4 for u in p.units) and any(u.k == 2 for u in p.units)  # only K=4's were run
+
+
+def test_an_error_is_kept_for_its_own_k(tiny_copy):
+    flip_byte(tiny_copy / "k3" / "digests" / "c" / "0" / "0")
+    p = Prefetcher(open_golden(tiny_copy), CPU, ahead=True)
+    while p.idle(30.0):
+        pass
+    with pytest.raises(GoldenCorruptError, match="k3/digests: chunk c/0/0 fails its CRC32C checksum"):
+        p.side(3)
+    assert p.side(2).k == 2 and p.side(4).k == 4
+
+
+def test_nothing_is_read_ahead_on_the_cpu_or_for_a_golden_without_digests(tiny_golden, rows_golden):
+    assert not Prefetcher(open_golden(tiny_golden), CPU).units
+    p = Prefetcher(open_golden(rows_golden), CPU, ahead=True)
+    assert not p.units and p.idle(30.0) is False
+    _same_side(p.side(2), open_golden(tiny_golden).side(2))  # its digests computed from its rows
+
+
+def test_rows_are_not_read_ahead_but_when_a_comparison_asks(tiny_copy):
+    chunk(tiny_copy, 2, "logits", 0).unlink()
+    p = Prefetcher(open_golden(tiny_copy), CPU, ahead=True)
+    while p.idle(30.0):
+        pass
+    assert p.side(2).k == 2
+    with pytest.raises(GoldenCorruptError, match="k2/logits.hi: chunk c/0/0/0 is missing"):
+        p.side(2).host_rows("verify", np.array([0]))

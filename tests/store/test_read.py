@@ -1,0 +1,198 @@
+"""Reading a golden: every damaged or malformed part refused with a `GoldenError` naming it, old formats
+read unchanged, and rows read only where asked for."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from golden_edit import chunk, edit_meta, edit_rows, flip_byte
+from store_data import V, write
+
+from vd.errors import GoldenCorruptError, GoldenError, GoldenNotFoundError, NotAGoldenError
+from vd.store import FORMAT_VERSION, locate, open_golden
+
+DATA = Path(__file__).parent.parent / "data"
+
+
+@pytest.fixture
+def golden(tmp_path) -> Path:
+    path = tmp_path / "g.zarr"
+    write(path)
+    return path
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("flip", "fails its CRC32C checksum"),
+    ("truncate", "fails its CRC32C checksum"),
+    ("delete", "chunk c/1/0/0 is missing"),
+    ("directory", "chunk c/1/0/0 is missing"),
+])
+def test_damaged_row_chunks_are_refused_when_read(golden, damage, message):
+    path = chunk(golden, 2, "logits", 1)
+    if damage == "flip":
+        flip_byte(path)
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[:3])
+    else:
+        path.unlink()
+        if damage == "directory":
+            path.mkdir()
+    g = open_golden(golden)  # the metadata alone opens
+    with pytest.raises(GoldenCorruptError, match=message):
+        g.verify_rows(2)
+    with pytest.raises(GoldenCorruptError, match="k2/logits.hi"):
+        g.read_rows(2, "verify", np.array([2]))  # step 1's rows
+    assert g.read_rows(2, "verify", np.array([0])).shape == (1, V)  # step 0's chunk is intact
+
+
+def test_a_row_edited_behind_its_digests_is_refused(golden):
+    edit_rows(golden, 2, "verify", lambda r: r.__setitem__((3, 1), r[3, 1] ^ 1), digests=False)
+    g = open_golden(golden)
+    with pytest.raises(GoldenCorruptError, match="disagree with the stored rows .first: verify row 3"):
+        g.verify_rows(2)
+    with pytest.raises(GoldenCorruptError, match="verify row 3"):
+        g.side(2).host_rows("verify", np.array([3]))
+    assert g.side(2).host_rows("verify", np.array([2])).shape == (1, V)  # the row beside it is intact
+
+
+def test_missing_arrays_and_groups(golden):
+    shutil.rmtree(golden / "k2" / "tokens")
+    with pytest.raises(GoldenCorruptError, match="k2/tokens is missing"):
+        open_golden(golden).checked_log(2)
+    shutil.rmtree(golden / "k2")
+    with pytest.raises(GoldenCorruptError, match="k2"):
+        open_golden(golden).checked_log(2)
+
+
+def test_incomplete_future_and_unreadable_goldens(golden):
+    edit_meta(golden, lambda m: m.update(complete=False))
+    with pytest.raises(GoldenCorruptError, match="incomplete"):
+        open_golden(golden)
+    edit_meta(golden, lambda m: m.update(complete=True, format_version=FORMAT_VERSION + 1))
+    with pytest.raises(GoldenError, match="this vd reads up to"):
+        open_golden(golden)
+    (golden / "zarr.json").write_text("{ not json")
+    with pytest.raises(GoldenCorruptError, match="unreadable"):
+        open_golden(golden)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("k", [2, 2], "'k'"), ("k", [1], "'k'"), ("k", [], "'k'"), ("k", "2", "'k'"), ("steps", 0, "'steps'"),
+    ("steps", "3", "'steps'"), ("vocab_size", None, "'vocab_size'"), ("vocab_size", True, "'vocab_size'"),
+    ("feed", "telepathy", "'feed'"), ("forward", 3, "'forward'"), ("device", None, "'device'"),
+    ("format_version", 0, "'format_version'"), ("format_version", "4", "'format_version'"),
+    ("logits", {"dtype": "int8"}, "logits dtype 'int8'"), ("model", {"spec": "x"}, "'model'"),
+])
+def test_malformed_metadata_names_the_field(golden, field, value, needle):
+    edit_meta(golden, lambda m: m.update({field: value}))
+    with pytest.raises(GoldenCorruptError) as e:
+        open_golden(golden)
+    assert str(golden) in str(e.value) and needle in str(e.value), e.value
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["logs"]["2"].update(accepted=[0, 0, 0]), "step log in the metadata disagrees"),
+    (lambda m: m["logs"]["2"].update(bootstrap=6), "step log in the metadata disagrees"),
+    (lambda m: m.update(prompt_tokens=[1, 2, 3, 5]), "prompt in the metadata disagrees"),
+])
+def test_the_metadata_copies_a_replay_starts_on_are_checked_against_the_arrays(golden, edit, message):
+    edit_meta(golden, edit)
+    g = open_golden(golden)
+    g.log(2)  # the copy starts a replay without reading an array ...
+    with pytest.raises(GoldenCorruptError, match=message):
+        g.checked_log(2)  # ... and is checked before the K is judged
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("accepted", 2, "counts outside 0..1"), ("tokens", V, "outside the vocabulary"),
+    ("tokens", -1, "outside the vocabulary"),
+])
+def test_stored_step_logs_out_of_range_are_refused(golden, name, value, message):
+    arr = zarr.open_array(zarr.storage.LocalStore(golden / "k2" / name), mode="r+")
+    a = arr[...]
+    a.flat[0] = value
+    arr[...] = a
+    edit_meta(golden, lambda m: m.pop("logs"))
+    with pytest.raises(GoldenCorruptError, match=message):
+        open_golden(golden).checked_log(2)
+
+
+def test_a_bootstrap_token_outside_the_vocabulary_is_refused(golden):
+    doc = json.loads((golden / "k2" / "zarr.json").read_text())
+    doc["attributes"]["bootstrap"] = V
+    (golden / "k2" / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(GoldenCorruptError, match="bootstrap token 8 is not in the vocabulary"):
+        open_golden(golden).checked_log(2)
+
+
+def test_not_goldens(tmp_path):
+    with pytest.raises(GoldenNotFoundError):
+        open_golden(tmp_path / "absent.zarr")
+    (tmp_path / "file.zarr").write_text("hello")
+    with pytest.raises(NotAGoldenError):
+        open_golden(tmp_path / "file.zarr")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotAGoldenError, match="no zarr.json"):
+        open_golden(tmp_path / "empty")
+    zarr.create_group(tmp_path / "plain.zarr")
+    with pytest.raises(NotAGoldenError, match="not a vd golden"):
+        open_golden(tmp_path / "plain.zarr")
+    (tmp_path / "x.zip").write_text("not a zip")
+    with pytest.raises(NotAGoldenError, match="not a readable zip file"):
+        open_golden(tmp_path / "x.zip")
+
+
+@pytest.mark.parametrize("name, version, feed, codec", [
+    ("tiny-llama-v1.zarr", 1, "reference", "zstd"),
+    ("tiny-llama-mtp-v2.zarr", 2, "mtp", "zstd"),
+    ("tiny-llama-mtp-v3.zarr", 3, "mtp", None),
+])
+def test_committed_goldens_of_every_format_read_back(name, version, feed, codec):
+    """Goldens written by earlier vds (rows as one uint16 array, with the codecs of their day) read whole;
+    formats before 3 have their digests and statistics computed from the rows."""
+    g = open_golden(DATA / name)
+    assert g.info.version == version and g.info.feed == feed and g.info.digested == (version >= 3)
+    codecs = [c.to_dict()["name"] for c in zarr.open_group(DATA / name, mode="r")["k2/logits"].metadata.codecs]
+    assert codecs == ["bytes", *([codec] if codec else []), "crc32c"]
+    for k in g.ks:
+        rows = g.verify_rows(k)
+        layout = g.layout(k)
+        assert {kind: a.shape for kind, a in rows.items()} == {kind: (n, g.info.vocab) for kind, n in
+                                                               layout.counts.items()}
+        d, s = g.summary(k)
+        assert d.shape == (layout.total, 6) and s.shape == (layout.total, 5)
+        log = g.checked_log(k)
+        assert log.accepted.max() == k - 1 and log.accepted.min() < k - 1
+        if feed == "mtp":
+            drafts = g.small(k, "drafts")
+            assert (drafts == log.tokens[:, 1:]).all() and log.decoded is not None
+
+
+class _Counting:
+    """A location that counts the keys read through it."""
+
+    def __init__(self, path):
+        self.inner, self.keys = locate(path), []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key):
+        self.keys.append(key)
+        return self.inner.get(key)
+
+
+def test_opening_reads_one_key_and_rows_only_their_chunks(golden):
+    loc = _Counting(golden)
+    loc.url = loc.inner.url
+    g = open_golden(loc)
+    assert loc.keys == ["zarr.json"]
+    g.log(2)
+    assert loc.keys == ["zarr.json"]  # the metadata's copy
+    loc.keys.clear()
+    g.read_rows(2, "verify", np.array([4, 5]))  # both rows of step 2
+    chunks = [k for k in loc.keys if "/c/" in k]
+    assert sorted(chunks) == ["k2/logits.hi/c/2/0/0", "k2/logits.lo/c/2/0/0/0"]

@@ -1,0 +1,69 @@
+"""Slim goldens: step logs, digests and statistics without rows, about 1 % of the size, judged as the full
+golden is under exact and argmax, and measured against the full golden when it is named."""
+
+import json
+
+import numpy as np
+import pytest
+from golden_edit import edit_rows
+
+from vd.errors import GoldenCorruptError, GoldenError, UsageError
+from vd.store import locate, open_golden, slim
+
+
+@pytest.fixture(scope="module")
+def slim_golden(tiny_golden, tmp_path_factory):
+    out = tmp_path_factory.mktemp("slim") / "tiny-slim.zarr"
+    slim(tiny_golden, out)
+    return out
+
+
+def test_a_slim_golden_keeps_everything_but_the_rows(tiny_golden, slim_golden):
+    full, s = open_golden(tiny_golden), open_golden(slim_golden)
+    assert s.slim and not full.slim and s.rows_source is None
+    assert s.meta["rows"]["stored"] is False and s.meta["rows"]["slim_of"]["golden"] == str(tiny_golden)
+    assert s.prompt == full.prompt and s.ks == full.ks and s.meta["greedy"] == full.meta["greedy"]
+    for k in full.ks:
+        assert s.checked_log(k).same_steps(full.checked_log(k))
+        assert all(np.array_equal(a, b) for a, b in zip(s.summary(k), full.summary(k)))
+    assert not [p for p in slim_golden.rglob("*") if ".hi" in p.name or ".lo" in p.name]
+    with pytest.raises(GoldenError, match="slim"):
+        s.all_rows(2)
+    with pytest.raises(GoldenError, match="slim"):
+        s.side(2).host_rows("verify", np.array([0]))
+    assert locate(slim_golden).nbytes() < 0.25 * locate(tiny_golden).nbytes()  # a 512-wide vocabulary
+
+
+def test_rows_come_from_the_full_golden_it_was_made_from(tiny_golden, slim_golden, tiny_copy):
+    s = open_golden(slim_golden, rows=tiny_golden)
+    assert s.rows_source.url == str(tiny_golden)
+    assert np.array_equal(s.side(3).host_rows("verify", np.array([5])),
+                          open_golden(tiny_golden).read_rows(3, "verify", np.array([5])))
+    edit_rows(tiny_copy, 3, "verify", lambda r: r.__setitem__((5, 1), r[5, 1] ^ 1))  # another recording's rows
+    with pytest.raises(GoldenError, match="is not the golden .* was made from"):
+        open_golden(slim_golden, rows=tiny_copy)
+    with pytest.raises(GoldenError, match="is slim too"):
+        open_golden(slim_golden, rows=slim_golden)
+    with pytest.raises(UsageError, match="stores its own"):
+        open_golden(tiny_golden, rows=tiny_golden)
+
+
+def test_slim_refuses_a_damaged_source_and_a_slim_one(tiny_copy, slim_golden, tmp_path):
+    with pytest.raises(UsageError, match="slim already"):
+        slim(slim_golden, tmp_path / "again.zarr")
+    edit_rows(tiny_copy, 2, "prefill", lambda r: r.__setitem__((0, 0), r[0, 0] ^ 1), digests=False)
+    with pytest.raises(GoldenCorruptError, match="prefill row 0"):
+        slim(tiny_copy, tmp_path / "s.zarr")
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_slim_golden_of_an_old_format_gets_digests(tmp_path):
+    from pathlib import Path
+
+    v1 = Path(__file__).parent.parent / "data" / "tiny-llama-v1.zarr"
+    out = tmp_path / "v1-slim.zarr"
+    slim(v1, out)
+    s = open_golden(out)
+    assert s.info.version == 4 and s.info.digested and s.slim
+    assert json.loads((out / "zarr.json").read_text())["attributes"]["vd"]["rows"]["slim_of"]["format_version"] == 1
+    assert np.array_equal(s.summary(2)[0], open_golden(v1).summary(2)[0])

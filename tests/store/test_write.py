@@ -1,0 +1,102 @@
+"""Writing a golden: what lands on disk, plain zarr's view of it, and publishing that never loses a golden."""
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from store_data import PROMPT, V, k_data, meta, write
+
+from vd.dtypes import to_storage
+from vd.errors import GoldenError, GoldenExistsError
+from vd.store import FORMAT_VERSION, GoldenWriter, open_golden
+from vd.store import format as F
+
+
+def test_round_trip_and_plain_zarr(tmp_path):
+    path = tmp_path / "g.zarr"
+    rows = write(path, ks=(2, 3))
+    g = open_golden(path)
+    assert g.prompt == PROMPT and g.ks == [2, 3] and g.meta["format_version"] == FORMAT_VERSION == 4
+    assert g.meta["complete"] is True and g.meta["rows"] == {"stored": True}
+    for k in (2, 3):
+        got = g.verify_rows(k)
+        assert all(np.array_equal(got[kind], rows[k][kind]) for kind in rows[k])
+        log = g.checked_log(k)
+        assert log.bootstrap == 5 and log.committed_is_greedy is True and log.same_steps(k_data(k)[1])
+    # Plain zarr, without vd, opens every array; a value's bytes are its low plane then its high plane.
+    root = zarr.open_group(path, mode="r")
+    hi, lo = root["k2/logits.hi"], root["k2/logits.lo"]
+    assert (hi.dtype, hi.shape, lo.shape) == (np.uint8, (3, 2, V), (3, 2, V, 1))
+    assert [c.to_dict()["name"] for c in hi.metadata.codecs] == ["bytes", "zstd", "crc32c"]
+    assert [c.to_dict()["name"] for c in lo.metadata.codecs] == ["bytes", "crc32c"]
+    bits = (hi[...].astype(np.uint16) << 8) | lo[..., 0]
+    assert np.array_equal(bits.reshape(-1, V), rows[2]["verify"])
+    assert list(root["prompt"][:]) == PROMPT
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary files left behind"
+
+
+def test_streamed_rows_store_what_a_whole_k_does(tmp_path):
+    """`KStream` (rows handed over while a K runs, as the recorder does) and `GoldenWriter.add` (a whole K)
+    store the same golden."""
+    layout, log, rows = k_data(3, steps=3)
+    tensors = {kind: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for kind, a in rows.items()}
+    with GoldenWriter(tmp_path / "s.zarr", background=True) as w:
+        stream = w.stream(layout, V, torch.bfloat16)
+        stream.put("prefill", None, tensors["prefill"])
+        for s in range(3):
+            stream.put("verify", s, tensors["verify"][3 * s:3 * s + 3])
+        from vd.digest import summarise
+
+        stream.finish(log, summarise(tensors))
+        w.publish(meta((3,)), PROMPT)
+    a = open_golden(tmp_path / "s.zarr").verify_rows(3)
+    assert all(np.array_equal(a[kind], to_storage(t)) for kind, t in tensors.items())
+
+
+def test_refuses_overwrite_and_refresh_replaces(tmp_path):
+    path = tmp_path / "g.zarr"
+    first = write(path, seed=1)
+    with pytest.raises(GoldenExistsError, match="--refresh"):
+        write(path, seed=2)
+    assert np.array_equal(open_golden(path).verify_rows(2)["verify"], first[2]["verify"])
+    second = write(path, seed=2, refresh=True)
+    assert np.array_equal(open_golden(path).verify_rows(2)["verify"], second[2]["verify"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zarr"]
+
+
+@pytest.mark.parametrize("name", ["notes", "notes.zip"])
+def test_refresh_never_replaces_what_is_not_a_golden(tmp_path, name):
+    precious = tmp_path / name
+    if name.endswith(".zip"):
+        precious.write_text("not a zip")
+    else:
+        precious.mkdir()
+        (precious / "keep.txt").write_text("mine")
+    with pytest.raises(GoldenError, match="not a vd golden"):
+        write(precious, refresh=True)
+    if name.endswith(".zip"):
+        assert precious.read_text() == "not a zip"
+    else:
+        assert (precious / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failed_write_leaves_the_old_golden(tmp_path, background):
+    path = tmp_path / "g.zarr"
+    old = write(path, seed=1)
+    layout, log, rows = k_data(2, seed=2)
+    rows["verify"] = rows["verify"][:-1]  # one row short: the write fails midway
+    with pytest.raises(ValueError):
+        with GoldenWriter(path, refresh=True, background=background) as w:
+            w.add(layout, log, rows)
+            w.publish(meta(), PROMPT)
+    assert np.array_equal(open_golden(path).verify_rows(2)["verify"], old[2]["verify"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zarr"]
+
+
+def test_row_arrays_are_chunked_one_step_a_chunk(tmp_path):
+    write(tmp_path / "g.zarr", ks=(3,), drafted=True)
+    root = zarr.open_group(tmp_path / "g.zarr", mode="r")
+    assert root["k3/logits.hi"].chunks == (1, 3, V) and root["k3/draft_logits.hi"].chunks == (1, 2, V)
+    assert root["k3/prefill.hi"].chunks == (F.prefill_chunks(len(PROMPT), V, 2), V)
+    assert root["k3/drafts"][...].shape == (3, 2)

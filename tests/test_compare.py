@@ -1,0 +1,84 @@
+"""Judging a run against a golden's side: decisions checked inside any tolerance, and a slim golden judged
+from its digests and statistics alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from vd.compare import compare_run
+from vd.digest import summarise
+from vd.dtypes import to_storage
+from vd.layout import RowLayout, Step, StepLog
+from vd.loop import Run
+from vd.policy import Policy
+from vd.store.side import GoldenSide
+
+V = 64
+
+
+def _row() -> torch.Tensor:
+    """A bf16 row with a clear top-3 (4.0, 3.0, 2.0 at 10, 20, 30) over small values."""
+    row = torch.linspace(-1, 1, V, dtype=torch.float32).to(torch.bfloat16)
+    row[10], row[20], row[30] = 4.0, 3.0, 2.0
+    return row
+
+
+def _side(gold: torch.Tensor, accepted: list[int], rows: bool = True) -> GoldenSide:
+    """The golden side of steps × K rows ``gold`` (one prefill row: the first step's first row)."""
+    steps, k = gold.shape[:2]
+    layout = RowLayout(1, steps, k)
+    flat = {"prefill": gold[0, :1], "verify": gold.reshape(-1, V)}
+    d, s = summarise(flat)
+    log = StepLog(k=k, bootstrap=0, tokens=np.tile(np.array([1, 10], dtype=np.int32), (steps, 1)),
+                  accepted=np.array(accepted, dtype=np.int32), step_ms=np.zeros(steps))
+    stored = {kind: to_storage(t) for kind, t in flat.items()}
+    load = (lambda kind, idx: stored[kind][idx]) if rows else None
+    return GoldenSide(log, layout, V, d, s, load, "test")
+
+
+def _run(rows: torch.Tensor, accepted: list[int]) -> Run:
+    return Run(k=rows.shape[1], prefill=rows[0, :1].clone(), rows=list(rows),
+               steps=[Step((1, 10), a) for a in accepted], computed=accepted)
+
+
+def _gold() -> torch.Tensor:
+    gold = torch.stack([torch.stack([_row(), _row()])] * 2)  # 2 steps x K=2
+    gold[1, 0, 20] = 4.0 - 1 / 64  # step 1 row 0: runner-up one bf16 ULP below the top
+    return gold
+
+
+def test_a_flipped_decision_fails_inside_tolerance_and_names_the_margin():
+    gold = _gold()
+    cand = gold.clone()
+    cand[1, 0, 20] = 4.0 + 1 / 32  # now above: the argmax flips, |Δ| 0.047
+    policy = Policy.parse(["atol:0.1,rtol:0"])
+    c = compare_run("x", _side(gold, [1, 1]), _run(cand, [1, 0]), "bfloat16", policy)
+    assert c.summary["verify"]["rows_failed"] == 0  # inside the tolerance ...
+    assert not c.passed and c.failed_step_list == [1]  # ... and still a failure
+    (f,) = c.flips
+    assert (f.step, f.row, f.golden_argmax, f.got_argmax) == (1, 0, 10, 20)
+    # 1/64 is one step below 4.0 in bf16, half a ULP of 4.0 itself (the top-1 value the margin is counted in)
+    assert f.margin == pytest.approx(1 / 64) and f.margin_ulps == pytest.approx(0.5) and f.near_tie
+    assert c.accept_changes == [{"step": 1, "golden": 1, "got": 0}]
+    ok = compare_run("x", _side(gold, [1, 1]), _run(gold.clone(), [1, 1]), "bfloat16", policy)
+    assert ok.passed and not ok.flips and ok.equal
+
+
+def test_a_slim_side_judges_exact_and_argmax_from_its_statistics():
+    gold = _gold()
+    cand = gold.clone()
+    cand[0, 1, 3] = 0.5  # step 0 row 1: a value moves, the argmax stays
+    full, slim = _side(gold, [1, 1]), _side(gold, [1, 1], rows=False)
+    for policy in ("exact", "argmax"):
+        a = compare_run("x", full, _run(cand, [1, 1]), "bfloat16", Policy.parse([policy]))
+        b = compare_run("x", slim, _run(cand, [1, 1]), "bfloat16", Policy.parse([policy]))
+        assert a.passed == b.passed == (policy == "argmax") and a.mismatched_step_list == b.mismatched_step_list == [0]
+        assert a.measured and not b.measured and np.isnan(b.max_abs_diff) and b.first_mismatch.index is None
+        assert a.first_mismatch.index == 3 and a.max_abs_diff > 0
+        (row,) = b.rows
+        assert row["got_stats"]["argmax"] == row["golden_stats"]["argmax"] == 10
+        assert row["got_stats"]["absmax"] == row["golden_stats"]["absmax"] == 4.0  # the top value is untouched
+    flipped = gold.clone()
+    flipped[0, 1, 20] = 8.0
+    b = compare_run("x", slim, _run(flipped, [1, 1]), "bfloat16", Policy.parse(["argmax"]))
+    assert not b.passed and [f.got_argmax for f in b.flips] == [20] and b.rows[0]["got_stats"]["top1"] == 8.0

@@ -1,0 +1,55 @@
+"""`vd diff`: two goldens of the same recording judged against each other without a model."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from golden_edit import edit_rows
+
+from vd.dtypes import to_float
+from vd.store import open_golden, slim
+
+DATA = Path(__file__).parent / "data"
+
+
+def _bump(value: float):
+    """An edit setting verify row 17 (step 5, row 2 of K=3) at index 100 to ``value``."""
+    bits = (np.float32(value).view(np.uint32) >> 16).astype(np.uint16)
+    return lambda rows: rows.__setitem__((17, 100), bits)
+
+
+def test_diff_two_goldens(cli, tiny_golden, tmp_path):
+    other = tmp_path / "other.zarr"
+    shutil.copytree(tiny_golden, other)
+    code, out, err = cli("diff", tiny_golden, other)
+    assert code == 0 and "PASS" in out
+    gold = float(to_float(open_golden(tiny_golden).read_rows(3, "verify", np.array([17]))[:, 100], "bfloat16")[0])
+    edit_rows(other, 3, "verify", _bump(gold + 0.0625))  # another machine computed one value differently
+    code, out, err = cli("diff", tiny_golden, other, "--report", tmp_path / "d.json")
+    r = json.loads((tmp_path / "d.json").read_text())
+    assert code == 1 and len(r["reasons"]) == 1 and "K=3" in r["reasons"][0]
+    c = next(v for v in r["verify"] if v["k"] == 3)["comparison"]
+    assert (c["first_failure"]["step"], c["first_failure"]["row"], c["first_failure"]["index"]) == (5, 2, 100)
+    assert c["summary"]["verify"]["rows_failed"] == 1
+    assert cli("diff", tiny_golden, other, "--tolerance", "atol:0.0625,rtol:0")[0] == 0
+    assert cli("diff", tiny_golden, other, "--tolerance", "atol:0.06,rtol:0")[0] == 1
+
+
+def test_diff_refuses_what_is_not_the_same_recording_or_has_no_rows(cli, tiny_golden, tmp_path):
+    code, out, err = cli("diff", tiny_golden, DATA / "tiny-llama-mtp-v2.zarr")
+    assert code == 2 and "not recordings of the same thing" in err
+    slim(tiny_golden, tmp_path / "s.zarr")
+    code, out, err = cli("diff", tiny_golden, tmp_path / "s.zarr")
+    assert code == 2 and "is slim: vd diff judges B's rows" in err
+    code, out, err = cli("diff", tmp_path / "s.zarr", tiny_golden)  # A slim: judged by digests, exactly
+    assert code == 0 and "PASS" in out
+
+
+def test_diff_across_locations(cli, tiny_golden, tmp_path, s3):
+    code, out, err = cli("record", tmp_path / "g.zip", "--model", "tiny-llama", "--steps", "8")
+    assert code == 0, err
+    code, out, err = cli("record", s3, "--model", "tiny-llama", "--steps", "8")
+    assert code == 0, err
+    assert cli("diff", tiny_golden, tmp_path / "g.zip")[0] == 0
+    assert cli("diff", tmp_path / "g.zip", s3)[0] == 0

@@ -1,0 +1,88 @@
+"""The recorder: what a golden holds, references refused as too thin or short of coverage, settings refused
+before any work, and a golden recorded into each kind of location."""
+
+import numpy as np
+import pytest
+
+from recorder import RecordSettings, record
+from vd.errors import UsageError
+from vd.models import load_model
+from vd.store import open_golden
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return load_model("tiny-llama")
+
+
+def test_a_golden_holds_the_steps_rows_and_what_made_them(tiny_golden):
+    g = open_golden(tiny_golden)
+    m = g.meta
+    assert m["format_version"] == 4 and m["rows"] == {"stored": True} and m["feed"] == "reference"
+    assert m["model"]["spec"] == "tiny-llama" and m["model"]["fingerprint"].startswith("sha256:")
+    assert m["forward"] == "eager" and m["graphs"] == "eager" and m["k"] == [2, 3, 4] and m["steps"] == 8
+    assert m["logits"]["dtype"] == "bfloat16" and "high byte zstd-1" in m["logits"]["planes"]
+    assert m["prompt_tokens"] == g.prompt and len(m["greedy"]) == 8 * 4 + 1
+    assert set(m["environment"]) >= {"torch", "transformers", "zarr", "cpu_capability", "threads", "device"}
+    for k in g.ks:
+        log = g.checked_log(k)
+        assert m["logs"][str(k)]["accepted"] == log.accepted.tolist() and log.tokens.shape == (8, k)
+        assert log.committed_is_greedy is True and log.bootstrap == m["greedy"][0]
+        # The reference feed: drafts from the greedy continuation, one bumped on each odd step.
+        assert (log.accepted[::2] == k - 1).all() and (log.accepted[1::2] < k - 1).all()
+
+
+def test_a_thin_reference_is_refused_unless_allowed(cli, tmp_path, tiny_model):
+    path = tmp_path / "thin.zarr"
+    r = record(path, RecordSettings(model="tiny-llama", steps=1, ks=(3,)), model=tiny_model)
+    assert r.location is None and r.thin == ["verify K=3: the reference accepted [2]; it needs both full and "
+                                             "partial accepts"] and not path.exists()
+    code, out, err = cli("record", path, "--model", "tiny-llama", "--steps", "1", "--k", "3")
+    assert code == 1 and "too thin" in err and "--allow-thin" in err and not path.exists()
+    r = record(path, RecordSettings(model="tiny-llama", steps=1, ks=(3,), allow_thin=True), model=tiny_model)
+    assert r.path == str(path) and open_golden(path).meta["thin"] == r.thin
+
+
+def test_require_coverage_refuses_to_store_even_a_thin_allowed_reference(tmp_path, tiny_model):
+    for allow_thin in (False, True):
+        r = record(tmp_path / "g.zarr", RecordSettings(model="tiny-llama", steps=8, require_coverage=True,
+                                                       allow_thin=allow_thin), model=tiny_model)
+        assert r.location is None and r.short == ["coverage K=3: no step accepted 0 draft(s) (steps per accept "
+                                                  "count 0..2: [0, 4, 4])"]
+        assert not (tmp_path / "g.zarr").exists()
+
+
+def test_the_policy_is_stored_and_shown(cli, tmp_path):
+    path = tmp_path / "p.zarr"
+    code, out, err = cli("record", path, "--model", "tiny-llama", "--steps", "8", "--tolerance", "verify=ulp:4",
+                         "--tolerance", "prefill=atol:0.01,rtol:0.01")
+    assert code == 0, err
+    assert open_golden(path).meta["policy"] == {"prefill": "atol:0.01,rtol:0.01", "verify": "ulp:4", "draft": "exact"}
+    code, out, err = cli("show", path)
+    assert "policy    prefill atol:0.01,rtol:0.01, verify ulp:4, draft exact" in out
+
+
+@pytest.mark.parametrize("settings, needle", [
+    (RecordSettings(ks=()), "at least one verify width"), (RecordSettings(ks=(1,)), "K must be 2"),
+    (RecordSettings(ks=(2, 2)), "repeated"), (RecordSettings(steps=0), "--steps"),
+    (RecordSettings(feed="oracle"), "unknown feed"), (RecordSettings(threads=0), "--threads"),
+    (RecordSettings(tolerances=("bogus",)), "unknown tolerance"),
+])
+def test_settings_that_cannot_work_are_refused_before_any_work(tmp_path, settings, needle):
+    with pytest.raises(UsageError, match=needle):
+        record(tmp_path / "g.zarr", settings)  # no model is loaded: it would take seconds
+    assert not (tmp_path / "g.zarr").exists()
+
+
+def test_the_same_recording_in_a_directory_a_zip_file_and_on_s3(tmp_path, tiny_model, s3):
+    settings = RecordSettings(model="tiny-llama", steps=4, ks=(2, 4))
+    where = [tmp_path / "g.zarr", tmp_path / "g.zip", s3]
+    for w in where:
+        assert record(w, settings, model=tiny_model).location is not None
+    a, b, c = (open_golden(w) for w in where)
+    for k in (2, 4):
+        rows = a.verify_rows(k)
+        for other in (b, c):
+            assert other.checked_log(k).same_steps(a.checked_log(k))
+            assert all(np.array_equal(other.verify_rows(k)[kind], rows[kind]) for kind in rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zarr", "g.zip"]

@@ -1,0 +1,162 @@
+"""Measuring a run's rows against a golden's, row by row, on the candidate's device.
+
+Which rows differ is decided by digest (`vd.store.side.GoldenSide.differ`) in one read-back; a row whose
+digest equals the golden's has every measure zero and the golden's argmax. Only rows that differ are
+fetched from the golden and measured element by element: how many elements differ and the first one,
+the largest absolute and ULP difference, the KL divergence, where in the vocabulary the differences sit;
+each is judged under its kind's `vd.policy.Spec`. A slim golden has no rows to fetch: a differing row
+fails under ``exact``, is judged by its argmax under ``argmax``, and its element measures are unknown
+(NaN); its statistics and the candidate's say how it moved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vd.digest import STATS, stats_tensor
+from vd.dtypes import DTYPES, int_view
+from vd.policy import Policy, Spec
+from vd.store.side import GoldenSide
+
+POSITION_BINS = 64
+MEASURES = ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp", "kl")  # 0 for equal rows
+
+
+@dataclass(slots=True)
+class Rows:
+    """Per-row measurements of one kind's ``R`` candidate rows against the golden's (arrays of length R,
+    or ``[R, len(STATS)]`` for ``got_stats``, NaN for rows that do not differ)."""
+
+    differ: np.ndarray
+    passed: np.ndarray
+    n_diff: np.ndarray
+    first_index: np.ndarray
+    first_golden: np.ndarray
+    first_got: np.ndarray
+    max_abs: np.ndarray
+    max_ulp: np.ndarray
+    kl: np.ndarray
+    golden_argmax: np.ndarray
+    got_argmax: np.ndarray
+    margin: np.ndarray  # the golden row's top-1 minus top-2
+    top1: np.ndarray  # the golden row's top-1 value
+    golden_absmax: np.ndarray
+    top1_p: np.ndarray
+    got_stats: np.ndarray  # the candidate's statistics of its differing rows
+    positions: np.ndarray  # differing elements per vocabulary bin, summed over rows
+    measured: bool = True  # False: the golden's rows were not at hand (a slim golden)
+
+
+def ordered(bits: torch.Tensor) -> torch.Tensor:
+    """Integer bit patterns mapped so that adjacent floats are adjacent integers (-0.0 and 0.0 both 0)."""
+    b = bits.to(torch.int64)
+    low = -(1 << (8 * bits.element_size() - 1))
+    return torch.where(b < 0, low - b, b)
+
+
+def ulp_of(x: float, logical: str) -> float:
+    """One unit in the last place of ``x`` in the logical dtype."""
+    x = abs(x) if math.isfinite(x) and x != 0 else 2.0 ** -126
+    return 2.0 ** (math.floor(math.log2(x)) - DTYPES[logical].mantissa_bits)
+
+
+def measure_kinds(side: GoldenSide, got: torch.Tensor, logical: str, policy: Policy,
+                  flags: np.ndarray | None = None) -> dict[str, Rows]:
+    """Each kind's candidate rows measured against the golden's: ``got`` is ``[R, V]``, every kind's rows in
+    ``side.layout`` order; ``flags``, when given, say which differ (asked of the GPU during the run)."""
+    differ_all = side.differ(got).cpu().numpy() if flags is None else flags
+    return {kind: _measure_kind(side, kind, got_k, differ_all_k, logical, policy[kind])
+            for (kind, got_k), differ_all_k in zip(side.layout.split(got).items(),
+                                                  side.layout.split(differ_all).values())}
+
+
+def _measure_kind(side: GoldenSide, kind: str, got: torch.Tensor, differ: np.ndarray, logical: str,
+                  spec: Spec) -> Rows:
+    n = differ.size
+    golden = side.stats(kind)
+    host = {m: np.zeros(n, dtype=np.float64) for m in MEASURES}
+    passed, got_argmax = ~differ, golden["argmax"].copy()
+    got_stats = np.full((n, len(STATS)), np.nan)
+    positions = np.zeros(POSITION_BINS, dtype=np.int64)
+    measured = True
+    if differ.any():
+        idx = np.flatnonzero(differ)
+        cand = got[torch.from_numpy(idx).to(got.device)]
+        got_stats[idx] = stats_tensor(cand).T.cpu().numpy()
+        got_argmax[idx] = got_stats[idx, 0].astype(np.int64)
+        if side.has_rows:
+            vals, ok, positions = _measure_differing(side.rows(kind, idx, got.device), cand, logical, spec)
+            for m in MEASURES:
+                host[m][idx] = vals[m]
+        else:  # a slim golden: the element measures are unknown
+            measured = False
+            for m in MEASURES:
+                host[m][idx] = np.nan
+            ok = (got_argmax[idx] == golden["argmax"][idx]) if spec.name == "argmax" else np.zeros(idx.size, bool)
+        passed[idx] = ok
+    return Rows(differ=differ, passed=passed, golden_argmax=golden["argmax"], got_argmax=got_argmax,
+                margin=golden["margin"], top1=golden["top1"], golden_absmax=golden["absmax"], top1_p=golden["top1_p"],
+                got_stats=got_stats, positions=positions, measured=measured, **host)
+
+
+def _measure_differing(gb: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
+                       ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Rows that differ, measured (`MEASURES`) and judged under ``spec`` on the device, golden bits ``gb``
+    against candidate rows ``got`` (both ``[D, V]``), with the histogram of their differing elements over
+    the vocabulary. One read-back."""
+    v = got.shape[1]
+    cb = int_view(got)
+    gd, cd, dm = gb.view(DTYPES[logical].torch).float(), got.float(), gb != cb
+    first = dm.to(torch.int8).argmax(dim=1)
+    nan = gd.isnan() | cd.isnan()
+    absd = torch.where(dm, (gd - cd).abs(), 0.0)
+    absd = torch.where(dm & nan, torch.inf, absd)
+    ulp = (ordered(gb) - ordered(cb)).abs().to(torch.float64)
+    ulp = torch.where(dm & nan, torch.inf, ulp)
+    kl = (torch.softmax(gd, 1) * (torch.log_softmax(gd, 1) - torch.log_softmax(cd, 1))).sum(1)
+    kl = torch.nan_to_num(kl.to(torch.float64), nan=torch.inf).clamp_min(0.0)
+    positions = torch.bincount(dm.nonzero()[:, 1] * POSITION_BINS // v, minlength=POSITION_BINS)
+    rows_at = torch.arange(gb.shape[0], device=got.device)
+    vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
+            "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values, "kl": kl}
+    ok = _judge(spec, gd, cd, absd, ulp, kl)
+    packed = torch.cat([torch.stack([vals[n].to(torch.float64) for n in MEASURES]), ok.double()[None]]).cpu().numpy()
+    return {n: packed[i] for i, n in enumerate(MEASURES)}, packed[-1] != 0, positions.cpu().numpy()
+
+
+def _judge(spec: Spec, gd: torch.Tensor, cd: torch.Tensor, absd: torch.Tensor, ulp: torch.Tensor,
+           kl: torch.Tensor) -> torch.Tensor:
+    """Which differing rows pass ``spec`` (golden and candidate values ``gd``, ``cd``, and their measures)."""
+    if spec.name == "ulp":
+        return ulp.max(1).values <= spec.n
+    if spec.name == "close":
+        return ~(absd > spec.atol + spec.rtol * gd.abs()).any(1)
+    if spec.name == "argmax":
+        return gd.argmax(1) == cd.argmax(1)
+    if spec.name == "topk":
+        n = min(spec.n, gd.shape[1])
+        return (gd.topk(n, 1).indices.sort(1).values == cd.topk(n, 1).indices.sort(1).values).all(1)
+    if spec.name == "kl":
+        return kl <= spec.kl
+    return torch.zeros(gd.shape[0], dtype=torch.bool, device=gd.device)  # exact: a differing row fails
+
+
+def measure_rows(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec) -> tuple[np.ndarray, dict]:
+    """Candidate rows ``[R, V]`` against golden bit patterns ``[R, V]`` held in memory: which pass ``spec``
+    and their measures (for judging rows outside a golden, and for tests of the policies)."""
+    differ = (int_view(got) != gold_bits).any(1).cpu().numpy()
+    passed = ~differ
+    vals = {m: np.zeros(differ.size) for m in MEASURES}
+    if differ.any():
+        idx = np.flatnonzero(differ)
+        at = torch.from_numpy(idx).to(got.device)
+        measured, ok, _ = _measure_differing(gold_bits[at], got[at], logical, spec)
+        passed[idx] = ok
+        for m in MEASURES:
+            vals[m][idx] = measured[m]
+    return passed, vals
+

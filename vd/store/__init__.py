@@ -1,0 +1,19 @@
+"""The golden store: a recording's step logs and logits rows in a zarr v3 group, in a directory, a zip file
+or an object store.
+
+Its modules import one way: `format` (names, shapes, encodings) and `location` (where a golden lives)
+at the bottom; `chunks` (one array's chunks, checked) and `side` (one K as a comparison sees it) above
+them; then `read` (open and check a golden) and `write` (stage, then publish one); `prefetch` (read
+beside a GPU replay) and `slim` on top.
+"""
+
+from vd.store.format import FORMAT_VERSION
+from vd.store.location import Location, locate
+from vd.store.prefetch import Prefetcher
+from vd.store.read import Golden, open_golden
+from vd.store.side import GoldenSide, SlimGoldenError
+from vd.store.slim import slim
+from vd.store.write import GoldenWriter, check_target
+
+__all__ = ["FORMAT_VERSION", "Golden", "GoldenSide", "GoldenWriter", "Location", "Prefetcher", "SlimGoldenError",
+           "check_target", "locate", "open_golden", "slim"]

@@ -1,0 +1,145 @@
+"""The golden format (FORMAT.md is the reference): its version, array names and shapes, how rows are
+encoded, and where each row of a K lives in which array.
+
+A golden is a zarr v3 group: ``prompt``, and per verify width a group ``k<K>`` holding the step log
+(``tokens``, ``accepted``, ``step_ms``; ``drafts`` for the drafter feed), every row's digest and
+statistics (``digests``, ``stats``) and the row arrays (``prefill``, ``logits``; ``bootstrap_logits``,
+``draft_logits`` for the drafter feed).
+
+Since format 4 a row array is stored as two byte planes, both plain zarr arrays of uint8: ``<name>.hi``,
+every value's most significant byte (sign and exponent: few distinct values, zstd-1 shrinks it about 4x
+on real logits), and ``<name>.lo``, the rest of each value's bytes (mantissa: close to random, stored as
+it is), shape ``[..., itemsize - 1]``. The value's little-endian bytes are ``lo`` then ``hi``. A chunk of
+either carries a CRC32C. Formats 1 to 3 stored a row array as one array of the storage dtype. This
+module leaves out I/O: `vd.store.write` and `vd.store.read` use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from vd import digest as _digest
+from vd.dtypes import DTYPES
+from vd.layout import RowLayout
+
+FORMAT = "vd-golden"
+FORMAT_VERSION = 4
+PLANES_SINCE = 4  # the first format storing row arrays as byte planes
+DIGESTS_SINCE = 3  # the first format storing each row's digest and statistics
+PREFILL_CHUNK_BYTES = 1 << 20  # about how much of the prefill's raw rows one chunk holds
+
+STEP_LOG = ("tokens", "accepted", "step_ms")  # a K's step log arrays
+SUMMARY = ("digests", "stats")  # a K's per-row digests and statistics
+ROW_ARRAYS = {"prefill": ("prefill",), "verify": ("logits",), "draft": ("bootstrap_logits", "draft_logits")}
+
+
+def row_array_names(drafted: bool) -> list[str]:
+    """The row arrays a K group holds."""
+    return [n for kind in ("prefill", "verify", *(["draft"] if drafted else [])) for n in ROW_ARRAYS[kind]]
+
+
+def planes(name: str) -> tuple[str, str]:
+    """The two plane arrays (high byte, other bytes) storing row array ``name`` since format 4."""
+    return f"{name}.hi", f"{name}.lo"
+
+
+def hi_codecs() -> list:
+    return [ZstdCodec(level=1), Crc32cCodec()]
+
+
+def plain_codecs() -> list:
+    """The low planes and the small arrays: values as they are, then a CRC32C."""
+    return [Crc32cCodec()]
+
+
+def split_planes(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A stored row array as its (high byte, other bytes) planes: ``[...]`` and ``[..., itemsize - 1]``."""
+    n = a.dtype.itemsize
+    u = a.view(f"<u{n}")
+    hi = (u >> (8 * n - 8)).astype(np.uint8)  # a shift and a cast: faster than copying a strided view
+    if n == 2:
+        return hi, u.astype(np.uint8)[..., None]
+    return hi, np.ascontiguousarray(u.view(np.uint8).reshape(*a.shape, n)[..., :-1])
+
+
+def join_planes(hi: np.ndarray, lo: np.ndarray, storage: np.dtype) -> np.ndarray:
+    """The inverse of `split_planes`."""
+    n = storage.itemsize
+    if n == 2:
+        return ((hi.astype("<u2") << 8) | lo[..., 0]).view(storage)
+    b = np.empty((*hi.shape, n), dtype=np.uint8)
+    b[..., -1], b[..., :-1] = hi, lo
+    return b.view(storage).reshape(hi.shape)
+
+
+def prefill_chunks(prompt: int, vocab: int, itemsize: int) -> int:
+    """Prefill rows to a chunk: about `PREFILL_CHUNK_BYTES` of raw values (at least one row), spread
+    evenly over as few chunks as that allows (zarr stores the last chunk whole)."""
+    most = max(1, PREFILL_CHUNK_BYTES // max(1, vocab * itemsize))
+    n = -(-prompt // most)
+    return max(1, -(-prompt // max(1, n)))
+
+
+def row_shapes(layout: RowLayout, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Each row array's shape (in values, not planes)."""
+    s, k = layout.steps, layout.k
+    out = {"prefill": (layout.prompt, vocab), "logits": (s, k, vocab)}
+    if layout.drafted:
+        out.update(bootstrap_logits=(1, vocab), draft_logits=(s, k - 1, vocab))
+    return out
+
+
+def row_chunks(layout: RowLayout, vocab: int, itemsize: int) -> dict[str, tuple[int, ...]]:
+    """Each row array's chunk shape: one step a chunk, the prefill about a megabyte a chunk."""
+    k = layout.k
+    out = {"prefill": (prefill_chunks(layout.prompt, vocab, itemsize), vocab), "logits": (1, k, vocab)}
+    if layout.drafted:
+        out.update(bootstrap_logits=(1, vocab), draft_logits=(1, k - 1, vocab))
+    return out
+
+
+def small_shapes(layout: RowLayout) -> dict[str, tuple[int, ...]]:
+    """Each small array's shape: the step log, the drafter's drafts, the rows' digests and statistics."""
+    s, k = layout.steps, layout.k
+    out = {"tokens": (s, k), "accepted": (s,), "step_ms": (s,),
+           "digests": (layout.total, _digest.LANES), "stats": (layout.total, len(_digest.STATS))}
+    if layout.drafted:
+        out["drafts"] = (s, k - 1)
+    return out
+
+
+SMALL_DTYPES = {"tokens": np.dtype("<i4"), "accepted": np.dtype("<i4"), "step_ms": np.dtype("<f8"),
+                "drafts": np.dtype("<i4"), "digests": np.dtype("<i8"), "stats": np.dtype("<f8")}
+
+
+def row_address(layout: RowLayout, kind: str, i: int) -> tuple[str, int, int | None]:
+    """Where row ``i`` of ``kind`` is stored: (row array, index along its first axis, index along its
+    second axis or None for a two-dimensional array)."""
+    if kind == "prefill":
+        return "prefill", i, None
+    if kind == "verify":
+        return "logits", i // layout.k, i % layout.k
+    if i == 0:
+        return "bootstrap_logits", 0, None
+    return "draft_logits", (i - 1) // (layout.k - 1), (i - 1) % (layout.k - 1)
+
+
+def digest_meta(vocab, logical) -> dict | None:
+    """The ``digest`` metadata entry for rows of this width and dtype; None if either is unusable."""
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1 or logical not in DTYPES:
+        return None
+    return _digest.meta(vocab, DTYPES[logical].storage.itemsize)
+
+
+def logits_meta(logical: str) -> dict:
+    """The ``logits`` metadata entry: the logical dtype and how its values are stored."""
+    return {"dtype": logical, "encoding": DTYPES[logical].description,
+            "planes": "high byte zstd-1, other bytes as they are (format 4)"}
+
+
+def stored_rows(meta: Mapping) -> bool:
+    """Whether a golden with this metadata stores its rows (a slim golden does not)."""
+    return (meta.get("rows") or {}).get("stored", True) is not False

@@ -1,0 +1,332 @@
+"""Reading a golden (`open_golden`): its metadata checked, then each K's step log, digests, statistics and
+rows on demand, every read checked.
+
+Opening reads only the root ``zarr.json``, whose metadata carries the prompt's tokens and each K's step
+log, so a replay can start at once; the arrays those copies came from are read and compared with them
+before a K is judged (`Golden.checked_log`). A K's comparison side (`vd.store.side.GoldenSide`) needs
+its rows' digests and statistics; a golden written before format 3 (or with a digest scheme this vd does
+not compute) has none stored, and they are computed here from its rows. Rows are read only where asked
+for, from the golden itself or, for a slim golden, from the full golden named as its rows' source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vd import digest as _digest
+from vd.dtypes import DTYPES, LogitsDtype, to_tensor
+from vd.errors import GoldenCorruptError, GoldenError, GoldenNotFoundError, NotAGoldenError, UsageError
+from vd.layout import RowLayout, StepLog
+from vd.store import format as F
+from vd.store.chunks import Array, node
+from vd.store.location import Directory, Location, locate
+from vd.store.side import GoldenSide, check_digests
+
+MAX_K = 16
+FEEDS = ("reference", "mtp")
+
+
+@dataclass(frozen=True, slots=True)
+class Info:
+    """The metadata fields vd relies on, checked (`check_meta`); the rest stays in ``Golden.meta``."""
+
+    version: int
+    dtype: LogitsDtype
+    ks: tuple[int, ...]
+    steps: int
+    vocab: int
+    feed: str
+    forward: str
+    device: str
+    digested: bool  # stores each row's digest in the scheme this vd computes
+    rows_stored: bool  # False for a slim golden
+
+    @property
+    def drafted(self) -> bool:
+        return self.feed == "mtp"
+
+
+def _field(meta: Mapping, key: str, kind, where: str, test=lambda v: True, want: str = ""):
+    v = meta.get(key)
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or not test(v):
+        raise GoldenCorruptError(f"{where}: metadata field {key!r} is {v!r}, expected {want or kind.__name__}")
+    return v
+
+
+def check_meta(meta: Mapping, where: str) -> Info:
+    """Refuse metadata a golden of a known version cannot have, naming the field; else its `Info`."""
+    version = meta.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > F.FORMAT_VERSION:
+        raise GoldenError(f"{where} has golden format {version}; this vd reads up to {F.FORMAT_VERSION}")
+    _field(meta, "format_version", int, where, lambda v: v >= 1, f"1 to {F.FORMAT_VERSION}")
+    if meta.get("complete") is not True:
+        raise GoldenCorruptError(f"{where} is incomplete (its recording never finished)")
+    logits = meta.get("logits")
+    logical = logits.get("dtype") if isinstance(logits, Mapping) else None
+    if logical not in DTYPES:
+        raise GoldenCorruptError(f"{where}: unknown logits dtype {logical!r}")
+    ks = _field(meta, "k", list, where, lambda v: v and all(isinstance(k, int) and not isinstance(k, bool)
+                                                            and 2 <= k <= MAX_K for k in v) and len(set(v)) == len(v),
+                f"distinct verify widths 2..{MAX_K}")
+    steps = _field(meta, "steps", int, where, lambda v: v >= 1, "a step count of at least 1")
+    vocab = _field(meta, "vocab_size", int, where, lambda v: v >= 1, "a vocabulary size")
+    feed = meta.get("feed", "reference")
+    if feed not in FEEDS:
+        raise GoldenCorruptError(f"{where}: metadata field 'feed' is {feed!r}, expected one of {', '.join(FEEDS)}")
+    forward = _field(meta, "forward", str, where)
+    device = _field(meta, "device", str, where)
+    model = meta.get("model")
+    if not isinstance(model, Mapping) or not isinstance(model.get("spec"), str) \
+            or not isinstance(model.get("fingerprint"), str):
+        raise GoldenCorruptError(f"{where}: metadata field 'model' lacks its spec or fingerprint")
+    if feed == "mtp" and not (isinstance(meta.get("mtp"), Mapping) and isinstance(meta["mtp"].get("fingerprint"), str)):
+        raise GoldenCorruptError(f"{where}: metadata field 'mtp' lacks the draft head's fingerprint")
+    scheme = meta.get("digest")
+    digested = version >= F.DIGESTS_SINCE and scheme is not None and scheme == F.digest_meta(vocab, logical)
+    rows_stored = F.stored_rows(meta)
+    if not rows_stored and not digested:
+        raise GoldenCorruptError(f"{where}: a slim golden without row digests this vd computes")
+    return Info(version, DTYPES[logical], tuple(ks), steps, vocab, feed, forward, device, digested, rows_stored)
+
+
+class Golden:
+    """An opened golden: its location, metadata (``meta``, checked as ``info``) and prompt tokens, and each
+    K's step log, digests, statistics and rows read when first asked for (in the caller's thread)."""
+
+    def __init__(self, location: Location, meta: Mapping, info: Info, prompt: list[int]):
+        self.location, self.meta, self.info, self.prompt = location, meta, info, prompt
+        self.url = location.url
+        self.rows_source: Golden | None = self if info.rows_stored else None
+        self._cache: dict = {}
+
+    @property
+    def ks(self) -> list[int]:
+        return list(self.info.ks)
+
+    @property
+    def logical(self) -> str:
+        return self.info.dtype.name
+
+    @property
+    def slim(self) -> bool:
+        return not self.info.rows_stored
+
+    def where(self, k: int) -> str:
+        return f"{self.url}/k{k}"
+
+    def layout(self, k: int) -> RowLayout:
+        return RowLayout(len(self.prompt), self.info.steps, k, self.info.drafted)
+
+    def _once(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    # -- step logs ------------------------------------------------------------------------------------
+    def log(self, k: int) -> StepLog:
+        """K's step log: the metadata's copy (no array read), or the arrays' where the metadata has none."""
+        return self._once(("log", k), lambda: self.meta_logs().get(k) or self.checked_log(k))
+
+    def meta_logs(self) -> dict[int, StepLog]:
+        return self._once("meta_logs", lambda: meta_logs(self.meta))
+
+    def array(self, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> Array:
+        """The array at ``rel`` (``prompt``, ``k2/tokens``, ...), its shape and dtype checked."""
+        return Array(self.location, rel, f"{self.url}/{rel}").check(shape, dtype)
+
+    def small(self, k: int, name: str) -> np.ndarray:
+        """K's small array ``name`` (`vd.store.format.small_shapes`)."""
+        return self.array(f"k{k}/{name}", F.small_shapes(self.layout(k))[name], F.SMALL_DTYPES[name]).read()
+
+    def stored_prompt(self) -> list[int]:
+        """The prompt array, checked against the metadata's copy of it."""
+        def read():
+            stored = self.array("prompt", (len(self.prompt),), np.dtype("<i4")).read().astype(np.int64).tolist()
+            if stored != self.prompt:
+                raise GoldenCorruptError(f"{self.url}: the prompt in the metadata disagrees with the stored prompt "
+                                         "array")
+            return stored
+        return self._once("prompt", read)
+
+    def log_from(self, k: int, arrays: Mapping[str, np.ndarray]) -> StepLog:
+        """K's step log from its group's attributes and step log arrays, checked against the metadata's copy,
+        the prompt and the accept counts' range."""
+        attrs = self.k_attrs(k)
+        log = StepLog(k=k, bootstrap=attrs.get("bootstrap", -1), decoded=attrs.get("decoded"),
+                      committed_is_greedy=attrs.get("committed_is_greedy"), **{n: arrays[n] for n in F.STEP_LOG})
+        if not isinstance(log.bootstrap, int) or not 0 <= log.bootstrap < self.info.vocab:
+            raise GoldenCorruptError(f"{self.where(k)}: bootstrap token {log.bootstrap!r} is not in the vocabulary")
+        if ((log.accepted < 0) | (log.accepted > k - 1)).any():
+            raise GoldenCorruptError(f"{self.where(k)}/accepted: counts outside 0..{k - 1}")
+        if ((log.tokens < 0) | (log.tokens >= self.info.vocab)).any():
+            raise GoldenCorruptError(f"{self.where(k)}/tokens: token ids outside the vocabulary")
+        copy = self.meta_logs().get(k)
+        if copy is not None and not copy.same_steps(log):
+            raise GoldenCorruptError(f"{self.where(k)}: the step log in the metadata disagrees with the stored arrays")
+        self.stored_prompt()
+        return log
+
+    def k_attrs(self, k: int) -> Mapping:
+        return self._once(("attrs", k), lambda: node(self.location, f"k{k}", self.where(k)).get("attributes") or {})
+
+    def checked_log(self, k: int) -> StepLog:
+        """K's step log as stored in its arrays, checked (`log_from`)."""
+        return self._once(("checked", k), lambda: self.log_from(k, {n: self.small(k, n) for n in F.STEP_LOG}))
+
+    # -- digests, statistics and rows -----------------------------------------------------------------
+    def summary(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """K's rows' digests and statistics: as stored, or for a golden without digests this vd computes,
+        computed from its rows."""
+        def make():
+            if self.info.digested:
+                return self.small(k, "digests"), self.small(k, "stats")
+            return _digest.summarise({kind: to_tensor(a) for kind, a in self.all_rows(k).items()})
+        return self._once(("summary", k), make)
+
+    def side(self, k: int, log: StepLog | None = None, summary: tuple[np.ndarray, np.ndarray] | None = None
+             ) -> GoldenSide:
+        """K's comparison side (made once): its checked step log, digests and statistics, and its rows when
+        the golden has a source of them. ``log`` and ``summary`` when already read (`vd.store.prefetch`)."""
+        def make():
+            source = self.rows_source
+            load = None if source is None else (lambda kind, idx: source.read_rows(k, kind, idx))
+            d, s = summary if summary is not None else self.summary(k)
+            return GoldenSide(log if log is not None else self.checked_log(k), self.layout(k), self.info.vocab, d, s,
+                              load, self.where(k))
+        return self._once(("side", k), make)
+
+    def read_rows(self, k: int, kind: str, idx: np.ndarray) -> np.ndarray:
+        """Rows ``idx`` of ``kind`` as stored in this golden's own arrays (only the chunks holding them)."""
+        layout, storage = self.layout(k), self.info.dtype.storage
+        out = np.empty((len(idx), self.info.vocab), storage)
+        held: dict[tuple[str, int], np.ndarray] = {}
+        for i, r in enumerate(np.asarray(idx).tolist()):
+            name, a0, within = F.row_address(layout, kind, r)
+            if (name, a0) not in held:
+                held[(name, a0)] = self._row_block(k, name, a0)
+            block = held[(name, a0)]
+            out[i] = block if within is None else block[within]
+        return out
+
+    def _row_arrays(self, k: int, name: str) -> tuple[Array, ...]:
+        """Row array ``name`` of K: its two planes (format 4) or itself (earlier formats), checked."""
+        def make():
+            layout = self.layout(k)
+            shape, storage = F.row_shapes(layout, self.info.vocab)[name], self.info.dtype.storage
+            if self.info.version < F.PLANES_SINCE:
+                return (self.array(f"k{k}/{name}", shape, storage),)
+            hi, lo = F.planes(name)
+            return (self.array(f"k{k}/{hi}", shape, np.dtype("u1")),
+                    self.array(f"k{k}/{lo}", (*shape, storage.itemsize - 1), np.dtype("u1")))
+        return self._once(("rows", k, name), make)
+
+    def _row_block(self, k: int, name: str, a0: int) -> np.ndarray:
+        """Entry ``a0`` along row array ``name``'s first axis, as stored."""
+        arrays = self._row_arrays(k, name)
+        parts = [a.read(a0, a0 + 1)[0] for a in arrays]
+        return parts[0] if len(parts) == 1 else F.join_planes(*parts, self.info.dtype.storage)
+
+    def all_rows(self, k: int) -> dict[str, np.ndarray]:
+        """Every row of K by kind, as stored, read whole (not checked against digests: `verify_rows`)."""
+        if self.rows_source is not self:
+            raise GoldenError(f"{self.url} is slim: it stores no rows")
+        whole = {}
+        for name in F.row_array_names(self.info.drafted):
+            arrays = self._row_arrays(k, name)
+            parts = [a.read() for a in arrays]
+            whole[name] = parts[0] if len(parts) == 1 else F.join_planes(*parts, self.info.dtype.storage)
+        v = self.info.vocab
+        out = {"prefill": whole["prefill"], "verify": whole["logits"].reshape(-1, v)}
+        if self.info.drafted:
+            out["draft"] = np.concatenate([whole["bootstrap_logits"], whole["draft_logits"].reshape(-1, v)])
+        return out
+
+    def verify_rows(self, k: int) -> dict[str, np.ndarray]:
+        """Every row of K read whole and each checked against its stored digest (`vd show`, `vd diff`)."""
+        rows = self.all_rows(k)
+        if self.info.digested:
+            layout = self.layout(k)
+            computed = torch.cat([_digest.digest(to_tensor(a)) for a in rows.values()]).numpy()
+
+            def name(i: int) -> str:
+                for kind, n in layout.counts.items():
+                    if i < n:
+                        return f"{kind} row {i}"
+                    i -= n
+                return f"row {i}"
+            check_digests(computed, self.summary(k)[0], self.where(k), name)
+        return rows
+
+    def with_rows(self, source: Golden) -> Golden:
+        """This (slim) golden with its rows read from ``source``, the full golden it was made from: the same
+        recording, row for row (every K's digests equal)."""
+        if not self.slim:
+            raise UsageError(f"--rows names the rows of a slim golden; {self.url} stores its own")
+        if source.slim:
+            raise GoldenError(f"--rows {source.url} is slim too: name the full golden")
+        same = (source.prompt == self.prompt and source.info.ks == self.info.ks and source.info.steps == self.info.steps
+                and source.info.vocab == self.info.vocab and source.logical == self.logical
+                and source.info.feed == self.info.feed)
+        if not same or any(not np.array_equal(source.summary(k)[0], self.summary(k)[0]) for k in self.ks):
+            raise GoldenError(f"--rows {source.url} is not the golden {self.url} was made from (its rows' digests "
+                              "differ)")
+        self.rows_source = source
+        self._cache = {key: v for key, v in self._cache.items() if key[0] != "side"}
+        return self
+
+
+def meta_logs(meta: Mapping) -> dict[int, StepLog]:
+    """The step logs the metadata carries (``logs``), for a start without reading an array; a malformed
+    entry is left out (the arrays are read instead)."""
+    out = {}
+    logs = meta.get("logs")
+    for key, e in (logs.items() if isinstance(logs, Mapping) else ()):
+        try:
+            out[int(key)] = StepLog.from_json(int(key), e)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike | None = None) -> Golden:
+    """Open the golden at ``where`` (a directory, a ``.zip`` file or an ``s3://`` URL) and check its metadata;
+    raise a `vd.errors.GoldenError` subclass naming what is wrong. Only the root ``zarr.json`` is read here.
+    ``rows``: for a slim golden, the full golden to read its rows from (`Golden.with_rows`)."""
+    location = where if isinstance(where, Location) else locate(where)
+    url = location.url
+    doc = location.get("zarr.json")
+    if doc is None:
+        state = location.state()
+        if state == "absent":
+            raise GoldenNotFoundError(f"{url} does not exist")
+        if isinstance(location, Directory) and not location.path.is_dir():
+            raise NotAGoldenError(f"{url} is not a vd golden (a golden is a zarr directory, a .zip file or an "
+                                  "s3:// prefix)")
+        raise NotAGoldenError(f"{url} is not a vd golden (no zarr.json)")
+    try:
+        node = json.loads(doc)
+        if node.get("zarr_format") != 3 or node.get("node_type") != "group":
+            raise ValueError("not a zarr v3 group")
+    except (ValueError, AttributeError) as e:  # malformed zarr.json
+        raise GoldenCorruptError(f"{url}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
+    meta = (node.get("attributes") or {}).get("vd")
+    if not isinstance(meta, Mapping) or meta.get("format") != F.FORMAT:
+        raise NotAGoldenError(f"{url} is a zarr group but not a vd golden (no vd metadata)")
+    info = check_meta(meta, url)
+    tokens = meta.get("prompt_tokens")
+    if isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        prompt = list(tokens)
+    else:
+        prompt = Array(location, "prompt", f"{url}/prompt").read().astype(np.int64).tolist()
+    if not prompt:
+        raise GoldenCorruptError(f"{url}: the prompt is empty")
+    golden = Golden(location, meta, info, prompt)
+    if rows is not None:
+        golden.with_rows(open_golden(rows))
+    return golden
