@@ -26,6 +26,21 @@ _PLAIN_TYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "u
 _CHAINS = {("bytes", "crc32c"): None, ("bytes", "zstd", "crc32c"): "zstd", ("bytes", "blosc", "crc32c"): "blosc"}
 
 
+def chunk_key(index: int, ndim: int) -> str:
+    """The key of chunk ``index`` along the first axis of an array of ``ndim`` dimensions chunked along that
+    axis only (zarr's default chunk key encoding, ``/`` separated)."""
+    return "/".join(["c", str(index), *("0" * (ndim - 1))])
+
+
+def encode_chunk(values: np.ndarray, compressor: str | None) -> bytes:
+    """A chunk's stored bytes as zarr writes them for the codecs vd writes: the values' little-endian bytes,
+    Zstd level 1 when ``compressor`` is ``"zstd"``, then their CRC32C (`Array` reads them back)."""
+    data = np.ascontiguousarray(values).tobytes()
+    if compressor == "zstd":
+        data = numcodecs.Zstd(level=1).encode(data)
+    return data + google_crc32c.value(data).to_bytes(4, "little")
+
+
 def node(location: Location, rel: str, where: str) -> dict:
     """The ``zarr.json`` document of the node at ``rel`` (``""``: the root)."""
     data = location.get(f"{rel}/zarr.json" if rel else "zarr.json")
@@ -91,7 +106,7 @@ class Array:
 
     def _chunk(self, index: int) -> np.ndarray:
         """Chunk ``index`` (along the first axis) decoded: ``[step, ...]`` values."""
-        key = "/".join(["c", str(index), *("0" * (len(self.shape) - 1))])
+        key = chunk_key(index, len(self.shape))
         data = self.location.get(f"{self.rel}/{key}")
         if data is None:
             raise GoldenCorruptError(f"{self.where}: chunk {key} is missing")

@@ -18,6 +18,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,7 +29,12 @@ from vd.dtypes import to_storage, to_tensor
 from vd.errors import GoldenError, GoldenExistsError
 from vd.layout import RowLayout, StepLog
 from vd.store import format as F
+from vd.store.chunks import chunk_key, encode_chunk
 from vd.store.location import Location, locate
+
+# Threads encoding and writing a CUDA recording's chunks while it runs (zstd runs without the interpreter
+# lock); a CPU recording writes in line, as a thread would take the cores the model runs on.
+WRITERS = max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
 def check_target(location: Location, refresh: bool) -> None:
@@ -52,17 +58,41 @@ def _small(group: zarr.Group, name: str, data: np.ndarray) -> None:
     _array(group, name, data.shape, data.dtype, tuple(max(n, 1) for n in data.shape), F.plain_codecs())[...] = data
 
 
-def _create_rows(group: zarr.Group, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int
-                 ) -> tuple[zarr.Array, zarr.Array]:
-    """Row array ``name`` as its two byte planes (`vd.store.format.planes`)."""
-    hi, lo = F.planes(name)
-    return (_array(group, hi, shape, "u1", chunks, F.hi_codecs()),
-            _array(group, lo, (*shape, itemsize - 1), "u1", (*chunks, itemsize - 1), F.plain_codecs()))
+class _RowArray:
+    """Row array ``name`` of the K group staged at ``where``: its two byte planes' chunks encoded and written
+    straight to their files, the bytes zarr's codecs would write (`vd.store.chunks.encode_chunk`), so that
+    several chunks can be encoded at once (zstd runs without the interpreter lock); its metadata is made
+    through zarr (`create`)."""
+
+    def __init__(self, where: Path, name: str, shape: tuple[int, ...], chunk_rows: int, itemsize: int):
+        self.where, self.name, self.shape, self.rows, self.itemsize = where, name, shape, chunk_rows, itemsize
+
+    def write(self, first: int, data: np.ndarray) -> None:
+        """Rows ``first ..`` of the array as stored (``first`` on a chunk boundary; the last chunk padded with
+        the fill value, as zarr stores it)."""
+        hi, lo = F.split_planes(data)
+        for (plane, compressor), part in zip(((".hi", "zstd"), (".lo", None)), (hi, lo)):
+            for j in range(0, len(part), self.rows):
+                block = part[j:j + self.rows]
+                if len(block) < self.rows:
+                    block = np.concatenate([block, np.zeros((self.rows - len(block), *block.shape[1:]), np.uint8)])
+                path = self.where / f"{self.name}{plane}" / chunk_key((first + j) // self.rows, block.ndim)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(encode_chunk(block, compressor))
+
+    def create(self, group: zarr.Group) -> None:
+        """The two planes' zarr metadata (their chunks are `write`'s)."""
+        hi, lo = F.planes(self.name)
+        chunks = (self.rows, *self.shape[1:])
+        _array(group, hi, self.shape, "u1", chunks, F.hi_codecs())
+        _array(group, lo, (*self.shape, self.itemsize - 1), "u1", (*chunks, self.itemsize - 1), F.plain_codecs())
 
 
-def _store_rows(arrays: tuple[zarr.Array, zarr.Array], where, data: np.ndarray) -> None:
-    hi, lo = F.split_planes(data)
-    arrays[0][where], arrays[1][where] = hi, lo
+def _row_arrays(where: Path, layout: RowLayout, vocab: int, itemsize: int) -> dict[str, _RowArray]:
+    """K's row arrays, by name."""
+    chunks = F.row_chunks(layout, vocab, itemsize)
+    return {name: _RowArray(where, name, shape, chunks[name][0], itemsize)
+            for name, shape in F.row_shapes(layout, vocab).items()}
 
 
 def _as_arrays(layout: RowLayout, rows: Mapping[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:
@@ -87,7 +117,7 @@ class GoldenWriter:
         self.refresh, self.background = refresh, background
         self.staged = self.location.staging()
         self.root = zarr.create_group(zarr.storage.LocalStore(self.staged), zarr_format=3)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vd-writer")
+        self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="vd-writer")
         self._futures = []
         self.logs: list[StepLog] = []
         self.stored_rows = True
@@ -115,17 +145,22 @@ class GoldenWriter:
         self._submit(self._write_k, layout, log, rows, summary, drafts)
 
     def _write_k(self, layout, log, rows, summary, drafts) -> None:
-        g = self.root.create_group(f"k{layout.k}")
+        arrays = []
         if rows is not None:
-            arrays = _as_arrays(layout, rows, rows["prefill"].shape[1])
-            chunks = F.row_chunks(layout, rows["prefill"].shape[1], rows["prefill"].dtype.itemsize)
-            for name, data in arrays.items():
-                _store_rows(_create_rows(g, name, data.shape, chunks[name], data.dtype.itemsize), Ellipsis, data)
-        self._finish_k(g, log, summary, drafts)
+            vocab, itemsize = rows["prefill"].shape[1], rows["prefill"].dtype.itemsize
+            row_arrays = _row_arrays(self.staged / f"k{layout.k}", layout, vocab, itemsize)
+            for name, data in _as_arrays(layout, rows, vocab).items():
+                row_arrays[name].write(0, data)
+                arrays.append(row_arrays[name])
+        self._finish_k(layout.k, arrays, log, summary, drafts)
 
-    def _finish_k(self, g: zarr.Group, log: StepLog, summary: tuple[np.ndarray, np.ndarray],
+    def _finish_k(self, k: int, arrays: list[_RowArray], log: StepLog, summary: tuple[np.ndarray, np.ndarray],
                   drafts: np.ndarray | None) -> None:
-        """K's step log, its rows' digests and statistics, the drafter's drafts, and its attributes."""
+        """K's group: its row arrays' metadata, its step log, its rows' digests and statistics, the drafter's
+        drafts, and its attributes."""
+        g = self.root.create_group(f"k{k}")
+        for a in arrays:
+            a.create(g)
         for name in F.STEP_LOG:
             _small(g, name, getattr(log, name))
         _small(g, "digests", summary[0])
@@ -187,16 +222,7 @@ class KStream:
         self.pinned = torch.cuda.is_available()
         self.host = {"prefill": torch.empty((layout.prompt, vocab), dtype=dtype, pin_memory=self.pinned),
                      "verify": torch.empty((layout.steps, layout.k, vocab), dtype=dtype, pin_memory=self.pinned)}
-        self.group, self.arrays = None, {}
-        writer._submit(self._create)
-
-    def _create(self) -> None:
-        g = self.writer.root.create_group(f"k{self.layout.k}")
-        itemsize = self.host["prefill"].element_size()
-        chunks = F.row_chunks(self.layout, self.vocab, itemsize)
-        for kind, name in (("prefill", "prefill"), ("verify", "logits")):
-            self.arrays[kind] = _create_rows(g, name, tuple(self.host[kind].shape), chunks[name], itemsize)
-        self.group = g
+        self.arrays = _row_arrays(writer.staged / f"k{layout.k}", layout, vocab, self.host["prefill"].element_size())
 
     def put(self, kind: str, index: int | None, rows: torch.Tensor) -> None:
         """Hand over the prefill's rows (``index`` None) or step ``index``'s verify rows."""
@@ -211,7 +237,10 @@ class KStream:
     def _write(self, kind: str, index: int | None, block: torch.Tensor, event) -> None:
         if event is not None:
             event.synchronize()
-        _store_rows(self.arrays[kind], Ellipsis if index is None else index, to_storage(block))
+        if kind == "prefill":
+            self.arrays["prefill"].write(0, to_storage(block))
+        else:
+            self.arrays["logits"].write(index, to_storage(block)[None])
 
     def finish(self, log: StepLog, summary: tuple[np.ndarray, np.ndarray], draft_rows: np.ndarray | None = None,
                drafts: np.ndarray | None = None) -> None:
@@ -222,10 +251,6 @@ class KStream:
     def _finish(self, log, summary, draft_rows, drafts) -> None:
         if draft_rows is not None:
             s, k, v = self.layout.steps, self.layout.k, self.vocab
-            chunks = F.row_chunks(self.layout, v, draft_rows.dtype.itemsize)
-            for name, data in (("bootstrap_logits", draft_rows[:1]),
-                               ("draft_logits", draft_rows[1:].reshape(s, k - 1, v))):
-                _store_rows(_create_rows(self.group, name, data.shape, chunks[name], data.dtype.itemsize), Ellipsis,
-                            data)
-        self.writer._finish_k(self.group, log, summary, drafts)
-
+            self.arrays["bootstrap_logits"].write(0, draft_rows[:1])
+            self.arrays["draft_logits"].write(0, draft_rows[1:].reshape(s, k - 1, v))
+        self.writer._finish_k(self.layout.k, list(self.arrays.values()), log, summary, drafts)
