@@ -105,24 +105,21 @@ class Comparison:
         return out
 
 
-@dataclass(slots=True)
 class _Kind:
-    """One kind's measured rows and where each sits in the layout."""
+    """One kind's measured rows and where each sits in the layout. ``quiet``: no row differs, so every
+    measure is zero and the golden's argmax stands everywhere (the common case, kept cheap)."""
 
-    name: str
-    rows: Rows
-    layout: RowLayout
-
-    @property
-    def quiet(self) -> bool:
-        """No row differs: every measure zero, the golden's argmax everywhere (the common case)."""
-        return not self.rows.differ.any()
+    def __init__(self, name: str, rows: Rows, layout: RowLayout):
+        self.name, self.rows, self.layout = name, rows, layout
+        self.quiet = not rows.differ.any()
 
     def where(self, i: int) -> tuple[int | None, int]:
         return self.layout.locate(self.name, i)
 
     def first_mismatch(self, skip: int = 0) -> Mismatch | None:
         """The first differing element past the first ``skip`` rows."""
+        if self.quiet:
+            return None
         r = self.rows
         bad = np.flatnonzero(r.differ[skip:]) + skip
         if not bad.size:
@@ -132,6 +129,8 @@ class _Kind:
         return Mismatch(step, row, _int(r.first_index[f]), float(r.first_golden[f]), float(r.first_got[f]))
 
     def bad_steps(self, skip: int = 0) -> list[int]:
+        if self.quiet:
+            return []
         return sorted({self.where(int(f))[0] for f in np.flatnonzero(self.rows.differ[skip:]) + skip})
 
 
@@ -174,16 +173,17 @@ def compare_run(variant: str, side: GoldenSide, run: Run, logical: str, policy: 
                       for i, (a, b) in enumerate(zip(side.accepted.tolist(), run.computed)) if a != b]
     failed |= {c["step"] for c in accept_changes}
     verify, prefill = kinds["verify"], kinds["prefill"]
+    bad = verify.bad_steps()
     return Comparison(
         variant=variant,
         prefill_equal=prefill.quiet,
-        mismatched_steps=len(verify.bad_steps()),
+        mismatched_steps=len(bad),
         steps=side.steps,
         first_mismatch=verify.first_mismatch(),
-        max_abs_diff=_max(np.concatenate([prefill.rows.max_abs, verify.rows.max_abs,
-                                          kinds["draft"].rows.max_abs[:1] if "draft" in kinds else []])),
+        max_abs_diff=0.0 if all(kd.quiet for kd in kinds.values()) else _max(np.concatenate(
+            [prefill.rows.max_abs, verify.rows.max_abs, kinds["draft"].rows.max_abs[:1] if "draft" in kinds else []])),
         prefill_first_mismatch=prefill.first_mismatch(),
-        mismatched_step_list=verify.bad_steps(),
+        mismatched_step_list=bad,
         decision_changes=len(accept_changes),
         policy=policy.to_json(),
         passed=not flips and not accept_changes and all(kd.quiet or kd.rows.passed.all() for kd in kinds.values()),
@@ -195,7 +195,8 @@ def compare_run(variant: str, side: GoldenSide, run: Run, logical: str, policy: 
         rows=_row_list(kinds),
         summary={kd.name: _summary(kd, flips, side) for kd in kinds.values()},
         positions={"bins": POSITION_BINS, "vocab": int(side.vocab),
-                   "counts": [int(x) for x in sum(kd.rows.positions for kd in kinds.values())]},
+                   "counts": [0] * POSITION_BINS if all(kd.quiet for kd in kinds.values())
+                   else [int(x) for x in sum(kd.rows.positions for kd in kinds.values())]},
         measured=all(kd.rows.measured for kd in kinds.values()),
         **_draft_fields(kinds),
     )
@@ -277,6 +278,8 @@ def _row_list(kinds: dict[str, _Kind]) -> list[dict]:
     """Every row that differs, measured, with the golden's and the candidate's statistics (first MAX_ROWS)."""
     out = []
     for kd in kinds.values():
+        if kd.quiet:
+            continue
         r = kd.rows
         for f in np.flatnonzero(r.differ)[:MAX_ROWS - len(out)]:
             step, row = kd.where(int(f))
@@ -298,6 +301,7 @@ def _draft_fields(kinds: dict[str, _Kind]) -> dict:
     if "draft" not in kinds:
         return {}
     d = kinds["draft"]
-    return dict(bootstrap_equal=not bool(d.rows.differ[0]), draft_mismatched_steps=len(d.bad_steps(skip=1)),
-                draft_first_mismatch=d.first_mismatch(skip=1), draft_max_abs_diff=_max(d.rows.max_abs),
-                draft_mismatched_step_list=d.bad_steps(skip=1))
+    bad = d.bad_steps(skip=1)
+    return dict(bootstrap_equal=not bool(d.rows.differ[0]), draft_mismatched_steps=len(bad),
+                draft_first_mismatch=d.first_mismatch(skip=1),
+                draft_max_abs_diff=0.0 if d.quiet else _max(d.rows.max_abs), draft_mismatched_step_list=bad)

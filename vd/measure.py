@@ -46,7 +46,7 @@ class Rows:
     top1: np.ndarray  # the golden row's top-1 value
     golden_absmax: np.ndarray
     top1_p: np.ndarray
-    got_stats: np.ndarray  # the candidate's statistics of its differing rows
+    got_stats: np.ndarray | None  # the candidate's statistics of its differing rows (None: no row differs)
     positions: np.ndarray  # differing elements per vocabulary bin, summed over rows
     measured: bool = True  # False: the golden's rows were not at hand (a slim golden)
 
@@ -78,12 +78,15 @@ def _measure_kind(side: GoldenSide, kind: str, got: torch.Tensor, differ: np.nda
                   spec: Spec) -> Rows:
     n = differ.size
     golden = side.stats(kind)
-    host = {m: np.zeros(n, dtype=np.float64) for m in MEASURES}
-    passed, got_argmax = ~differ, golden["argmax"].copy()
-    got_stats = np.full((n, len(STATS)), np.nan)
+    zero = np.zeros(n, dtype=np.float64)  # every measure of a row whose bits are equal
+    host, got_stats = dict.fromkeys(MEASURES, zero), None
+    passed, got_argmax = ~differ, golden["argmax"]
     positions = np.zeros(POSITION_BINS, dtype=np.int64)
     measured = True
     if differ.any():
+        host = {m: zero.copy() for m in MEASURES}
+        got_argmax = got_argmax.copy()
+        got_stats = np.full((n, len(STATS)), np.nan)
         idx = np.flatnonzero(differ)
         cand = got[torch.from_numpy(idx).to(got.device)]
         got_stats[idx] = stats_tensor(cand).T.cpu().numpy()
