@@ -21,11 +21,11 @@ def test_byte_planes_split_and_join_bit_for_bit(name):
     assert back.dtype == storage and np.array_equal(back.view(np.uint8), a.view(np.uint8))
 
 
-def test_prefill_rows_are_chunked_about_a_megabyte_and_evenly():
-    assert F.prefill_chunks(41, 151936, 2) == 3 and F.prefill_chunks(41, 128256, 2) == 4
-    assert F.prefill_chunks(2, 49152, 2) == 2 and F.prefill_chunks(5, 1 << 20, 4) == 1
-    # At most 10 rows of a 49152-wide bf16 vocabulary fit: 21 rows go 7 to a chunk, not 10, 10 and 1.
-    assert F.prefill_chunks(21, 49152, 2) == 7 and F.prefill_chunks(11, 49152, 2) == 6
+def test_prefill_rows_are_chunked_about_eight_megabytes_and_evenly():
+    assert F.prefill_chunks(41, 151936, 2) == 21 and F.prefill_chunks(41, 128256, 2) == 21
+    assert F.prefill_chunks(66, 49152, 2) == 66 and F.prefill_chunks(3, 1 << 22, 4) == 1
+    # At most 85 rows of a 49152-wide bf16 vocabulary fit: 100 rows go 50 to a chunk, not 85 and 15.
+    assert F.prefill_chunks(100, 49152, 2) == 50 and F.prefill_chunks(86, 49152, 2) == 43
 
 
 @pytest.mark.parametrize("drafted", [False, True])

@@ -29,7 +29,9 @@ FORMAT = "vd-golden"
 FORMAT_VERSION = 4
 PLANES_SINCE = 4  # the first format storing row arrays as byte planes
 DIGESTS_SINCE = 3  # the first format storing each row's digest and statistics
-PREFILL_CHUNK_BYTES = 1 << 20  # about how much of the prefill's raw rows one chunk holds
+# About how much of the prefill's raw rows one chunk holds. The prefill is written once and read only where
+# its rows differ; large chunks keep the last chunk's padding (stored whole, its low plane uncompressed) small.
+PREFILL_CHUNK_BYTES = 8 << 20
 
 STEP_LOG = ("tokens", "accepted", "step_ms")  # a K's step log arrays
 SUMMARY = ("digests", "stats")  # a K's per-row digests and statistics
