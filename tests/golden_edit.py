@@ -59,3 +59,16 @@ def flip_byte(path: Path, mask: int = 0x10) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= mask
     path.write_bytes(bytes(data))
+
+
+def damage(path: Path, how: str) -> None:
+    """Damage a chunk file: ``flip`` a byte, ``truncate`` it, ``delete`` it, or put a ``directory`` in its
+    place."""
+    if how == "flip":
+        flip_byte(path)
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[:3])
+    else:
+        path.unlink()
+        if how == "directory":
+            path.mkdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import zarr
-from golden_edit import chunk, edit_meta, flip_byte
+from golden_edit import chunk, damage, edit_meta
 
 PLUGINS = Path(__file__).parent / "plugins"
 
@@ -74,17 +74,12 @@ def test_refresh_replaces(cli, tmp_path, name):
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "zarr.json"])
-def test_damaged_goldens_exit_2(cli, tiny_copy, damage):
-    path = chunk(tiny_copy, 4, "logits", 6)
-    if damage == "flip":
-        flip_byte(path)
-    elif damage == "truncate":
-        path.write_bytes(path.read_bytes()[:10])
-    elif damage == "delete":
-        path.unlink()
-    else:
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete", "directory", "zarr.json"])
+def test_damaged_goldens_exit_2(cli, tiny_copy, how):
+    if how == "zarr.json":
         (tiny_copy / "zarr.json").write_text((tiny_copy / "zarr.json").read_text()[:50])
+    else:
+        damage(chunk(tiny_copy, 4, "logits", 6), how)
     for cmd in ("show", "replay"):  # the replay's control moves steps 4-7 of K=4: their rows are read
         _one_line_error(*cli(cmd, tiny_copy), str(tiny_copy))
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from golden_edit import chunk, edit_meta, edit_rows, flip_byte
+from golden_edit import chunk, edit_meta, edit_rows
+from golden_edit import damage as damage_chunk
 from store_data import V, write
 
 from vd.errors import GoldenCorruptError, GoldenError, GoldenNotFoundError, NotAGoldenError
@@ -31,15 +32,7 @@ def golden(tmp_path) -> Path:
     ("directory", "chunk c/1/0/0 is missing"),
 ])
 def test_damaged_row_chunks_are_refused_when_read(golden, damage, message):
-    path = chunk(golden, 2, "logits", 1)
-    if damage == "flip":
-        flip_byte(path)
-    elif damage == "truncate":
-        path.write_bytes(path.read_bytes()[:3])
-    else:
-        path.unlink()
-        if damage == "directory":
-            path.mkdir()
+    damage_chunk(chunk(golden, 2, "logits", 1), damage)
     g = open_golden(golden)  # the metadata alone opens
     with pytest.raises(GoldenCorruptError, match=message):
         g.verify_rows(2)

@@ -277,7 +277,7 @@ class Golden:
             raise GoldenError(f"--rows {source.url} is not the golden {self.url} was made from (its rows' digests "
                               "differ)")
         self.rows_source = source
-        self._cache = {key: v for key, v in self._cache.items() if key[0] != "side"}
+        self._cache = {key: v for key, v in self._cache.items() if not (isinstance(key, tuple) and key[0] == "side")}
         return self
 
 
