@@ -31,12 +31,7 @@ def edit_rows(golden: Path, k: int, kind: str, edit: Callable[[np.ndarray], None
     rows = g.all_rows(k)
     edit(rows[kind])
     root = zarr.open_group(zarr.storage.LocalStore(golden), mode="r+")
-    layout = RowLayout(len(g.prompt), g.info.steps, k, g.info.drafted)
-    v = g.info.vocab
-    arrays = {"prefill": rows["prefill"], "logits": rows["verify"].reshape(layout.steps, k, v)}
-    if g.info.drafted:
-        arrays.update(bootstrap_logits=rows["draft"][:1],
-                      draft_logits=rows["draft"][1:].reshape(layout.steps, k - 1, v))
+    arrays = F.to_arrays(RowLayout(len(g.prompt), g.info.steps, k, g.info.drafted), rows, g.info.vocab)
     for name in F.ROW_ARRAYS[kind]:
         hi, lo = F.split_planes(arrays[name])
         root[f"k{k}/{name}.hi"][...] = hi

@@ -20,7 +20,7 @@ def test_rows_are_laid_out_prefill_verify_then_draft():
     parts = layout.split(values)
     assert [p.tolist()[0] for p in parts.values()] == [0, 5, 17]
     assert layout.by_step("draft", parts["draft"]).tolist() == [[18, 19], [20, 21], [22, 23], [24, 25]]
-    assert layout.with_steps(5).counts["verify"] == 15 and RowLayout(5, 4, 3).counts == {"prefill": 5, "verify": 12}
+    assert RowLayout(5, 4, 3).counts == {"prefill": 5, "verify": 12}
 
 
 def test_a_step_log_round_trips_its_metadata_copy():

@@ -136,6 +136,3 @@ class RowLayout:
             out[kind] = flat[at:at + n]
             at += n
         return out
-
-    def with_steps(self, steps: int) -> RowLayout:
-        return RowLayout(self.prompt, steps, self.k, self.drafted)

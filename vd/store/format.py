@@ -117,6 +117,23 @@ SMALL_DTYPES = {"tokens": np.dtype("<i4"), "accepted": np.dtype("<i4"), "step_ms
                 "drafts": np.dtype("<i4"), "digests": np.dtype("<i8"), "stats": np.dtype("<f8")}
 
 
+def to_arrays(layout: RowLayout, rows: Mapping[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:
+    """Rows by kind (`vd.layout.RowLayout`) as the row arrays that store them, by name."""
+    s, k = layout.steps, layout.k
+    out = {"prefill": rows["prefill"], "logits": rows["verify"].reshape(s, k, vocab)}
+    if "draft" in rows:
+        out.update(bootstrap_logits=rows["draft"][:1], draft_logits=rows["draft"][1:].reshape(s, k - 1, vocab))
+    return out
+
+
+def from_arrays(arrays: Mapping[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:
+    """The inverse of `to_arrays`: row arrays by name as rows ``[R, V]`` by kind."""
+    out = {"prefill": arrays["prefill"], "verify": arrays["logits"].reshape(-1, vocab)}
+    if "draft_logits" in arrays:
+        out["draft"] = np.concatenate([arrays["bootstrap_logits"], arrays["draft_logits"].reshape(-1, vocab)])
+    return out
+
+
 def row_address(layout: RowLayout, kind: str, i: int) -> tuple[str, int, int | None]:
     """Where row ``i`` of ``kind`` is stored: (row array, index along its first axis, index along its
     second axis or None for a two-dimensional array)."""

@@ -241,11 +241,7 @@ class Golden:
             arrays = self._row_arrays(k, name)
             parts = [a.read() for a in arrays]
             whole[name] = parts[0] if len(parts) == 1 else F.join_planes(*parts, self.info.dtype.storage)
-        v = self.info.vocab
-        out = {"prefill": whole["prefill"], "verify": whole["logits"].reshape(-1, v)}
-        if self.info.drafted:
-            out["draft"] = np.concatenate([whole["bootstrap_logits"], whole["draft_logits"].reshape(-1, v)])
-        return out
+        return F.from_arrays(whole, self.info.vocab)
 
     def verify_rows(self, k: int) -> dict[str, np.ndarray]:
         """Every row of K read whole and each checked against its stored digest (`vd show`, `vd diff`)."""

@@ -95,15 +95,6 @@ def _row_arrays(where: Path, layout: RowLayout, vocab: int, itemsize: int) -> di
             for name, shape in F.row_shapes(layout, vocab).items()}
 
 
-def _as_arrays(layout: RowLayout, rows: Mapping[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:
-    """Rows by kind (`vd.layout.RowLayout`) as the row arrays that store them, by name."""
-    s, k = layout.steps, layout.k
-    out = {"prefill": rows["prefill"], "logits": rows["verify"].reshape(s, k, vocab)}
-    if "draft" in rows:
-        out.update(bootstrap_logits=rows["draft"][:1], draft_logits=rows["draft"][1:].reshape(s, k - 1, vocab))
-    return out
-
-
 class GoldenWriter:
     """Writes a golden for ``where`` (a path or URL: `vd.store.location.locate`), one K at a time, on a
     background thread when ``background``, then publishes it (see the module's docstring).
@@ -149,7 +140,7 @@ class GoldenWriter:
         if rows is not None:
             vocab, itemsize = rows["prefill"].shape[1], rows["prefill"].dtype.itemsize
             row_arrays = _row_arrays(self.staged / f"k{layout.k}", layout, vocab, itemsize)
-            for name, data in _as_arrays(layout, rows, vocab).items():
+            for name, data in F.to_arrays(layout, rows, vocab).items():
                 row_arrays[name].write(0, data)
                 arrays.append(row_arrays[name])
         self._finish_k(layout.k, arrays, log, summary, drafts)
