@@ -1,5 +1,5 @@
 """vd's recorder: run the reference (or drafter) feed on a trusted build and store a golden (`record`)."""
 
-from recorder.record import DEFAULT_PROMPT, RecordResult, RecordSettings, record
+from vd.recorder.record import DEFAULT_PROMPT, RecordResult, RecordSettings, record
 
 __all__ = ["DEFAULT_PROMPT", "RecordResult", "RecordSettings", "record"]

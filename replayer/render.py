@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replayer.report import Report
+from vd.replayer.report import Report
 
 # -- bundle --------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Replay a golden against a model and judge it (`replay`): a `replayer.report.Report`, PASS or FAIL with
+"""Replay a golden against a model and judge it (`replay`): a `vd.replayer.report.Report`, PASS or FAIL with
 reasons.
 
 For each K and each forward asked for, the shared loop runs the replay feed (the stored tokens, accept
@@ -8,7 +8,7 @@ otherwise), every decision checked (`vd.compare`). A drafter golden replays with
 still running, so its drafts and draft logits are judged too. Then, under the last forward, the detection
 control changes the last draft of step ``steps // 2`` and must fail there under the same policy; a
 reference without both a full and a partial accept at every K fails as too thin (and, if asked, one
-missing an accept count). This module leaves out rendering: `replayer.render` writes bundles, JUnit and
+missing an accept count). This module leaves out rendering: `vd.replayer.render` writes bundles, JUnit and
 HTML, the command line prints.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replayer.report import Control, FailureRows, Judged, KResult, Reason, Report, Timing
+from vd.replayer.report import Control, FailureRows, Judged, KResult, Reason, Report, Timing
 from vd import env
 from vd.compare import Comparison, Queued, compare_run
 from vd.coverage import coverage_reason, thin_reason

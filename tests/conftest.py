@@ -13,7 +13,7 @@ import pytest
 import seaweed
 from typer.testing import CliRunner
 
-from vdcli import app
+from vd.cli import app
 
 PLUGINS = Path(__file__).parent / "plugins"
 

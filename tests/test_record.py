@@ -4,7 +4,7 @@ before any work, and a golden recorded into each kind of location."""
 import numpy as np
 import pytest
 
-from recorder import RecordSettings, record
+from vd.recorder import RecordSettings, record
 from vd.errors import UsageError
 from vd.models import load_model
 from vd.store import open_golden

@@ -11,7 +11,7 @@ import pytest
 import torch
 from golden_edit import edit_rows
 
-from replayer import ReplaySettings, replay
+from vd.replayer import ReplaySettings, replay
 from vd.dtypes import to_float
 from vd.errors import GoldenCorruptError, UsageError
 from vd.models import load_model

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from recorder import DEFAULT_PROMPT, RecordSettings, record
-from replayer import ReplaySettings, replay
+from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
+from vd.replayer import ReplaySettings, replay
 from vd import env
 from vd.loop import continuation
 from vd.models import load_model

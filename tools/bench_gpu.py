@@ -11,9 +11,9 @@ a median over ``--reps`` interleaved repetitions in this one process; the JSON k
 * ``step_ms``: median verify step (CUDA events around one ``forward`` of K tokens).
 * ``floor_ms``: the model's weight bytes over the device-to-device copy bandwidth measured here
   (bytes read plus written per second): a verify step must stream every weight once.
-* ``record_ratio``: `recorder.record` (greedy continuation, the K run, the background zarr write,
+* ``record_ratio``: `vd.recorder.record` (greedy continuation, the K run, the background zarr write,
   publishing) over the bare decode plus verify loop.
-* ``replay_ratio``: `replayer.replay` without the detection control (opening the golden, its small
+* ``replay_ratio``: `vd.replayer.replay` without the detection control (opening the golden, its small
   arrays read beside the run by `vd.store.prefetch`, the run, the comparison by row digests on the GPU,
   the report) over the bare verify loop. ``reader`` says where the last replay's reading ran;
   ``samples`` keeps each replay's ``phases``.
@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recorder import RecordSettings, record  # noqa: E402
-from replayer import ReplaySettings, replay  # noqa: E402
+from vd.recorder import RecordSettings, record  # noqa: E402
+from vd.replayer import ReplaySettings, replay  # noqa: E402
 from vd import env  # noqa: E402
 from vd.loop import prepare  # noqa: E402
 from vd.models import load_model  # noqa: E402

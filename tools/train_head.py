@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from recorder import DEFAULT_PROMPT
+from vd.recorder import DEFAULT_PROMPT
 from vd import env
 from vd.coverage import histogram
 from vd.loop import DrafterFeed, run_verify

@@ -4,7 +4,7 @@ This package is the core the recorder and the replayer share: the model protocol
 (`vd.protocol`, `vd.models`), the values a recording is made of (`vd.layout`, `vd.dtypes`), the one
 verify step loop (`vd.loop`) and the checks beside it (`vd.coverage`), the golden store (`vd.store`),
 row digests (`vd.digest`), the comparison (`vd.policy`, `vd.measure`, `vd.compare`) and environment
-capture (`vd.env`). It never imports `recorder`, `replayer` or the command line (`vdcli`) above it.
+capture (`vd.env`). It never imports `vd.recorder`, `vd.replayer` or the command line (`vd.cli`) above it.
 Importing it never initialises CUDA and sets no global torch flags.
 """
 

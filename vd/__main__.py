@@ -1,6 +1,6 @@
-"""``python -m vd``: the ``vd`` command line (`vdcli`, the layer above this package; nothing imports
+"""``python -m vd``: the ``vd`` command line (`vd.cli`, the layer above this package; nothing imports
 this module)."""
 
-from vdcli import main
+from vd.cli import main
 
 main()

@@ -1,6 +1,6 @@
 """The `vd` commands: record, replay, diff, show, slim, models, forwards.
 
-Command bodies are a few lines over `recorder.record`, `replayer.replay`, `replayer.diff` and `vd.store`.
+Command bodies are a few lines over `vd.recorder.record`, `vd.replayer.replay`, `vd.replayer.diff` and `vd.store`.
 Exit codes are decided here alone: 0 PASS, 1 FAIL (a difference, a thin reference, a blind control), 2 bad
 input or usage, printed as one line on stderr, 3 an internal error (one line naming the file its traceback
 went to). Progress goes to stderr (only on a terminal); results to stdout.
@@ -154,8 +154,8 @@ def record(
                                                    "every K has steps accepting each of 0..K-1 drafts.")] = False,
 ) -> int:
     """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store."""
-    from recorder import DEFAULT_PROMPT, RecordSettings
-    from recorder import record as do_record
+    from vd.recorder import DEFAULT_PROMPT, RecordSettings
+    from vd.recorder import record as do_record
 
     settings = RecordSettings(model=model, head=head, prompt=DEFAULT_PROMPT if prompt is None else prompt,
                               ks=_parse_ks(k), steps=steps, forward=forward, feed=feed, device=device, dtype=dtype,
@@ -249,8 +249,8 @@ def replay(
     html: Annotated[Path | None, typer.Option(help="Write a self-contained HTML report here.")] = None,
 ) -> int:
     """Replay a golden's steps through a forward and diff every row: PASS (0) or FAIL (1)."""
-    from replayer import ReplaySettings
-    from replayer import replay as do_replay
+    from vd.replayer import ReplaySettings
+    from vd.replayer import replay as do_replay
 
     for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
         _check_writable(flag, path)  # before the replay, not after it
@@ -259,7 +259,7 @@ def replay(
                               tolerances=tuple(tolerance or ()), require_coverage=require_coverage, rows=rows)
     with _Bar() as bar:
         result = do_replay(golden, settings, progress=bar)
-    from replayer import render  # bundle, JUnit, HTML; imported here as replay is, for a quick `vd --help`
+    from vd.replayer import render  # bundle, JUnit, HTML; imported here as replay is, for a quick `vd --help`
 
     data = result.to_json()
     if bundle is None and report is not None:
@@ -366,7 +366,7 @@ def diff(
     report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
 ) -> int:
     """Compare two goldens of the same recording without a model: PASS (0) or FAIL (1)."""
-    from replayer.diff import diff as do_diff
+    from vd.replayer.diff import diff as do_diff
 
     _check_writable("--report", report)
     result = do_diff(a, b, tolerances=tolerance or ())

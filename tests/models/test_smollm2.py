@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from recorder import RecordSettings, record
-from replayer import ReplaySettings, replay
+from vd.recorder import RecordSettings, record
+from vd.replayer import ReplaySettings, replay
 from vd.loop import ReferenceFeed, continuation, run_verify
 
 pytestmark = pytest.mark.slow
