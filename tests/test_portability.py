@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 DATA = Path(__file__).parent / "data"
-COMMITTED = [DATA / "tiny-llama-v1.zarr", DATA / "tiny-llama-mtp-v2.zarr", DATA / "tiny-llama-mtp-v3.zarr"]
+COMMITTED = [DATA / "tiny-llama-v1.zarr", DATA / "tiny-llama-mtp-v2.zarr", DATA / "tiny-llama-mtp-v3.zarr",
+             DATA / "tiny-llama-mtp-v4.zarr"]
 
 
 def _replay(tmp_path, env_extra, golden=COMMITTED[0]):

@@ -1,12 +1,14 @@
 """The recorder: what a golden holds, references refused as too thin or short of coverage, settings refused
 before any work, and a golden recorded into each kind of location."""
 
+import json
+
 import numpy as np
 import pytest
 
-from vd.recorder import RecordSettings, record
 from vd.errors import UsageError
 from vd.models import load_model
+from vd.recorder import RecordSettings, record
 from vd.store import open_golden
 
 
@@ -18,7 +20,7 @@ def tiny_model():
 def test_a_golden_holds_the_steps_rows_and_what_made_them(tiny_golden):
     g = open_golden(tiny_golden)
     m = g.meta
-    assert m["format_version"] == 4 and m["rows"] == {"stored": True} and m["feed"] == "reference"
+    assert m["format_version"] == 5 and m["rows"] == {"stored": True} and m["feed"] == "reference"
     assert m["model"]["spec"] == "tiny-llama" and m["model"]["fingerprint"].startswith("sha256:")
     assert m["forward"] == "eager" and m["graphs"] == "eager" and m["k"] == [2, 3, 4] and m["steps"] == 8
     assert m["logits"]["dtype"] == "bfloat16" and "high byte zstd-1" in m["logits"]["planes"]
@@ -86,3 +88,23 @@ def test_the_same_recording_in_a_directory_a_zip_file_and_on_s3(tmp_path, tiny_m
             assert other.checked_log(k).same_steps(a.checked_log(k))
             assert all(np.array_equal(other.verify_rows(k)[kind], rows[kind]) for kind in rows)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zarr", "g.zip"]
+
+
+def _files(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_recording_the_same_numbers_again_changes_only_the_run_group(tmp_path, tiny_model):
+    """What a review diffs stays byte for byte as it was when the logits did not move: the time, host, step
+    timings and model path live in run/zarr.json alone (the root's history says who recorded it and when),
+    and a replay still reads them back."""
+    settings = RecordSettings(model="tiny-llama", steps=4, ks=(2, 3))
+    a = _files(record(tmp_path / "a.zarr", settings, model=tiny_model).location.path)
+    b = _files(record(tmp_path / "b.zarr", settings, model=tiny_model).location.path)
+    assert a.keys() == b.keys() and "run/zarr.json" in a
+    assert {name for name in a if a[name] != b[name]} <= {"run/zarr.json", "zarr.json"}
+    root_a, root_b = (json.loads(x["zarr.json"])["attributes"]["vd"] for x in (a, b))
+    assert len(root_a.pop("history")) == len(root_b.pop("history")) == 1  # each recording's own: when, who, where
+    assert root_a == root_b and not {"step_ms", "created"} & set(json.dumps(root_a).replace('"', " ").split())
+    g = open_golden(tmp_path / "b.zarr")
+    assert g.meta["created"] and g.meta["environment"]["host"] and len(g.log(2).step_ms) == 4

@@ -62,7 +62,7 @@ class StepLog:
                    committed_is_greedy=e.get("committed_is_greedy"),
                    tokens=np.asarray(e["tokens"], dtype=np.int32).reshape(-1, k),
                    accepted=np.asarray(e["accepted"], dtype=np.int32),
-                   step_ms=np.asarray(e["step_ms"], dtype=np.float64))
+                   step_ms=np.asarray(e.get("step_ms", []), dtype=np.float64))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 encoded, and where each row of a K lives in which array.
 
 A golden is a zarr v3 group: ``prompt``, and per verify width a group ``k<K>`` holding the step log
-(``tokens``, ``accepted``, ``step_ms``; ``drafts`` for the drafter feed), every row's digest and
+(``tokens``, ``accepted``; ``drafts`` for the drafter feed), every row's digest and
 statistics (``digests``, ``stats``) and the row arrays (``prefill``, ``logits``; ``bootstrap_logits``,
 ``draft_logits`` for the drafter feed).
 
@@ -12,10 +12,18 @@ on real logits), and ``<name>.lo``, the rest of each value's bytes (mantissa: cl
 it is), shape ``[..., itemsize - 1]``. The value's little-endian bytes are ``lo`` then ``hi``. A chunk of
 either carries a CRC32C. Formats 1 to 3 stored a row array as one array of the storage dtype. This
 module leaves out I/O: `vd.store.write` and `vd.store.read` use it.
+
+Since format 5 what differs between two recordings of the same numbers (when and where it ran, each step's
+time, the model file's local path) is kept apart from what a review diffs: the root ``zarr.json`` holds
+only what the numbers depend on and the golden's history, a ``run`` group's ``zarr.json`` the rest
+(`split_volatile`, `join_volatile`), so re-recording unchanged logits leaves every file but ``run/``
+byte for byte as it was. Formats 1 to 4 kept them all in the root (and ``step_ms`` arrays in each K).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 
 import numpy as np
@@ -26,14 +34,16 @@ from vd.dtypes import DTYPES
 from vd.layout import RowLayout
 
 FORMAT = "vd-golden"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
+VOLATILE_SINCE = 5  # the first format keeping volatile facts in the ``run`` group
+RUN_GROUP = "run"
 PLANES_SINCE = 4  # the first format storing row arrays as byte planes
 DIGESTS_SINCE = 3  # the first format storing each row's digest and statistics
 # About how much of the prefill's raw rows one chunk holds. The prefill is written once and read only where
 # its rows differ; large chunks keep the last chunk's padding (stored whole, its low plane uncompressed) small.
 PREFILL_CHUNK_BYTES = 8 << 20
 
-STEP_LOG = ("tokens", "accepted", "step_ms")  # a K's step log arrays
+STEP_LOG = ("tokens", "accepted", "step_ms")  # a K's step log arrays (``step_ms`` before format 5)
 SUMMARY = ("digests", "stats")  # a K's per-row digests and statistics
 ROW_ARRAYS = {"prefill": ("prefill",), "verify": ("logits",), "draft": ("bootstrap_logits", "draft_logits")}
 
@@ -162,3 +172,66 @@ def logits_meta(logical: str) -> dict:
 def stored_rows(meta: Mapping) -> bool:
     """Whether a golden with this metadata stores its rows (a slim golden does not)."""
     return (meta.get("rows") or {}).get("stored", True) is not False
+
+
+def step_log_arrays(version: int) -> tuple[str, ...]:
+    """The step log arrays a K group of this format version holds."""
+    return STEP_LOG if version < VOLATILE_SINCE else STEP_LOG[:2]
+
+
+_VOLATILE_ENV = ("host", "time")
+
+
+def split_volatile(meta: Mapping) -> tuple[dict, dict]:
+    """A golden's metadata as (what the root ``zarr.json`` keeps, what the ``run`` group keeps): the time it
+    was made, the host, each step's milliseconds and the model file's local path go to the second."""
+    stable = dict(meta)
+    env = dict(stable.get("environment") or {})
+    model = dict(stable.get("model") or {})
+    details = dict(model.get("details") or {})
+    logs = {k: dict(e) for k, e in (stable.get("logs") or {}).items()}
+    volatile = {"created": stable.pop("created", None),
+                "environment": {key: env.pop(key, None) for key in _VOLATILE_ENV},
+                "model_source": details.pop("source", None),
+                "step_ms": {k: e.pop("step_ms", []) for k, e in logs.items()}}
+    if "environment" in stable:
+        stable["environment"] = env
+    if "model" in stable:
+        stable["model"] = {**model, "details": details}
+    if "logs" in stable:
+        stable["logs"] = logs
+    return stable, volatile
+
+
+def join_volatile(stable: Mapping, volatile: Mapping) -> dict:
+    """The inverse of `split_volatile`: the metadata as one mapping, as formats 1 to 4 stored it."""
+    meta = dict(stable)
+    meta["created"] = volatile.get("created")
+    if isinstance(meta.get("environment"), Mapping):
+        meta["environment"] = {**meta["environment"], **(volatile.get("environment") or {})}
+    source = volatile.get("model_source")
+    if source is not None and isinstance(meta.get("model"), Mapping):
+        meta["model"] = {**meta["model"], "details": {**(meta["model"].get("details") or {}), "source": source}}
+    step_ms = volatile.get("step_ms") or {}
+    if isinstance(meta.get("logs"), Mapping):
+        meta["logs"] = {k: {**e, "step_ms": step_ms.get(k, [])} if isinstance(e, Mapping) else e
+                        for k, e in meta["logs"].items()}
+    return meta
+
+
+def content_digest(meta: Mapping, digests: Mapping[int, np.ndarray]) -> str:
+    """What a golden's numbers are, as one ``sha256:`` digest: the model's and head's fingerprints, the prompt,
+    each K's steps (tokens, accept counts, bootstrap) and every row's digest (``digests`` by K). Where and
+    when it was recorded, how its rows are stored and whether it is slim do not enter it: a golden re-recorded
+    with unchanged logits, and its slim form, have the same content digest."""
+    logs = meta.get("logs") or {}
+    basis = {"model": (meta.get("model") or {}).get("fingerprint"), "head": (meta.get("mtp") or {}).get("fingerprint"),
+             "prompt": meta.get("prompt_tokens"), "dtype": (meta.get("logits") or {}).get("dtype"),
+             "vocab": meta.get("vocab_size"), "feed": meta.get("feed", "reference"), "steps": meta.get("steps"),
+             "logs": {k: {f: (logs.get(k) or {}).get(f) for f in ("tokens", "accepted", "bootstrap", "decoded")}
+                      for k in sorted(logs)}}
+    h = hashlib.sha256(json.dumps(basis, sort_keys=True).encode())
+    for k in sorted(digests):
+        h.update(f"k{k}".encode())
+        h.update(np.ascontiguousarray(digests[k], dtype="<i8").tobytes())
+    return f"sha256:{h.hexdigest()}"

@@ -68,7 +68,7 @@ class Prefetcher:
             weights(golden.meta["digest"]["words"], device)  # tens of ms the first time in a process
 
     def _plan(self, k: int) -> list[_Unit]:
-        names = [*F.STEP_LOG, *F.SUMMARY]
+        names = [*F.step_log_arrays(self.golden.info.version), *F.SUMMARY]
         return ([_Unit("read", k, lambda n=n: self._read(k, n)) for n in names]
                 + [_Unit("read", k, self.golden.stored_prompt), _Unit("check", k, lambda: self._check(k)),
                    _Unit("side", k, lambda: self._side(k))])

@@ -117,6 +117,17 @@ class Golden:
     def slim(self) -> bool:
         return not self.info.rows_stored
 
+    @property
+    def history(self) -> list:
+        """The golden's history entries, oldest first (`vd.store.history`; empty before format 5)."""
+        h = self.meta.get("history")
+        return list(h) if isinstance(h, list) else []
+
+    def content_digest(self) -> str:
+        """What the golden's numbers are, as one digest (`vd.store.format.content_digest`), computed from its
+        step logs and row digests."""
+        return self._once("content", lambda: F.content_digest(self.meta, {k: self.summary(k)[0] for k in self.ks}))
+
     def where(self, k: int) -> str:
         return f"{self.url}/k{k}"
 
@@ -158,6 +169,9 @@ class Golden:
         """K's step log from its group's attributes and step log arrays, checked against the metadata's copy,
         the prompt and the accept counts' range."""
         attrs = self.k_attrs(k)
+        copy = self.meta_logs().get(k)
+        if "step_ms" not in arrays:  # format 5 keeps timings with the run's other volatile facts
+            arrays = {**arrays, "step_ms": np.zeros(0) if copy is None else copy.step_ms}
         log = StepLog(k=k, bootstrap=attrs.get("bootstrap", -1), decoded=attrs.get("decoded"),
                       committed_is_greedy=attrs.get("committed_is_greedy"), **{n: arrays[n] for n in F.STEP_LOG})
         if not isinstance(log.bootstrap, int) or not 0 <= log.bootstrap < self.info.vocab:
@@ -166,7 +180,6 @@ class Golden:
             raise GoldenCorruptError(f"{self.where(k)}/accepted: counts outside 0..{k - 1}")
         if ((log.tokens < 0) | (log.tokens >= self.info.vocab)).any():
             raise GoldenCorruptError(f"{self.where(k)}/tokens: token ids outside the vocabulary")
-        copy = self.meta_logs().get(k)
         if copy is not None and not copy.same_steps(log):
             raise GoldenCorruptError(f"{self.where(k)}: the step log in the metadata disagrees with the stored arrays")
         self.stored_prompt()
@@ -177,7 +190,8 @@ class Golden:
 
     def checked_log(self, k: int) -> StepLog:
         """K's step log as stored in its arrays, checked (`log_from`)."""
-        return self._once(("checked", k), lambda: self.log_from(k, {n: self.small(k, n) for n in F.STEP_LOG}))
+        names = F.step_log_arrays(self.info.version)
+        return self._once(("checked", k), lambda: self.log_from(k, {n: self.small(k, n) for n in names}))
 
     # -- digests, statistics and rows -----------------------------------------------------------------
     def summary(self, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -290,6 +304,20 @@ def meta_logs(meta: Mapping) -> dict[int, StepLog]:
     return out
 
 
+def _run_meta(location: Location, url: str) -> Mapping:
+    """The ``run`` group's volatile facts (format 5): empty where the group is absent."""
+    doc = location.get(f"{F.RUN_GROUP}/zarr.json")
+    if doc is None:
+        return {}
+    try:
+        run = (json.loads(doc).get("attributes") or {}).get("vd_run")
+        if not isinstance(run, Mapping):
+            raise ValueError("no vd_run attributes")
+    except (ValueError, AttributeError) as e:
+        raise GoldenCorruptError(f"{url}/{F.RUN_GROUP}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
+    return run
+
+
 def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike | None = None) -> Golden:
     """Open the golden at ``where`` (a directory, a ``.zip`` file or an ``s3://`` URL) and check its metadata;
     raise a `vd.errors.GoldenError` subclass naming what is wrong. Only the root ``zarr.json`` is read here.
@@ -315,6 +343,8 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
     if not isinstance(meta, Mapping) or meta.get("format") != F.FORMAT:
         raise NotAGoldenError(f"{url} is a zarr group but not a vd golden (no vd metadata)")
     info = check_meta(meta, url)
+    if info.version >= F.VOLATILE_SINCE:
+        meta = F.join_volatile(meta, _run_meta(location, url))
     tokens = meta.get("prompt_tokens")
     if isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         prompt = list(tokens)

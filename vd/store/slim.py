@@ -19,7 +19,8 @@ from vd.store.read import open_golden
 from vd.store.write import GoldenWriter
 
 # Metadata the writer makes anew for the slim golden.
-_MADE = ("complete", "format", "format_version", "created", "digest", "logs", "prompt_tokens", "rows", "logits")
+_MADE = ("complete", "format", "format_version", "created", "digest", "logs", "prompt_tokens", "rows", "logits",
+         "content_digest")
 
 
 def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = False) -> Location:
@@ -37,5 +38,5 @@ def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
         meta.update(logits=F.logits_meta(g.logical),
                     rows={"stored": False, "slim_of": {"golden": g.url, "created": g.meta.get("created"),
                                                        "format_version": g.info.version}})
-        w.publish(meta, g.prompt)
+        w.publish(meta, g.prompt, reason=f"slim form of {g.url}")
     return w.location

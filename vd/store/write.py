@@ -29,6 +29,7 @@ from vd.dtypes import to_storage, to_tensor
 from vd.errors import GoldenError, GoldenExistsError
 from vd.layout import RowLayout, StepLog
 from vd.store import format as F
+from vd.store import history
 from vd.store.chunks import chunk_key, encode_chunk
 from vd.store.location import Location, locate
 
@@ -111,6 +112,7 @@ class GoldenWriter:
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="vd-writer")
         self._futures = []
         self.logs: list[StepLog] = []
+        self.digests: dict[int, np.ndarray] = {}
         self.stored_rows = True
 
     def _submit(self, fn: Callable, *args) -> None:
@@ -152,9 +154,10 @@ class GoldenWriter:
         g = self.root.create_group(f"k{k}")
         for a in arrays:
             a.create(g)
-        for name in F.STEP_LOG:
+        for name in F.step_log_arrays(F.FORMAT_VERSION):
             _small(g, name, getattr(log, name))
         _small(g, "digests", summary[0])
+        self.digests[k] = summary[0]
         _small(g, "stats", summary[1])
         if drafts is not None:
             _small(g, "drafts", drafts)
@@ -169,9 +172,10 @@ class GoldenWriter:
         finally:
             self._futures = []
 
-    def publish(self, meta: Mapping, prompt: list[int]) -> None:
+    def publish(self, meta: Mapping, prompt: list[int], *, reason: str = "first recording") -> None:
         """Wait for everything queued, write the prompt and the metadata (``complete`` last), and put the
-        golden in place."""
+        golden in place. The metadata gets the golden's content digest and, unless ``meta`` brings a
+        ``history`` already (a slim form's, a refresh's), its first history entry, giving ``reason``."""
         try:
             self._drain()
             tokens = np.asarray(prompt, dtype=np.int32)
@@ -182,8 +186,13 @@ class GoldenWriter:
                         prompt_tokens=[int(t) for t in prompt], format=F.FORMAT, format_version=F.FORMAT_VERSION,
                         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
             full.setdefault("rows", {"stored": self.stored_rows})
-            self.root.attrs["vd"] = json.loads(json.dumps(full, default=str))
-            self.root.attrs["vd"] = {**self.root.attrs["vd"], "complete": True}  # set last
+            full["content_digest"] = F.content_digest(full, self.digests)
+            if not full.get("history"):
+                full["history"] = [history.entry(full, full["content_digest"], reason=reason)]
+            stable, volatile = F.split_volatile(json.loads(json.dumps(full, default=str)))
+            self.root.create_group(F.RUN_GROUP).attrs["vd_run"] = volatile
+            self.root.attrs["vd"] = stable
+            self.root.attrs["vd"] = {**stable, "complete": True}  # set last
             self.location.publish(self.staged, self.refresh)
         finally:
             self.abort()
