@@ -1,20 +1,30 @@
 """What a replay leaves behind besides its JSON: a first-divergence bundle, JUnit XML and an HTML page.
 
 * `write_bundle`: the golden's and the candidate's rows of the first failing step (``rows.npz``, storage
-  encoding: bf16 as uint16 bits), both environments, the failure, and ``command.sh``: the exact command
-  that replays only that K and forward, which fails the same way.
-* `write_junit`: one test case per K × forward (its reasons as the failure), plus one per K for the
-  golden's own checks (detection control, thin reference, coverage).
-* `write_html`: one self-contained page (inline SVG, no scripts, nothing fetched) with the verdict, the
-  policy and its sensitivity, and per K the largest difference per step for each forward, the accept
-  counts, and where in the vocabulary the differing elements sit.
+  encoding: bf16 as uint16 bits), both environments, the failure (with the step's tokens decoded where
+  the model could), and ``command.sh``: the exact command that replays only that K and forward, which
+  fails the same way.
+* `write_junit`, `write_suite_junit`: per golden one ``<testsuite>`` named ``vd.NAME``, a test case per
+  K × forward (its reasons as the failure) plus one per K for the golden's own checks (detection
+  control, thin reference, coverage), each of class ``vd.NAME.K2``, so several goldens stay apart in a
+  CI dashboard; a suite file holds one ``<testsuite>`` per golden.
+* `write_html`, `write_suite_html`: one self-contained page (inline SVG drawn by matplotlib, no scripts,
+  nothing fetched): the command, time and vd version, then per golden the verdict and its reasons, the
+  environment's differences, the next step, the policy and its sensitivity, and per K each forward's
+  largest difference per step on axes of its own with failing steps marked, the detection control on
+  its own axes, the golden's accept counts and where in the vocabulary the differing elements sit.
+
+matplotlib is imported only when a page is drawn, so the command line starts without it.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import html
+import io
 import json
 import math
+import re
 import shlex
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
@@ -22,7 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from vd.replayer.report import Report
+from vd import __version__
+from vd.compare import Comparison
+from vd.replayer.report import Control, Judged, KResult, Report, golden_name
+
+# One golden of a suite: its name, and its report or the error that kept it from being replayed.
+Entry = tuple[str, Report | None, str | None]
 
 # -- bundle --------------------------------------------------------------------------------------------
 
@@ -56,6 +71,8 @@ def write_bundle(directory: Path, report: Report, args: Mapping) -> Path:
                "storage": "bfloat16 rows as uint16 bit patterns" if report.dtype == "bfloat16" else report.dtype,
                "policy": report.policy.to_json(), "golden": report.golden, "verdict": report.verdict,
                "reasons": [r.text for r in report.reasons]}
+    if rows.text is not None:
+        failure["text"] = rows.text
     (directory / "failure.json").write_text(json.dumps(failure, indent=2, default=str) + "\n")
     (directory / "environment.json").write_text(json.dumps(report.environment, indent=2, default=str) + "\n")
     cmd = reproduce_command(report, args, directory / "replay.json")
@@ -69,136 +86,370 @@ def write_bundle(directory: Path, report: Report, args: Mapping) -> Path:
 # -- JUnit -----------------------------------------------------------------------------------------------
 
 
-def write_junit(path: Path, report: Report) -> None:
-    """JUnit XML: a test case per K × forward, and per K one for the golden's control, thinness, coverage."""
-    suite = ET.Element("testsuite", name=f"vd replay {report.golden}")
-    cases = failures = 0
+def write_junit(path: Path, report: Report, name: str | None = None) -> None:
+    """JUnit XML of one replay: a ``<testsuite>`` named ``vd.NAME`` (``name`` defaults to the golden's
+    `golden_name`), its cases of class ``vd.NAME.K2`` and so on (see `junit_suite`)."""
+    suite = junit_suite(report, name or golden_name(report.golden))
+    _write_xml(path, suite)
 
-    def case(name: str, classname: str, seconds: float, reasons: list) -> None:
-        nonlocal cases, failures
-        c = ET.SubElement(suite, "testcase", classname=classname, name=name, time=f"{seconds:.3f}")
-        cases += 1
-        if reasons:
-            failures += 1
-            ET.SubElement(c, "failure", message=str(reasons[0])).text = "\n".join(map(str, reasons))
 
+def write_suite_junit(path: Path, entries: Sequence[Entry]) -> None:
+    """JUnit XML of several goldens, ``(name, report, error)`` each: one ``<testsuite>`` per golden in one
+    ``<testsuites>``; a golden whose replay errored is one test case with an ``<error>``."""
+    root = ET.Element("testsuites", name="vd replay")
+    for name, report, error in entries:
+        root.append(junit_suite(report, name) if report is not None else _junit_error(name, error))
+    for key in ("tests", "failures", "errors"):
+        root.set(key, str(sum(int(s.get(key)) for s in root)))
+    _write_xml(path, root)
+
+
+def _write_xml(path: Path, root: ET.Element) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def junit_suite(report: Report, name: str) -> ET.Element:
+    """One golden's ``<testsuite>``: its properties (golden, verdict, model, the SPEC that ran, the
+    environment's numerics differences, vd), a test case per K × forward and per K one for the golden's
+    own checks (control, thin, coverage)."""
+    suite = ET.Element("testsuite", name=f"vd.{name}", time=f"{report.seconds:.3f}")
+    props = ET.SubElement(suite, "properties")
+    env_diff = "; ".join(report.environment.get("numerics_differences") or []) or None
+    for key, value in (("golden", report.golden), ("verdict", report.verdict), ("model", report.model.get("spec")),
+                       ("replayed_with", report.model.get("replayed_with")), ("replayed_spec", report.replayed_spec),
+                       ("environment_differences", env_diff), ("vd", __version__)):
+        if value is not None:
+            ET.SubElement(props, "property", name=key, value=str(value))
     for v in report.verify:
+        classname = f"vd.{name}.K{v.k}"
         for j in v.comparisons:
             ms = sum(sum(t.step_ms) for t in v.timings if t.variant == j.comparison.variant)
-            case(f"K={v.k} {j.comparison.variant}", f"vd.K{v.k}", ms / 1e3, list(j.reasons))
-        case(f"K={v.k} golden checks (control, thin, coverage)", f"vd.K{v.k}", 0.0,
-             report.reasons_of(("control", "thin", "coverage"), v.k))
-    suite.set("tests", str(cases))
-    suite.set("failures", str(failures))
-    suite.set("errors", "0")
-    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+            _junit_case(suite, f"K={v.k} {j.comparison.variant}", classname, ms / 1e3, list(j.reasons))
+        _junit_case(suite, f"K={v.k} golden checks (control, thin, coverage)", classname, 0.0,
+                    report.reasons_of(("control", "thin", "coverage"), v.k))
+    _tally(suite)
+    return suite
 
 
-# -- HTML ------------------------------------------------------------------------------------------------
-
-_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
-
-
-def _svg(width: int, height: int, body: str, title: str) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" role="img"><title>{html.escape(title)}</title>'
-            f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff" stroke="#ccc"/>{body}</svg>')
+def _junit_case(suite: ET.Element, name: str, classname: str, seconds: float, reasons: list) -> None:
+    case = ET.SubElement(suite, "testcase", classname=classname, name=name, time=f"{seconds:.3f}")
+    if reasons:
+        ET.SubElement(case, "failure", message=str(reasons[0])).text = "\n".join(map(str, reasons))
 
 
-def _line_chart(series: Mapping[str, Sequence[float]], title: str, ylabel: str) -> str:
-    """Per-step values per forward on a log10(1 + x) scale (zero stays at the axis)."""
-    w, h, left, r, t, b = 560, 220, 56, 150, 24, 32
-    n = max((len(s) for s in series.values()), default=0)
-    vals = [math.log10(1 + x) if math.isfinite(x) else None for s in series.values() for x in s]
-    top = max([x for x in vals if x is not None] + [math.log10(2)])
-    parts = [f'<text x="{left}" y="16" font-size="12">{html.escape(title)}</text>',
-             f'<line x1="{left}" y1="{h - b}" x2="{w - r}" y2="{h - b}" stroke="#000"/>',
-             f'<line x1="{left}" y1="{t}" x2="{left}" y2="{h - b}" stroke="#000"/>',
-             f'<text x="4" y="{t + 10}" font-size="10">{10 ** top - 1:.3g}</text>',
-             f'<text x="4" y="{h - b}" font-size="10">0</text>',
-             f'<text x="{left}" y="{h - 8}" font-size="10">step 0 .. {max(n - 1, 0)} ({html.escape(ylabel)})</text>']
-
-    def xy(i, y):
-        x = left + (w - left - r) * (i / max(n - 1, 1))
-        return x, h - b - (h - b - t) * (y / top)
-
-    for j, (name, s) in enumerate(series.items()):
-        color = _COLORS[j % len(_COLORS)]
-        pts = [xy(i, math.log10(1 + x) if math.isfinite(x) else top) for i, x in enumerate(s)]
-        if pts:
-            d = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(pts))
-            parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="2"/>')
-            parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>' for x, y in pts]
-        parts.append(f'<rect x="{w - r + 10}" y="{t + 16 * j}" width="10" height="10" fill="{color}"/>'
-                     f'<text x="{w - r + 24}" y="{t + 16 * j + 9}" font-size="11">{html.escape(name)}</text>')
-    return _svg(w, h, "".join(parts), title)
+def _junit_error(name: str, error: str | None) -> ET.Element:
+    suite = ET.Element("testsuite", name=f"vd.{name}", time="0.000")
+    case = ET.SubElement(suite, "testcase", classname=f"vd.{name}", name="replay", time="0.000")
+    text = error or "the replay did not complete"
+    ET.SubElement(case, "error", message=text.strip().splitlines()[0] if text.strip() else text).text = text
+    _tally(suite)
+    return suite
 
 
-def _bar_chart(values: Sequence[float], title: str, xlabel: str, color: str = "#1f77b4") -> str:
-    w, h, left, t, b = 560, 160, 40, 24, 30
-    top = max(list(values) + [1])
-    bw = (w - left - 10) / max(len(values), 1)
-    parts = [f'<text x="{left}" y="16" font-size="12">{html.escape(title)}</text>',
-             f'<line x1="{left}" y1="{h - b}" x2="{w - 10}" y2="{h - b}" stroke="#000"/>',
-             f'<text x="4" y="{t + 10}" font-size="10">{top:g}</text>',
-             f'<text x="{left}" y="{h - 8}" font-size="10">{html.escape(xlabel)}</text>']
-    for i, val in enumerate(values):
-        bh = (h - b - t) * (val / top)
-        parts.append(f'<rect x="{left + i * bw + 1:.1f}" y="{h - b - bh:.1f}" width="{max(bw - 2, 1):.1f}" '
-                     f'height="{bh:.1f}" fill="{color}"><title>{i}: {val:g}</title></rect>')
-    return _svg(w, h, "".join(parts), title)
+def _tally(suite: ET.Element) -> None:
+    cases = suite.findall("testcase")
+    suite.set("tests", str(len(cases)))
+    suite.set("failures", str(sum(c.find("failure") is not None for c in cases)))
+    suite.set("errors", str(sum(c.find("error") is not None for c in cases)))
 
 
-def write_html(path: Path, typed: Report) -> None:
-    """One offline page: verdict, reasons, policy and sensitivity, and per K the plots and a table."""
-    report = typed.to_json()
-    e = html.escape
-    verdict = report["verdict"]
-    out = ["<!DOCTYPE html><html><head><meta charset='utf-8'>",
-           f"<title>vd replay {e(report['golden'])}: {verdict}</title>",
-           "<style>body{font-family:sans-serif;margin:24px;max-width:1200px}h1 span.PASS{color:#2a2}"
-           "h1 span.FAIL{color:#c22}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 6px;"
-           "font-size:13px}.plots{display:flex;flex-wrap:wrap;gap:12px}</style></head><body>",
-           f"<h1>vd replay: <span class='{verdict}'>{verdict}</span></h1>",
-           f"<p>golden <code>{e(report['golden'])}</code>; model {e(report['model']['name'])}; feed "
-           f"{e(report['feed'])}; {report['steps']} steps; dtype {e(report['dtype'])}; "
-           f"graphs {e(report['graphs'])}</p>"]
-    if report["reasons"]:
-        out.append("<h2>Reasons</h2><ul>" + "".join(f"<li>{e(r)}</li>" for r in report["reasons"]) + "</ul>")
-    out.append("<h2>Policy</h2><table><tr><th>rows</th><th>policy</th><th>smallest change it is guaranteed to "
-               "catch</th></tr>")
-    for kind, s in report["sensitivity"].items():
-        out.append(f"<tr><td>{e(kind)}</td><td>{e(s['policy'])}</td><td>{e(s['catches'])}</td></tr>")
-    out.append("</table>")
-    for v in report["verify"]:
-        k = v["k"]
-        out.append(f"<h2>K = {k}</h2><div class='plots'>")
-        series = {c["variant"]: [p["max_abs"] for p in c["per_step"]] for c in v["comparisons"]}
-        if v.get("detection_control"):
-            dc = v["detection_control"]
-            series[dc["variant"]] = [p["max_abs"] for p in dc["per_step"]]
-        out.append(_line_chart(series, f"K={k}: largest |Δ logit| per step", "log scale"))
-        out.append(_bar_chart(v["accepted"], f"K={k}: drafts accepted per step (golden)", "step", "#2ca02c"))
-        counts = [0] * len(v["comparisons"][0]["positions"]["counts"]) if v["comparisons"] else []
-        for c in v["comparisons"]:
-            counts = [a + b for a, b in zip(counts, c["positions"]["counts"])]
-        vocab = v["comparisons"][0]["positions"]["vocab"] if v["comparisons"] else 0
-        out.append(_bar_chart(counts, f"K={k}: where the differing elements sit (vocabulary index, "
-                              f"{len(counts)} bins over {vocab})", "vocabulary index →", "#d62728"))
-        out.append("</div><table><tr><th>forward</th><th>verdict</th><th>rows differ</th><th>rows fail</th>"
-                   "<th>argmax flips</th><th>max |Δ|</th><th>max ULP</th><th>max KL</th><th>first failure</th></tr>")
-        for c in v["comparisons"]:
-            sm = c["summary"]
-            tot = {key: sum(s[key] for s in sm.values()) for key in ("rows_differ", "rows_failed", "argmax_flips")}
-            mx = {key: max(s[key] for s in sm.values()) for key in ("max_abs", "max_ulp", "max_kl")}
-            ff = c["first_failure"]
-            where = "" if ff is None or ff["step"] is None else f" step {ff['step']}"
-            first = "-" if ff is None else f"{ff['kind']}{where} row {ff['row']} index {ff['index']}"
-            out.append(f"<tr><td>{e(c['variant'])}</td><td>{'pass' if c['passed'] else 'FAIL'}</td>"
-                       f"<td>{tot['rows_differ']}</td><td>{tot['rows_failed']}</td><td>{tot['argmax_flips']}</td>"
-                       f"<td>{mx['max_abs']:.4g}</td><td>{mx['max_ulp']:.0f}</td><td>{mx['max_kl']:.3g}</td>"
-                       f"<td>{e(first)}</td></tr>")
-        out.append("</table>")
-        out.append(f"<p>coverage (steps accepting 0..{k - 1} drafts): {v['coverage']['accepted_counts']}</p>")
-    out.append("</body></html>")
-    Path(path).write_text("\n".join(out) + "\n", encoding="utf-8")
+# -- HTML: plots -----------------------------------------------------------------------------------------
+
+_RED, _GREEN, _GREY = "#d62728", "#2ca02c", "#555555"
+_COLORS = ["#1f77b4", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
+_SVG_IDS = re.compile(r'(?<= id=")|(?<=href="#)|(?<=url\(#)')  # where an SVG id or a reference to one starts
+_STYLE = {"font.size": 8, "axes.titlesize": 9, "axes.spines.top": False, "axes.spines.right": False,
+          "svg.fonttype": "none"}  # text stays text: searchable, and a fraction of the bytes
+
+
+class _Plots:
+    """Draws one page's figures as inline SVG, under vd's style while open (a context manager). Figures sit
+    on the Agg canvas and never touch pyplot, so no GUI backend or global state is involved. Every id inside
+    a figure's SVG is prefixed with the figure's own id, so a page's SVGs share none, and ids are hashed
+    with a fixed salt, so the same report draws the same bytes."""
+
+    def __enter__(self) -> _Plots:
+        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        self._rc, self._figure, self._canvas = matplotlib.rc_context, Figure, FigureCanvasAgg
+        self._style = self._rc({**_STYLE, "svg.hashsalt": "vd"})
+        self._style.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._style.__exit__(*exc)
+
+    def new(self, ncols: int = 1, width: float = 6.0):
+        """A figure and its axes (one row of ``ncols``), with fixed margins: a layout engine would measure
+        every label of every figure and take most of a page's drawing time."""
+        fig = self._figure(figsize=(width, 2.5))
+        self._canvas(fig)
+        fig.subplots_adjust(left=0.65 / width, right=0.98, bottom=0.17, top=0.89, wspace=0.25)
+        return fig, fig.subplots(1, ncols)
+
+    def svg(self, fig, fid: str) -> str:
+        """The figure as an ``<svg>`` element to inline (no XML prologue), its ids and the references to
+        them prefixed with ``fid-``."""
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+        text = buf.getvalue()
+        return _SVG_IDS.sub(f"{fid}-", text[text.index("<svg"):])
+
+
+def _step_plot(plots: _Plots, fid: str, title: str, c: Comparison, color: str, marked: str,
+               changed: int | None = None) -> tuple[str, float]:
+    """One forward's largest |Δ logit| per verify step on a linear axis of its own, the steps in
+    ``c.failed_step_list`` marked in red (labelled ``marked``); the SVG and the axis' top."""
+    fig, ax = plots.new()
+    per = {p["step"]: p for p in c.per_step}
+    steps = sorted(per)
+    ys = [per[s]["max_abs"] for s in steps]
+    ax.plot(steps, ys, marker="o", ms=3, lw=1.5, color=color, label="verify rows")
+    drafts = [per[s]["draft_max_abs"] for s in steps if "draft_max_abs" in per[s]]
+    if drafts:  # a drafter golden: the head's draft rows too
+        ax.plot(steps, drafts, marker="s", ms=3, lw=1, ls="--", color=color, alpha=0.6, label="draft rows")
+    failed = set(c.failed_step_list)
+    bad = [s for s in steps if s in failed]
+    for s in bad:
+        ax.axvspan(s - 0.4, s + 0.4, color=_RED, alpha=0.12, lw=0)
+    if bad:  # on the value where it is known, else on the axis: a failure is shown whatever its size
+        ax.plot(bad, [y if math.isfinite(y) else 0.0 for y in (per[s]["max_abs"] for s in bad)], ls="none",
+                marker="o", ms=9, mfc="none", mec=_RED, mew=2, gid="failing", label=marked)
+    if changed is not None:
+        ax.axvline(changed, ls=":", lw=1.5, color="black", label=f"draft changed (step {changed})")
+    top = max((y for y in ys + drafts if math.isfinite(y)), default=0.0)
+    top = top * 1.15 if top > 0 else 1.0
+    ax.set_ylim(0.0, top)
+    ax.set_xlim(-0.5, max(len(steps) - 0.5, 0.5))
+    ax.set_xticks(steps[::max(1, len(steps) // 16)])
+    ax.set(title=title, xlabel="verify step", ylabel="largest |Δ logit| (linear scale)")
+    if len(ax.get_lines()) > 1:
+        ax.legend(loc="best", fontsize=7, frameon=False)
+    return plots.svg(fig, fid), top
+
+
+def _golden_plot(plots: _Plots, fid: str, v: KResult) -> str:
+    """The golden's accept counts per step beside where the forwards' differing elements sit."""
+    fig, (left, right) = plots.new(ncols=2, width=9.0)
+    left.bar(range(len(v.accepted)), v.accepted, color=_GREEN)
+    left.set(title=f"K={v.k}: drafts accepted per step (golden)", xlabel="verify step", ylabel="drafts accepted",
+             ylim=(0, max(v.k - 1, 1) + 0.3), yticks=range(v.k))
+    positions = [j.comparison.positions for j in v.comparisons if j.comparison.positions]
+    counts = np.sum([p["counts"] for p in positions], axis=0) if positions else np.zeros(0)
+    vocab = positions[0]["vocab"] if positions else 0
+    right.stairs(counts, np.linspace(0, vocab, len(counts) + 1), fill=True, color=_RED)
+    right.set(title=f"K={v.k}: where the differing elements sit (every forward)", xlabel="vocabulary index",
+              ylabel="differing elements (linear scale)", xlim=(0, max(vocab, 1)))
+    if not counts.any():
+        right.set_ylim(0, 1)
+    return plots.svg(fig, fid)
+
+
+# -- HTML: the page --------------------------------------------------------------------------------------
+
+_CSS = ("body{font-family:sans-serif;margin:24px;max-width:1250px}.PASS{color:#2a2}.FAIL,.ERROR{color:#c22}"
+        "table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;"
+        "text-align:left;vertical-align:top}.plots{display:flex;flex-wrap:wrap;gap:12px}"
+        "figure{margin:0;border:1px solid #ddd;padding:4px}figure.failing{border-color:#c22}"
+        "figcaption{font-size:13px;max-width:600px}"
+        ".next{background:#f6f6f6;padding:6px 12px;border-left:4px solid #888}"
+        "pre{white-space:pre-wrap}svg{display:block}")
+
+
+def write_html(path: Path, report: Report, command: str | Sequence[str] | None = None) -> None:
+    """One offline page for one replay: the header (``command``, the replay's time, vd's version) and the
+    golden's section (see the module's docstring)."""
+    name = golden_name(report.golden)
+    replayed = (report.environment.get("replayed") or {}).get("time")
+    with _Plots() as plots:
+        body = [f"<h1>vd replay: <span class='{report.verdict}'>{report.verdict}</span></h1>",
+                _header(command, "replayed at", replayed or _now()), _section(plots, name, report)]
+    _write_page(path, f"vd replay {name}: {report.verdict}", body)
+
+
+def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequence[str] | None = None) -> None:
+    """One offline page for several goldens, ``(name, report, error)`` each: the header, a table of their
+    verdicts, then a section per golden (`write_html`'s), or its error where its replay did not complete."""
+    verdict = "PASS" if all(r is not None and r.verdict == "PASS" for _, r, _ in entries) else "FAIL"
+    rows = []
+    for name, report, error in entries:
+        what = report.verdict if report is not None else "ERROR"
+        first = (error or "").strip().splitlines()[:1] if report is None else [str(r) for r in report.reasons[:1]]
+        rows.append(f"<tr><td><a href='#golden-{_slug(name)}'>{html.escape(name)}</a></td>"
+                    f"<td class='{what}'>{what}</td><td>{html.escape(first[0] if first else '')}</td></tr>")
+    with _Plots() as plots:
+        body = [f"<h1>vd replay: {len(entries)} goldens, <span class='{verdict}'>{verdict}</span></h1>",
+                _header(command, "written at", _now()),
+                "<table><tr><th>golden</th><th>verdict</th><th>first reason</th></tr>" + "".join(rows) + "</table>"]
+        body += [_section(plots, name, report) if report is not None else _error_section(name, error)
+                 for name, report, error in entries]
+    _write_page(path, f"vd replay: {len(entries)} goldens, {verdict}", body)
+
+
+def _write_page(path: Path, title: str, body: list[str]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}"
+                          f"</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n",
+                          encoding="utf-8")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]+", "-", text).strip("-") or "x"
+
+
+def _header(command: str | Sequence[str] | None, label: str, when: str) -> str:
+    """What ran, when (``label``: what the time is of), under which vd."""
+    cmd = "(not given)" if command is None else command if isinstance(command, str) else shlex.join(command)
+    return ("<table class='header'>" f"<tr><th>command</th><td><code>{html.escape(cmd)}</code></td></tr>"
+            f"<tr><th>{label}</th><td>{html.escape(when)}</td></tr>"
+            f"<tr><th>vd version</th><td>{html.escape(__version__)}</td></tr></table>")
+
+
+def _error_section(name: str, error: str | None) -> str:
+    return (f"<section id='golden-{_slug(name)}'><h2>{html.escape(name)}: <span class='ERROR'>ERROR</span></h2>"
+            f"<p>The replay did not complete:</p><pre>{html.escape(error or 'no error text')}</pre></section>")
+
+
+def _section(plots: _Plots, name: str, report: Report) -> str:
+    """One golden's verdict, facts, reasons, environment differences, next step, policy and plots per K."""
+    e, v = html.escape, report.verdict
+    out = [f"<section id='golden-{_slug(name)}'><h2>{e(name)}: <span class='{v}'>{v}</span></h2>", _facts(report)]
+    if report.reasons:
+        out.append("<h3>Reasons</h3><ul>" + "".join(f"<li>{e(str(r))}</li>" for r in report.reasons) + "</ul>")
+    diffs = report.environment.get("numerics_differences") or []
+    out.append("<div class='env'><b>Environment differences</b> (recorded → replayed): "
+               + ("none" if not diffs else "<ul>" + "".join(f"<li>{e(d)}</li>" for d in diffs) + "</ul>") + "</div>")
+    out.append(_next_step(report, name))
+    out.append("<h3>Policy</h3><table><tr><th>rows</th><th>policy</th><th>smallest change it is guaranteed to "
+               "catch</th></tr>" + "".join(f"<tr><td>{e(kind)}</td><td>{e(s['policy'])}</td><td>{e(s['catches'])}"
+                                           "</td></tr>" for kind, s in report.sensitivity.items()) + "</table>")
+    out += [_k_block(plots, f"{_slug(name)}-k{k.k}", k) for k in report.verify]
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def _facts(report: Report) -> str:
+    """The golden, the model (and the SPEC that ran, where it is not the golden's) and the run's settings."""
+    m, recorded = report.model, (report.environment.get("recorded") or {}).get("time")
+    facts = [("golden", report.golden), ("recorded at", recorded), ("model", f"{m.get('name')} ({m.get('spec')})"),
+             ("replayed with", m.get("replayed_with")), ("replayed spec", report.replayed_spec),
+             ("feed", f"{report.feed}{' (MTP draft head)' if report.mtp else ''}"), ("steps", report.steps),
+             ("dtype", report.dtype), ("golden's forward", report.golden_forward),
+             ("forwards replayed", ", ".join(str(x["name"]) for x in report.variants)), ("graphs", report.graphs),
+             ("rows", "slim golden" if report.rows.get("slim") else "full golden"),
+             ("notes", "; ".join(report.notes) or None)]
+    return "<table>" + "".join(f"<tr><th>{k}</th><td>{html.escape(str(x))}</td></tr>" for k, x in facts
+                               if x is not None) + "</table>"
+
+
+def _next_step(report: Report, name: str) -> str:
+    """What to do about the verdict: nothing on a PASS; on a FAIL how to look at the first divergence and
+    how to accept the change, and what the golden's own failures or a changed environment call for."""
+    if report.verdict == "PASS":
+        return ("<p class='next'><b>Next step:</b> nothing needed: every forward matches the golden under its "
+                "policy, and the golden's own checks passed.</p>")
+    e, items, rows = html.escape, [], report.failure_rows
+    # failure_rows may be the control's (which always fails); a forward's failure is what to look at
+    if rows is not None and any(r.variant == rows.forward for r in report.reasons_of(("rows", "draft"))):
+        cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec}, Path("replay.json")))
+        tokens = "" if rows.tokens is None else f"; the step verified tokens {rows.tokens}" + (
+            "" if rows.text is None else f" ({rows.text!r})")
+        items.append(f"Look at the first divergence (K={rows.k}, {e(rows.forward)}, {e(_where(rows.first_failure))}"
+                     f"{e(tokens)}): <code>{e(cmd)}</code> replays just that and writes its first-divergence bundle "
+                     "to <code>replay.json.bundle/</code> (both rows in <code>rows.npz</code>, "
+                     "<code>failure.json</code>, <code>command.sh</code>).")
+    if report.reasons_of(("rows", "draft")):
+        items.append(f"If the change is intended, accept it: <code>vd refresh {e(shlex.quote(name))} --reason TEXT"
+                     f"</code>, or record the golden again on the trusted build: <code>vd record "
+                     f"{e(shlex.quote(report.golden))} --refresh</code>.")
+    if report.reasons_of(("control", "thin", "coverage")):
+        items.append("The golden's own checks failed (see the reasons): a blind control means the policy is too "
+                     "loose to see a changed draft; a thin or uncovered golden needs recording again with more "
+                     "steps (<code>vd record GOLDEN --refresh --steps N</code>).")
+    if report.reasons_of(("environment",)):
+        items.append("The environment differs from the recording's (above): replay on a machine like the "
+                     "recording's to tell a change in the code from a change of machine.")
+    return "<div class='next'><b>Next step</b><ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul></div>"
+
+
+def _where(f: Mapping) -> str:
+    """Where a first failure sits, in words."""
+    kind = f.get("kind", "verify")
+    if f.get("step") is None:
+        place = "prefill" if kind == "prefill" else "draft bootstrap"
+    else:
+        place = f"{kind} step {f['step']}"
+    row = "" if f.get("row") is None else f" row {f['row']}"
+    index = "" if f.get("index") is None else f" index {f['index']}"
+    return f"{place}{row}{index}"
+
+
+def _k_block(plots: _Plots, kid: str, v: KResult) -> str:
+    """One K: each forward's plot, the control's, the golden's accepts and positions, and the table."""
+    out = [f"<h3>K = {v.k}</h3><div class='plots'>"]
+    for i, j in enumerate(v.comparisons):
+        out.append(_forward_figure(plots, f"{kid}-{_slug(j.comparison.variant)}", v.k, j, _COLORS[i % len(_COLORS)]))
+    if v.control is not None:
+        out.append(_control_figure(plots, f"{kid}-control", v.k, v.control))
+    out.append(f"<figure id='{kid}-golden'>{_golden_plot(plots, f'{kid}-golden', v)}</figure></div>")
+    out.append(_k_table(v))
+    out.append(f"<p>coverage (steps accepting 0..{v.k - 1} drafts): {v.histogram}</p>")
+    return "\n".join(out)
+
+
+def _figure(fid: str, svg: str, top: float, caption: str, failing: bool, kind: str) -> str:
+    cls = f"{kind} failing" if failing else kind
+    return (f"<figure id='{fid}' class='{cls}' data-ymax='{top:.6g}'>{svg}"
+            f"<figcaption>{caption}</figcaption></figure>")
+
+
+def _forward_figure(plots: _Plots, fid: str, k: int, j: Judged, color: str) -> str:
+    c = j.comparison
+    svg, top = _step_plot(plots, fid, f"K={k} {c.variant}: largest |Δ logit| per step", c, color, "fails the policy")
+    failed = c.failed_step_list
+    if failed:
+        caption = (f"<b class='FAIL'>FAILS</b> at step{'s' if len(failed) > 1 else ''} "
+                   f"{', '.join(map(str, failed))} ({len(failed)} of {c.steps}), marked in red; first failure: "
+                   f"{html.escape(_where(c.first_failure) if c.first_failure else 'a changed accept count')}")
+    elif c.equal:
+        caption = "equal to the golden bit for bit at every step"
+    else:
+        caption = f"passes its policy ({html.escape(', '.join(sorted(set(c.policy.values()))))}) where rows differ"
+    if not c.measured:
+        caption += ("; the golden is slim, so |Δ| is unknown where rows differ (name the full golden with --rows "
+                    "to measure them)")
+    return _figure(fid, svg, top, f"{html.escape(c.variant)}: {caption}", bool(failed), "forward")
+
+
+def _control_figure(plots: _Plots, fid: str, k: int, control: Control) -> str:
+    c, at = control.comparison, control.changed_step
+    svg, top = _step_plot(plots, fid, f"K={k} detection control ({c.variant})", c, _GREY, "fails the policy",
+                          changed=at)
+    verdict = ("fired: it fails at that step, as it must" if control.fired
+               else "<b class='FAIL'>BLIND</b>: no failure at that step, so this policy cannot see such a change")
+    caption = (f"detection control, drawn apart from the forwards on its own axes: the last draft of step {at} "
+               f"changed; {verdict}")
+    return _figure(fid, svg, top, caption, not control.fired, "control")
+
+
+def _k_table(v: KResult) -> str:
+    """Each forward's figures at one K: rows that differ, fail and flip, the largest differences."""
+    out = ["<table><tr><th>forward</th><th>verdict</th><th>rows differ</th><th>rows fail</th><th>argmax flips</th>"
+           "<th>max |Δ|</th><th>max ULP</th><th>max KL</th><th>first failure</th></tr>"]
+    for j in v.comparisons:
+        c = j.comparison
+        tot = {key: sum(s[key] for s in c.summary.values()) for key in ("rows_differ", "rows_failed", "argmax_flips")}
+        mx = {key: max(s[key] for s in c.summary.values()) for key in ("max_abs", "max_ulp", "max_kl")}
+        first = "-" if c.first_failure is None else _where(c.first_failure)
+        out.append(f"<tr><td>{html.escape(c.variant)}</td><td>{'pass' if c.passed else 'FAIL'}</td>"
+                   f"<td>{tot['rows_differ']}</td><td>{tot['rows_failed']}</td><td>{tot['argmax_flips']}</td>"
+                   f"<td>{mx['max_abs']:.4g}</td><td>{mx['max_ulp']:.0f}</td><td>{mx['max_kl']:.3g}</td>"
+                   f"<td>{html.escape(first)}</td></tr>")
+    return "".join(out) + "</table>"

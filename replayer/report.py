@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 
 import numpy as np
 
@@ -21,6 +22,12 @@ from vd.coverage import histogram
 from vd.policy import Policy
 
 REPORT_VERSION = 1
+
+
+def golden_name(golden: str) -> str:
+    """A golden's short name: its path's or URL's last part without the extension (``smollm2`` for
+    ``s3://bucket/goldens/smollm2.zarr``), as JUnit class names and the HTML page use it."""
+    return PurePosixPath(golden.rstrip("/")).stem or golden
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +106,8 @@ class KResult:
 @dataclass(frozen=True, slots=True)
 class FailureRows:
     """The golden's and the candidate's rows of the first failing step, as stored (a first-divergence
-    bundle's ``rows.npz``); ``golden`` is None for a slim golden replayed without its rows."""
+    bundle's ``rows.npz``); ``golden`` is None for a slim golden replayed without its rows; ``text`` is
+    the step's tokens decoded, where the model can decode (`vd.protocol.TokenDecoder`)."""
 
     k: int
     forward: str
@@ -109,11 +117,17 @@ class FailureRows:
     candidate: np.ndarray
     tokens: list[int] | None
     first_failure: dict
+    text: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """A replay's verdict and everything behind it (see the module's docstring)."""
+    """A replay's verdict and everything behind it (see the module's docstring).
+
+    ``model`` holds the golden's ``spec``, ``name`` and ``fingerprint``, the identity it was
+    ``replayed_with`` and ``replayed_spec``: the model SPEC that ran when it was not the golden's own (a
+    plug-in wrapping the golden's model, say), else None.
+    """
 
     golden: str
     model: dict
@@ -143,11 +157,17 @@ class Report:
     def verdict(self) -> str:
         return "FAIL" if self.reasons else "PASS"
 
+    @property
+    def replayed_spec(self) -> str | None:
+        """The model SPEC that ran, where it is not the golden's own (see ``model``)."""
+        return self.model.get("replayed_spec")
+
     def reasons_of(self, what: Sequence[str], k: int | None = None) -> list[Reason]:
         return [r for r in self.reasons if r.what in what and (k is None or r.k == k)]
 
     def to_json(self) -> dict:
-        return {"report_version": REPORT_VERSION, "golden": self.golden, "model": self.model, "graphs": self.graphs,
+        return {"report_version": REPORT_VERSION, "golden": self.golden,
+                "model": {**self.model, "replayed_spec": self.replayed_spec}, "graphs": self.graphs,
                 "mtp": self.mtp, "head": self.head,
                 "warmup": False,  # a process's first propose equals every later one: no discarded warm-up run
                 "feed": self.feed, "steps": self.steps, "dtype": self.dtype, "variants": list(self.variants),

@@ -1,7 +1,9 @@
-"""What a replay leaves besides its JSON: the first-divergence bundle and its command, JUnit XML, and an
-offline HTML page rendered in a real headless browser."""
+"""What a replay leaves besides its JSON: the first-divergence bundle and its command, JUnit XML (one
+golden and a suite), and offline HTML pages, read as text and rendered in a real headless browser."""
 
+import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -10,7 +12,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import vd
+from vd.replayer import ReplaySettings, render, replay
+
 PLUGINS = Path(__file__).parent / "plugins"
+PERTURB = f"{PLUGINS / 'perturb.py'}:factory"  # one ULP off in one element at step 3 of every K
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_golden):
+    """The session golden replayed through the one-ULP plug-in: FAIL at step 3 of each K."""
+    return replay(tiny_golden, ReplaySettings(model=PERTURB))
+
+
+@pytest.fixture(scope="module")
+def passing(tiny_golden):
+    return replay(tiny_golden)
+
+
+def _figure(page: str, fid: str) -> str:
+    """The ``<figure>`` element with id ``fid`` (figures do not nest)."""
+    found = re.findall(rf"<figure id='{re.escape(fid)}'.*?</figure>", page, flags=re.S)
+    assert len(found) == 1, f"{len(found)} figures with id {fid}"
+    return found[0]
+
+
+def _ymax(figure: str) -> float:
+    return float(re.search(r"data-ymax='([^']+)'", figure).group(1))
 
 
 def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path):
@@ -36,9 +64,10 @@ def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path):
     # JUnit: one case per K x forward and one per K for the golden's checks; the perturbed ones fail.
     suite = ET.parse(tmp_path / "j.xml").getroot()
     cases = suite.findall("testcase")
-    assert len(cases) == 6 and suite.get("failures") == "3"
+    assert len(cases) == 6 and suite.get("failures") == "3" and suite.get("name") == "vd.tiny"
     failed = [c.get("name") for c in cases if c.find("failure") is not None]
     assert failed == ["K=2 eager", "K=3 eager", "K=4 eager"]
+    assert [c.get("classname") for c in cases] == ["vd.tiny.K2"] * 2 + ["vd.tiny.K3"] * 2 + ["vd.tiny.K4"] * 2
 
 
 def test_junit_files_the_golden_checks_under_their_own_case(cli, tmp_path):
@@ -66,7 +95,8 @@ def test_a_slim_golden_bundle_has_the_candidate_rows_only(cli, tiny_golden, tmp_
 def test_html_report_renders_in_headless_chromium(cli, tiny_golden, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:
-        pytest.skip("Debian's chromium is not installed (tools/setup.sh installs it where it can)")
+        pytest.skip("no `chromium` binary on PATH, so the page cannot be rendered in a headless browser "
+                    "(install Debian's chromium to run this check)")
     page = tmp_path / "r.html"
     code, out, err = cli("replay", tiny_golden, "--forward", "eager", "--forward", "sdpa", "--html", page)
     assert code == 1 and page.stat().st_size > 2000
@@ -75,10 +105,121 @@ def test_html_report_renders_in_headless_chromium(cli, tiny_golden, tmp_path):
              f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([chromium, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
                          timeout=120).stdout
-    assert "vd replay:" in dom and "FAIL" in dom
-    assert dom.count("<svg") == 9 and dom.count("<path") >= 9 and "K = 4" in dom  # 3 plots for each K
+    assert "vd replay:" in dom and "FAIL" in dom and f"<td>{vd.__version__}</td>" in dom
+    # per K: eager, sdpa and the control each on axes of their own, and the golden's accepts and positions
+    assert dom.count("<svg") == 12 and dom.count("<path") >= 12 and "K = 4" in dom
+    assert dom.count("class=\"forward failing\"") == 3 and "log scale" not in dom  # sdpa's; eager is the golden's
     shot = tmp_path / "shot.png"
     subprocess.run([chromium, *flags, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()],
                    capture_output=True, timeout=120)
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000  # a blank page is a few kB
+
+
+# -- JUnit ---------------------------------------------------------------------------------------------------
+
+
+def test_junit_names_the_golden_in_suite_and_class_names(perturbed, tmp_path):
+    render.write_junit(tmp_path / "a.xml", perturbed)
+    render.write_junit(tmp_path / "b.xml", perturbed, name="smollm2-mtp")
+    a, b = (ET.parse(tmp_path / f).getroot() for f in ("a.xml", "b.xml"))
+    assert a.tag == b.tag == "testsuite" and a.get("name") == "vd.tiny" and b.get("name") == "vd.smollm2-mtp"
+    assert {c.get("classname") for c in b.iter("testcase")} == {"vd.smollm2-mtp.K2", "vd.smollm2-mtp.K3",
+                                                                 "vd.smollm2-mtp.K4"}
+    props = {p.get("name"): p.get("value") for p in a.iter("property")}
+    assert props["verdict"] == "FAIL" and props["model"] == "tiny-llama" and props["vd"] == vd.__version__
+
+
+def test_suite_junit_has_a_testsuite_per_golden_and_an_error_case(perturbed, passing, tmp_path):
+    path = tmp_path / "suite.xml"
+    render.write_suite_junit(path, [("tiny", perturbed, None), ("tiny-again", passing, None),
+                                    ("missing", None, "vd: error: missing.zarr is not a vd golden\nmore detail")])
+    root = ET.parse(path).getroot()
+    suites = root.findall("testsuite")
+    assert root.tag == "testsuites" and [s.get("name") for s in suites] == ["vd.tiny", "vd.tiny-again", "vd.missing"]
+    assert [(s.get("tests"), s.get("failures"), s.get("errors")) for s in suites] == [
+        ("6", "3", "0"), ("6", "0", "0"), ("1", "0", "1")]
+    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("13", "3", "1")
+    classes = [c.get("classname") for c in root.iter("testcase")]
+    assert len(set(classes) & {"vd.tiny.K2", "vd.tiny-again.K2"}) == 2  # two goldens no longer collide
+    error = suites[2].find("testcase/error")
+    assert error.get("message") == "vd: error: missing.zarr is not a vd golden" and "more detail" in error.text
+
+
+# -- HTML ----------------------------------------------------------------------------------------------------
+
+
+def test_html_marks_a_one_ulp_failure_on_its_own_scale(perturbed, tmp_path):
+    """The old page let the control's 27-33 set one y-scale for every line, so a 1-ULP failure sat half a
+    pixel above zero, unmarked: now each forward has its own axes and its failing steps are marked."""
+    page = tmp_path / "r.html"
+    render.write_html(page, perturbed)
+    text = page.read_text()
+    for k in (2, 3, 4):
+        eager, control = _figure(text, f"tiny-k{k}-eager"), _figure(text, f"tiny-k{k}-control")
+        assert "class='forward failing'" in eager and "FAILS</b> at step 3 (1 of 8)" in eager
+        assert eager.count("<svg") == 1 and f'id="tiny-k{k}-eager-failing"' in eager  # the red markers
+        assert 0 < _ymax(eager) < 0.01  # one bf16 ULP of a logit near 0.5 is 0.0039, and it sets the scale
+        assert control.count("<svg") == 1 and "detection control" in control and "detection control" not in eager
+        assert _ymax(control) > 1 and "draft changed (step 4)" in control and "fired" in control
+        assert "linear scale" in eager and "linear scale" in control
+    assert "log scale" not in text and "(not given)" in text
+
+
+def test_html_header_says_what_ran_and_what_to_do_next(perturbed, passing, tmp_path):
+    failing, ok = tmp_path / "fail.html", tmp_path / "pass.html"
+    render.write_html(failing, perturbed, command=["vd", "replay", "tiny.zarr", "--model", PERTURB])
+    render.write_html(ok, passing, command="vd replay tiny.zarr")
+    text = failing.read_text()
+    assert f"<th>vd version</th><td>{vd.__version__}</td>" in text
+    assert f"<code>vd replay tiny.zarr --model {PERTURB}</code>" in text
+    assert f"<td>{perturbed.environment['replayed']['time']}</td>" in text
+    assert "<b>Environment differences</b> (recorded → replayed): none" in text
+    assert "Look at the first divergence (K=2, eager, verify step 3 row 1 index 7" in text
+    assert "--k 2 --forward eager" in text and "vd refresh tiny --reason TEXT" in text and "--refresh</code>" in text
+    assert "<h1>vd replay: <span class='PASS'>PASS</span></h1>" in ok.read_text()
+    assert "nothing needed" in ok.read_text() and "vd refresh" not in ok.read_text()
+
+
+def test_html_lists_the_environment_differences(perturbed, tmp_path):
+    env = {**perturbed.environment, "numerics_differences": ["cpu_capability: AVX2 → DEFAULT"]}
+    render.write_html(tmp_path / "r.html", dataclasses.replace(perturbed, environment=env))
+    assert "<li>cpu_capability: AVX2 → DEFAULT</li>" in (tmp_path / "r.html").read_text()
+
+
+def test_suite_html_has_a_section_per_golden_and_shows_errors(perturbed, passing, tmp_path):
+    page = tmp_path / "suite.html"
+    render.write_suite_html(page, [("tiny", perturbed, None), ("tiny-pass", passing, None),
+                                   ("missing", None, "vd: error: missing.zarr is not a vd golden")],
+                            command="vd replay-all goldens/")
+    text = page.read_text()
+    assert "vd replay: 3 goldens, <span class='FAIL'>FAIL</span>" in text and "vd replay-all goldens/" in text
+    for name, verdict in (("tiny", "FAIL"), ("tiny-pass", "PASS"), ("missing", "ERROR")):
+        assert f"<section id='golden-{name}'><h2>{name}: <span class='{verdict}'>{verdict}</span></h2>" in text
+    assert "<pre>vd: error: missing.zarr is not a vd golden</pre>" in text
+    ids = re.findall(r" id=['\"]([^'\"]+)['\"]", text)
+    figures = re.findall(r"<figure id='([^']+)'", text)
+    assert len(figures) == 18 and len(set(figures)) == 18 and "tiny-pass-k2-eager" in figures  # 3 per K
+    assert len(ids) == len(set(ids)), "ids repeat across the page's SVGs"
+    assert "failing" not in _figure(text, "tiny-pass-k2-eager") and "bit for bit" in _figure(text, "tiny-pass-k2-eager")
+
+
+def test_replayed_spec_is_shown_and_kept(perturbed, tmp_path):
+    bare = dataclasses.replace(perturbed, model={k: v for k, v in perturbed.model.items() if k != "replayed_spec"})
+    assert bare.to_json()["model"]["replayed_spec"] is None  # the key is always there
+    report = dataclasses.replace(perturbed, model={**perturbed.model, "replayed_spec": PERTURB})
+    assert report.to_json()["model"]["replayed_spec"] == PERTURB
+    render.write_html(tmp_path / "r.html", report)
+    render.write_junit(tmp_path / "j.xml", report)
+    assert f"<tr><th>replayed spec</th><td>{PERTURB}</td></tr>" in (tmp_path / "r.html").read_text()
+    props = {p.get("name"): p.get("value") for p in ET.parse(tmp_path / "j.xml").getroot().iter("property")}
+    assert props["replayed_spec"] == PERTURB
+    assert f"--model {PERTURB}" in (tmp_path / "r.html").read_text()  # the next step replays what ran
+
+
+def test_bundle_carries_the_decoded_tokens(perturbed, tmp_path):
+    rows = dataclasses.replace(perturbed.failure_rows, text="fox")
+    render.write_bundle(tmp_path / "b", dataclasses.replace(perturbed, failure_rows=rows), {})
+    assert json.loads((tmp_path / "b" / "failure.json").read_text())["text"] == "fox"
+    render.write_bundle(tmp_path / "c", perturbed, {})
+    assert "text" not in json.loads((tmp_path / "c" / "failure.json").read_text())

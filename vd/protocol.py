@@ -4,7 +4,8 @@ Structural (`typing.Protocol`): an engine fits without inheriting from anything.
 sequence's state (its KV cache) and exposes a single `forward` that appends tokens at the current
 position and returns one logits row per token; prefill, decode and a K-token verify are all calls of it.
 `vd.testing.ModelConformance` is the test class every adapter must pass. Optional capabilities are
-separate runtime-checkable protocols beside this one (`DraftHead`, an MTP draft head).
+separate runtime-checkable protocols beside this one (`DraftHead`, an MTP draft head; `TokenDecoder`,
+token ids back to text for reports).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class VerifyModel(Protocol):
     * `forward` is deterministic for a fixed forward, device and thread count.
     * `set_forward(name)` switches the implementation (attention kernel, compiled, graphed, ...) without
       changing the weights; `forwards()` names each and says what it is.
+    * Optional: `decode(ids)`, token ids back to text (`TokenDecoder`); not part of this protocol, so an
+      engine without it still fits.
     """
 
     vocab_size: int
@@ -97,6 +100,22 @@ class VerifyModel(Protocol):
 
     def rewind(self, n: int) -> None:
         """Drop the last ``n`` positions of the sequence (``n >= 0``)."""
+        ...
+
+
+@runtime_checkable
+class TokenDecoder(Protocol):
+    """The optional decoding capability: token ids back to text, so reports can show what a step verified.
+
+    Notes
+    -----
+    Callers ask for it with ``getattr(model, "decode", None)`` (or ``isinstance(model, TokenDecoder)``) and
+    show bare ids where it is absent. ``decode(encode(text))`` gives ``text`` back for plain ASCII text;
+    `vd.testing.ModelConformance` checks that where a model has `decode`.
+    """
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids, as the model's tokenizer (or its byte encoding) writes them."""
         ...
 
 

@@ -10,7 +10,7 @@ Subclass `ModelConformance` in a test module and provide a ``model`` fixture ret
 
 The checks are what the record/replay loop relies on: the protocol's shape, row shapes and dtypes,
 bitwise repeatability of a step after a rewind, a rewind that really drops positions, and forwards
-that are disclosed and selectable.
+that are disclosed and selectable; and, where a model has the optional `decode`, that it round-trips.
 """
 
 from __future__ import annotations
@@ -47,6 +47,17 @@ class ModelConformance:
         ids = _prompt(model)
         assert len(ids) >= 2
         assert all(isinstance(i, int) and 0 <= i < model.vocab_size for i in ids)
+
+    def test_decode_round_trips(self, model):
+        """Where a model can decode (the optional `vd.protocol.TokenDecoder`), ``decode(encode(text))``
+        gives plain ASCII text back."""
+        decode = getattr(model, "decode", None)
+        if decode is None:
+            pytest.skip("the model has no decode (optional: vd.protocol.TokenDecoder)")
+        text = "The quick brown fox jumps over the lazy dog"
+        ids = model.encode(text)
+        got = decode(ids)
+        assert isinstance(got, str) and got == text, f"decode(encode({text!r})) = {got!r} (ids {ids})"
 
     def test_forward_rows(self, model):
         model.reset()

@@ -105,7 +105,7 @@ class HFModel:
         model: torch.nn.Module,
         *,
         name: str,
-        encode: Callable[[str], list[int]],
+        encode: ByteCodec | TokenizerCodec,
         details: Mapping | None = None,
         fingerprinter: Callable[[torch.nn.Module, object], str] | None = None,
     ):
@@ -230,6 +230,10 @@ class HFModel:
         """Token ids of a text prompt."""
         return self._encode(text)
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (`vd.protocol.TokenDecoder`): the tokenizer's, or UTF-8 bytes without one."""
+        return self._encode.decode(list(ids))
+
     def reset(self) -> None:
         """Start a new sequence: an empty DynamicCache, or the static cache's length set to zero."""
         from transformers import DynamicCache
@@ -271,9 +275,38 @@ class HFModel:
             self._cache.crop(-n)
 
 
-def _byte_encoder(vocab: int) -> Callable[[str], list[int]]:
-    # No tokenizer (random weights, a bare checkpoint): UTF-8 bytes folded into the vocabulary.
-    return lambda text: [b % vocab for b in text.encode("utf-8")]
+class ByteCodec:
+    """Text as UTF-8 bytes folded into the vocabulary, for a model without a tokenizer (random weights, a
+    bare checkpoint). Decoding reads ids below 256 back as bytes and shows any other id as ``<id>``."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __call__(self, text: str) -> list[int]:
+        return [b % self.vocab for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out += [run.decode("utf-8", errors="replace"), f"<{i}>"]
+            run = bytearray()
+        return "".join(out) + run.decode("utf-8", errors="replace")
+
+
+class TokenizerCodec:
+    """Text through a checkpoint's HF tokenizer, without special tokens either way."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> HFModel:
@@ -294,9 +327,9 @@ def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> 
     try:
         with quiet_transformers():
             tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
-        encode, tokenizer = (lambda text: list(tok(text, add_special_tokens=False)["input_ids"])), type(tok).__name__
+        encode, tokenizer = TokenizerCodec(tok), type(tok).__name__
     except (OSError, ValueError, KeyError, TypeError):
-        encode, tokenizer = _byte_encoder(model.config.vocab_size), "none: UTF-8 bytes"
+        encode, tokenizer = ByteCodec(model.config.vocab_size), "none: UTF-8 bytes"
     return HFModel(model, name=f"{type(model).__name__} from {path.name}", encode=encode,
                    details={"source": str(path), "tokenizer": tokenizer})
 
@@ -325,7 +358,7 @@ def build_random(config, *, seed: int, name: str, device: torch.device, dtype: t
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _seeded_init(model, seed, config.initializer_range)
     model.to(device=device, dtype=dtype)
-    return HFModel(model, name=name, encode=_byte_encoder(config.vocab_size),
+    return HFModel(model, name=name, encode=ByteCodec(config.vocab_size),
                    details={"seed": seed, "random_weights": True})
 
 
@@ -402,7 +435,7 @@ def build_generated(config, *, seed: int, name: str, device: torch.device, dtype
                 p.fill_(1.0)
             else:
                 hash_uniform_(p, _tensor_seed(seed, pname), config.initializer_range)
-    return HFModel(model, name=name, encode=_byte_encoder(config.vocab_size),
+    return HFModel(model, name=name, encode=ByteCodec(config.vocab_size),
                    details={"seed": seed, "random_weights": True, "generator": GENERATOR},
                    fingerprinter=generated_fingerprint(seed))
 
