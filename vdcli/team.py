@@ -1,0 +1,248 @@
+"""The commands of a team's workflow (`vd.workflow`): the suite behind ``vd record --suite`` and ``vd replay
+--suite``, and ``vd refresh``, ``vd history`` and ``vd status``. A suite is declared in ``vd.toml`` or under
+``[tool.vd]`` in ``pyproject.toml`` (found from the working directory, or named with ``--config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from vd.cli.common import (
+    CONFIG_HELP,
+    EXIT_FAIL,
+    EXIT_PASS,
+    Command,
+    app,
+    check_writable,
+    err,
+    examples,
+    out,
+    reporting,
+    write_json,
+)
+from vd.errors import UsageError
+
+
+def _suite(config: Path | None):
+    from vd.workflow.declare import load_suite
+
+    return load_suite(config)
+
+
+def _entry_for(target: str, config: Path | None):
+    """The declared entry ``target`` names (a NAME, or a declared golden's path), if a suite declares it."""
+    from vd.workflow.declare import DeclarationError, find, load_suite
+
+    if config is None and find() is None:
+        return None
+    suite = load_suite(config)
+    try:
+        return suite.select([target])[0]
+    except DeclarationError:
+        return suite.by_path(target)
+
+
+# -- record and replay a suite (called by `vd record --suite`, `vd replay --suite`) ------------------------
+def record_suite(names: list[str], config: Path | None, refresh: bool, reason: str | None,
+                 summary: Path | None) -> int:
+    """Record the named (or all) goldens of the suite: missing ones, and with ``refresh`` existing ones."""
+    if refresh and not reason:
+        raise UsageError("--refresh of a suite needs --reason TEXT: it goes into each golden's history")
+    check_writable("--summary", summary)
+    from vd.workflow.suite import exit_code
+    from vd.workflow.suite import record_suite as do_record
+
+    entries = _suite(config).select(names)
+    with reporting() as progress:
+        outcomes = do_record(entries, refresh_existing=refresh, reason=reason or "first recording", progress=progress)
+    for o in outcomes:
+        out.print(f"{o.name:<24} {o.verdict:<9} {o.path}  ({o.seconds:.1f} s)")
+        for line in o.reasons or ([o.error] if o.error else []):
+            out.print(f"    {line}")
+    if summary is not None:
+        text = "\n".join(f"## {o.name}: {o.verdict}\n\n" + "".join(f"- {x}\n" for x in o.reasons or [o.error or ""])
+                         for o in outcomes)
+        summary.parent.mkdir(parents=True, exist_ok=True)
+        summary.write_text(f"**Reason:** {reason}\n\n{text}" if reason else text)
+    return exit_code(outcomes)
+
+
+def replay_suite(names: list[str], config: Path | None, settings, shard: str | None, report: Path | None,
+                 junit: Path | None, html: Path | None, bundle: Path | None) -> int:
+    """Replay the named (or all) goldens of the suite, or shard I/N of them; one verdict for all."""
+    import time
+
+    from vd.replayer import render
+    from vd.workflow.suite import Models, exit_code
+    from vd.workflow.suite import replay_suite as do_replay
+    from vd.workflow.suite import shard as take
+
+    entries = take(_suite(config).select(names), shard)
+    models, outcomes, t = Models(), [], time.perf_counter()
+    with reporting() as progress:
+        for e in entries:  # a candidate each, where asked: DIR/NAME.zarr
+            s = settings if settings.save_candidate is None else dataclasses.replace(
+                settings, save_candidate=str(Path(settings.save_candidate) / f"{e.name}.zarr"))
+            outcomes += do_replay([e], s, models=models, progress=progress)
+    code = exit_code(outcomes)
+    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[code]
+    if report is not None:
+        write_json(report, {"verdict": verdict, "suite": str(_suite(config).file), "shard": shard,
+                            "models_loaded": models.loads, "seconds": time.perf_counter() - t,
+                            "goldens": [o.to_json() for o in outcomes]})
+    listed = [(o.name, o.report, o.error) for o in outcomes]
+    if junit is not None:
+        render.write_suite_junit(junit, listed)
+    if html is not None:
+        render.write_suite_html(html, listed, command=["vd", *sys.argv[1:]])
+    for o in outcomes:
+        if bundle is not None and o.report is not None and o.report.failure_rows is not None:
+            render.write_bundle(bundle / o.name, o.report, {})
+        out.print(f"{o.name:<24} {o.verdict:<6} {o.path}  ({o.seconds:.1f} s)")
+        for line in [o.error] if o.error else [r.text for r in o.report.reasons]:
+            out.print(f"    - {line}")
+    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("PASS", "FAIL", "ERROR")}
+    out.print(f"{verdict}: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" of {len(outcomes)} "
+              f"golden(s); {models.loads} model load(s)", style="bold")
+    return code
+
+
+# -- refresh, history, status -------------------------------------------------------------------------------
+def refresh_golden(target: str, config: Path | None, reason: str, summary: Path | None, overrides: dict,
+                   candidate: str | None = None) -> int:
+    """Refresh the golden ``target`` names: its declaration's settings (or, undeclared, the golden's own) with
+    ``overrides``; or promote ``candidate``. Prints the change summary; exit 1 when refused."""
+    check_writable("--summary", summary)
+    from vd.workflow import refresh as R
+
+    entry = _entry_for(target, config)
+    path = entry.path if entry is not None else target
+    name = entry.name if entry is not None else None
+    if candidate is not None:
+        done = R.promote(candidate, path, reason=reason, name=name)
+    else:
+        with reporting() as progress:
+            done = R.refresh(path, _settings(path, entry, overrides), reason=reason, name=name, progress=progress)
+    if done.refused:
+        for why in done.refused:
+            err.print(f"vd: {why}")
+        err.print(f"vd: refresh refused; {done.url} is unchanged")
+        return EXIT_FAIL
+    out.print(done.summary, end="")
+    if summary is not None:
+        summary.parent.mkdir(parents=True, exist_ok=True)
+        summary.write_text(done.summary)
+    out.print(f"refreshed {done.url} to version {done.version}")
+    return EXIT_PASS
+
+
+def _settings(path: str, entry, overrides: dict):
+    """What a refresh records: the declaration's settings, or the golden's own, with ``overrides``."""
+    from vd.recorder import RecordSettings
+    from vd.store import locate, open_golden
+    from vd.workflow.suite import record_settings
+
+    if entry is not None:
+        base = record_settings(entry)
+    elif locate(path).state() == "golden":
+        base = RecordSettings.of_golden(open_golden(path).meta)
+    else:
+        base = RecordSettings()
+    return dataclasses.replace(base, **overrides)
+
+
+@app.command(cls=Command, epilog=examples(
+    'vd refresh smollm2-default --reason "fused attention kernel, reviewed in #123" --summary changes.md',
+    'vd refresh goldens/smollm2.zarr --from candidate.zarr --reason "accept the SDPA numbers"'))
+def refresh(
+    target: Annotated[str, typer.Argument(metavar="NAME|GOLDEN", help="A declared golden's name, or a golden.")],
+    reason: Annotated[str, typer.Option(metavar="TEXT", help="Why the golden changes (kept in its history).")],
+    from_: Annotated[str | None, typer.Option("--from", metavar="CANDIDATE", help="Promote this candidate (saved "
+                                              "by vd replay --save-candidate) instead of recording.")] = None,
+    summary: Annotated[Path | None, typer.Option(metavar="PATH", help="Write the change summary (Markdown) "
+                                                 "here.")] = None,
+    config: Annotated[Path | None, typer.Option(metavar="FILE", help=CONFIG_HELP)] = None,
+) -> int:
+    """Re-record a golden (or promote a candidate) with a reason and a change summary.
+
+    It records what the golden's declaration says (or, undeclared, what recorded it), replays the new
+    recording once, and publishes it with its history; refused (exit 1, the old golden kept) if the new
+    recording is thin or its detection control blind."""
+    return refresh_golden(target, config, reason, summary, {}, candidate=from_)
+
+
+@app.command(cls=Command, epilog=examples("vd history smollm2-default", "vd history goldens/smollm2.zarr"))
+def history(
+    target: Annotated[str, typer.Argument(metavar="NAME|GOLDEN", help="A declared golden's name, or a golden.")],
+    config: Annotated[Path | None, typer.Option(metavar="FILE", help=CONFIG_HELP)] = None,
+) -> int:
+    """Print a golden's history: each version's reason, time, user and host, environment and changes."""
+    from vd.store import history as H
+    from vd.store import open_golden
+
+    entry = _entry_for(target, config)
+    g = open_golden(entry.path if entry is not None else target)
+    lines = H.lines(g.history)
+    out.print(f"{g.url}: {len(g.history)} version(s), content {g.content_digest()}")
+    for line in lines or ["(no history: recorded before format 5)"]:
+        out.print(line)
+    return EXIT_PASS
+
+
+@app.command(cls=Command, epilog=examples("vd status", "vd status --report suite.json --no-models",
+                                          "vd status --prune"))
+def status(
+    names: Annotated[list[str] | None, typer.Argument(metavar="NAME", help="Declared goldens (default: all).")]
+    = None,
+    config: Annotated[Path | None, typer.Option(metavar="FILE", help=CONFIG_HELP)] = None,
+    report: Annotated[Path | None, typer.Option(metavar="PATH", help="A suite report (vd replay --suite --report) "
+                                                "to show each golden's last result from.")] = None,
+    no_models: Annotated[bool, typer.Option("--no-models", help="Do not load models to check fingerprints.")]
+    = False,
+    prune: Annotated[bool, typer.Option("--prune", help="Remove orphan goldens (on disk, declared by none).")]
+    = False,
+    json_out: Annotated[Path | None, typer.Option("--json", metavar="PATH", help="Write the status as JSON.")]
+    = None,
+) -> int:
+    """List the declared goldens: missing, stale or current, what recorded them; and orphans.
+
+    Stale: the declaration (prompt, K, steps, model SPEC, ...) changed since the golden was recorded, or its
+    model's fingerprint moved. Exit 1 when any golden is missing, unreadable, stale or orphaned."""
+    from vd.workflow import status as S
+
+    suite = _suite(config)
+    with reporting() as progress:
+        states = S.status(suite, suite.select(names or []), check_models=not no_models,
+                          report=None if report is None else str(report), progress=progress)
+    orphans = S.orphans(suite) if not names else []
+    _print_status(states, orphans, no_models)
+    if prune and orphans:
+        S.prune(orphans)
+        out.print(f"removed {len(orphans)} orphan golden(s)")
+        orphans = []
+    if json_out is not None:
+        write_json(json_out, {"suite": str(suite.file), "goldens": [s.to_json() for s in states], "orphans": orphans})
+    return EXIT_FAIL if orphans or any(s.state != "current" for s in states) else EXIT_PASS
+
+
+def _print_status(states, orphans: list[str], no_models: bool) -> None:
+    t = Table(title_justify="left", title="goldens" + (" (fingerprints not checked)" if no_models else ""))
+    for col in ("name", "state", "version", "forward", "fingerprint", "recorded with", "last replay", "path"):
+        t.add_column(col)
+    for s in states:
+        r, env = s.recorded, s.recorded.get("environment") or {}
+        made = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "gpu_name", "cpu_model") if env.get(k))
+        t.add_row(s.name, s.state, str(r.get("version") or "-"), r.get("forward") or "-",
+                  (r.get("fingerprint") or "-")[:19], made or "-", s.last or "-", s.path)
+    out.print(t)
+    for s in states:
+        for why in s.reasons:
+            out.print(f"  {s.name}: {why}")
+    for path in orphans:
+        out.print(f"  orphan: {path} (declared by none; vd status --prune removes it)")
