@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from vd.coverage import coverage_reason, thin_reason
 from vd.digest import summarise
 from vd.dtypes import of_torch, to_storage
 from vd.errors import UsageError
-from vd.layout import RowLayout, StepLog
+from vd.layout import KINDS, RowLayout, StepLog
 from vd.loop import DrafterFeed, ReferenceFeed, Run, continuation, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.policy import Policy
@@ -78,6 +79,36 @@ class RecordSettings:
             raise UsageError(f"--threads must be at least 1; got {self.threads}")
         return Policy.parse(self.tolerances)
 
+    @classmethod
+    def of_golden(cls, meta: Mapping) -> RecordSettings:
+        """What recorded the golden with metadata ``meta``: recording these settings again re-records it."""
+        model, env = meta.get("model") or {}, meta.get("environment") or {}
+        policy = Policy.parse((), meta.get("policy"))
+        default = Policy.parse(())
+        return cls(model=model.get("spec", DEFAULT_MODEL), head=model.get("head"),
+                   prompt=meta.get("prompt_text", DEFAULT_PROMPT), ks=tuple(meta.get("k") or DEFAULT_KS),
+                   steps=meta.get("steps", DEFAULT_STEPS), forward=meta.get("forward"),
+                   feed=meta.get("feed", "reference"), device=meta.get("device", "cpu"),
+                   dtype=meta.get("dtype", "bfloat16"), threads=env.get("threads"),
+                   deterministic=(meta.get("determinism") or {}).get("applied") is not None,
+                   tolerances=tuple(f"{kind}={policy[kind].text}" for kind in KINDS
+                                    if policy[kind].text != default[kind].text),
+                   require_coverage=bool(meta.get("require_coverage")), allow_thin=bool(meta.get("thin")))
+
+    def changes_from(self, other: RecordSettings) -> list[str]:
+        """What these settings change from ``other``, one ``field: old -> new`` line each."""
+        out = []
+        for f in fields(self):
+            a, b = getattr(other, f.name), getattr(self, f.name)
+            if a != b:
+                out.append(f"{f.name}: {_short(a)} -> {_short(b)}")
+        return out
+
+
+def _short(v) -> str:
+    text = repr(list(v) if isinstance(v, tuple) else v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 @dataclass(slots=True)
 class RecordResult:
@@ -98,10 +129,12 @@ class RecordResult:
 
 
 def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), *, refresh: bool = False,
-           model: VerifyModel | None = None, progress: Progress = SILENT) -> RecordResult:
+           model: VerifyModel | None = None, progress: Progress = SILENT,
+           reason: str = "first recording") -> RecordResult:
     """Record ``settings`` into the golden at ``out`` (a directory, a ``.zip`` file or an ``s3://`` URL);
-    ``refresh`` replaces a golden already there. A passed-in ``model`` is used as it is (its device and
-    dtype win over the settings')."""
+    ``refresh`` replaces a golden already there (without comparing or keeping its history: that is
+    `vd.workflow.refresh`). A passed-in ``model`` is used as it is (its device and dtype win over the
+    settings'). ``reason`` starts the golden's history."""
     policy = settings.check()
     location = locate(out)
     check_target(location, refresh)  # before the expensive part (the writer checks again)
@@ -133,7 +166,8 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
         t = time.perf_counter()
         progress.phase("writing golden", 0)
         meta = _meta(model, settings, forward, greedy, result.thin)
-        writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens)
+        writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
+                       reason=reason)
     seconds["write"] = time.perf_counter() - t
     result.location = location
     return result

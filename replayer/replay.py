@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vd.replayer.report import Control, FailureRows, Judged, KResult, Reason, Report, Timing
 from vd import env
 from vd.compare import Comparison, Queued, compare_run
 from vd.coverage import coverage_reason, thin_reason
@@ -30,11 +29,13 @@ from vd.dtypes import to_storage
 from vd.errors import ModelMismatchError, UsageError
 from vd.layout import Step
 from vd.loop import DrafterFeed, ReplayFeed, prepare, run_verify
-from vd.models import check_device, load_model, require_forwards
+from vd.models import check_device, check_forward_names, load_model, require_forwards
 from vd.models.static import CUDA_ONLY
 from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
 from vd.protocol import DraftHead, VerifyModel
+from vd.replayer.candidate import CandidateWriter
+from vd.replayer.report import Control, FailureRows, Judged, KResult, Reason, Report, Timing
 from vd.store import Golden, Prefetcher, open_golden
 from vd.store.side import GoldenSide
 
@@ -47,7 +48,8 @@ class ReplaySettings:
 
     ``ks`` limits the replay to some of the golden's verify widths; ``tolerances`` (``[KIND=]SPEC`` items)
     override the golden's policy; ``require_coverage`` fails a golden missing an accept count;
-    ``rows`` names the full golden a slim one was made from, to measure its rows.
+    ``rows`` names the full golden a slim one was made from, to measure its rows; ``save_candidate`` a
+    path to keep the replayed forward's rows at, as a golden (`vd.replayer.candidate`; one forward only).
     """
 
     model: str | None = None
@@ -61,6 +63,7 @@ class ReplaySettings:
     tolerances: tuple[str, ...] = ()
     require_coverage: bool = False
     rows: str | None = None
+    save_candidate: str | None = None
 
 
 def control_steps(steps: Sequence[Step], vocab: int) -> list[Step]:
@@ -82,8 +85,13 @@ def replay(golden: str | os.PathLike, settings: ReplaySettings = ReplaySettings(
     """
     r = _Replay(settings, progress)
     r.open(golden)
-    r.load(model)
-    verify = [r.replay_k(k) for k in r.ks]
+    try:
+        r.load(model)
+        verify = [r.replay_k(k) for k in r.ks]
+        r.save_candidate(verify)
+    finally:
+        if r.candidate is not None:
+            r.candidate.abort()
     return r.report(verify)
 
 
@@ -95,6 +103,7 @@ class _Replay:
         self.clock = dict.fromkeys(PHASES, 0.0)
         self.reasons: list[Reason] = []
         self.failure: FailureRows | None = None
+        self.candidate: CandidateWriter | None = None
 
     def open(self, where) -> None:
         """Open the golden (its metadata only) and check what the settings ask of it."""
@@ -141,10 +150,15 @@ class _Replay:
                              f"({', '.join(self.offered)})")
         self.forwards = list(s.forwards) or [g.info.forward]
         require_forwards(model, self.forwards)
+        if s.save_candidate is not None:
+            if len(self.forwards) > 1:
+                raise UsageError("--save-candidate keeps one forward's rows; replay one --forward")
+            self.candidate = CandidateWriter(s.save_candidate, g)
         self.clock["setup"] = time.perf_counter() - t - loading
 
     def _load_model(self) -> VerifyModel:
         g, s = self.golden, self.settings
+        check_forward_names(s.model or g.meta["model"]["spec"], list(s.forwards))  # before the model loads
         dev = s.device or g.info.device
         if dev.startswith("cuda") and not torch.cuda.is_available():
             also = (f", with --forward naming a CPU forward (it was recorded with {g.info.forward!r}, which runs "
@@ -182,7 +196,7 @@ class _Replay:
         forced = ReplayFeed(steps, log.bootstrap, log.decoded)
         return DrafterFeed(k, self.golden.info.steps, forced) if self.golden.info.drafted else forced
 
-    def _execute(self, k: int, steps: list[Step], variant: str, clock: dict[str, float]
+    def _execute(self, k: int, steps: list[Step], variant: str, clock: dict[str, float], control: bool = False
                  ) -> tuple[Comparison, list[float]]:
         """One run of ``steps`` under the selected forward and its comparison, timed into ``clock``; on CUDA
         the comparison's GPU work is queued behind the last step while it runs."""
@@ -198,8 +212,12 @@ class _Replay:
         c = compare_run(variant, side, run, self.golden.logical, self.policy, *queued)
         for name, dt in (("run", t2 - t1), ("wait_golden", t3 - t2), ("compare", time.perf_counter() - t3)):
             clock[name] += dt
+        if control:  # meant to fail: neither the first divergence nor a candidate
+            return c, run.step_ms
         if not c.passed and self.failure is None:
-            self.failure = _failure_rows(k, variant, c, side, run)
+            self.failure = _failure_rows(k, variant, c, side, run, getattr(self.model, "decode", None))
+        if self.candidate is not None:
+            self.candidate.keep(k, run)
         return c, run.step_ms
 
     def _run(self, k: int, name: str, steps: list[Step]) -> tuple[Comparison, list[float]]:
@@ -210,13 +228,23 @@ class _Replay:
         self.clock["prepare"] += time.perf_counter() - t
         return self._execute(k, steps, name, self.clock)
 
+    def save_candidate(self, verify: list[KResult]) -> None:
+        """Publish the kept candidate, with each K's control result (`vd.replayer.candidate`)."""
+        if self.candidate is None:
+            return
+        controls = {v.k: v.control is not None and v.control.fired for v in verify}
+        self.candidate.publish(self.model, self.settings.model or self.golden.meta["model"]["spec"], self.forwards[0],
+                               controls, "FAIL" if self.reasons else "PASS")
+        self.notes.append(f"candidate saved: {self.candidate.url} (review with vd diff, promote with vd refresh "
+                          "--from)")
+
     def _control(self, k: int, steps: list[Step]) -> Control:
         """The detection control under the last forward (still selected): it must fail at the very step
         whose draft changed, under the active policy or by a changed decision, whatever else differs."""
         t = time.perf_counter()
         self.progress.phase(f"K={k} control", self.golden.info.steps)
         dc, _ = self._execute(k, control_steps(steps, self.model.vocab_size), f"{self.forwards[-1]}, one draft changed",
-                              dict.fromkeys(PHASES, 0.0))  # counted as the control's time alone
+                              dict.fromkeys(PHASES, 0.0), control=True)  # counted as the control's time alone
         at = self.golden.info.steps // 2
         fired = at in dc.failed_step_list
         if not fired:
@@ -241,7 +269,8 @@ class _Replay:
         return Report(
             golden=g.url,
             model={"spec": m["spec"], "name": m.get("name"), "fingerprint": m["fingerprint"],
-                   "replayed_with": model.identity().name},
+                   "replayed_with": model.identity().name,
+                   "replayed_spec": self.settings.model if self.settings.model not in (None, m["spec"]) else None},
             graphs="graphed" if all(graphed) else "eager" if not any(graphed) else "mixed",
             mtp=g.info.drafted, head=g.meta.get("mtp"), feed=g.info.feed, steps=g.info.steps, dtype=g.logical,
             variants=tuple({"name": n, "description": self.offered[n], "golden": n == g.info.forward,
@@ -346,7 +375,7 @@ def _where(m) -> str:
     return f"{step} row {m.row} index {m.index}: golden {m.golden!r}, got {m.got!r}"
 
 
-def _failure_rows(k: int, name: str, c: Comparison, side: GoldenSide, run) -> FailureRows | None:
+def _failure_rows(k: int, name: str, c: Comparison, side: GoldenSide, run, decode=None) -> FailureRows | None:
     """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle)."""
     f = c.first_failure
     if f is None:  # a changed accept count alone: keep its step's verify rows
@@ -359,7 +388,8 @@ def _failure_rows(k: int, name: str, c: Comparison, side: GoldenSide, run) -> Fa
     return FailureRows(k=k, forward=name, kind=kind, step=step,
                        golden=side.host_rows(kind, idx) if side.has_rows else None,
                        candidate=to_storage(run.rows_by_kind()[kind][at]),
-                       tokens=side.tokens[step].tolist() if step is not None else None, first_failure=f)
+                       tokens=side.tokens[step].tolist() if step is not None else None, first_failure=f,
+                       text=None if decode is None or step is None else decode(side.tokens[step].tolist()))
 
 
 def _sensitivity(policy: Policy, logical: str, verify: list[KResult]) -> dict:

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from vd.cli import app
 
 PLUGINS = Path(__file__).parent / "plugins"
+pytest_plugins = ("pytester",)  # vd's own pytest plugin is tested as syrupy tests its: in a pytester project
 
 
 class Cli:

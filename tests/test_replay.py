@@ -11,10 +11,10 @@ import pytest
 import torch
 from golden_edit import edit_rows
 
-from vd.replayer import ReplaySettings, replay
 from vd.dtypes import to_float
 from vd.errors import GoldenCorruptError, UsageError
 from vd.models import load_model
+from vd.replayer import ReplaySettings, replay
 from vd.store import open_golden, slim
 from vd.store.read import Golden
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
-from vd.replayer import ReplaySettings, replay
 from vd import env
 from vd.loop import continuation
 from vd.models import load_model
+from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
+from vd.replayer import ReplaySettings, replay
 from vd.store import locate, open_golden, slim
 
 

@@ -39,11 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vd.recorder import RecordSettings, record  # noqa: E402
-from vd.replayer import ReplaySettings, replay  # noqa: E402
 from vd import env  # noqa: E402
 from vd.loop import prepare  # noqa: E402
 from vd.models import load_model  # noqa: E402
+from vd.recorder import RecordSettings, record  # noqa: E402
+from vd.replayer import ReplaySettings, replay  # noqa: E402
 from vd.store import locate, open_golden  # noqa: E402
 
 PROMPT = "Speculative decoding: draft, then verify."

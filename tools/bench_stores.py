@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the tests use
 
 import seaweed  # noqa: E402
 
-from vd.recorder import RecordSettings, record  # noqa: E402
-from vd.replayer import replay  # noqa: E402
 from vd import env  # noqa: E402
 from vd.models import load_model  # noqa: E402
+from vd.recorder import RecordSettings, record  # noqa: E402
+from vd.replayer import replay  # noqa: E402
 from vd.store import locate  # noqa: E402
 
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from vd.recorder import DEFAULT_PROMPT
 from vd import env
 from vd.coverage import histogram
 from vd.loop import DrafterFeed, run_verify
 from vd.models import load_model
 from vd.models.hf import _seeded_init
 from vd.models.mtp import attach_head, new_attached_layer, save_head
+from vd.recorder import DEFAULT_PROMPT
 
 PROMPTS = [
     "The history of the printing press begins", "Here is a simple recipe for bread:",

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from vd.loop import ReferenceFeed, continuation, run_verify
 from vd.recorder import RecordSettings, record
 from vd.replayer import ReplaySettings, replay
-from vd.loop import ReferenceFeed, continuation, run_verify
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,75 @@
+"""A replay's candidate kept as a golden (``vd replay --save-candidate PATH``), as pytest-regressions keeps
+the obtained file beside the expected one: the rows the replayed forward computed, through the golden's
+own steps (its tokens, accept counts and bootstrap), stored in the golden format with what computed them.
+
+`vd diff GOLDEN CANDIDATE` reviews it; `vd refresh --from CANDIDATE` promotes it (`vd.workflow.refresh`),
+so accepting an intended change needs no second recording. The candidate records the golden version it
+was replayed against (``candidate.of_content``, the golden's content digest) and whether each K's
+detection control fired, which a promotion checks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from vd import env
+from vd.dtypes import to_storage
+from vd.errors import UsageError
+from vd.layout import StepLog
+from vd.loop import Run
+from vd.protocol import VerifyModel
+from vd.store import Golden, GoldenWriter, check_target, locate
+from vd.store import format as F
+
+# The golden's metadata a candidate does not inherit: the writer makes it anew, or it names the recording.
+_NOT_INHERITED = ("complete", "format", "format_version", "created", "digest", "logs", "prompt_tokens", "rows",
+                  "logits", "content_digest", "history", "candidate")
+
+
+class CandidateWriter:
+    """Keeps one forward's runs of a replay (`keep`, one per K) and publishes them as a golden (`publish`)."""
+
+    def __init__(self, where: str | os.PathLike, golden: Golden):
+        location = locate(where)
+        if location.url == golden.url:
+            raise UsageError(f"--save-candidate {location.url} is the golden being replayed; name another path")
+        check_target(location, refresh=True)  # an earlier candidate is replaced; anything else refused
+        self.golden = golden
+        self.writer = GoldenWriter(location, refresh=True, background=False)
+
+    @property
+    def url(self) -> str:
+        return self.writer.location.url
+
+    def keep(self, k: int, run: Run) -> None:
+        """K's run: its rows as stored, the golden's steps with this run's timings, the head's drafts."""
+        g = self.golden.log(k)
+        log = StepLog(k=k, bootstrap=g.bootstrap, tokens=g.tokens, accepted=g.accepted, decoded=g.decoded,
+                      step_ms=np.asarray(run.step_ms, dtype=np.float64), committed_is_greedy=None)
+        rows = {kind: to_storage(t) for kind, t in run.rows_by_kind().items()}
+        drafts = (np.asarray(run.drafts, dtype=np.int32).reshape(len(run.steps), k - 1)
+                  if self.golden.info.drafted else None)
+        self.writer.add(run.layout, log, rows, None, drafts)
+
+    def publish(self, model: VerifyModel, spec: str, forward: str, controls: Mapping[int, bool], verdict: str
+                ) -> None:
+        g = self.golden
+        ident = model.identity()
+        meta = {key: v for key, v in g.meta.items() if key not in _NOT_INHERITED}
+        meta.update(
+            model={"spec": spec, "head": g.meta["model"].get("head"), "name": ident.name,
+                   "fingerprint": ident.fingerprint, "details": dict(ident.details)},
+            forward=forward, forward_description=model.forwards()[forward],
+            graphs="graphed" if getattr(model, "forward_uses_graphs", lambda n: False)(forward) else "eager",
+            mtp=dict(model.head_info()) if g.info.drafted else None, device=model.device.type,
+            logits=F.logits_meta(g.logical), environment=env.capture(model.device),
+            determinism={"applied": (g.meta.get("determinism") or {}).get("applied"), "settings": env.determinism()},
+            candidate={"of": g.url, "of_content": g.content_digest(), "verdict": verdict,
+                       "control": {str(k): bool(v) for k, v in controls.items()}})
+        self.writer.publish(meta, g.prompt, reason=f"candidate saved by a replay of {g.url}")
+
+    def abort(self) -> None:
+        self.writer.abort()

@@ -1,0 +1,117 @@
+"""The workflow from the command line, as a user types it: a suite recorded, replayed with one verdict and
+its reports, refreshed with a reason and a summary, its history and status; a refresh that re-records what
+the golden says; bad declarations refused with one line."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from vd.store import open_golden
+
+PERTURB = "tests/plugins/perturb.py:factory"
+SUITE = """
+[defaults]
+model = "tiny-llama"
+steps = 4
+[goldens.a]
+path = "goldens/a.zarr"
+k = [2, 3]
+[goldens.b]
+path = "goldens/b.zip"
+k = [2]
+prompt = "Write one sentence about the sea."
+policy = ["prefill=ulp:1"]
+"""
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch, cli):
+    (tmp_path / "vd.toml").write_text(SUITE)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("record", "--suite")
+    assert code == 0, err
+    return tmp_path
+
+
+def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request):
+    plugin = str(request.config.rootpath / PERTURB)
+    code, out, err = cli("replay", "--suite", "--report", "r.json", "--junit", "j.xml", "--html", "h.html")
+    assert code == 0 and "PASS: 2 PASS of 2 golden(s); 1 model load(s)" in out, out + err
+    code, out, err = cli("replay", "--suite", "--model", plugin, "--report", "r.json", "--junit", "j.xml",
+                         "--bundle", "bundles")
+    assert code == 1 and "FAIL: 2 FAIL of 2 golden(s)" in out
+    r = json.loads((project / "r.json").read_text())
+    assert r["verdict"] == "FAIL" and [g["name"] for g in r["goldens"]] == ["a", "b"]
+    assert r["goldens"][0]["report"]["model"]["replayed_spec"] == plugin
+    classes = {c.get("classname") for c in ET.parse(project / "j.xml").getroot().iter("testcase")}
+    assert {"vd.a.K2", "vd.a.K3", "vd.b.K2"} <= classes
+    assert (project / "bundles" / "a" / "command.sh").is_file()
+    code, out, err = cli("replay", "--suite", "b", "--shard", "2/2")
+    assert code == 0 and "0 PASS" not in out and "of 0 golden(s)" in out  # b sorts into shard 1 of 2
+    (project / "goldens" / "b.zip").unlink()
+    code, out, err = cli("replay", "--suite")
+    assert code == 2 and "b.zip does not exist" in out and "1 PASS, 1 ERROR of 2" in out
+
+
+def test_refresh_history_and_status(project, cli, request):
+    plugin = str(request.config.rootpath / PERTURB)
+    code, out, err = cli("replay", "a", "--suite", "--model", plugin, "--save-candidate", "cands")
+    assert code == 1 and (project / "cands" / "a.zarr").is_dir()
+    code, out, err = cli("refresh", "a", "--from", "cands/a.zarr", "--reason", "kernel change, PR 7",
+                         "--summary", "changes.md")
+    assert code == 0 and "refreshed" in out and "version 2" in out
+    md = (project / "changes.md").read_text()
+    assert md.startswith("## vd refresh: a\n") and "**Reason:** kernel change, PR 7" in md
+    assert "| 2 | verify | 1 |" in md
+    code, out, err = cli("history", "a")
+    assert code == 0 and "v2" in out and "kernel change, PR 7" in out and "v1" in out
+    code, out, err = cli("status", "--no-models")
+    assert code == 0 and "current" in out and "stale" not in out, out
+    (project / "vd.toml").write_text(SUITE.replace("steps = 4", "steps = 5"))
+    (project / "goldens" / "old.zarr").mkdir()
+    code, out, err = cli("status")
+    assert code == 1 and "a: steps: recorded 4, declared 5" in out and "stale" in out
+    (project / "goldens" / "old.zarr").rmdir()
+    code, out, err = cli("refresh", "a", "--reason", "5 steps now")
+    assert code == 0 and "asked: steps: 4 -> 5" in out
+    assert open_golden(project / "goldens" / "a.zarr").info.steps == 5
+
+
+def test_record_refresh_re_records_what_the_golden_says(tmp_path, cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no suite here: the golden's own settings
+    g = tmp_path / "g.zarr"
+    code, out, err = cli("record", g, "--model", "tiny-llama", "--k", "2,4", "--steps", "6", "--prompt",
+                         "Count to ten.", "--tolerance", "verify=ulp:2")
+    assert code == 0, err
+    code, out, err = cli("record", g, "--refresh", "--reason", "same build")
+    assert code == 0 and "no logit, step or decision moved" in out, out + err
+    m = open_golden(g).meta
+    assert m["k"] == [2, 4] and m["steps"] == 6 and m["prompt_text"] == "Count to ten." and m["model"]["spec"] == \
+        "tiny-llama" and m["policy"]["verify"] == "ulp:2" and len(m["history"]) == 2
+    code, out, err = cli("record", g, "--refresh", "--steps", "8")
+    assert code == 0 and "asked: steps: 6 -> 8" in out
+    assert open_golden(g).meta["k"] == [2, 4] and open_golden(g).history[-1]["reason"] == "vd record --refresh"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ('[goldens.a]\npath = "a.zarr"\nk = 3\n', "[goldens.a] key 'k': expected a list"),
+    ('[goldens.a]\npath = "x.zarr"\n[goldens.b]\npath = "x.zarr"\n', "[goldens.b] key 'path'"),
+    ('[goldens.a]\npath = "a.zarr"\nstep = 3\n', "[goldens.a] unknown key 'step'"),
+])
+def test_bad_declarations_are_one_line_and_exit_2(tmp_path, cli, monkeypatch, body, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vd.toml").write_text(body)
+    for args in (("record", "--suite"), ("replay", "--suite"), ("status",), ("refresh", "a", "--reason", "x")):
+        code, out, err = cli(*args)
+        assert code == 2 and err.count("\n") == 1 and needle in err and str(tmp_path / "vd.toml") in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vd.toml"]  # nothing recorded, nothing removed
+
+
+def test_usage_of_targets(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for args in (("record",), ("record", "a.zarr", "b.zarr"), ("replay",)):
+        code, out, err = cli(*args)
+        assert code == 2 and "give one" in err
+    code, out, err = cli("replay", "--suite")
+    assert code == 2 and "no suite declared" in err

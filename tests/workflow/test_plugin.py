@@ -1,0 +1,99 @@
+"""vd's pytest plugin, run as a user's project runs it (pytest's own pytester, as syrupy and
+pytest-regressions test theirs): goldens collected with --vd, the vd_golden fixture failing with vd's
+reasons, --vd-update refreshing what failed, stale and orphan goldens reported."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from vd.store import open_golden
+
+PERTURB = Path(__file__).parent.parent / "plugins" / "perturb.py"
+SUITE = """
+[defaults]
+model = "tiny-llama"
+steps = 4
+k = [2, 3]
+[goldens.tiny]
+path = "goldens/tiny.zarr"
+"""
+TEST_ENGINE = f"""
+import importlib.util
+
+def _perturbed():
+    spec = importlib.util.spec_from_file_location("perturb_engine", {str(PERTURB)!r})
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m.factory(device="cpu", dtype="bfloat16")
+
+def test_engine(vd_golden):
+    report = vd_golden("tiny").replay(model=_perturbed())
+    assert report is None or report.verdict == "PASS"
+"""
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory, tiny):
+    """Everything a recording, a refresh and a replay import, imported here first: an in-process pytester run
+    removes the modules it imported when it ends, and torch and transformers cannot be imported twice."""
+    from vd.recorder import RecordSettings
+    from vd.workflow.refresh import refresh
+
+    refresh(tmp_path_factory.mktemp("warm") / "w.zarr", RecordSettings(model="tiny-llama", steps=2, ks=(2,)),
+            reason="warm-up", model=tiny)
+
+
+@pytest.fixture
+def project(pytester, warm):
+    pytester.makefile(".toml", vd=SUITE)
+    return pytester
+
+
+def test_goldens_are_collected_recorded_when_missing_and_replayed(project):
+    r = project.runpytest("--vd")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*golden missing: record it with vd record --suite tiny*"])
+    r = project.runpytest("--vd", "--vd-update")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*vd: goldens refreshed*", "tiny: v1 *tiny.zarr", "*new golden*"])
+    r = project.runpytest("--vd", "-v")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["vd.toml::tiny PASSED*"])
+
+
+def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    project.makepyfile(test_engine=TEST_ENGINE)
+    r = project.runpytest("test_engine.py")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*GoldenFailure: vd golden 'tiny' (*tiny.zarr) FAILED:*",
+                            "*verify K=2, eager: prefill equal True, 1 of 4 steps differ (first at step 3 row 1*",
+                            "*accept an intended change: pytest --vd-update*"])
+    project.runpytest("test_engine.py", "--vd-tolerance", "argmax").assert_outcomes(passed=1)
+    r = project.runpytest("test_engine.py", "--vd-update")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["tiny: v2 *", "*rows moved at K=[[]2, 3[]]: 2 of *"])
+    g = open_golden(project.path / "goldens" / "tiny.zarr")
+    assert g.history[-1]["reason"].startswith("pytest --vd-update (test_engine.py::test_engine): verify K=2")
+    project.runpytest("test_engine.py").assert_outcomes(passed=1)  # the golden now holds the engine's numbers
+
+
+def test_stale_declarations_fail_and_orphans_are_listed(project):
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    shutil.copytree(project.path / "goldens" / "tiny.zarr", project.path / "goldens" / "forgotten.zarr")
+    project.makefile(".toml", vd=SUITE.replace("steps = 4", "steps = 6"))
+    r = project.runpytest("--vd", "--vd-forward", "eager")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*stale, the declaration changed since it was recorded: steps: recorded 4, declared 6*",
+                            "*vd: orphan goldens*", "*forgotten.zarr"])
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    assert open_golden(project.path / "goldens" / "tiny.zarr").info.steps == 6
+
+
+def test_a_bad_declaration_fails_the_items_with_one_line(project):
+    project.makefile(".toml", vd=SUITE + "colour = 'blue'\n")
+    project.makepyfile(test_engine="def test_it(vd_golden):\n    vd_golden('tiny').replay()\n")
+    r = project.runpytest("test_engine.py")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*vd.toml: [[]goldens.tiny[]] unknown key 'colour'*"])

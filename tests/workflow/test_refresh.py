@@ -1,0 +1,91 @@
+"""A reviewed refresh: a new version only with a reason and only when sound, a change summary against the
+version it replaces, the golden's history, and a replay's candidate promoted without re-recording."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from vd.errors import UsageError
+from vd.recorder import RecordSettings, record
+from vd.replayer import ReplaySettings, replay
+from vd.store import open_golden
+from vd.workflow.refresh import promote, refresh
+
+SETTINGS = RecordSettings(model="tiny-llama", steps=4, ks=(2, 3))
+DEAF = Path(__file__).parent.parent / "plugins" / "deaf.py"
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def golden(tmp_path, tiny):
+    path = tmp_path / "g.zarr"
+    assert record(path, SETTINGS, model=tiny, reason="trusted build, first recording").location is not None
+    return path
+
+
+def test_a_refresh_with_unchanged_logits_adds_only_a_history_entry(golden, tiny):
+    files = _files(golden)
+    before = open_golden(golden)
+    r = refresh(golden, RecordSettings.of_golden(before.meta), reason="new CI runner", model=tiny)
+    assert r.published and r.version == 2
+    assert r.changes == ["no logit, step or decision moved (content digest unchanged)"]
+    assert "**Reason:** new CI runner" in r.summary and "| 2 | verify | 0 | 8 |" in r.summary
+    after = open_golden(golden)
+    h = after.history
+    assert [e["reason"] for e in h] == ["trusted build, first recording", "new CI runner"]
+    assert h[1]["previous"] == h[0]["content_digest"] == h[1]["content_digest"] == after.content_digest()
+    assert {"time", "user", "host", "environment", "fingerprint", "forward", "vd"} <= set(h[1])
+    now = _files(golden)  # what git would show: the run group, and the root's new history entry alone
+    assert [n for n in now if now[n] != files[n]] == ["run/zarr.json", "zarr.json"] and now.keys() == files.keys()
+    roots = [json.loads(x["zarr.json"])["attributes"]["vd"] for x in (files, now)]
+    assert roots[1].pop("history")[:1] == roots[0].pop("history") and roots[0] == roots[1]
+
+
+def test_a_refresh_asked_to_change_a_setting_says_so(golden, tiny):
+    r = refresh(golden, RecordSettings(model="tiny-llama", steps=6, ks=(2, 3)), reason="longer", model=tiny)
+    assert "asked: steps: 4 -> 6" in r.changes
+    assert any(c.startswith("rows not compared:") and "steps (4 vs 6)" in c for c in r.changes)
+    assert open_golden(golden).info.steps == 6
+
+
+def test_a_thin_or_blind_new_recording_is_refused_and_the_old_golden_kept(golden, tiny):
+    before = _files(golden)
+    thin = refresh(golden, RecordSettings(model="tiny-llama", steps=1, ks=(3,)), reason="thin", model=tiny)
+    assert not thin.published and "needs both full and partial accepts" in thin.refused[0]
+    spec = importlib.util.spec_from_file_location("deaf_for_refresh", DEAF)
+    deaf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(deaf)
+    blind = refresh(golden, SETTINGS, reason="blind", model=deaf.factory(device="cpu", dtype="bfloat16"))
+    assert not blind.published and any("detection control saw no difference" in x for x in blind.refused)
+    assert _files(golden) == before
+    with pytest.raises(UsageError, match="needs a reason"):
+        refresh(golden, SETTINGS, reason=" ", model=tiny)
+
+
+def test_a_saved_candidate_is_reviewed_and_promoted(golden, tmp_path, perturbed):
+    cand = tmp_path / "cand.zarr"
+    perturbed_spec = "perturbed-tiny-llama"
+    rep = replay(golden, ReplaySettings(model=perturbed_spec, save_candidate=str(cand), allow_model_mismatch=True),
+                 model=perturbed)
+    assert rep.verdict == "FAIL" and any("candidate saved" in n for n in rep.notes)
+    c = open_golden(cand)
+    assert c.meta["candidate"]["of_content"] == open_golden(golden).content_digest()
+    assert c.meta["candidate"]["control"] == {"2": True, "3": True}
+    assert replay(cand, ReplaySettings(), model=perturbed).verdict == "PASS"  # it is the perturbed build's golden
+    r = promote(cand, golden, reason="accept the one-ULP change")
+    assert r.published and r.changes[0] == f"rows from a replay with {perturbed_spec} (eager), candidate {cand}"
+    assert r.changes[1].startswith("rows moved at K=[2, 3]: 2 of")
+    assert "| 2 | verify | 1 | 8 | 0.003906 | 0 | 3 |" in r.summary
+    g = open_golden(golden)
+    assert "candidate" not in g.meta and g.history[-1]["reason"] == "accept the one-ULP change"
+    assert g.meta["model"]["spec"] == "tiny-llama"  # still the golden of the model it names
+    assert replay(golden, ReplaySettings(), model=perturbed).verdict == "PASS"
+    with pytest.raises(UsageError, match="saved against another version"):
+        promote(cand, golden, reason="again")  # the golden moved on since the candidate was saved
+    with pytest.raises(UsageError, match="is the golden being replayed"):
+        replay(golden, ReplaySettings(save_candidate=str(golden)), model=perturbed)

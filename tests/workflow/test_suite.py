@@ -1,0 +1,97 @@
+"""A suite recorded and replayed together, each model loaded once; status finds missing, stale and
+orphaned goldens."""
+
+import shutil
+
+from vd.replayer import ReplaySettings
+from vd.store import open_golden
+from vd.workflow.declare import load_suite
+from vd.workflow.status import orphans, prune, status
+from vd.workflow.suite import Models, exit_code, record_suite, replay_suite, shard
+
+SUITE = """
+[defaults]
+model = "tiny-llama"
+steps = 4
+[goldens.a]
+path = "goldens/a.zarr"
+k = [2, 3]
+[goldens.b]
+path = "goldens/b.zarr"
+k = [2]
+prompt = "Another prompt entirely."
+[goldens.c]
+path = "goldens/c.zip"
+k = [3]
+"""
+
+
+def _suite(tmp_path, text=SUITE):
+    (tmp_path / "vd.toml").write_text(text)
+    return load_suite(tmp_path / "vd.toml")
+
+
+def test_a_suite_is_recorded_and_replayed_with_its_model_loaded_once(tmp_path, perturbed):
+    suite = _suite(tmp_path)
+    models = Models()
+    out = record_suite(suite.select(), models=models)
+    assert [o.verdict for o in out] == ["RECORDED"] * 3 and models.loads == 1
+    assert open_golden(suite.entries["b"].path).meta["prompt_text"] == "Another prompt entirely."
+    assert [o.verdict for o in record_suite(suite.select(), models=models)] == ["PRESENT"] * 3
+    out = replay_suite(suite.select(), models=models)
+    assert [o.verdict for o in out] == ["PASS"] * 3 and models.loads == 1 and exit_code(out) == 0
+    bad = replay_suite(suite.select(["a", "b"]), model=perturbed)
+    assert [o.verdict for o in bad] == ["FAIL", "FAIL"] and exit_code(bad) == 1
+    loose = replay_suite(suite.select(["a"]), ReplaySettings(tolerances=("argmax",)), model=perturbed)
+    assert loose[0].verdict == "PASS"
+    shutil.rmtree(suite.entries["a"].path)
+    gone = replay_suite(suite.select(), models=models)
+    assert [o.verdict for o in gone] == ["ERROR", "PASS", "PASS"] and "does not exist" in gone[0].error
+    assert exit_code(gone) == 2
+
+
+def test_shards_split_the_suite_by_name(tmp_path):
+    entries = _suite(tmp_path).select()
+    parts = [[e.name for e in shard(entries, f"{i}/2")] for i in (1, 2)]
+    assert parts == [["a", "c"], ["b"]]
+
+
+def test_status_finds_missing_stale_and_orphaned_goldens(tmp_path, tiny):
+    suite = _suite(tmp_path)
+    models = Models()
+    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    record_suite(suite.select(["a", "b"]), models=models)
+    shutil.copytree(suite.entries["a"].path, tmp_path / "goldens" / "old.zarr")  # no declaration names it
+    states = {s.name: s for s in status(suite, suite.select(), models=models)}
+    assert states["a"].state == "current" and states["a"].recorded["version"] == 1
+    assert states["c"].state == "missing"
+    changed = _suite(tmp_path, SUITE.replace('prompt = "Another prompt entirely."', 'prompt = "A third prompt."'))
+    b = {s.name: s for s in status(changed, changed.select(), check_models=False)}["b"]
+    assert b.state == "stale" and b.reasons == ["prompt: recorded 'Another prompt entirely.', declared "
+                                                "'A third prompt.'"]
+    found = orphans(suite)
+    assert found == [str(tmp_path / "goldens" / "old.zarr")]
+    prune(found)
+    assert orphans(suite) == [] and (tmp_path / "goldens" / "a.zarr").is_dir()
+
+
+def test_a_model_whose_fingerprint_moved_makes_its_goldens_stale(tmp_path, tiny):
+    suite = _suite(tmp_path)
+    models = Models()
+    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    record_suite(suite.select(["a"]), models=models)
+    other = Models()
+    other.held[("tiny-llama", "cpu", "bfloat16", None)] = _Reweighted(tiny)
+    a = status(suite, suite.select(["a"]), models=other)[0]
+    assert a.state == "stale" and a.reasons[0].startswith("model tiny-llama now has fingerprint sha256:0000")
+
+
+class _Reweighted:
+    """tiny-llama as if its weights had changed: another fingerprint."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def identity(self):
+        ident = self.inner.identity()
+        return type(ident)(ident.name, "sha256:" + "0" * 64, ident.details)

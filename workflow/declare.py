@@ -1,0 +1,209 @@
+"""A suite of goldens declared once (`load_suite`): ``[tool.vd]`` in a project's ``pyproject.toml``, or a
+``vd.toml`` beside the goldens, names each golden and what records it::
+
+    [tool.vd.goldens.smollm2-default]      # in vd.toml: [goldens.smollm2-default]
+    path = "goldens/smollm2.zarr"          # a directory, a .zip file or s3://bucket/prefix
+    model = "smollm2"
+    k = [2, 3, 4]
+    steps = 16
+    prompt = "Write one sentence about the sea."
+
+Every key but ``path`` may be left out (the recorder's default) or set once for all goldens under
+``[tool.vd.defaults]``. A relative path is relative to the declaring file. A declaration that cannot work
+(an unknown key, a value of the wrong type, two goldens with one path) is refused whole with one line naming
+the file and the key (`DeclarationError`, exit 2), before anything is recorded, replayed or removed.
+This module imports neither torch nor a model, so declarations are checked in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from vd.errors import UsageError
+
+FILES = ("vd.toml", "pyproject.toml")
+
+
+class DeclarationError(UsageError):
+    """A suite declaration that cannot work (exit 2)."""
+
+
+def _ints(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _strs(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# Each key a golden's declaration may hold: (a check of its TOML value, what the check wants).
+KEYS = {
+    "path": (lambda v: isinstance(v, str) and v.strip() != "", "a path or URL"),
+    "model": (lambda v: isinstance(v, str) and v != "", "a model SPEC"),
+    "head": (lambda v: isinstance(v, str) and v != "", "an MTP head file"),
+    "feed": (lambda v: v in ("reference", "mtp"), '"reference" or "mtp"'),
+    "prompt": (lambda v: isinstance(v, str) and v != "", "a prompt text"),
+    "k": (lambda v: _ints(v) and all(2 <= x <= 16 for x in v) and len(set(v)) == len(v),
+          "a list of distinct verify widths 2..16, like [2, 3, 4]"),
+    "steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a step count of at least 1"),
+    "forward": (lambda v: isinstance(v, str) and v != "", "a forward name"),
+    "device": (lambda v: isinstance(v, str) and v.split(":")[0] in ("cpu", "cuda"), '"cpu", "cuda" or "cuda:N"'),
+    "dtype": (lambda v: v in ("bfloat16", "float16", "float32"), '"bfloat16", "float16" or "float32"'),
+    "threads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a thread count"),
+    "deterministic": (lambda v: isinstance(v, bool), "true or false"),
+    "policy": (lambda v: isinstance(v, str) or _strs(v), 'a SPEC or a list of "[KIND=]SPEC"'),
+    "require_coverage": (lambda v: isinstance(v, bool), "true or false"),
+    "allow_thin": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One declared golden; a field left None is the recorder's default."""
+
+    name: str
+    path: str  # resolved: absolute, or a URL as written
+    model: str | None = None
+    head: str | None = None
+    feed: str | None = None
+    prompt: str | None = None
+    k: tuple[int, ...] | None = None
+    steps: int | None = None
+    forward: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    threads: int | None = None
+    deterministic: bool | None = None
+    policy: tuple[str, ...] | None = None
+    require_coverage: bool | None = None
+    allow_thin: bool | None = None
+
+    def declared(self) -> dict:
+        """The settings this entry states (its name and path left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("name", "path") and getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Suite:
+    """The goldens a file declares, by name (in the file's order)."""
+
+    file: Path
+    entries: dict[str, Entry]
+
+    def select(self, names: list[str] | tuple[str, ...] = ()) -> list[Entry]:
+        """The named entries (all when none are named); an unknown name is exit 2."""
+        unknown = [n for n in names if n not in self.entries]
+        if unknown:
+            raise DeclarationError(f"{self.file}: no golden named {', '.join(map(repr, unknown))} "
+                                   f"(declared: {', '.join(self.entries) or 'none'})")
+        return [self.entries[n] for n in names] if names else list(self.entries.values())
+
+    def by_path(self, where: str) -> Entry | None:
+        """The entry declaring the golden at ``where`` (a path or URL), if any."""
+        key = resolve(where, Path.cwd())
+        return next((e for e in self.entries.values() if e.path == key), None)
+
+
+def resolve(path: str, base: Path) -> str:
+    """A declared path as vd opens it: a URL unchanged, a local path absolute (relative to ``base``)."""
+    if "://" in path:
+        return path
+    return str(Path(os.path.normpath(base / Path(path).expanduser())))
+
+
+def find(start: Path | None = None) -> Path | None:
+    """The declaring file for ``start`` (the working directory): the nearest ``vd.toml``, or the nearest
+    ``pyproject.toml`` with a ``[tool.vd]`` table, looking in ``start`` and then its parents."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "vd.toml").is_file():
+            return folder / "vd.toml"
+        py = folder / "pyproject.toml"
+        if py.is_file() and "vd" in _read(py).get("tool", {}):
+            return py
+    return None
+
+
+def _read(file: Path) -> dict:
+    try:
+        return tomllib.loads(file.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeclarationError(f"{file}: cannot read it ({e})") from e
+    except tomllib.TOMLDecodeError as e:
+        raise DeclarationError(f"{file}: not valid TOML: {e}") from e
+
+
+def load_suite(file: str | os.PathLike | None = None) -> Suite:
+    """The suite declared in ``file`` (default: `find` from the working directory), checked whole."""
+    if file is None:
+        found = find()
+        if found is None:
+            raise DeclarationError(f"no suite declared: no vd.toml, and no pyproject.toml with [tool.vd], in "
+                                   f"{Path.cwd()} or its parents")
+        file = found
+    file = Path(file)
+    if not file.is_file():
+        raise DeclarationError(f"{file}: no such declaration file")
+    doc = _read(file)
+    table, where = (doc, "") if file.name != "pyproject.toml" else (doc.get("tool", {}).get("vd"), "tool.vd")
+    if not isinstance(table, Mapping):
+        raise DeclarationError(f"{file}: no [tool.vd] table")
+    return Suite(file, _entries(file, table, where))
+
+
+def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
+    prefix = f"{where}." if where else ""
+    extra = sorted(set(table) - {"goldens", "defaults"})
+    if extra:
+        raise DeclarationError(f"{file}: unknown key {prefix}{extra[0]} (a suite has 'goldens' and 'defaults')")
+    defaults = _table(file, table.get("defaults", {}), f"{prefix}defaults")
+    if "path" in defaults:
+        raise DeclarationError(f"{file}: [{prefix}defaults] cannot set 'path': each golden has its own")
+    goldens = table.get("goldens")
+    if not isinstance(goldens, Mapping) or not goldens:
+        raise DeclarationError(f"{file}: no goldens declared (add a [{prefix}goldens.NAME] table with a path)")
+    entries, paths = {}, {}
+    for name, body in goldens.items():
+        at = f"{prefix}goldens.{name}"
+        values = {**defaults, **_table(file, body, at)}
+        if "path" not in values:
+            raise DeclarationError(f"{file}: [{at}] has no 'path'")
+        e = _entry(name, values, file.parent, f"{file}: [{at}]")
+        if e.path in paths:
+            raise DeclarationError(f"{file}: [{at}] key 'path': {values['path']!r} is also golden "
+                                   f"{paths[e.path]!r}'s; each golden needs its own path")
+        entries[name], paths[e.path] = e, name
+    return entries
+
+
+def _table(file: Path, body, at: str) -> dict:
+    if not isinstance(body, Mapping):
+        raise DeclarationError(f"{file}: [{at}] must be a table of settings")
+    for key, value in body.items():
+        if key not in KEYS:
+            raise DeclarationError(f"{file}: [{at}] unknown key {key!r} (known: {', '.join(KEYS)})")
+        check, want = KEYS[key]
+        if not check(value):
+            raise DeclarationError(f"{file}: [{at}] key {key!r}: expected {want}, got {value!r}")
+    return dict(body)
+
+
+def _entry(name: str, values: Mapping, base: Path, at: str) -> Entry:
+    v = dict(values)
+    v["path"] = resolve(v["path"], base)
+    if "k" in v:
+        v["k"] = tuple(v["k"])
+    if "policy" in v:
+        v["policy"] = (v["policy"],) if isinstance(v["policy"], str) else tuple(v["policy"])
+        from vd.policy import Policy  # imported only here: it brings torch
+
+        try:
+            Policy.parse(v["policy"])
+        except UsageError as e:
+            raise DeclarationError(f"{at} key 'policy': {e}") from e
+    return Entry(name=name, **v)

@@ -1,0 +1,221 @@
+"""vd's pytest plugin (entry point ``pytest11``; shipped in the package, active once vd is installed).
+
+* The ``vd_golden`` fixture: ``vd_golden("smollm2-default").replay(model=my_engine)`` replays a declared
+  golden (`vd.workflow.declare`) through any model and fails the test with vd's reasons in the assertion
+  message; it returns the `vd.replayer.Report` on PASS.
+* ``pytest --vd``: the suite's goldens are collected as test items (``vd.toml::NAME`` or
+  ``pyproject.toml::NAME``), each replayed with its own model; each model is loaded once per session.
+* ``--vd-update`` accepts what the run saw, with a reason naming the test: a golden whose replay failed
+  becomes that replay's candidate (the engine's rows over the golden's own steps, `vd.workflow.refresh.promote`,
+  no second run); a missing golden, or one stale against its declaration, is recorded from its declaration
+  with the test's model (``--vd-update=all``: every golden the run touches is re-recorded so). A thin
+  reference or a blind control refuses the update and fails the test; the run's summary lists each
+  refresh with its change headline. Put ``--vd-update`` last or write ``--vd-update=failed``: it takes an
+  optional value.
+* ``--vd-forward NAME`` (repeatable) and ``--vd-tolerance [KIND=]SPEC`` (repeatable) pass through to every
+  replay; ``--vd-config FILE`` names the declaring file (default: found from the rootdir).
+
+A golden whose declaration changed since it was recorded fails as stale (unless updated); the summary
+lists orphan goldens, those on disk no declaration names, as syrupy lists unused snapshots.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from vd.errors import VdError
+
+_KEY = pytest.StashKey["_Session"]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("vd", "vd golden files of the verify path")
+    g.addoption("--vd", action="store_true", help="collect the suite's goldens (vd.toml or [tool.vd]) as tests")
+    g.addoption("--vd-config", metavar="FILE", help="the file declaring the suite (default: found from the rootdir)")
+    g.addoption("--vd-update", nargs="?", const="failed", choices=("failed", "all"), metavar="failed|all",
+                help="re-record goldens whose replay failed, missing or stale ones (all: every golden run)")
+    g.addoption("--vd-forward", action="append", default=[], metavar="NAME", help="forward to replay (repeatable)")
+    g.addoption("--vd-tolerance", action="append", default=[], metavar="[KIND=]SPEC",
+                help="tolerance policy item for every replay (repeatable)")
+
+
+class GoldenFailure(AssertionError):
+    """A golden's replay failed (or could not run); the message is vd's reasons, one per line."""
+
+
+class _Session:
+    """The plugin's state for one pytest session: the suite, the models loaded once, what was refreshed."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.update = config.getoption("vd_update")
+        self._suite = None
+        from vd.workflow.suite import Models
+
+        self.models = Models()
+        self.refreshed: list[tuple[str, object]] = []
+
+    @property
+    def suite(self):
+        if self._suite is None:
+            from vd.workflow.declare import find, load_suite
+
+            file = self.config.getoption("vd_config") or find(self.config.rootpath)
+            self._suite = load_suite(file)
+        return self._suite
+
+    def settings(self, **over):
+        from vd.replayer import ReplaySettings
+
+        return ReplaySettings(forwards=tuple(self.config.getoption("vd_forward")),
+                              tolerances=tuple(self.config.getoption("vd_tolerance")), **over)
+
+    def check(self, name: str, who: str, model=None, **over):
+        """Replay golden ``name`` (refreshing it when asked to update); raise `GoldenFailure` with vd's
+        reasons when it fails; the report when it passes (None after a refresh)."""
+        from vd.workflow.suite import replay_suite, stale_reasons
+
+        try:
+            entry = self.suite.select([name])[0]
+        except VdError as e:
+            raise GoldenFailure(str(e)) from None
+        if self.update == "all":
+            return self._refresh(entry, who, model, "--vd-update=all")
+        problems = self._problems(entry, stale_reasons)
+        if problems and self.update:
+            return self._refresh(entry, who, model, "; ".join(problems)[:200])
+        with tempfile.TemporaryDirectory(prefix="vd-candidate-") as tmp:
+            if not problems:
+                keep = str(Path(tmp) / "candidate.zarr") if self.update else None
+                outcome = replay_suite([entry], self.settings(save_candidate=keep, **over), models=self.models,
+                                       model=model)[0]
+                if outcome.verdict == "PASS":
+                    return outcome.report
+                problems = [outcome.error] if outcome.error else [r.text for r in outcome.report.reasons]
+                if self.update and outcome.report is not None:
+                    return self._promote(entry, who, keep, "; ".join(problems)[:200])
+        raise GoldenFailure(f"vd golden {name!r} ({entry.path}) FAILED:\n" + "\n".join(f"  - {p}" for p in problems)
+                            + "\n  (accept an intended change: pytest --vd-update, or vd refresh "
+                            f"{name} --reason TEXT)")
+
+    def _problems(self, entry, stale_reasons) -> list[str]:
+        """Why the golden cannot be replayed as declared: missing, unreadable or stale (empty: it can)."""
+        from vd.store import locate, open_golden
+
+        if locate(entry.path).state() == "absent":
+            return [f"golden missing: record it with vd record --suite {entry.name}"]
+        try:
+            stale = stale_reasons(entry, open_golden(entry.path))
+        except VdError as e:
+            return [str(e)]
+        return [f"stale, the declaration changed since it was recorded: {r}" for r in stale]
+
+    def _promote(self, entry, who: str, candidate: str, why: str):
+        from vd.workflow.refresh import promote
+
+        return self._done(entry, promote(candidate, entry.path, reason=f"pytest --vd-update ({who}): {why}",
+                                         name=entry.name))
+
+    def _done(self, entry, r):
+        if r.refused:
+            raise GoldenFailure(f"vd golden {entry.name!r}: the refresh was refused:\n"
+                                + "\n".join(f"  - {x}" for x in r.refused))
+        self.refreshed.append((entry.name, r))
+
+    def _refresh(self, entry, who: str, model, why: str):
+        from vd.workflow.refresh import refresh
+        from vd.workflow.suite import record_settings
+
+        s = record_settings(entry)
+        model = model or self.models.get(s.model, s.device, s.dtype, s.head)
+        self._done(entry, refresh(entry.path, s, reason=f"pytest --vd-update ({who}): {why}", name=entry.name,
+                                  model=model))
+
+
+def _session(config: pytest.Config) -> _Session:
+    if _KEY not in config.stash:
+        config.stash[_KEY] = _Session(config)
+    return config.stash[_KEY]
+
+
+class Golden:
+    """A declared golden as a test uses it (the ``vd_golden`` fixture)."""
+
+    def __init__(self, session: _Session, name: str, who: str):
+        self.session, self.name, self.who = session, name, who
+
+    @property
+    def path(self) -> str:
+        return self.session.suite.select([self.name])[0].path
+
+    def replay(self, model=None, **settings):
+        """Replay through ``model`` (default: the golden's own), with `vd.replayer.ReplaySettings` fields as
+        keywords; fails the test with vd's reasons, returns the report on PASS."""
+        return self.session.check(self.name, self.who, model, **settings)
+
+
+@pytest.fixture
+def vd_golden(request: pytest.FixtureRequest):
+    """``vd_golden(NAME)``: the declared golden NAME (see the module's docstring)."""
+    session = _session(request.config)
+    return lambda name: Golden(session, name, request.node.nodeid)
+
+
+class GoldenItem(pytest.Item):
+    """One declared golden replayed with its own model (``pytest --vd``)."""
+
+    def __init__(self, *, golden: str, **kwargs):
+        super().__init__(**kwargs)
+        self.golden = golden
+
+    def runtest(self) -> None:
+        _session(self.config).check(self.golden, self.nodeid)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, GoldenFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, None, f"vd golden {self.golden}"
+
+
+class SuiteFile(pytest.File):
+    """The declaring file, collected as the suite's goldens."""
+
+    def collect(self):
+        for name in _session(self.config).suite.entries:
+            yield GoldenItem.from_parent(self, name=name, golden=name)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    if not config.getoption("vd"):
+        return
+    suite = _session(config).suite
+    items.extend(SuiteFile.from_parent(session, path=Path(suite.file)).collect())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    if _KEY not in config.stash:
+        return
+    s = config.stash[_KEY]
+    tr = terminalreporter
+    if s.refreshed:
+        tr.section("vd: goldens refreshed")
+        for name, r in s.refreshed:
+            tr.write_line(f"{name}: v{r.version} {r.url}")
+            for line in r.changes:
+                tr.write_line(f"    {line}")
+    if config.getoption("vd") and s._suite is not None:
+        from vd.workflow.status import orphans
+
+        found = orphans(s._suite)
+        if found:
+            tr.section("vd: orphan goldens")
+            tr.write_line(f"{len(found)} golden(s) on disk that no declaration in {s._suite.file} names "
+                          "(remove them with vd status --prune):")
+            for path in found:
+                tr.write_line(f"    {path}")

@@ -1,0 +1,244 @@
+"""A reviewed refresh (`refresh`, `promote`): a golden replaced by a new version only with a reason, only
+when the new version is sound, and with a change summary a pull request can show.
+
+`refresh` records the settings it is given (the golden's own, `vd.recorder.RecordSettings.of_golden`, or
+its declaration's) into a staging directory beside the golden, then checks the new recording: a thin
+reference is refused by the recorder, and the new golden is replayed once with the same model, which must
+PASS with every detection control firing (a build that cannot replay its own golden bit for bit, or a
+policy too loose to see a changed draft, makes no evidence). `promote` takes a candidate a replay saved
+(``vd replay --save-candidate``) instead of recording; the candidate carries its replay's control results.
+Either way the new version is compared with the golden it replaces (`summarise`): which K, steps and rows
+moved and by how much, which decisions changed, whether the model, forward or environment changed. The
+summary's headline lines and the reason join the golden's history (`vd.store.history`), and the golden is
+published whole through its location. Refused, nothing is published and the old golden stays as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zarr
+
+from vd.env import numerics_differences
+from vd.errors import GoldenError, UsageError
+from vd.progress import SILENT, Progress
+from vd.protocol import VerifyModel
+from vd.recorder import RecordSettings, record
+from vd.replayer import ReplaySettings, replay
+from vd.replayer.diff import diff
+from vd.store import Golden, Location, check_target, locate, open_golden
+from vd.store import history as H
+from vd.store.location import Directory, ZipFile
+
+
+@dataclass(slots=True)
+class Refreshed:
+    """What a refresh did: published or refused (``refused``: why), the change summary in Markdown and its
+    headline lines (``changes``, also in the history entry)."""
+
+    url: str
+    refused: list[str] = field(default_factory=list)
+    summary: str = ""
+    changes: list[str] = field(default_factory=list)
+    version: int | None = None
+
+    @property
+    def published(self) -> bool:
+        return not self.refused
+
+
+def _previous(location: Location) -> tuple[Golden | None, str | None]:
+    """The golden a refresh replaces (None where there is none), or why it cannot be read (a damaged golden
+    can be refreshed; its history is then lost, and the summary says so)."""
+    check_target(location, refresh=True)
+    if location.state() == "absent":
+        return None, None
+    try:
+        return open_golden(location), None
+    except GoldenError as e:
+        return None, str(e)
+
+
+def refresh(where: str | os.PathLike, settings: RecordSettings, *, reason: str, name: str | None = None,
+            model: VerifyModel | None = None, progress: Progress = SILENT) -> Refreshed:
+    """Record ``settings`` as the golden at ``where``'s next version (see the module's docstring)."""
+    if not reason.strip():
+        raise UsageError("a refresh needs a reason (--reason TEXT): it goes into the golden's history")
+    settings.check()
+    location = locate(where)
+    old, unreadable = _previous(location)
+    staging = location.staging()
+    try:
+        new_path = staging / "new.zarr"
+        if model is None:
+            from vd.models import load_model
+
+            progress.phase("loading model", 0)
+            model = load_model(settings.model, device=settings.device, dtype=settings.dtype, head=settings.head)
+        r = record(new_path, settings, model=model, progress=progress, reason=reason)
+        if r.location is None:
+            return Refreshed(location.url, refused=[*r.thin, *r.short])
+        check = replay(new_path, ReplaySettings(threads=settings.threads), model=model, progress=progress)
+        if check.verdict != "PASS":
+            return Refreshed(location.url, refused=[f"the new recording does not pass its own replay: {x.text}"
+                                                    for x in check.reasons])
+        return _publish(location, new_path, old, unreadable, reason, name, settings_changes(old, settings))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def settings_changes(old: Golden | None, settings: RecordSettings) -> list[str]:
+    """What ``settings`` change from what recorded ``old``."""
+    return [] if old is None else [f"asked: {c}" for c in settings.changes_from(RecordSettings.of_golden(old.meta))]
+
+
+def promote(candidate: str | os.PathLike, where: str | os.PathLike, *, reason: str,
+            name: str | None = None) -> Refreshed:
+    """Publish a replay's saved candidate as the golden at ``where``'s next version. The candidate must have
+    been saved against the golden's current version, every K's control must have fired and no K may be
+    thin."""
+    if not reason.strip():
+        raise UsageError("a refresh needs a reason (--reason TEXT): it goes into the golden's history")
+    location = locate(where)
+    old, unreadable = _previous(location)
+    cand = open_golden(candidate)
+    made = cand.meta.get("candidate")
+    if not isinstance(made, dict):
+        raise UsageError(f"{cand.url} is not a saved candidate (vd replay --save-candidate writes one)")
+    if old is not None and made.get("of_content") != old.content_digest():
+        raise UsageError(f"{cand.url} was saved against another version of {location.url} "
+                         f"({made.get('of_content')}); replay the golden again to save a current candidate")
+    refused = [f"K={k}: the candidate's detection control was blind" for k, fired in
+               (made.get("control") or {}).items() if not fired]
+    refused += [t for t in (made.get("thin") or []) if t]
+    if refused:
+        return Refreshed(location.url, refused=refused)
+    staging = location.staging()
+    try:
+        new_path = staging / "new.zarr"
+        _copy_golden(cand, new_path)
+        ran = [f"rows from a replay with {cand.meta['model']['spec']} ({cand.info.forward}), candidate {cand.url}"]
+        if old is not None:  # the golden stays of the model it names; the numbers are the candidate's
+            _rewrite_meta(new_path, {"model": {**cand.meta["model"], "spec": old.meta["model"]["spec"],
+                                               "head": old.meta["model"].get("head")}})
+        return _publish(location, new_path, old, unreadable, reason, name, ran)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _copy_golden(g: Golden, dest: Path) -> None:
+    """A local copy of golden ``g`` as a directory."""
+    if isinstance(g.location, Directory):
+        shutil.copytree(g.location.path, dest)
+    elif isinstance(g.location, ZipFile):
+        with zipfile.ZipFile(g.location.path) as z:
+            z.extractall(dest)
+    else:
+        raise UsageError(f"{g.url}: promote a candidate saved as a directory or a .zip file")
+
+
+def _publish(location: Location, new_path: Path, old: Golden | None, unreadable: str | None, reason: str,
+             name: str | None, asked: list[str]) -> Refreshed:
+    """``asked``: the summary's first lines (what the caller changed on purpose)."""
+    """Summarise the new version against the old, write its history, publish it."""
+    new = open_golden(new_path)
+    changes, summary = summarise(old, new, name or location.url, reason, asked, unreadable)
+    previous = old.history if old is not None else []
+    meta = dict(new.meta)
+    meta.pop("candidate", None)  # once promoted, the candidate is the golden
+    entry = H.entry(meta, new.content_digest(), reason=reason, previous=previous, changes=changes)
+    _rewrite_meta(new_path, {"history": [*previous, entry]}, drop=("candidate",))
+    location.publish(new_path, True)
+    return Refreshed(location.url, summary=summary, changes=changes, version=entry["version"])
+
+
+def _rewrite_meta(path: Path, updates: dict, drop: tuple[str, ...] = ()) -> None:
+    """Update a staged golden's root metadata, ``complete`` kept last."""
+    root = zarr.open_group(zarr.storage.LocalStore(path), mode="r+")
+    meta = {k: v for k, v in dict(root.attrs["vd"]).items() if k not in drop and k != "complete"}
+    meta.update(json.loads(json.dumps(updates, default=str)))
+    root.attrs["vd"] = {**meta, "complete": True}
+
+
+# -- the change summary -------------------------------------------------------------------------------------
+def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: list[str],
+              unreadable: str | None = None) -> tuple[list[str], str]:
+    """The new version against the old: its headline lines and a Markdown summary for a pull request."""
+    if old is None:
+        head = [f"previous version unreadable ({unreadable}); its history is lost" if unreadable else "new golden"]
+        return head, _markdown(title, reason, head, [], [])
+    lines, rows, decisions = [], [], []
+    if old.content_digest() == new.content_digest():
+        lines.append("no logit, step or decision moved (content digest unchanged)")
+    lines += asked
+    for what, a, b in (("model fingerprint", old.meta["model"]["fingerprint"], new.meta["model"]["fingerprint"]),
+                       ("forward", old.info.forward, new.info.forward),
+                       ("head fingerprint", (old.meta.get("mtp") or {}).get("fingerprint"),
+                        (new.meta.get("mtp") or {}).get("fingerprint"))):
+        if a != b:
+            lines.append(f"{what}: {a} -> {b}")
+    env = numerics_differences(old.meta.get("environment") or {}, new.meta.get("environment") or {})
+    lines += [f"environment: {d}" for d in env]
+    try:
+        d = diff(old.url, new.url, tolerances=("exact",))
+    except UsageError as e:
+        lines.append(f"rows not compared: {e}")
+    else:
+        rows, decisions = _row_changes(d), _decision_changes(old, new)
+        lines += _headline(rows, decisions)
+    return lines, _markdown(title, reason, lines, rows, decisions)
+
+
+def _row_changes(d: dict) -> list[list]:
+    out = []
+    for v in d["verify"]:
+        c = v["comparison"]
+        for kind, s in c["summary"].items():
+            steps = c.get("mismatched_step_list") if kind == "verify" else None
+            out.append([v["k"], kind, s["rows_differ"], s["rows"], s["max_abs"], s["argmax_flips"],
+                        "" if not steps else ", ".join(map(str, steps[:12])) + (" ..." if len(steps) > 12 else "")])
+    return out
+
+
+def _decision_changes(old: Golden, new: Golden) -> list[str]:
+    out = []
+    for k in old.ks:
+        a, b = old.checked_log(k), new.checked_log(k)
+        moved = [i for i, (x, y) in enumerate(zip(a.accepted.tolist(), b.accepted.tolist())) if x != y]
+        if moved:
+            out.append(f"K={k}: accept counts changed at steps {moved}: {a.accepted.tolist()} -> "
+                       f"{b.accepted.tolist()}")
+        tok = [i for i in range(len(a.tokens)) if a.tokens[i].tolist() != b.tokens[i].tolist()]
+        if tok:
+            out.append(f"K={k}: {len(tok)} step(s) verified other tokens, from step {tok[0]}")
+        if a.bootstrap != b.bootstrap:
+            out.append(f"K={k}: bootstrap token {a.bootstrap} -> {b.bootstrap}")
+    return out
+
+
+def _headline(rows: list[list], decisions: list[str]) -> list[str]:
+    moved = [r for r in rows if r[2]]
+    if not moved:
+        return decisions
+    ks = sorted({r[0] for r in moved})
+    worst = max(r[4] for r in moved)
+    flips = sum(r[5] for r in moved)
+    return [f"rows moved at K={ks}: {sum(r[2] for r in moved)} of {sum(r[3] for r in rows)} rows, max |delta| "
+            f"{worst:.4g}, {flips} argmax flip(s)", *decisions]
+
+
+def _markdown(title: str, reason: str, lines: list[str], rows: list[list], decisions: list[str]) -> str:
+    md = [f"## vd refresh: {title}", "", f"**Reason:** {reason}", ""]
+    md += [f"- {x}" for x in lines] or ["- nothing changed"]
+    if rows:
+        md += ["", "| K | rows | moved | of | max abs delta | argmax flips | verify steps that moved |",
+               "|---|---|---|---|---|---|---|"]
+        md += [f"| {k} | {kind} | {n} | {of} | {mx:.4g} | {fl} | {steps} |" for k, kind, n, of, mx, fl, steps in rows]
+    if decisions:
+        md += ["", "**Decisions**", ""] + [f"- {x}" for x in decisions]
+    return "\n".join(md) + "\n"

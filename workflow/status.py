@@ -1,0 +1,135 @@
+"""Where a suite's goldens stand (`status`): each declared golden present or missing, complete, up to date
+with its declaration and its model, recorded with which fingerprint and environment, last replayed with
+which result (from a suite report); and the orphans, goldens on disk that no declaration names (`orphans`),
+removed only when asked (`prune`).
+
+A golden is **stale** when what its declaration would record now differs from what recorded it (prompt, K,
+steps, model SPEC, ...: `vd.workflow.suite.stale_reasons`) or when the model it names no longer has the
+fingerprint it was recorded with (checked by loading each model once, unless ``check_models`` is off).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vd.errors import GoldenError, VdError
+from vd.progress import SILENT, Progress
+from vd.store import locate, open_golden
+from vd.store.location import Directory, ZipFile
+from vd.workflow.declare import Entry, Suite
+from vd.workflow.suite import Models, stale_reasons
+
+
+@dataclass(slots=True)
+class GoldenStatus:
+    """One declared golden's state: ``missing``, ``unreadable`` (``reasons``: why), ``stale`` (``reasons``:
+    what changed) or ``current``; ``recorded``: what made it; ``last``: its last suite replay's verdict."""
+
+    name: str
+    path: str
+    state: str
+    reasons: list[str] = field(default_factory=list)
+    recorded: dict = field(default_factory=dict)
+    last: str | None = None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "path": self.path, "state": self.state, "reasons": self.reasons,
+                "recorded": self.recorded, "last": self.last}
+
+
+def status(suite: Suite, entries: Sequence[Entry], *, check_models: bool = True, report: str | None = None,
+           models: Models | None = None, progress: Progress = SILENT) -> list[GoldenStatus]:
+    """Each entry's `GoldenStatus`. ``report``: a suite report (``vd replay --suite --report``) to take each
+    golden's last verdict from."""
+    last = _last_verdicts(report)
+    models = models or Models()
+    return [_one(e, check_models, models, last.get(e.name), progress) for e in entries]
+
+
+def _one(e: Entry, check_models: bool, models: Models, last: str | None, progress: Progress) -> GoldenStatus:
+    s = GoldenStatus(e.name, e.path, "current", last=last)
+    if locate(e.path).state() == "absent":
+        s.state = "missing"
+        return s
+    try:
+        g = open_golden(e.path)
+    except GoldenError as err:
+        s.state, s.reasons = "unreadable", [str(err)]
+        return s
+    m, env = g.meta["model"], g.meta.get("environment") or {}
+    history = g.history
+    s.recorded = {"version": len(history) or None, "fingerprint": m["fingerprint"], "forward": g.info.forward,
+                  "device": g.info.device, "created": g.meta.get("created"),
+                  "environment": {k: env.get(k) for k in ("vd", "torch", "transformers", "gpu_name", "cpu_model")},
+                  "reason": history[-1].get("reason") if history else None, "slim": g.slim}
+    s.reasons = stale_reasons(e, g)
+    if check_models:
+        s.reasons += _fingerprint(g, models, progress)
+    if s.reasons:
+        s.state = "stale"
+    return s
+
+
+def _fingerprint(g, models: Models, progress: Progress) -> list[str]:
+    """Whether the model (and head) the golden names still has the fingerprint it was recorded with."""
+    import torch
+
+    m = g.meta["model"]
+    device = g.info.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"  # fingerprints cover weights and config, not the device they sit on
+    try:
+        model = models.get(m["spec"], device, g.logical, m.get("head"), progress)
+    except VdError as e:
+        return [f"model {m['spec']}: {e}"]
+    out = []
+    now = model.identity().fingerprint
+    if now != m["fingerprint"]:
+        out.append(f"model {m['spec']} now has fingerprint {now}; the golden was recorded with {m['fingerprint']}")
+    if g.info.drafted and hasattr(model, "head_info"):
+        head = model.head_info().get("fingerprint")
+        if head != g.meta["mtp"]["fingerprint"]:
+            out.append(f"MTP head now has fingerprint {head}; the golden was recorded with "
+                       f"{g.meta['mtp']['fingerprint']}")
+    return out
+
+
+def _last_verdicts(report: str | None) -> dict[str, str]:
+    if report is None:
+        return {}
+    try:
+        data = json.loads(Path(report).read_text())
+        return {g["name"]: g["verdict"] for g in data["goldens"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GoldenError(f"--report {report} is not a suite report (vd replay --suite --report): {e}") from e
+
+
+def orphans(suite: Suite) -> list[str]:
+    """Goldens (directories and .zip files holding one) in the folders of the suite's local goldens that no
+    declaration names."""
+    declared = {e.path for e in suite.entries.values()}
+    folders = {Path(p).parent for p in declared if "://" not in p}
+    found = []
+    for folder in sorted(folders):
+        if not folder.is_dir():
+            continue
+        for child in sorted(folder.iterdir()):
+            if str(child) in declared or child.name.startswith("."):
+                continue
+            where = ZipFile(child) if child.suffix == ".zip" else Directory(child)
+            if where.state() == "golden":
+                found.append(str(child))
+    return found
+
+
+def prune(paths: Sequence[str]) -> None:
+    """Remove orphan goldens (`orphans`)."""
+    for p in map(Path, paths):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()

@@ -1,0 +1,161 @@
+"""A suite's goldens recorded and replayed together (`record_suite`, `replay_suite`), each model loaded once
+per process however many goldens use it (`Models`), with one aggregated verdict (`Outcome`, `verdict`).
+
+A golden that cannot be replayed (missing, damaged, made by another model) is one ``ERROR`` outcome with its
+one-line reason; the others still run. The suite's exit code is the worst of its goldens': 2 where any
+golden could not be judged, else 1 where any FAILed, else 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from vd.errors import VdError
+from vd.progress import SILENT, Progress
+from vd.protocol import VerifyModel
+from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
+from vd.replayer import ReplaySettings, replay
+from vd.replayer.report import Report
+from vd.store import Golden, check_target, locate, open_golden
+from vd.workflow.declare import Entry
+from vd.workflow.refresh import refresh
+
+# What a stale check compares: the golden's recorded setting against the declaration's (resolved).
+_COMPARED = ("model", "head", "feed", "prompt", "ks", "steps", "dtype", "device", "forward", "tolerances",
+             "deterministic", "threads")
+
+
+class Models:
+    """Models by (spec, device, dtype, head), each loaded at its first use (``loads`` counts the loads)."""
+
+    def __init__(self):
+        self.held: dict[tuple, VerifyModel] = {}
+        self.loads = 0
+
+    def get(self, spec: str, device: str, dtype: str, head: str | None, progress: Progress = SILENT) -> VerifyModel:
+        key = (spec, device, dtype, head)
+        if key not in self.held:
+            from vd.models import check_device, load_model
+
+            progress.phase(f"loading {spec}", 0)
+            self.held[key] = load_model(spec, device=check_device(device), dtype=dtype, head=head)
+            self.loads += 1
+        return self.held[key]
+
+
+def record_settings(entry: Entry) -> RecordSettings:
+    """The settings an entry declares, over the recorder's defaults."""
+    d = entry.declared()
+    renames = {"k": "ks", "policy": "tolerances"}
+    return RecordSettings(**{renames.get(key, key): v for key, v in d.items()})
+
+
+def stale_reasons(entry: Entry, golden: Golden) -> list[str]:
+    """How the golden differs from what its declaration would record now (empty: up to date). A setting the
+    declaration leaves out is compared as the recorder's default, except the forward and thread count,
+    which then mean "the model's default" and "torch's" and are not compared."""
+    want, have = record_settings(entry), RecordSettings.of_golden(golden.meta)
+    skip = {"forward"} if entry.forward is None else set()
+    if entry.threads is None:
+        skip.add("threads")
+    out = []
+    for name in _COMPARED:
+        a, b = getattr(have, name), getattr(want, name)
+        if name not in skip and a != b:
+            shown = "the default prompt" if b == DEFAULT_PROMPT else repr(list(b) if isinstance(b, tuple) else b)
+            out.append(f"{name}: recorded {list(a) if isinstance(a, tuple) else a!r}, declared {shown}")
+    return out
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One golden's result in a suite run: ``verdict`` PASS, FAIL, ERROR (could not be judged: ``error``),
+    RECORDED, REFRESHED, PRESENT (left as it was) or REFUSED (a recording not stored: ``reasons``)."""
+
+    name: str
+    path: str
+    verdict: str
+    report: Report | None = None
+    error: str | None = None
+    reasons: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "path": self.path, "verdict": self.verdict, "error": self.error,
+                "reasons": self.reasons or ([r.text for r in self.report.reasons] if self.report else []),
+                "seconds": self.seconds, "report": None if self.report is None else self.report.to_json()}
+
+
+def exit_code(outcomes: Sequence[Outcome]) -> int:
+    verdicts = {o.verdict for o in outcomes}
+    return 2 if "ERROR" in verdicts else 1 if verdicts & {"FAIL", "REFUSED"} else 0
+
+
+def shard(entries: list[Entry], spec: str | None) -> list[Entry]:
+    """The entries of shard ``I/N`` (1 <= I <= N): every N-th entry in name order, starting at the I-th."""
+    if spec is None:
+        return entries
+    from vd.errors import UsageError
+
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard takes I/N like 2/4; got {spec!r}") from None
+    if not 1 <= i <= n:
+        raise UsageError(f"--shard {spec}: I must be 1..N")
+    ordered = sorted(entries, key=lambda e: e.name)
+    return ordered[i - 1::n]
+
+
+def _timed(entry: Entry, run: Callable[[], Outcome]) -> Outcome:
+    t = time.perf_counter()
+    try:
+        out = run()
+    except VdError as e:
+        out = Outcome(entry.name, entry.path, "ERROR", error=str(e))
+    out.seconds = time.perf_counter() - t
+    return out
+
+
+def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySettings(), *,
+                 models: Models | None = None, progress: Progress = SILENT,
+                 model: VerifyModel | None = None) -> list[Outcome]:
+    """Replay each entry's golden under ``settings`` (forwards, tolerances, device ... for every golden);
+    ``model``, when given, replays every golden (an engine under test), else each golden's own model."""
+    models = models or Models()
+
+    def one(e: Entry) -> Outcome:
+        g = open_golden(e.path)
+        m = model or models.get(settings.model or g.meta["model"]["spec"], settings.device or g.info.device,
+                                g.logical, settings.head if settings.model else g.meta["model"].get("head"), progress)
+        report = replay(g.location, settings, model=m, progress=progress)
+        return Outcome(e.name, e.path, report.verdict, report=report)
+
+    return [_timed(e, lambda e=e: one(e)) for e in entries]
+
+
+def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, reason: str = "first recording",
+                 models: Models | None = None, progress: Progress = SILENT) -> list[Outcome]:
+    """Record each entry's golden from its declaration: a missing one recorded, an existing one left as it is
+    (PRESENT) or, with ``refresh_existing``, refreshed with ``reason`` (`vd.workflow.refresh`)."""
+    models = models or Models()
+
+    def one(e: Entry) -> Outcome:
+        s = record_settings(e)
+        location = locate(e.path)
+        present = location.state() != "absent"
+        if present and not refresh_existing:
+            check_target(location, refresh=True)  # a golden is left as it is; anything else is an error
+            return Outcome(e.name, e.path, "PRESENT")
+        m = models.get(s.model, s.device, s.dtype, s.head, progress)
+        if present:
+            r = refresh(e.path, s, reason=reason, name=e.name, model=m, progress=progress)
+            return Outcome(e.name, e.path, "REFUSED" if r.refused else "REFRESHED", reasons=r.refused or r.changes)
+        r = record(e.path, s, model=m, progress=progress, reason=reason)
+        if r.location is None:
+            return Outcome(e.name, e.path, "REFUSED", reasons=[*r.thin, *r.short])
+        return Outcome(e.name, e.path, "RECORDED", reasons=[f"K={k}: accepted {a}" for k, a in r.accepted.items()])
+
+    return [_timed(e, lambda e=e: one(e)) for e in entries]
