@@ -67,3 +67,8 @@ def damage(path: Path, how: str) -> None:
         path.unlink()
         if how == "directory":
             path.mkdir()
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every file of a golden directory by its path inside it, with its bytes (what git would compare)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}

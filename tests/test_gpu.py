@@ -228,3 +228,24 @@ def test_row_digests_are_the_same_on_cpu_and_cuda(cli, tmp_path):
         assert np.array_equal(stored_digests, digests), k
         # argmax, top-1, margin and largest |logit| are exact on either device; the top-1 probability sums
         assert np.array_equal(stored_stats[:, :4], stats[:, :4]) and np.allclose(stored_stats, stats, rtol=1e-5), k
+
+
+@pytest.mark.parametrize("spec, feed", [("tiny-llama", "reference"), ("tiny-llama-mtp", "mtp")])
+def test_a_graphed_golden_is_refreshed_and_a_candidate_promoted_on_cuda(cli, tmp_path, monkeypatch, spec, feed):
+    """The reviewed refresh on CUDA: the new recording replays itself bit for bit as graphs (else it would be
+    refused), re-recording unchanged logits moves nothing, and a replay's candidate promotes to the same
+    content. (The prompt is one the tiny MTP head drafts well on: a refresh refuses a thin recording.)"""
+    monkeypatch.chdir(tmp_path)  # no suite declared here
+    g = tmp_path / "g.zarr"
+    code, out, err = cli("record", g, "--model", spec, "--feed", feed, "--device", "cuda", "--forward", "graphed",
+                         "--steps", "8", "--prompt", "The three laws of thermodynamics state that")
+    assert code == 0, err
+    code, out, err = cli("record", g, "--refresh", "--reason", "the same build again")
+    assert code == 0 and "no logit, step or decision moved" in out, out + err
+    code, out, err = cli("replay", g, "--save-candidate", tmp_path / "c.zarr")
+    assert code == 0, out + err
+    code, out, err = cli("refresh", g, "--from", tmp_path / "c.zarr", "--reason", "promote the graphed replay")
+    assert code == 0 and "no logit, step or decision moved" in out, out + err
+    h = open_golden(g).history
+    assert [e["reason"] for e in h] == ["first recording", "the same build again", "promote the graphed replay"]
+    assert h[0]["content_digest"] == h[2]["content_digest"] and h[2]["environment"]["device"] == "cuda"

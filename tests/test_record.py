@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from golden_edit import files
 
 from vd.errors import UsageError
 from vd.models import load_model
@@ -90,17 +91,14 @@ def test_the_same_recording_in_a_directory_a_zip_file_and_on_s3(tmp_path, tiny_m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zarr", "g.zip"]
 
 
-def _files(root) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
 
 def test_recording_the_same_numbers_again_changes_only_the_run_group(tmp_path, tiny_model):
     """What a review diffs stays byte for byte as it was when the logits did not move: the time, host, step
     timings and model path live in run/zarr.json alone (the root's history says who recorded it and when),
     and a replay still reads them back."""
     settings = RecordSettings(model="tiny-llama", steps=4, ks=(2, 3))
-    a = _files(record(tmp_path / "a.zarr", settings, model=tiny_model).location.path)
-    b = _files(record(tmp_path / "b.zarr", settings, model=tiny_model).location.path)
+    a = files(record(tmp_path / "a.zarr", settings, model=tiny_model).location.path)
+    b = files(record(tmp_path / "b.zarr", settings, model=tiny_model).location.path)
     assert a.keys() == b.keys() and "run/zarr.json" in a
     assert {name for name in a if a[name] != b[name]} <= {"run/zarr.json", "zarr.json"}
     root_a, root_b = (json.loads(x["zarr.json"])["attributes"]["vd"] for x in (a, b))

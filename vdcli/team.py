@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -221,7 +222,7 @@ def status(
         states = S.status(suite, suite.select(names or []), check_models=not no_models,
                           report=None if report is None else str(report), progress=progress)
     orphans = S.orphans(suite) if not names else []
-    _print_status(states, orphans, no_models)
+    _print_status(states, orphans, no_models, suite.file.parent)
     if prune and orphans:
         S.prune(orphans)
         out.print(f"removed {len(orphans)} orphan golden(s)")
@@ -231,7 +232,10 @@ def status(
     return EXIT_FAIL if orphans or any(s.state != "current" for s in states) else EXIT_PASS
 
 
-def _print_status(states, orphans: list[str], no_models: bool) -> None:
+def _print_status(states, orphans: list[str], no_models: bool, base: Path) -> None:
+    def shown(path: str) -> str:  # paths relative to the declaring file, as declared
+        return path if "://" in path else os.path.relpath(path, base)
+
     t = Table(title_justify="left", title="goldens" + (" (fingerprints not checked)" if no_models else ""))
     for col in ("name", "state", "version", "forward", "fingerprint", "recorded with", "last replay", "path"):
         t.add_column(col)
@@ -239,10 +243,10 @@ def _print_status(states, orphans: list[str], no_models: bool) -> None:
         r, env = s.recorded, s.recorded.get("environment") or {}
         made = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "gpu_name", "cpu_model") if env.get(k))
         t.add_row(s.name, s.state, str(r.get("version") or "-"), r.get("forward") or "-",
-                  (r.get("fingerprint") or "-")[:19], made or "-", s.last or "-", s.path)
+                  (r.get("fingerprint") or "-")[:19], made or "-", s.last or "-", shown(s.path))
     out.print(t)
     for s in states:
         for why in s.reasons:
             out.print(f"  {s.name}: {why}")
     for path in orphans:
-        out.print(f"  orphan: {path} (declared by none; vd status --prune removes it)")
+        out.print(f"  orphan: {shown(path)} (declared by none; vd status --prune removes it)")

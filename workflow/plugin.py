@@ -76,6 +76,7 @@ class _Session:
     def check(self, name: str, who: str, model=None, **over):
         """Replay golden ``name`` (refreshing it when asked to update); raise `GoldenFailure` with vd's
         reasons when it fails; the report when it passes (None after a refresh)."""
+        __tracebackhide__ = True  # a failure shows the test's line and vd's reasons, not this function
         from vd.workflow.suite import replay_suite, stale_reasons
 
         try:
@@ -106,7 +107,7 @@ class _Session:
         from vd.store import locate, open_golden
 
         if locate(entry.path).state() == "absent":
-            return [f"golden missing: record it with vd record --suite {entry.name}"]
+            return [f"golden missing (record it: vd record --suite {entry.name}, or pytest --vd-update)"]
         try:
             stale = stale_reasons(entry, open_golden(entry.path))
         except VdError as e:
@@ -154,6 +155,7 @@ class Golden:
     def replay(self, model=None, **settings):
         """Replay through ``model`` (default: the golden's own), with `vd.replayer.ReplaySettings` fields as
         keywords; fails the test with vd's reasons, returns the report on PASS."""
+        __tracebackhide__ = True
         return self.session.check(self.name, self.who, model, **settings)
 
 
@@ -194,7 +196,10 @@ class SuiteFile(pytest.File):
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     if not config.getoption("vd"):
         return
-    suite = _session(config).suite
+    try:
+        suite = _session(config).suite
+    except VdError as e:  # a declaration that cannot work: pytest's one-line usage error
+        raise pytest.UsageError(f"vd: {e}") from None
     items.extend(SuiteFile.from_parent(session, path=Path(suite.file)).collect())
 
 

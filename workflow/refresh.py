@@ -115,7 +115,7 @@ def promote(candidate: str | os.PathLike, where: str | os.PathLike, *, reason: s
                          f"({made.get('of_content')}); replay the golden again to save a current candidate")
     refused = [f"K={k}: the candidate's detection control was blind" for k, fired in
                (made.get("control") or {}).items() if not fired]
-    refused += [t for t in (made.get("thin") or []) if t]
+    refused += list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
     if refused:
         return Refreshed(location.url, refused=refused)
     staging = location.staging()

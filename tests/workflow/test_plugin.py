@@ -53,7 +53,8 @@ def project(pytester, warm):
 def test_goldens_are_collected_recorded_when_missing_and_replayed(project):
     r = project.runpytest("--vd")
     r.assert_outcomes(failed=1)
-    r.stdout.fnmatch_lines(["*golden missing: record it with vd record --suite tiny*"])
+    r.stdout.fnmatch_lines(["*golden missing (record it: vd record --suite tiny, or pytest --vd-update)*"])
+    assert "def check(" not in r.stdout.str()  # vd's reasons, not the plugin's source
     r = project.runpytest("--vd", "--vd-update")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["*vd: goldens refreshed*", "tiny: v1 *tiny.zarr", "*new golden*"])
@@ -97,3 +98,6 @@ def test_a_bad_declaration_fails_the_items_with_one_line(project):
     r = project.runpytest("test_engine.py")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["*vd.toml: [[]goldens.tiny[]] unknown key 'colour'*"])
+    r = project.runpytest("--vd")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: vd: *vd.toml: [[]goldens.tiny[]] unknown key 'colour'*"])

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from golden_edit import files
 
 from vd.errors import UsageError
 from vd.recorder import RecordSettings, record
@@ -17,9 +18,6 @@ SETTINGS = RecordSettings(model="tiny-llama", steps=4, ks=(2, 3))
 DEAF = Path(__file__).parent.parent / "plugins" / "deaf.py"
 
 
-def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
 
 @pytest.fixture
 def golden(tmp_path, tiny):
@@ -29,7 +27,7 @@ def golden(tmp_path, tiny):
 
 
 def test_a_refresh_with_unchanged_logits_adds_only_a_history_entry(golden, tiny):
-    files = _files(golden)
+    was = files(golden)
     before = open_golden(golden)
     r = refresh(golden, RecordSettings.of_golden(before.meta), reason="new CI runner", model=tiny)
     assert r.published and r.version == 2
@@ -40,9 +38,9 @@ def test_a_refresh_with_unchanged_logits_adds_only_a_history_entry(golden, tiny)
     assert [e["reason"] for e in h] == ["trusted build, first recording", "new CI runner"]
     assert h[1]["previous"] == h[0]["content_digest"] == h[1]["content_digest"] == after.content_digest()
     assert {"time", "user", "host", "environment", "fingerprint", "forward", "vd"} <= set(h[1])
-    now = _files(golden)  # what git would show: the run group, and the root's new history entry alone
-    assert [n for n in now if now[n] != files[n]] == ["run/zarr.json", "zarr.json"] and now.keys() == files.keys()
-    roots = [json.loads(x["zarr.json"])["attributes"]["vd"] for x in (files, now)]
+    now = files(golden)  # what git would show: the run group, and the root's new history entry alone
+    assert [n for n in now if now[n] != was[n]] == ["run/zarr.json", "zarr.json"] and now.keys() == was.keys()
+    roots = [json.loads(x["zarr.json"])["attributes"]["vd"] for x in (was, now)]
     assert roots[1].pop("history")[:1] == roots[0].pop("history") and roots[0] == roots[1]
 
 
@@ -54,7 +52,7 @@ def test_a_refresh_asked_to_change_a_setting_says_so(golden, tiny):
 
 
 def test_a_thin_or_blind_new_recording_is_refused_and_the_old_golden_kept(golden, tiny):
-    before = _files(golden)
+    before = files(golden)
     thin = refresh(golden, RecordSettings(model="tiny-llama", steps=1, ks=(3,)), reason="thin", model=tiny)
     assert not thin.published and "needs both full and partial accepts" in thin.refused[0]
     spec = importlib.util.spec_from_file_location("deaf_for_refresh", DEAF)
@@ -62,7 +60,7 @@ def test_a_thin_or_blind_new_recording_is_refused_and_the_old_golden_kept(golden
     spec.loader.exec_module(deaf)
     blind = refresh(golden, SETTINGS, reason="blind", model=deaf.factory(device="cpu", dtype="bfloat16"))
     assert not blind.published and any("detection control saw no difference" in x for x in blind.refused)
-    assert _files(golden) == before
+    assert files(golden) == before
     with pytest.raises(UsageError, match="needs a reason"):
         refresh(golden, SETTINGS, reason=" ", model=tiny)
 
