@@ -22,7 +22,8 @@ from vd import env
 from vd.coverage import coverage_reason, thin_reason
 from vd.digest import summarise
 from vd.dtypes import of_torch, to_storage
-from vd.errors import UsageError
+from vd.env import check_threads
+from vd.errors import ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
 from vd.loop import DrafterFeed, ReferenceFeed, Run, continuation, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
@@ -45,7 +46,8 @@ FEEDS = ("reference", "mtp")
 class RecordSettings:
     """What a recording asks for: the model and its head, the prompt, the verify widths and steps, the
     forward, feed, device, dtype and threads, determinism, the policy stored as the golden's default
-    (``tolerances``), and what makes a reference acceptable (``require_coverage``, ``allow_thin``)."""
+    (``tolerances``), and what makes a reference acceptable (``require_coverage``, ``allow_thin``;
+    ``allow_nonfinite`` stores NaN or Inf logits rather than refuse the recording)."""
 
     model: str = DEFAULT_MODEL
     head: str | None = None
@@ -61,6 +63,7 @@ class RecordSettings:
     tolerances: tuple[str, ...] = ()
     require_coverage: bool = False
     allow_thin: bool = False
+    allow_nonfinite: bool = False
 
     def check(self) -> Policy:
         """Refuse settings that cannot work, before any work; the policy they ask for."""
@@ -75,8 +78,7 @@ class RecordSettings:
             raise UsageError(f"unknown feed {self.feed!r} (choose from {', '.join(FEEDS)})")
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1; got {self.steps}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be at least 1; got {self.threads}")
+        check_threads(self.threads)
         return Policy.parse(self.tolerances)
 
     @classmethod
@@ -134,10 +136,17 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
     """Record ``settings`` into the golden at ``out`` (a directory, a ``.zip`` file or an ``s3://`` URL);
     ``refresh`` replaces a golden already there (without comparing or keeping its history: that is
     `vd.workflow.refresh`). A passed-in ``model`` is used as it is (its device and dtype win over the
-    settings'). ``reason`` starts the golden's history."""
+    settings'). ``reason`` starts the golden's history. Another process writing ``out`` meanwhile is refused
+    at once (a `vd.errors.GoldenError`): one writer at a time (`vd.store.atomic`)."""
     policy = settings.check()
     location = locate(out)
     check_target(location, refresh)  # before the expensive part (the writer checks again)
+    with location.writer():
+        return _record(location, settings, policy, refresh, model, progress, reason)
+
+
+def _record(location: Location, settings: RecordSettings, policy: Policy, refresh: bool, model: VerifyModel | None,
+            progress: Progress, reason: str) -> RecordResult:
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     model = _model(settings, model, progress)
@@ -201,6 +210,8 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
     # Made here, between runs: the writer thread touches no GPU (a CUDA call of its own during a graph
     # captured mid-run, such as a draft head's first propose of a shape, would invalidate that capture).
     log, summary, draft_rows, drafts = _finished(run, same)
+    if not settings.allow_nonfinite:
+        _refuse_nonfinite(layout, summary[1], k)
     stream.finish(log, summary, draft_rows, drafts)
     accepted = log.accepted.tolist()
     result.accepted[k], result.committed_is_greedy[k] = accepted, same
@@ -208,6 +219,19 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
         result.thin.append(reason)
     if settings.require_coverage and (reason := coverage_reason(k, accepted)) is not None:
         result.short.append(reason)
+
+
+def _refuse_nonfinite(layout: RowLayout, stats: np.ndarray, k: int) -> None:
+    """A recording whose logits hold NaN or Inf is refused (its rows' statistics say so: the largest |logit|
+    of such a row is not finite), naming where."""
+    where = []
+    for kind, rows in layout.split(stats).items():
+        for i in np.flatnonzero(~np.isfinite(rows).all(axis=1)).tolist():
+            step = layout.locate(kind, i)[0]
+            where.append(f"{kind} row {i}" if step is None else f"{kind} step {step}")
+    if where:
+        raise ModelOutputError(f"the model computed non-finite logits (NaN or Inf) at K={k}: {', '.join(where[:5])}"
+                               f"{' ...' if len(where) > 5 else ''}; nothing stored (--allow-nonfinite stores them)")
 
 
 def _finished(run: Run, same: bool) -> tuple[StepLog, tuple[np.ndarray, np.ndarray], np.ndarray | None,

@@ -25,8 +25,7 @@ from vd.store import Golden, GoldenWriter, check_target, locate
 from vd.store import format as F
 
 # The golden's metadata a candidate does not inherit: the writer makes it anew, or it names the recording.
-_NOT_INHERITED = ("complete", "format", "format_version", "created", "digest", "logs", "prompt_tokens", "rows",
-                  "logits", "content_digest", "history", "candidate")
+_NOT_INHERITED = (*F.WRITTEN, "history", "candidate")
 
 
 class CandidateWriter:
@@ -38,7 +37,13 @@ class CandidateWriter:
             raise UsageError(f"--save-candidate {location.url} is the golden being replayed; name another path")
         check_target(location, refresh=True)  # an earlier candidate is replaced; anything else refused
         self.golden = golden
-        self.writer = GoldenWriter(location, refresh=True, background=False)
+        self._lock = location.writer()
+        self._lock.__enter__()  # one writer at a time, until `abort`
+        try:
+            self.writer = GoldenWriter(location, refresh=True, background=False)
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
 
     @property
     def url(self) -> str:
@@ -72,4 +77,10 @@ class CandidateWriter:
         self.writer.publish(meta, g.prompt, reason=f"candidate saved by a replay of {g.url}")
 
     def abort(self) -> None:
-        self.writer.abort()
+        """Remove what was not published, and let other writers in."""
+        try:
+            self.writer.abort()
+        finally:
+            if self._lock is not None:
+                self._lock.__exit__(None, None, None)
+                self._lock = None

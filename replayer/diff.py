@@ -50,6 +50,14 @@ def _same_recording(a: Golden, b: Golden) -> None:
 def diff(a_path: str | os.PathLike, b_path: str | os.PathLike, *, tolerances: Sequence[str] = ()) -> dict:
     """Judge golden B against golden A; the report's ``verdict`` is PASS or FAIL."""
     a, b = open_golden(a_path), open_golden(b_path)
+    try:
+        return _diff(a, b, tolerances)
+    finally:
+        a.close()
+        b.close()
+
+
+def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> dict:
     _same_recording(a, b)
     policy = Policy.parse(tolerances, a.meta.get("policy"))
     if a.slim and policy.needs_rows:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from vd import env
 from vd.compare import Comparison, Queued, compare_run
 from vd.coverage import coverage_reason, thin_reason
 from vd.dtypes import to_storage
-from vd.errors import ModelMismatchError, UsageError
+from vd.errors import GoldenError, ModelMismatchError, UsageError
 from vd.layout import Step
 from vd.loop import DrafterFeed, ReplayFeed, prepare, run_verify
 from vd.models import check_device, check_forward_names, load_model, require_forwards
@@ -88,11 +89,42 @@ def replay(golden: str | os.PathLike, settings: ReplaySettings = ReplaySettings(
     try:
         r.load(model)
         verify = [r.replay_k(k) for k in r.ks]
+        r.files.check_files()  # no damaged golden reaches a verdict
         r.save_candidate(verify)
+    except GoldenError:
+        if hasattr(r, "files"):
+            r.files.check_files()  # a damaged file, named, before whatever it broke
+        raise
     finally:
         if r.candidate is not None:
             r.candidate.abort()
     return r.report(verify)
+
+
+class _FileCheck:
+    """Every file of the golden checked (`vd.store.read.Golden.check_files`) on a thread of its own, off the
+    step's path: while the model loads, or beside the run when the model is given. (On CUDA, where the
+    golden is read ahead, the `vd.store.prefetch.Prefetcher` hashes the files instead, a unit a file, in the
+    time the GPU leaves idle.)"""
+
+    def __init__(self, golden: Golden):
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, args=(golden,), name="vd-file-check", daemon=True)
+        self.thread.start()
+
+    def _run(self, golden: Golden) -> None:
+        t = time.perf_counter()
+        try:
+            golden.check_files()
+        except BaseException as e:  # handed to the replay's thread by `result`
+            self.error = e
+        self.seconds = time.perf_counter() - t
+
+    def check_files(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class _Replay:
@@ -111,8 +143,7 @@ class _Replay:
         s = self.settings
         self.golden = g = open_golden(where, rows=s.rows)
         self.clock["open"] = time.perf_counter() - t
-        if s.threads is not None and s.threads < 1:
-            raise UsageError(f"--threads must be at least 1; got {s.threads}")
+        env.check_threads(s.threads)
         self.ks = list(s.ks) or g.ks
         absent = [k for k in self.ks if k not in g.ks]
         if absent:
@@ -132,7 +163,9 @@ class _Replay:
         self.determinism = (g.meta.get("determinism") or {}).get("applied")
         env.apply_determinism(self.determinism)  # what the recording applied, before the model is loaded
         # CPU kernels can split work by thread count: replay with the recording's unless told otherwise.
-        torch.set_num_threads(s.threads or self.recorded_env.get("threads") or torch.get_num_threads())
+        # (the recorded count, bounded by this machine's cores: more threads than cores only slows it down)
+        torch.set_num_threads(s.threads or min(self.recorded_env.get("threads") or torch.get_num_threads(),
+                                               os.cpu_count() or 1))
         self.prefetcher = None
         if model is None:
             self.progress.phase("loading model", 0)
@@ -141,7 +174,7 @@ class _Replay:
             loading = time.perf_counter() - t_load
         self.model = model
         if self.prefetcher is None:
-            self.prefetcher = Prefetcher(g, model.device)
+            self._reader(Prefetcher(g, model.device, files=True))
         self.notes = _check_model(g, model, s.allow_model_mismatch)
         self.offered = model.forwards()
         if not s.forwards and g.info.forward not in self.offered:  # e.g. a CUDA golden replayed on a CPU
@@ -156,6 +189,12 @@ class _Replay:
             self.candidate = CandidateWriter(s.save_candidate, g)
         self.clock["setup"] = time.perf_counter() - t - loading
 
+    def _reader(self, prefetcher: Prefetcher) -> None:
+        """The golden's reader, and its files' check begun: by the reader's units where it reads ahead (CUDA),
+        else on a thread of its own, while the model loads."""
+        self.prefetcher = prefetcher
+        self.files = prefetcher if prefetcher.hashing else _FileCheck(self.golden)
+
     def _load_model(self) -> VerifyModel:
         g, s = self.golden, self.settings
         check_forward_names(s.model or g.meta["model"]["spec"], list(s.forwards))  # before the model loads
@@ -167,7 +206,7 @@ class _Replay:
                              f"to replay it on the CPU{also}")
         head = s.head if s.head is not None or s.model is not None else g.meta["model"].get("head")
         device = check_device(dev)
-        self.prefetcher = Prefetcher(g, device)
+        self._reader(Prefetcher(g, device, files=True))
         self.prefetcher.start_thread()  # on CUDA the golden is read while the weights load
         return load_model(s.model or g.meta["model"]["spec"], device=device, dtype=g.logical, head=head)
 
@@ -284,7 +323,8 @@ class _Replay:
             rows={"slim": g.slim, "source": None if source is None else source.url},
             seconds=sum(self.clock[n] for n in PHASES if n not in ("open", "setup")),
             phases={**self.clock, "finish": time.perf_counter() - t},
-            reader=self.prefetcher.summary(), failure_rows=self.failure)
+            reader={**self.prefetcher.summary(), "file_check_s": getattr(self.files, "seconds", None)},
+            failure_rows=self.failure)
 
 
 def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> list[str]:

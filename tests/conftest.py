@@ -4,13 +4,13 @@ that returns exit code, stdout and stderr separately, and a real S3 server (Seaw
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 import seaweed
+from golden_edit import edit_meta
 from typer.testing import CliRunner
 
 from vd.cli import app
@@ -63,9 +63,7 @@ def rows_golden(tiny_golden, tmp_path) -> Path:
     scheme): its digests are computed from its rows when it is replayed."""
     dst = tmp_path / "rows.zarr"
     shutil.copytree(tiny_golden, dst)
-    doc = json.loads((dst / "zarr.json").read_text())
-    del doc["attributes"]["vd"]["digest"]
-    (dst / "zarr.json").write_text(json.dumps(doc))
+    edit_meta(dst, lambda m: m.pop("digest"))
     return dst
 
 

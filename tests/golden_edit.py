@@ -14,7 +14,7 @@ from vd.digest import summarise
 from vd.dtypes import to_tensor
 from vd.layout import RowLayout
 from vd.store import format as F
-from vd.store import open_golden
+from vd.store import manifest, open_golden
 
 
 def chunk(golden: Path, k: int, name: str = "logits", index: int = 0, plane: str = "hi") -> Path:
@@ -24,9 +24,11 @@ def chunk(golden: Path, k: int, name: str = "logits", index: int = 0, plane: str
     return arr.joinpath("c", str(index), *("0" * (ndim - 1)))
 
 
-def edit_rows(golden: Path, k: int, kind: str, edit: Callable[[np.ndarray], None], *, digests: bool = True) -> None:
+def edit_rows(golden: Path, k: int, kind: str, edit: Callable[[np.ndarray], None], *, digests: bool = True,
+              sealed: bool = True) -> None:
     """Apply ``edit`` in place to K's rows of ``kind`` as stored (``[R, V]``; bf16 as uint16 bits) and write
-    them back; with ``digests``, also that K's digests and statistics, as a recording would have them."""
+    them back; with ``digests``, also that K's digests and statistics, as a recording would have them; with
+    ``sealed``, the manifest and ID as well (a golden written so; without it, a golden damaged after)."""
     g = open_golden(golden)
     rows = g.all_rows(k)
     edit(rows[kind])
@@ -40,13 +42,28 @@ def edit_rows(golden: Path, k: int, kind: str, edit: Callable[[np.ndarray], None
         d, s = summarise({n: to_tensor(a) for n, a in rows.items()})
         root[f"k{k}/digests"][...] = d
         root[f"k{k}/stats"][...] = s
+    if sealed:
+        edit_meta(golden, lambda m: None)
 
 
-def edit_meta(golden: Path, change: Callable[[dict], None]) -> None:
-    """Apply ``change`` to the golden's vd metadata (its root ``zarr.json``), bypassing every check."""
+def _reseal(golden: Path, meta: dict) -> None:
+    """The manifest and ID of a golden whose files or metadata were edited, as a writer would make them."""
+    meta["manifest"] = manifest.build(Path(golden))
+    meta["golden_id"] = manifest.golden_id(meta)
+
+
+def edit_meta(golden: Path, change: Callable[[dict], None], *, sealed: bool = True) -> None:
+    """Apply ``change`` to the golden's vd metadata (its root ``zarr.json``), bypassing every check. With
+    ``sealed`` (and a golden that has an ID, format 6), the manifest and ID are made again as a writer would
+    (unless ``change`` set them itself): a golden written with this metadata; without it, one edited after."""
     path = Path(golden) / "zarr.json"
     doc = json.loads(path.read_text())
-    change(doc["attributes"]["vd"])
+    meta = doc["attributes"]["vd"]
+    before = (meta.get("manifest"), meta.get("golden_id"))
+    change(meta)
+    if sealed and before[1] is not None and isinstance(meta, dict) \
+            and (meta.get("manifest"), meta.get("golden_id")) == before:
+        _reseal(golden, meta)
     path.write_text(json.dumps(doc))
 
 

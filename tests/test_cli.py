@@ -432,3 +432,39 @@ def test_setup_in_a_virtual_environment_uses_its_pip(tmp_path):
                           env=_setup_env(str(venv / "bin")), timeout=60)
     assert done.returncode != 0 and "No module named pip" in done.stderr, done
     assert str(venv / "bin" / "python3") in done.stderr and "virtual environment" not in done.stderr
+
+
+# -- hostile engines and settings: one line, exit 2 ------------------------------------------------------------
+MISBEHAVING = str(PLUGINS / "misbehaving.py")
+
+
+@pytest.mark.parametrize("factory, needle", [
+    ("raising", "misbehaving.py:raising: its factory raised RuntimeError: no GPU context could be created"),
+    ("wide", "forward of 66 token(s) returned torch.bfloat16 rows of shape [66, 513]; the protocol wants "
+             "torch.bfloat16 rows of shape [66, 512]"),
+    ("flat", "returned torch.bfloat16 rows of shape [512]"),
+    ("float32", "returned torch.float32 rows of shape [66, 512]"),
+    ("nan", "the model computed non-finite logits (NaN or Inf) at K=2: prefill row 0"),
+])
+def test_a_misbehaving_engine_is_named_in_one_line(cli, tmp_path, factory, needle):
+    out = tmp_path / "g.zarr"
+    code, _, err = cli("record", out, "--model", f"{MISBEHAVING}:{factory}", "--k", "2", "--steps", "4")
+    _one_line_error(code, "", err, needle)
+    assert not out.exists()
+
+
+def test_nonfinite_logits_are_stored_only_when_asked(cli, tmp_path):
+    out = tmp_path / "g.zarr"
+    code, _, err = cli("record", out, "--model", f"{MISBEHAVING}:nan", "--k", "2", "--steps", "4",
+                       "--allow-nonfinite", "--allow-thin")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--steps", "100000"), "100000 steps at K=2 need 200070 positions; the model's context holds 512"),
+    (("--prompt", "x" * 600), "600 prompt tokens and 16 steps at K=2 need 636 positions"),
+    (("--threads", "100000"), "--threads must be 1 to"),
+])
+def test_runs_the_model_cannot_hold_are_refused_before_they_start(cli, tmp_path, args, needle):
+    code, _, err = cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--k", "2", *args)
+    _one_line_error(code, "", err, needle)

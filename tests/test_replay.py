@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from golden_edit import edit_rows
+from golden_edit import edit_meta, edit_rows
 
 from vd.dtypes import to_float
 from vd.errors import GoldenCorruptError, UsageError
@@ -209,10 +209,14 @@ def test_a_stored_digest_that_disagrees_with_its_row_is_a_damaged_golden(tiny_co
 
     arr = zarr.open_array(zarr.storage.LocalStore(tiny_copy / "k3" / "digests"), mode="r+")
     arr[5, 2] = int(arr[5, 2]) + 1  # the prefill's row 5
+    with pytest.raises(GoldenCorruptError, match=r"k3/digests/c/0/0 does not match the golden's manifest"):
+        replay(tiny_copy, ReplaySettings(ks=(3,)), model=tiny_model)
+    edit_meta(tiny_copy, lambda m: None)  # as if written so: the rows read are checked against their digests
     with pytest.raises(GoldenCorruptError, match=r"k3/digests: 1 row\(s\) disagree with the stored rows "
                                                  r"\(first: prefill row 5\)"):
         replay(tiny_copy, ReplaySettings(ks=(3,)), model=tiny_model)
     shutil.rmtree(tiny_copy / "k2" / "digests")
+    edit_meta(tiny_copy, lambda m: None)
     with pytest.raises(GoldenCorruptError, match="k2/digests is missing"):
         replay(tiny_copy, ReplaySettings(ks=(2,)), model=tiny_model)
 

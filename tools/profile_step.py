@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+# vd is imported as installed (pip install -e ., or its wheel on a GPU machine): vd.recorder and
+# vd.replayer are the card's top-level folders mapped under vd, which a bare source path does not do.
 from tools.bench_gpu import PROMPT, copy_bandwidth  # noqa: E402
 from vd import env  # noqa: E402
 from vd.models import load_model  # noqa: E402

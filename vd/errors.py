@@ -38,3 +38,7 @@ class ModelSpecError(VdError, LookupError):
 
 class ModelMismatchError(VdError):
     """The model's fingerprint or shape differs from the golden's."""
+
+
+class ModelOutputError(VdError):
+    """A model returned logits the protocol does not allow (shape, rank, dtype) or, recording, non-finite ones."""

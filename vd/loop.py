@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vd.errors import ModelOutputError, UsageError
 from vd.layout import RowLayout, Step
 from vd.protocol import VerifyModel
 
@@ -175,7 +176,7 @@ class DrafterFeed(Feed):
         forced = self.forced is not None and self.forced.decoded is not None
         last = self.forced.decoded if forced else first()
         model.save_hidden(run.prefill.shape[0] - 1)
-        row = model.forward([last])  # [1, V]
+        row = checked(model, [last], model.forward([last]))  # [1, V]
         run.bootstrap_row, run.committed_before = row, [last]
         boot = self.forced.bootstrap if self.forced else _argmax(row)[0]
         model.save_hidden(0)
@@ -199,12 +200,30 @@ class DrafterFeed(Feed):
 
 
 def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) -> None:
-    """Let a model that can (``model.prepare``, optional in the protocol) size its static cache for the
-    longest sequence these runs build and capture its step graphs (the prefill's, each K's, the decode's),
-    largest first, before any timing."""
+    """Refuse runs longer than the model's context (``model.context_length``, optional in the protocol), before
+    any step; let a model that can (``model.prepare``, optional too) size its static cache for the longest
+    sequence these runs build and capture its step graphs (the prefill's, each K's, the decode's), largest
+    first, before any timing."""
+    longest = prompt_len + steps * max(ks) + max(ks) + 2
+    context = getattr(model, "context_length", None)
+    if isinstance(context, int) and longest > context:
+        raise UsageError(f"{prompt_len} prompt tokens and {steps} steps at K={max(ks)} need {longest} positions; "
+                         f"the model's context holds {context} (fewer --steps, or a shorter prompt)")
     fn = getattr(model, "prepare", None)
     if fn is not None:
-        fn(prompt_len + steps * max(ks) + max(ks) + 2, sorted({prompt_len, 1, *ks}, reverse=True))
+        fn(longest, sorted({prompt_len, 1, *ks}, reverse=True))
+
+
+def checked(model: VerifyModel, tokens: Sequence[int], rows) -> torch.Tensor:
+    """A forward's rows, refused (`vd.errors.ModelOutputError`, exit 2) unless they are what the protocol
+    promises: a tensor ``[len(tokens), vocab_size]`` of the model's dtype."""
+    want = (len(tokens), model.vocab_size)
+    if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != want or rows.dtype != model.dtype:
+        got = (f"a {type(rows).__name__}" if not isinstance(rows, torch.Tensor)
+               else f"{rows.dtype} rows of shape {list(rows.shape)}")
+        raise ModelOutputError(f"{type(model).__name__}.forward of {len(tokens)} token(s) returned {got}; the "
+                               f"protocol wants {str(model.dtype)} rows of shape {list(want)}")
+    return rows
 
 
 def _argmax(rows: torch.Tensor) -> list[int]:
@@ -216,9 +235,9 @@ def _argmax(rows: torch.Tensor) -> list[int]:
 def continuation(model: VerifyModel, prompt: Sequence[int], n: int) -> list[int]:
     """The model's greedy continuation of ``prompt``, ``n`` tokens, by plain one-token decode."""
     model.reset()
-    out = [_argmax(model.forward(prompt)[-1:])[0]]
+    out = [_argmax(checked(model, prompt, model.forward(prompt))[-1:])[0]]
     while len(out) < n:
-        out.append(_argmax(model.forward([out[-1]]))[0])
+        out.append(_argmax(checked(model, out[-1:], model.forward([out[-1]])))[0])
     return out
 
 
@@ -289,7 +308,7 @@ def run_verify(
     ``on_step(s)`` ticks once step ``s`` is logged.
     """
     model.reset()
-    prefill = model.forward(prompt)  # [P, V]
+    prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
     if sink is not None:
         sink("prefill", None, prefill)
     clock = _IdleClock(idle, prefill.device)
@@ -302,7 +321,7 @@ def run_verify(
         assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
         t0 = time.perf_counter()
         clock.started()
-        rows = model.forward(tokens)  # [K, V]
+        rows = checked(model, tokens, model.forward(tokens))  # [K, V]
         clock.issued()
         if logged is not None:
             _log(run, *logged, on_step)

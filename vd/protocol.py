@@ -5,7 +5,10 @@ sequence's state (its KV cache) and exposes a single `forward` that appends toke
 position and returns one logits row per token; prefill, decode and a K-token verify are all calls of it.
 `vd.testing.ModelConformance` is the test class every adapter must pass. Optional capabilities are
 separate runtime-checkable protocols beside this one (`DraftHead`, an MTP draft head; `TokenDecoder`,
-token ids back to text for reports).
+token ids back to text for reports). Two optional attributes are read where present: ``context_length``
+(positions the model holds: longer runs are refused before their first step) and ``prepare(max_len,
+shapes)`` (size a static cache, capture graphs). vd checks every forward's rows against the protocol
+(`vd.loop.checked`): ``[len(tokens), vocab_size]`` of the model's ``dtype``, else exit 2 naming what came back.
 """
 
 from __future__ import annotations

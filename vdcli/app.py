@@ -5,6 +5,7 @@ history and status, are `vd.cli.team`'s). Command bodies are a few lines over `v
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -17,8 +18,11 @@ from vd.cli.common import (
     EXIT_FAIL,
     EXIT_PASS,
     GOLDEN_HELP,
+    AllowNonfinite,
+    AllowThin,
     Command,
     Config,
+    Deterministic,
     Dtype,
     Feed,
     Reason,
@@ -29,6 +33,7 @@ from vd.cli.common import (
     app,
     check_golden,
     check_model,
+    check_outside,
     check_tolerances,
     check_writable,
     err,
@@ -67,11 +72,9 @@ def record(
     dtype: Annotated[Dtype, typer.Option(help="Dtype the model computes in.")] = Dtype.bfloat16,
     threads: Annotated[int | None, typer.Option(metavar="N", min=1, help="CPU threads (default: torch's).")] = None,
     refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden.")] = False,
-    allow_thin: Annotated[bool, typer.Option("--allow-thin", help="Store a reference without both "
-                                             "full and partial accepts (replay will fail it).")] = False,
-    deterministic: Annotated[bool, typer.Option("--deterministic", help="Use deterministic algorithms, a fixed "
-                                                "cuBLAS workspace and no reduced-precision reductions (stored; "
-                                                "replay applies them too).")] = False,
+    allow_nonfinite: AllowNonfinite = False,
+    allow_thin: AllowThin = False,
+    deterministic: Deterministic = False,
     tolerance: Tolerances = None,
     require_coverage: Annotated[bool, typer.Option("--require-coverage", help="Refuse to store a golden unless "
                                                    "every K has steps accepting each of 0..K-1 drafts.")] = False,
@@ -111,6 +114,7 @@ def record(
 # The record flags that are settings, by the `vd.recorder.RecordSettings` field each sets.
 _SETTINGS = {"model": "model", "prompt": "prompt", "k": "ks", "steps": "steps", "forward": "forward", "feed": "feed",
              "head": "head", "device": "device", "dtype": "dtype", "threads": "threads", "allow_thin": "allow_thin",
+             "allow_nonfinite": "allow_nonfinite",
              "deterministic": "deterministic", "tolerance": "tolerances", "require_coverage": "require_coverage"}
 
 
@@ -220,6 +224,7 @@ def replay(
     once: one verdict, report, JUnit file and HTML page, and exit 2 where a golden could not be judged."""
     golden = _check_replay(targets, suite, rows, model, forward, tolerance,
                            {"--report": report, "--junit": junit, "--html": html, "--bundle": bundle})
+    check_outside("--save-candidate", save_candidate, (golden, rows))
     from vd.replayer import ReplaySettings
     from vd.replayer import replay as do_replay
 
@@ -240,11 +245,11 @@ def replay(
 
 def _check_replay(targets, suite: bool, rows, model, forward, tolerance, outputs: dict) -> str | None:
     """A replay's arguments checked before anything heavy; the golden (None with --suite)."""
-    for flag, path in outputs.items():
-        check_writable(flag, path)  # before the replay, not after it
     if suite and rows is not None:
         raise UsageError("--rows names one slim golden's rows; it does not go with --suite")
     golden = None if suite else _one(targets, "GOLDEN")
+    for flag, path in outputs.items():
+        check_writable(flag, path, (golden, rows))  # before the replay, not after it
     for where in (golden, rows):
         if where is not None:
             check_golden(where)
@@ -290,9 +295,13 @@ def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden t
     from vd.store import open_golden
 
     g = open_golden(golden)
+    g.check_files()  # every file against the manifest (format 6), before anything is shown as the golden's
     m = g.meta
     e = m.get("environment") or {}
     out.print(f"{g.url}  (format {m['format_version']}, created {m.get('created')})")
+    if g.manifest is not None:
+        out.print(f"golden ID {m['golden_id']}  ({len(g.manifest)} files, each checked against the manifest)")
+    out.print(f"content   {g.content_digest()}  (history: {len(g.history)} version(s); vd history)")
     out.print(f"model     {m['model'].get('name')}  [{m['model']['spec']}]")
     out.print(f"          {m['model']['fingerprint']}")
     out.print(f"forward   {m['forward']}: {m.get('forward_description', '')}")
@@ -330,6 +339,33 @@ def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden t
     return EXIT_PASS
 
 
+@app.command(cls=Command, epilog=examples("vd verify goldens/smollm2.zarr", "vd verify s3://bucket/smollm2.zarr"))
+def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden to check ({GOLDEN_HELP}).")]
+           ) -> int:
+    """Check a golden whole, as fsck does: exit 0 intact, exit 2 naming the first damaged file or row.
+
+    Every file against the manifest's size and hash and the metadata against the golden's ID (format 6),
+    every field against what a golden may hold, every step log against the vocabulary and the accept-count
+    range, every chunk against its checksum and every row against its digest."""
+    check_golden(golden)
+    from vd.store import open_golden
+
+    g = open_golden(golden)
+    g.check_files()
+    g.stored_prompt()
+    for k in g.ks:
+        g.checked_log(k)
+        if g.slim:
+            g.summary(k)
+        else:
+            g.verify_rows(k)
+    files = f"{len(g.manifest)} files match the manifest, ID {g.meta['golden_id']}" if g.manifest is not None \
+        else f"format {g.info.version}: no manifest; every chunk and row checked"
+    out.print(f"intact: {g.url} ({files}; {sum(g.layout(k).total for k in g.ks)} rows"
+              f"{'' if g.slim else ' match their digests'})")
+    return EXIT_PASS
+
+
 def _rows_text(g) -> str:
     if g.slim:
         src = (g.meta.get("rows") or {}).get("slim_of") or {}
@@ -362,6 +398,26 @@ def slim(
     return EXIT_PASS
 
 
+@app.command(cls=Command, epilog=examples("vd migrate tests/data/tiny-llama-v1.zarr tiny-v6.zarr"))
+def migrate(
+    golden: Annotated[str, typer.Argument(metavar="OLD", help=f"A golden of an earlier format ({GOLDEN_HELP}).")],
+    out_path: Annotated[str, typer.Argument(metavar="NEW", help="The golden to write in the current format.")],
+    refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden at NEW.")] = False,
+) -> int:
+    """Rewrite a golden of an earlier format in the current one, every row checked; its numbers unchanged."""
+    check_golden(golden)
+    check_outside("NEW", out_path, (golden,))
+    from vd.store import migrate as do_migrate
+    from vd.store import open_golden
+
+    where = do_migrate(golden, out_path, refresh=refresh)
+    old, new = open_golden(golden), open_golden(where)
+    same = "unchanged" if old.content_digest() == new.content_digest() else "CHANGED"
+    out.print(f"wrote {where.url} (format {new.info.version} from {old.info.version}); content {same}: "
+              f"{new.content_digest()}")
+    return EXIT_PASS if same == "unchanged" else EXIT_FAIL
+
+
 @app.command(cls=Command, epilog=examples("vd diff goldens/smollm2.zarr h200/smollm2.zarr --report diff.json",
                                             "vd diff goldens/smollm2.zarr h200/smollm2.zarr --tolerance verify=ulp:2"))
 def diff(
@@ -372,7 +428,7 @@ def diff(
     report: Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")] = None,
 ) -> int:
     """Compare two goldens of the same recording without a model: PASS (0) or FAIL (1) (default policy: A's)."""
-    check_writable("--report", report)
+    check_writable("--report", report, (a, b))
     for where in (a, b):
         check_golden(where)
     check_tolerances(tolerance)
@@ -434,5 +490,11 @@ def forwards(
 
 
 def main() -> None:
-    """Console entry point."""
+    """Console entry point. SIGTERM (what CI timeouts send) ends the process as an exception would, so a
+    recording's staging folder is removed and its writer lock released; the exit code is 143."""
+    signal.signal(signal.SIGTERM, _terminated)
     app()
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)

@@ -22,6 +22,7 @@ import re
 import sys
 import tempfile
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -163,10 +164,13 @@ def parse_device(text: str) -> str:
     return text
 
 
-def check_writable(flag: str, path: Path | None) -> None:
-    """Refuse an output file a replay could not write, before the replay."""
+def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Path | None] = ()) -> None:
+    """Refuse, before any work, an output file that could not be written or that would land in (or on) a
+    golden the command reads (``inputs``)."""
     if path is None:
         return
+    path = Path(path)
+    check_outside(flag, path, inputs)
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a directory; give a file path")
     parent = path.absolute().parent
@@ -174,6 +178,18 @@ def check_writable(flag: str, path: Path | None) -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write {flag} {path}: {parent} is not a writable directory")
+
+
+def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Path | None]) -> None:
+    """Refuse an output path in (or on) a golden the command reads."""
+    if path is None or "://" in str(path):
+        return
+    out = Path(os.path.realpath(path))
+    for where in inputs:
+        if where is not None and "://" not in str(where):
+            golden = Path(os.path.realpath(where))
+            if out == golden or golden in out.parents:
+                raise UsageError(f"{flag} {path} is inside the golden {where}; write it elsewhere")
 
 
 def check_golden(where: str) -> None:
@@ -269,3 +285,10 @@ Suite = Annotated[bool, typer.Option("--suite", help="Work on the declared golde
 Tolerances = Annotated[list[str] | None, typer.Option("--tolerance", metavar=TOLERANCE_METAVAR, help="Repeatable: "
                                                       "KIND prefill, verify or draft; SPEC exact, ulp:N, "
                                                       "atol:X,rtol:Y, argmax, topk:N, kl:X.")]
+AllowNonfinite = Annotated[bool, typer.Option("--allow-nonfinite", help="Store logits holding NaN or Inf "
+                                              "(refused otherwise).")]
+AllowThin = Annotated[bool, typer.Option("--allow-thin", help="Store a reference without both full and partial "
+                                         "accepts (replay will fail it).")]
+Deterministic = Annotated[bool, typer.Option("--deterministic", help="Use deterministic algorithms, a fixed cuBLAS "
+                                             "workspace and no reduced-precision reductions (stored; replay "
+                                             "applies them too).")]

@@ -55,11 +55,11 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     """Record the named (or all) goldens of the suite: missing ones, and with ``refresh`` existing ones."""
     if refresh and not reason:
         raise UsageError("--refresh of a suite needs --reason TEXT: it goes into each golden's history")
-    check_writable("--summary", summary)
     from vd.workflow.suite import exit_code
     from vd.workflow.suite import record_suite as do_record
 
     entries = _suite(config).select(names)
+    check_writable("--summary", summary, [e.path for e in entries])
     with reporting() as progress:
         outcomes = do_record(entries, refresh_existing=refresh, reason=reason or "first recording", progress=progress)
     for o in outcomes:
@@ -85,6 +85,8 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
     from vd.workflow.suite import shard as take
 
     entries = take(_suite(config).select(names), shard)
+    for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
+        check_writable(flag, path, [e.path for e in entries])
     models, outcomes, t = Models(), [], time.perf_counter()
     with reporting() as progress:
         for e in entries:  # a candidate each, where asked: DIR/NAME.zarr
@@ -119,11 +121,11 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
                    candidate: str | None = None) -> int:
     """Refresh the golden ``target`` names: its declaration's settings (or, undeclared, the golden's own) with
     ``overrides``; or promote ``candidate``. Prints the change summary; exit 1 when refused."""
-    check_writable("--summary", summary)
     from vd.workflow import refresh as R
 
     entry = _entry_for(target, config)
     path = entry.path if entry is not None else target
+    check_writable("--summary", summary, (path, candidate))
     name = entry.name if entry is not None else None
     if candidate is not None:
         done = R.promote(candidate, path, reason=reason, name=name)

@@ -15,14 +15,11 @@ published whole through its location. Refused, nothing is published and the old 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import zarr
 
 from vd.env import numerics_differences
 from vd.errors import GoldenError, UsageError
@@ -34,6 +31,7 @@ from vd.replayer.diff import diff
 from vd.store import Golden, Location, check_target, locate, open_golden
 from vd.store import history as H
 from vd.store.location import Directory, ZipFile
+from vd.store.write import seal
 
 
 @dataclass(slots=True)
@@ -71,6 +69,12 @@ def refresh(where: str | os.PathLike, settings: RecordSettings, *, reason: str, 
         raise UsageError("a refresh needs a reason (--reason TEXT): it goes into the golden's history")
     settings.check()
     location = locate(where)
+    with location.writer():
+        return _refresh(location, settings, reason, name, model, progress)
+
+
+def _refresh(location: Location, settings: RecordSettings, reason: str, name: str | None,
+             model: VerifyModel | None, progress: Progress) -> Refreshed:
     old, unreadable = _previous(location)
     staging = location.staging()
     try:
@@ -105,8 +109,12 @@ def promote(candidate: str | os.PathLike, where: str | os.PathLike, *, reason: s
     if not reason.strip():
         raise UsageError("a refresh needs a reason (--reason TEXT): it goes into the golden's history")
     location = locate(where)
+    with location.writer():
+        return _promote(location, open_golden(candidate), reason, name)
+
+
+def _promote(location: Location, cand: Golden, reason: str, name: str | None) -> Refreshed:
     old, unreadable = _previous(location)
-    cand = open_golden(candidate)
     made = cand.meta.get("candidate")
     if not isinstance(made, dict):
         raise UsageError(f"{cand.url} is not a saved candidate (vd replay --save-candidate writes one)")
@@ -124,7 +132,7 @@ def promote(candidate: str | os.PathLike, where: str | os.PathLike, *, reason: s
         _copy_golden(cand, new_path)
         ran = [f"rows from a replay with {cand.meta['model']['spec']} ({cand.info.forward}), candidate {cand.url}"]
         if old is not None:  # the golden stays of the model it names; the numbers are the candidate's
-            _rewrite_meta(new_path, {"model": {**cand.meta["model"], "spec": old.meta["model"]["spec"],
+            seal(new_path, {"model": {**cand.meta["model"], "spec": old.meta["model"]["spec"],
                                                "head": old.meta["model"].get("head")}})
         return _publish(location, new_path, old, unreadable, reason, name, ran)
     finally:
@@ -152,17 +160,12 @@ def _publish(location: Location, new_path: Path, old: Golden | None, unreadable:
     meta = dict(new.meta)
     meta.pop("candidate", None)  # once promoted, the candidate is the golden
     entry = H.entry(meta, new.content_digest(), reason=reason, previous=previous, changes=changes)
-    _rewrite_meta(new_path, {"history": [*previous, entry]}, drop=("candidate",))
+    for g in (old, new):  # let go of both versions' files: the replaced one can then be removed at once
+        if g is not None:
+            g.close()
+    seal(new_path, {"history": [*previous, entry]}, drop=("candidate",))
     location.publish(new_path, True)
     return Refreshed(location.url, summary=summary, changes=changes, version=entry["version"])
-
-
-def _rewrite_meta(path: Path, updates: dict, drop: tuple[str, ...] = ()) -> None:
-    """Update a staged golden's root metadata, ``complete`` kept last."""
-    root = zarr.open_group(zarr.storage.LocalStore(path), mode="r+")
-    meta = {k: v for k, v in dict(root.attrs["vd"]).items() if k not in drop and k != "complete"}
-    meta.update(json.loads(json.dumps(updates, default=str)))
-    root.attrs["vd"] = {**meta, "complete": True}
 
 
 # -- the change summary -------------------------------------------------------------------------------------

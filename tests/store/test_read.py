@@ -33,6 +33,10 @@ def golden(tmp_path) -> Path:
 ])
 def test_damaged_row_chunks_are_refused_when_read(golden, damage, message):
     damage_chunk(chunk(golden, 2, "logits", 1), damage)
+    # The manifest finds it first: a missing or truncated file at open, a flipped byte when the files are checked.
+    with pytest.raises(GoldenCorruptError, match="k2/logits.hi/c/1/0/0 (is missing|has 3 bytes|does not match)"):
+        open_golden(golden).check_files()
+    edit_meta(golden, lambda m: None)  # as if written so: then each chunk's own checks find it when read
     g = open_golden(golden)  # the metadata alone opens
     with pytest.raises(GoldenCorruptError, match=message):
         g.verify_rows(2)
@@ -53,9 +57,13 @@ def test_a_row_edited_behind_its_digests_is_refused(golden):
 
 def test_missing_arrays_and_groups(golden):
     shutil.rmtree(golden / "k2" / "tokens")
+    with pytest.raises(GoldenCorruptError, match="k2/tokens/c/0/0 is missing"):
+        open_golden(golden)  # the manifest lists it
+    edit_meta(golden, lambda m: None)  # as if written without it
     with pytest.raises(GoldenCorruptError, match="k2/tokens is missing"):
         open_golden(golden).checked_log(2)
     shutil.rmtree(golden / "k2")
+    edit_meta(golden, lambda m: None)
     with pytest.raises(GoldenCorruptError, match="k2"):
         open_golden(golden).checked_log(2)
 
@@ -65,7 +73,8 @@ def test_incomplete_future_and_unreadable_goldens(golden):
     with pytest.raises(GoldenCorruptError, match="incomplete"):
         open_golden(golden)
     edit_meta(golden, lambda m: m.update(complete=True, format_version=FORMAT_VERSION + 1))
-    with pytest.raises(GoldenError, match="this vd reads up to"):
+    with pytest.raises(GoldenError, match=f"has golden format {FORMAT_VERSION + 1}; this vd reads formats 1 to "
+                                          f"{FORMAT_VERSION}"):
         open_golden(golden)
     (golden / "zarr.json").write_text("{ not json")
     with pytest.raises(GoldenCorruptError, match="unreadable"):
@@ -108,7 +117,7 @@ def test_stored_step_logs_out_of_range_are_refused(golden, name, value, message)
     a = arr[...]
     a.flat[0] = value
     arr[...] = a
-    edit_meta(golden, lambda m: m.pop("logs"))
+    edit_meta(golden, lambda m: None)  # the metadata's copy is right; the array, written so, is not
     with pytest.raises(GoldenCorruptError, match=message):
         open_golden(golden).checked_log(2)
 
@@ -117,6 +126,9 @@ def test_a_bootstrap_token_outside_the_vocabulary_is_refused(golden):
     doc = json.loads((golden / "k2" / "zarr.json").read_text())
     doc["attributes"]["bootstrap"] = V
     (golden / "k2" / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(GoldenCorruptError, match="k2/zarr.json has"):
+        open_golden(golden)
+    edit_meta(golden, lambda m: None)
     with pytest.raises(GoldenCorruptError, match="bootstrap token 8 is not in the vocabulary"):
         open_golden(golden).checked_log(2)
 

@@ -99,7 +99,11 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ModelSpecError(f"plug-in {target} has no callable {factory_name!r}")
-    model = factory(device=device, dtype=dtype)
+    try:
+        model = factory(device=device, dtype=dtype)
+    except Exception as e:  # the engine could not be built: bad input, named, not a crash of vd's
+        raise ModelSpecError(f"plug-in {spec}: its factory raised {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
     if not isinstance(model, VerifyModel):
         missing = [n for n in protocol_members() if not hasattr(model, n)]
         raise ModelSpecError(

@@ -185,6 +185,12 @@ class HFModel:
         offered = static_forwards(self.model)
         return {n: d for n, d in offered.items() if self.device.type == "cuda" or n not in CUDA_ONLY}
 
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model was made for (its config's ``max_position_embeddings``); None where unknown."""
+        n = getattr(self.config.get_text_config(), "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
     def forward_uses_graphs(self, name: str) -> bool:
         """Whether forward ``name`` replays its steps as CUDA graphs (the report's ``graphs``)."""
         return name in ("graphed", "compiled-graphed")

@@ -4,11 +4,13 @@ or an object store.
 Its modules import one way: `format` (names, shapes, encodings) and `location` (where a golden lives)
 at the bottom; `chunks` (one array's chunks, checked) and `side` (one K as a comparison sees it) above
 them; then `read` (open and check a golden) and `write` (stage, then publish one); `prefetch` (read
-beside a GPU replay) and `slim` on top.
+beside a GPU replay), `slim` and `migrate` on top; `manifest`, `schema`, `history` and `atomic` are
+below `read` and `write`.
 """
 
 from vd.store.format import FORMAT_VERSION
 from vd.store.location import Location, locate
+from vd.store.migrate import migrate
 from vd.store.prefetch import Prefetcher
 from vd.store.read import Golden, open_golden
 from vd.store.side import GoldenSide, SlimGoldenError
@@ -16,4 +18,5 @@ from vd.store.slim import slim
 from vd.store.write import GoldenWriter, check_target
 
 __all__ = ["FORMAT_VERSION", "Golden", "GoldenSide", "GoldenWriter", "Location", "Prefetcher", "SlimGoldenError",
-           "check_target", "locate", "open_golden", "slim"]
+           "check_target", "locate", "migrate", "open_golden",
+           "slim"]

@@ -31,11 +31,12 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from vd import digest as _digest
 from vd.dtypes import DTYPES
-from vd.layout import RowLayout
+from vd.layout import RowLayout, StepLog
 
 FORMAT = "vd-golden"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 VOLATILE_SINCE = 5  # the first format keeping volatile facts in the ``run`` group
+MANIFEST_SINCE = 6  # the first format listing every file's size and hash in a manifest (`vd.store.manifest`)
 RUN_GROUP = "run"
 PLANES_SINCE = 4  # the first format storing row arrays as byte planes
 DIGESTS_SINCE = 3  # the first format storing each row's digest and statistics
@@ -43,6 +44,9 @@ DIGESTS_SINCE = 3  # the first format storing each row's digest and statistics
 # its rows differ; large chunks keep the last chunk's padding (stored whole, its low plane uncompressed) small.
 PREFILL_CHUNK_BYTES = 8 << 20
 
+# The metadata a writer makes anew for every golden it writes (a golden made from another leaves them out).
+WRITTEN = ("complete", "format", "format_version", "created", "digest", "logs", "prompt_tokens", "rows", "logits",
+           "content_digest", "manifest", "golden_id")
 STEP_LOG = ("tokens", "accepted", "step_ms")  # a K's step log arrays (``step_ms`` before format 5)
 SUMMARY = ("digests", "stats")  # a K's per-row digests and statistics
 ROW_ARRAYS = {"prefill": ("prefill",), "verify": ("logits",), "draft": ("bootstrap_logits", "draft_logits")}
@@ -219,17 +223,18 @@ def join_volatile(stable: Mapping, volatile: Mapping) -> dict:
     return meta
 
 
-def content_digest(meta: Mapping, digests: Mapping[int, np.ndarray]) -> str:
+def content_digest(meta: Mapping, prompt: list[int], logs: Mapping[int, StepLog],
+                   digests: Mapping[int, np.ndarray]) -> str:
     """What a golden's numbers are, as one ``sha256:`` digest: the model's and head's fingerprints, the prompt,
-    each K's steps (tokens, accept counts, bootstrap) and every row's digest (``digests`` by K). Where and
-    when it was recorded, how its rows are stored and whether it is slim do not enter it: a golden re-recorded
-    with unchanged logits, and its slim form, have the same content digest."""
-    logs = meta.get("logs") or {}
+    each K's steps (``logs``: tokens, accept counts, bootstrap) and every row's digest (``digests`` by K). Where
+    and when it was recorded, how its rows are stored, its format and whether it is slim do not enter it: a
+    golden re-recorded with unchanged logits, its slim form and its migration have the same content digest."""
     basis = {"model": (meta.get("model") or {}).get("fingerprint"), "head": (meta.get("mtp") or {}).get("fingerprint"),
-             "prompt": meta.get("prompt_tokens"), "dtype": (meta.get("logits") or {}).get("dtype"),
+             "prompt": [int(t) for t in prompt], "dtype": (meta.get("logits") or {}).get("dtype"),
              "vocab": meta.get("vocab_size"), "feed": meta.get("feed", "reference"), "steps": meta.get("steps"),
-             "logs": {k: {f: (logs.get(k) or {}).get(f) for f in ("tokens", "accepted", "bootstrap", "decoded")}
-                      for k in sorted(logs)}}
+             "logs": {str(k): {"tokens": log.tokens.tolist(), "accepted": log.accepted.tolist(),
+                               "bootstrap": int(log.bootstrap), "decoded": log.decoded}
+                      for k, log in sorted(logs.items())}}
     h = hashlib.sha256(json.dumps(basis, sort_keys=True).encode())
     for k in sorted(digests):
         h.update(f"k{k}".encode())

@@ -18,6 +18,7 @@ mean is left to `vd.store.format`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 
 from vd.errors import GoldenError, NotAGoldenError, UsageError
+from vd.store import atomic
 from vd.store.format import FORMAT
 
 
@@ -60,6 +62,15 @@ class Location(Protocol):
 
     def nbytes(self) -> int:
         """Bytes the golden takes where it is stored."""
+
+    def sizes(self) -> dict[str, int] | None:
+        """Every key's size in bytes, or None where listing them is not cheap."""
+
+    def writer(self) -> contextlib.AbstractContextManager:
+        """Held for a whole recording or refresh: the only writer of this golden (`vd.store.atomic`)."""
+
+    def close(self) -> None:
+        """Let go of the version read so far (a later read opens the one then at the location)."""
 
 
 def locate(where: str | os.PathLike) -> Location:
@@ -102,18 +113,51 @@ def _check_parent(path: Path) -> None:
         raise GoldenError(f"cannot write {path}: {parent} is not writable")
 
 
+def _read(path: Path, dir_fd: int | None = None) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+    except IsADirectoryError:
+        return None
+
+
 class Directory:
-    """A golden as a directory (a zarr ``LocalStore``)."""
+    """A golden as a directory (a zarr ``LocalStore``). Its first read opens the version then at the path and
+    every later read comes from that version (`vd.store.atomic.hold`), whatever a refresh publishes meanwhile;
+    writing goes through the symlink when the path is one, to the directory it names."""
 
     def __init__(self, path: Path):
         self.path, self.url = path, str(path)
+        self._fd: int | None = None
+
+    @property
+    def target(self) -> Path:
+        """The path written: the directory a symlink at ``path`` names, else ``path``."""
+        return Path(os.path.realpath(self.path)) if self.path.is_symlink() else self.path
+
+    def _held(self) -> int | None:
+        if self._fd is None and self.path.is_dir():
+            self._fd = atomic.hold(self.path)
+        return self._fd
 
     def get(self, key):
         # What LocalStore.get does, without its event-loop round trip (a GPU replay reads in idle time).
-        try:
-            return (self.path / key).read_bytes()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        fd = self._held()
+        return None if fd is None else _read(Path(key), fd)
+
+    def sizes(self):
+        fd = self._held()
+        if fd is None:
             return None
+        out = {}
+        for root, _, files, rfd in os.fwalk(".", dir_fd=fd):
+            for name in files:
+                out[os.path.normpath(os.path.join(root, name))] = os.stat(name, dir_fd=rfd).st_size
+        return out
 
     def store(self):
         return zarr.storage.LocalStore(self.path, read_only=True)
@@ -121,27 +165,33 @@ class Directory:
     def state(self):
         if not self.path.exists() and not self.path.is_symlink():
             return "absent"
-        return "golden" if self.path.is_dir() and _is_golden(self.get("zarr.json")) else "other"
+        return "golden" if self.path.is_dir() and _is_golden(_read(self.path / "zarr.json")) else "other"
 
     def staging(self):
-        _check_parent(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        staged = self.path.parent / f".{self.path.name}.partial-{uuid.uuid4().hex[:8]}"
+        target = self.target
+        _check_parent(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
         staged.mkdir()
         return staged
 
+    def writer(self):
+        _check_parent(self.target)
+        return atomic.writer_lock(self.target)
+
     def publish(self, staged, replace):
-        if not self.path.exists():
-            os.replace(staged, self.path)
-            return
-        old = self.path.parent / f".{self.path.name}.replaced-{uuid.uuid4().hex[:8]}"
-        os.replace(self.path, old)
-        try:
-            os.replace(staged, self.path)
-        except OSError:
-            os.replace(old, self.path)  # put the old golden back
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+        old = atomic.replace(staged, self.target)
+        self.close()  # later reads open the new version
+        if old is not None and atomic.unused(old):  # else the next writer's clean removes it
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):
+        self.close()
 
     def nbytes(self):
         return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
@@ -201,6 +251,26 @@ class ZipFile:
 
     def nbytes(self):
         return self.path.stat().st_size
+
+    def sizes(self):
+        if not self.path.is_file():
+            return None
+        zf = getattr(self.store(), "_zf", None)  # ZipStore's zipfile.ZipFile: the members' sizes at no cost
+        if zf is None:
+            return None
+        try:
+            return {i.filename: i.file_size for i in zf.infolist() if not i.is_dir()}
+        except Exception as e:  # not a zip file, or a damaged one
+            raise NotAGoldenError(f"{self.path} is not a readable zip file: {type(e).__name__}: {e}") from e
+
+    def writer(self):
+        _check_parent(self.path)
+        return atomic.writer_lock(self.path)
+
+    def close(self):
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 class ObjectPrefix:
@@ -273,3 +343,12 @@ class ObjectPrefix:
             return await store.getsize_prefix("")
 
         return int(self._call("measure", total()))
+
+    def sizes(self):
+        return None  # one request a key: the hashes are checked instead, off the step's path
+
+    def writer(self):
+        return contextlib.nullcontext()  # object stores have no locks: the publish order keeps a golden whole
+
+    def close(self):
+        pass

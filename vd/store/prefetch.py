@@ -33,6 +33,7 @@ from vd.store.side import GoldenSide
 from vd.streams import side_stream
 
 UNIT_S = 1e-3  # seconds a unit of a kind not timed yet is expected to take
+FILES = -1  # the pseudo-K of the file-hashing units
 _EXPECT: dict[str, float] = {}  # seconds a unit of each kind took: a running mean over this process's readers
 
 
@@ -53,12 +54,17 @@ class _K:
 class Prefetcher:
     """Reads ``golden``'s K sides for a replay on ``device`` unit by unit (see the module's docstring)."""
 
-    def __init__(self, golden: Golden, device: torch.device, ahead: bool | None = None):
-        """``ahead``: read in units at all (default: on CUDA); a golden without stored digests never is."""
+    def __init__(self, golden: Golden, device: torch.device, ahead: bool | None = None, files: bool = False):
+        """``ahead``: read in units at all (default: on CUDA); a golden without stored digests never is.
+        ``files``: reading ahead, also hash every file against the golden's manifest, a unit a file, after
+        the K's units (`check_files`)."""
         self.golden, self.device = golden, device
-        self.ks = {k: _K() for k in golden.ks}
-        ahead = (device.type == "cuda" if ahead is None else ahead) and golden.info.digested
+        self.ks = {k: _K() for k in (*golden.ks, FILES)}
+        self.ahead = ahead = (device.type == "cuda" if ahead is None else ahead) and golden.info.digested
         self.units: deque[_Unit] = deque(u for k in golden.ks for u in self._plan(k)) if ahead else deque()
+        self.hashing = ahead and files and golden.manifest is not None
+        if self.hashing:
+            self.units.extend(_Unit("hash", FILES, lambda key=key: golden.check_file(key)) for key in golden.manifest)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
@@ -120,12 +126,22 @@ class Prefetcher:
         finally:
             self.lock.release()
 
-    def side(self, k: int) -> GoldenSide:
-        """K's comparison side: its remaining units run now."""
+    def check_files(self) -> None:
+        """The file units left run now; the first damaged file found raises (`vd.store.manifest`)."""
+        self.side_units(FILES)
+        if self.ks[FILES].error is not None:
+            raise self.ks[FILES].error
+
+    def side_units(self, k: int) -> None:
+        """K's remaining units, run now."""
         self.stop.set()
         with self.lock:
             while any(u.k == k for u in self.units):
                 self._run(next(u for u in self.units if u.k == k), "drain")
+
+    def side(self, k: int) -> GoldenSide:
+        """K's comparison side: its remaining units run now."""
+        self.side_units(k)
         kk = self.ks[k]
         if kk.error is not None:
             raise kk.error

@@ -14,96 +14,38 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vd import digest as _digest
-from vd.dtypes import DTYPES, LogitsDtype, to_tensor
+from vd.dtypes import to_tensor
 from vd.errors import GoldenCorruptError, GoldenError, GoldenNotFoundError, NotAGoldenError, UsageError
 from vd.layout import RowLayout, StepLog
 from vd.store import format as F
+from vd.store import manifest
 from vd.store.chunks import Array, node
 from vd.store.location import Directory, Location, locate
+from vd.store.schema import Info, check_meta
 from vd.store.side import GoldenSide, check_digests
-
-MAX_K = 16
-FEEDS = ("reference", "mtp")
-
-
-@dataclass(frozen=True, slots=True)
-class Info:
-    """The metadata fields vd relies on, checked (`check_meta`); the rest stays in ``Golden.meta``."""
-
-    version: int
-    dtype: LogitsDtype
-    ks: tuple[int, ...]
-    steps: int
-    vocab: int
-    feed: str
-    forward: str
-    device: str
-    digested: bool  # stores each row's digest in the scheme this vd computes
-    rows_stored: bool  # False for a slim golden
-
-    @property
-    def drafted(self) -> bool:
-        return self.feed == "mtp"
-
-
-def _field(meta: Mapping, key: str, kind, where: str, test=lambda v: True, want: str = ""):
-    v = meta.get(key)
-    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or not test(v):
-        raise GoldenCorruptError(f"{where}: metadata field {key!r} is {v!r}, expected {want or kind.__name__}")
-    return v
-
-
-def check_meta(meta: Mapping, where: str) -> Info:
-    """Refuse metadata a golden of a known version cannot have, naming the field; else its `Info`."""
-    version = meta.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > F.FORMAT_VERSION:
-        raise GoldenError(f"{where} has golden format {version}; this vd reads up to {F.FORMAT_VERSION}")
-    _field(meta, "format_version", int, where, lambda v: v >= 1, f"1 to {F.FORMAT_VERSION}")
-    if meta.get("complete") is not True:
-        raise GoldenCorruptError(f"{where} is incomplete (its recording never finished)")
-    logits = meta.get("logits")
-    logical = logits.get("dtype") if isinstance(logits, Mapping) else None
-    if logical not in DTYPES:
-        raise GoldenCorruptError(f"{where}: unknown logits dtype {logical!r}")
-    ks = _field(meta, "k", list, where, lambda v: v and all(isinstance(k, int) and not isinstance(k, bool)
-                                                            and 2 <= k <= MAX_K for k in v) and len(set(v)) == len(v),
-                f"distinct verify widths 2..{MAX_K}")
-    steps = _field(meta, "steps", int, where, lambda v: v >= 1, "a step count of at least 1")
-    vocab = _field(meta, "vocab_size", int, where, lambda v: v >= 1, "a vocabulary size")
-    feed = meta.get("feed", "reference")
-    if feed not in FEEDS:
-        raise GoldenCorruptError(f"{where}: metadata field 'feed' is {feed!r}, expected one of {', '.join(FEEDS)}")
-    forward = _field(meta, "forward", str, where)
-    device = _field(meta, "device", str, where)
-    model = meta.get("model")
-    if not isinstance(model, Mapping) or not isinstance(model.get("spec"), str) \
-            or not isinstance(model.get("fingerprint"), str):
-        raise GoldenCorruptError(f"{where}: metadata field 'model' lacks its spec or fingerprint")
-    if feed == "mtp" and not (isinstance(meta.get("mtp"), Mapping) and isinstance(meta["mtp"].get("fingerprint"), str)):
-        raise GoldenCorruptError(f"{where}: metadata field 'mtp' lacks the draft head's fingerprint")
-    scheme = meta.get("digest")
-    digested = version >= F.DIGESTS_SINCE and scheme is not None and scheme == F.digest_meta(vocab, logical)
-    rows_stored = F.stored_rows(meta)
-    if not rows_stored and not digested:
-        raise GoldenCorruptError(f"{where}: a slim golden without row digests this vd computes")
-    return Info(version, DTYPES[logical], tuple(ks), steps, vocab, feed, forward, device, digested, rows_stored)
 
 
 class Golden:
     """An opened golden: its location, metadata (``meta``, checked as ``info``) and prompt tokens, and each
     K's step log, digests, statistics and rows read when first asked for (in the caller's thread)."""
 
-    def __init__(self, location: Location, meta: Mapping, info: Info, prompt: list[int]):
+    def __init__(self, location: Location, meta: Mapping, info: Info, prompt: list[int],
+                 listed: Mapping[str, list] | None = None):
         self.location, self.meta, self.info, self.prompt = location, meta, info, prompt
+        self.manifest = listed  # every file's size and hash (format 6), checked by `check_files`
         self.url = location.url
-        self.rows_source: Golden | None = self if info.rows_stored else None
+        self._source: Golden | None = None  # a slim golden's full golden (`with_rows`)
         self._cache: dict = {}
+
+    @property
+    def rows_source(self) -> Golden | None:
+        """Where this golden's rows are read from: itself, the full golden a slim one names, or None."""
+        return self if self.info.rows_stored else self._source
 
     @property
     def ks(self) -> list[int]:
@@ -126,7 +68,10 @@ class Golden:
     def content_digest(self) -> str:
         """What the golden's numbers are, as one digest (`vd.store.format.content_digest`), computed from its
         step logs and row digests."""
-        return self._once("content", lambda: F.content_digest(self.meta, {k: self.summary(k)[0] for k in self.ks}))
+        def make():
+            return F.content_digest(self.meta, self.prompt, {k: self.checked_log(k) for k in self.ks},
+                                    {k: self.summary(k)[0] for k in self.ks})
+        return self._once("content", make)
 
     def where(self, k: int) -> str:
         return f"{self.url}/k{k}"
@@ -273,6 +218,33 @@ class Golden:
             check_digests(computed, self.summary(k)[0], self.where(k), name)
         return rows
 
+    def check_files(self) -> None:
+        """Every stored byte checked (``vd verify``, and a replay on a thread beside its model): against the
+        manifest since format 6; before it, every chunk against its checksum and every row against its digest
+        (formats 1 and 2 have checksums only). The full golden a slim one reads its rows from is checked too."""
+        if self.manifest is not None:
+            for key in self.manifest:
+                self.check_file(key)
+        else:
+            for k in self.ks:
+                self.checked_log(k)
+                if self.slim:
+                    self.summary(k)
+                else:
+                    self.verify_rows(k)
+        if self.rows_source is not None and self.rows_source is not self:
+            self.rows_source.check_files()
+
+    def check_file(self, key: str) -> None:
+        """One file of the manifest read and checked against its size and hash."""
+        manifest.check_hashes(self.location.get, {key: self.manifest[key]}, self.url)
+
+    def close(self) -> None:
+        """Let go of the golden's files (and its rows' source's): a refresh may then remove this version."""
+        self.location.close()
+        if self.rows_source is not None and self.rows_source is not self:
+            self.rows_source.close()
+
     def with_rows(self, source: Golden) -> Golden:
         """This (slim) golden with its rows read from ``source``, the full golden it was made from: the same
         recording, row for row (every K's digests equal)."""
@@ -286,7 +258,7 @@ class Golden:
         if not same or any(not np.array_equal(source.summary(k)[0], self.summary(k)[0]) for k in self.ks):
             raise GoldenError(f"--rows {source.url} is not the golden {self.url} was made from (its rows' digests "
                               "differ)")
-        self.rows_source = source
+        self._source = source
         self._cache = {key: v for key, v in self._cache.items() if not (isinstance(key, tuple) and key[0] == "side")}
         return self
 
@@ -343,6 +315,10 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
     if not isinstance(meta, Mapping) or meta.get("format") != F.FORMAT:
         raise NotAGoldenError(f"{url} is a zarr group but not a vd golden (no vd metadata)")
     info = check_meta(meta, url)
+    listed = None
+    if info.version >= F.MANIFEST_SINCE:
+        listed = manifest.check_meta(meta, url)  # the metadata as written, hashed to the golden's ID
+        manifest.check_sizes(location.sizes(), listed, url)  # a missing or truncated file, before any model
     if info.version >= F.VOLATILE_SINCE:
         meta = F.join_volatile(meta, _run_meta(location, url))
     tokens = meta.get("prompt_tokens")
@@ -352,7 +328,7 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
         prompt = Array(location, "prompt", f"{url}/prompt").read().astype(np.int64).tolist()
     if not prompt:
         raise GoldenCorruptError(f"{url}: the prompt is empty")
-    golden = Golden(location, meta, info, prompt)
+    golden = Golden(location, meta, info, prompt, listed)
     if rows is not None:
         golden.with_rows(open_golden(rows))
     return golden

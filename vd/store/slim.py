@@ -14,13 +14,9 @@ import os
 
 from vd.errors import UsageError
 from vd.store import format as F
-from vd.store.location import Location
+from vd.store.location import Location, locate
 from vd.store.read import open_golden
 from vd.store.write import GoldenWriter
-
-# Metadata the writer makes anew for the slim golden.
-_MADE = ("complete", "format", "format_version", "created", "digest", "logs", "prompt_tokens", "rows", "logits",
-         "content_digest")
 
 
 def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = False) -> Location:
@@ -29,12 +25,13 @@ def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
     g = open_golden(source)
     if g.slim:
         raise UsageError(f"{g.url} is slim already")
-    with GoldenWriter(out, refresh=refresh, background=False) as w:
+    location = locate(out)
+    with location.writer(), GoldenWriter(location, refresh=refresh, background=False) as w:
         for k in g.ks:
             g.verify_rows(k)
             drafts = g.small(k, "drafts") if g.info.drafted else None
             w.add(g.layout(k), g.checked_log(k), None, g.summary(k), drafts)
-        meta = {key: v for key, v in g.meta.items() if key not in _MADE}
+        meta = {key: v for key, v in g.meta.items() if key not in F.WRITTEN}
         meta.update(logits=F.logits_meta(g.logical),
                     rows={"stored": False, "slim_of": {"golden": g.url, "created": g.meta.get("created"),
                                                        "format_version": g.info.version}})

@@ -29,7 +29,7 @@ from vd.dtypes import to_storage, to_tensor
 from vd.errors import GoldenError, GoldenExistsError
 from vd.layout import RowLayout, StepLog
 from vd.store import format as F
-from vd.store import history
+from vd.store import history, manifest
 from vd.store.chunks import chunk_key, encode_chunk
 from vd.store.location import Location, locate
 
@@ -175,7 +175,8 @@ class GoldenWriter:
     def publish(self, meta: Mapping, prompt: list[int], *, reason: str = "first recording") -> None:
         """Wait for everything queued, write the prompt and the metadata (``complete`` last), and put the
         golden in place. The metadata gets the golden's content digest and, unless ``meta`` brings a
-        ``history`` already (a slim form's, a refresh's), its first history entry, giving ``reason``."""
+        ``history`` already (a slim form's, a refresh's), its first history entry, giving ``reason``; then
+        the manifest of every file and the golden's ID (`seal`)."""
         try:
             self._drain()
             tokens = np.asarray(prompt, dtype=np.int32)
@@ -186,13 +187,13 @@ class GoldenWriter:
                         prompt_tokens=[int(t) for t in prompt], format=F.FORMAT, format_version=F.FORMAT_VERSION,
                         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
             full.setdefault("rows", {"stored": self.stored_rows})
-            full["content_digest"] = F.content_digest(full, self.digests)
+            full["content_digest"] = F.content_digest(full, prompt, {log.k: log for log in self.logs}, self.digests)
             if not full.get("history"):
                 full["history"] = [history.entry(full, full["content_digest"], reason=reason)]
             stable, volatile = F.split_volatile(json.loads(json.dumps(full, default=str)))
             self.root.create_group(F.RUN_GROUP).attrs["vd_run"] = volatile
             self.root.attrs["vd"] = stable
-            self.root.attrs["vd"] = {**stable, "complete": True}  # set last
+            seal(self.staged, {})
             self.location.publish(self.staged, self.refresh)
         finally:
             self.abort()
@@ -212,6 +213,18 @@ class GoldenWriter:
 
     def __exit__(self, *exc) -> None:
         self.abort()
+
+
+def seal(staged: Path, updates: Mapping, drop: tuple[str, ...] = ()) -> None:
+    """Finish the root metadata of the golden staged at ``staged``: apply ``updates`` (and drop ``drop``),
+    list every file in its manifest, hash it into the golden's ID (`vd.store.manifest`), ``complete`` last."""
+    root = zarr.open_group(zarr.storage.LocalStore(staged), mode="r+")
+    meta = {k: v for k, v in dict(root.attrs["vd"]).items() if k not in (*drop, "complete", "golden_id", "manifest")}
+    meta.update(json.loads(json.dumps(dict(updates), default=str)))
+    meta["manifest"] = manifest.build(staged)
+    meta["golden_id"] = manifest.golden_id(meta)
+    root.attrs["vd"] = meta
+    root.attrs["vd"] = {**meta, "complete": True}  # set last
 
 
 class KStream:

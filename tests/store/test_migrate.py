@@ -1,0 +1,27 @@
+"""`vd migrate`: a committed golden of each earlier format rewritten in the current one, every file in its
+manifest, its numbers unchanged (content digest), and replaying as the old one did."""
+
+from pathlib import Path
+
+import pytest
+
+from vd.errors import UsageError
+from vd.replayer import ReplaySettings, replay
+from vd.store import FORMAT_VERSION, migrate, open_golden
+
+DATA = Path(__file__).parent.parent / "data"
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-v1.zarr", "tiny-llama-mtp-v2.zarr", "tiny-llama-mtp-v3.zarr",
+                                  "tiny-llama-mtp-v4.zarr"])
+def test_every_earlier_format_migrates_with_its_numbers_unchanged(tmp_path, name, cli):
+    old = open_golden(DATA / name)
+    new = open_golden(migrate(DATA / name, tmp_path / "new.zarr"))
+    assert new.info.version == FORMAT_VERSION and old.info.version < FORMAT_VERSION
+    assert new.content_digest() == old.content_digest() and new.manifest and new.history[0]["reason"].startswith(
+        f"migrated from format {old.info.version}")
+    assert cli("verify", tmp_path / "new.zarr")[0] == 0
+    r = replay(tmp_path / "new.zarr", ReplaySettings(ks=(2,)))
+    assert r.verdict == "PASS", [x.text for x in r.reasons]
+    with pytest.raises(UsageError, match="in the current format"):
+        migrate(tmp_path / "new.zarr", tmp_path / "again.zarr")

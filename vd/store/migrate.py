@@ -1,0 +1,34 @@
+"""Rewriting a golden of an earlier format in the current one (`migrate`, ``vd migrate OLD NEW``).
+
+Every row of the old golden is read and checked (its chunks' checksums; its digests where it has them), then
+written again as a recording would write it: byte planes, digests and statistics, the run group, the
+manifest and the golden's ID. The numbers do not change: the new golden's content digest equals the old
+one's (`vd.store.read.Golden.content_digest`), and its history starts with the migration.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vd.errors import UsageError
+from vd.store import format as F
+from vd.store.location import Location, locate
+from vd.store.read import open_golden
+from vd.store.write import GoldenWriter
+
+
+def migrate(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = False) -> Location:
+    """Write the golden at ``source`` again at ``out``, in the current format."""
+    g = open_golden(source)
+    if g.info.version == F.FORMAT_VERSION:
+        raise UsageError(f"{g.url} is in the current format ({F.FORMAT_VERSION}) already")
+    location = locate(out)
+    with location.writer(), GoldenWriter(location, refresh=refresh, background=False) as w:
+        for k in g.ks:
+            rows = None if g.slim else g.verify_rows(k)  # read whole, each chunk and row checked
+            drafts = g.small(k, "drafts") if g.info.drafted else None
+            w.add(g.layout(k), g.checked_log(k), rows, g.summary(k), drafts)
+        meta = {key: v for key, v in g.meta.items() if key not in F.WRITTEN}
+        meta.update(logits=F.logits_meta(g.logical), rows=g.meta.get("rows") or {"stored": True})
+        w.publish(meta, g.prompt, reason=f"migrated from format {g.info.version} ({g.url})")
+    return w.location

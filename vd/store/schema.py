@@ -1,0 +1,188 @@
+"""What a golden's metadata may hold (`check_meta`), checked at open before any model is loaded: every field
+vd reads, its type, its range and its agreement with the others, so a malformed or hand-edited golden is one
+line naming the golden and the field (exit 2) rather than a traceback or a verdict.
+
+Declared sizes are bounded (`LIMITS`) before anything is allocated from them. The step logs the metadata
+carries are checked here too (tokens within the vocabulary, accept counts within 0..K-1, shapes); the arrays
+they copy are checked against them when read (`vd.store.read.Golden.log_from`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vd.dtypes import DTYPES, LogitsDtype
+from vd.errors import GoldenCorruptError, GoldenError, UsageError
+from vd.store import format as F
+
+MAX_K = 16
+FEEDS = ("reference", "mtp")
+DEVICES = ("cpu", "cuda")
+# Bounds on what a golden may declare, checked before anything is allocated from it.
+LIMITS = {"vocab_size": 1 << 22, "steps": 1 << 20, "prompt": 1 << 20}
+_NAME = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}$")  # a forward's name
+_DETERMINISM = ("deterministic_algorithms", "cublas_workspace_config", "bf16_reduced_precision_reduction",
+                "fp16_reduced_precision_reduction", "tf32_matmul", "cudnn_deterministic", "cudnn_benchmark")
+
+
+@dataclass(frozen=True, slots=True)
+class Info:
+    """The metadata fields vd relies on, checked (`check_meta`); the rest stays in ``Golden.meta``."""
+
+    version: int
+    dtype: LogitsDtype
+    ks: tuple[int, ...]
+    steps: int
+    vocab: int
+    feed: str
+    forward: str
+    device: str
+    digested: bool  # stores each row's digest in the scheme this vd computes
+    rows_stored: bool  # False for a slim golden
+
+    @property
+    def drafted(self) -> bool:
+        return self.feed == "mtp"
+
+
+def _field(meta: Mapping, key: str, kind, where: str, test=lambda v: True, want: str = ""):
+    v = meta.get(key)
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or not test(v):
+        raise GoldenCorruptError(f"{where}: metadata field {key!r} is {v!r}, expected {want or kind.__name__}")
+    return v
+
+
+def _ints(v, low: int, high: int) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and low <= x < high for x in v)
+
+
+def check_meta(meta: Mapping, where: str) -> Info:
+    """Refuse metadata a golden of a known version cannot have, naming the field; else its `Info`."""
+    version = meta.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > F.FORMAT_VERSION:
+        raise GoldenError(f"{where} has golden format {version}; this vd reads formats 1 to {F.FORMAT_VERSION}")
+    _field(meta, "format_version", int, where, lambda v: v >= 1, f"1 to {F.FORMAT_VERSION}")
+    if meta.get("complete") is not True:
+        raise GoldenCorruptError(f"{where} is incomplete (its recording never finished)")
+    logits = meta.get("logits")
+    logical = logits.get("dtype") if isinstance(logits, Mapping) else None
+    if not isinstance(logical, str) or logical not in DTYPES:
+        raise GoldenCorruptError(f"{where}: unknown logits dtype {logical!r}")
+    ks = _field(meta, "k", list, where, lambda v: v and all(isinstance(k, int) and not isinstance(k, bool)
+                                                            and 2 <= k <= MAX_K for k in v) and len(set(v)) == len(v),
+                f"distinct verify widths 2..{MAX_K}")
+    steps = _field(meta, "steps", int, where, lambda v: 1 <= v <= LIMITS["steps"],
+                   f"a step count of 1 to {LIMITS['steps']}")
+    vocab = _field(meta, "vocab_size", int, where, lambda v: 2 <= v <= LIMITS["vocab_size"],
+                   f"a vocabulary size of 2 to {LIMITS['vocab_size']}")
+    feed = meta.get("feed", "reference")
+    if feed not in FEEDS:
+        raise GoldenCorruptError(f"{where}: metadata field 'feed' is {feed!r}, expected one of {', '.join(FEEDS)}")
+    forward = _field(meta, "forward", str, where, lambda v: _NAME.match(v) is not None, "a forward's name")
+    device = _field(meta, "device", str, where, lambda v: v in DEVICES, " or ".join(DEVICES))
+    _check_typed(meta, where)
+    _check_model(meta, feed, where)
+    _check_settings(meta, logical, where)
+    _check_tokens(meta, vocab, where)
+    _check_logs(meta, tuple(ks), steps, vocab, version >= F.MANIFEST_SINCE, where)
+    scheme = meta.get("digest")
+    digested = version >= F.DIGESTS_SINCE and scheme is not None and scheme == F.digest_meta(vocab, logical)
+    rows_stored = F.stored_rows(meta)
+    if not rows_stored and not digested:
+        raise GoldenCorruptError(f"{where}: a slim golden without row digests this vd computes")
+    return Info(version, DTYPES[logical], tuple(ks), steps, vocab, feed, forward, device, digested, rows_stored)
+
+
+def _check_model(meta: Mapping, feed: str, where: str) -> None:
+    model = meta.get("model")
+    if not isinstance(model, Mapping) or not isinstance(model.get("spec"), str) or not model["spec"] \
+            or not isinstance(model.get("fingerprint"), str) or not model["fingerprint"]:
+        raise GoldenCorruptError(f"{where}: metadata field 'model' lacks its spec or fingerprint")
+    if model.get("head") is not None and not isinstance(model["head"], str):
+        raise GoldenCorruptError(f"{where}: metadata field 'model.head' is {model['head']!r}, expected a path or null")
+    if feed == "mtp" and not (isinstance(meta.get("mtp"), Mapping) and isinstance(meta["mtp"].get("fingerprint"), str)):
+        raise GoldenCorruptError(f"{where}: metadata field 'mtp' lacks the draft head's fingerprint")
+
+
+def _check_settings(meta: Mapping, logical: str, where: str) -> None:
+    """The recorded settings a replay applies again: dtype, policy, determinism, thread count."""
+    if "dtype" in meta and meta["dtype"] != logical:
+        raise GoldenCorruptError(f"{where}: metadata field 'dtype' is {meta['dtype']!r}, but the logits are {logical}")
+    policy = meta.get("policy")
+    if policy is not None:
+        from vd.policy import Policy
+
+        try:
+            if not isinstance(policy, Mapping) or not all(isinstance(v, str) for v in policy.values()):
+                raise UsageError("not a table of SPECs")
+            Policy.parse((), policy)
+        except UsageError as e:
+            raise GoldenCorruptError(f"{where}: metadata field 'policy' is {policy!r}: {e}") from None
+    det = meta.get("determinism")
+    applied = det.get("applied") if isinstance(det, Mapping) else None
+    if det is not None and not isinstance(det, Mapping) or applied is not None and not (
+            isinstance(applied, Mapping) and set(applied) <= set(_DETERMINISM)
+            and all(isinstance(v, bool) or v is None for k, v in applied.items() if k != "cublas_workspace_config")
+            and re.fullmatch(r"(:\d+:\d+)*", applied.get("cublas_workspace_config") or "")):
+        raise GoldenCorruptError(f"{where}: metadata field 'determinism' is {det!r}, expected the settings vd applies")
+    env = meta.get("environment")
+    threads = env.get("threads") if isinstance(env, Mapping) else None
+    if env is not None and not isinstance(env, Mapping) or threads is not None and not (
+            isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= 4096):
+        raise GoldenCorruptError(f"{where}: metadata field 'environment.threads' is {threads!r}, expected a thread "
+                                 "count")
+
+
+# Fields whose type is all that is checked, where present: (key, type test, what it should be).
+_TYPED = (
+    ("rows", lambda v: isinstance(v, Mapping) and isinstance(v.get("stored", True), bool), '{"stored": true|false}'),
+    ("thin", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of reasons"),
+    ("prompt_text", lambda v: isinstance(v, str), "the prompt's text"),
+    ("require_coverage", lambda v: isinstance(v, bool), "true or false"),
+    ("history", lambda v: isinstance(v, list) and all(isinstance(e, Mapping) for e in v), "a list of entries"),
+    ("greedy", lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+     "token ids"),
+    ("mtp", lambda v: isinstance(v, Mapping), "the draft head's description"),
+    ("candidate", lambda v: isinstance(v, Mapping) and isinstance(v.get("control", {}), Mapping),
+     "a candidate's description"),
+)
+
+
+def _check_typed(meta: Mapping, where: str) -> None:
+    for key, test, want in _TYPED:
+        if meta.get(key) is not None and not test(meta[key]):
+            raise GoldenCorruptError(f"{where}: metadata field {key!r} is {meta[key]!r}, expected {want}")
+
+
+def _check_tokens(meta: Mapping, vocab: int, where: str) -> None:
+    tokens = meta.get("prompt_tokens")
+    if tokens is not None and not (_ints(tokens, 0, vocab) and 1 <= len(tokens) <= LIMITS["prompt"]):
+        raise GoldenCorruptError(f"{where}: metadata field 'prompt_tokens' is not a prompt of token ids within the "
+                                 f"vocabulary (0..{vocab - 1})")
+
+
+def _check_logs(meta: Mapping, ks: tuple[int, ...], steps: int, vocab: int, required: bool, where: str) -> None:
+    """The step logs the metadata carries: each K's tokens, accept counts and bootstrap (required since the
+    manifest's format; before it, a golden may lack them and its arrays are read instead)."""
+    logs = meta.get("logs")
+    if logs is None and not required:
+        return
+    if not isinstance(logs, Mapping) or sorted(logs) != sorted(str(k) for k in ks):
+        raise GoldenCorruptError(f"{where}: metadata field 'logs' does not hold a step log for each K {list(ks)}")
+    for k in ks:
+        e = logs[str(k)]
+        at = f"{where}: metadata field 'logs.{k}'"
+        if not isinstance(e, Mapping):
+            raise GoldenCorruptError(f"{at} is not a step log")
+        tokens, accepted = e.get("tokens"), e.get("accepted")
+        if not (isinstance(tokens, list) and len(tokens) == steps and all(_ints(t, 0, vocab) and len(t) == k
+                                                                          for t in tokens)):
+            raise GoldenCorruptError(f"{at}.tokens is not {steps} steps of {k} token ids within the vocabulary")
+        if not (_ints(accepted, 0, k) and len(accepted) == steps):
+            raise GoldenCorruptError(f"{at}.accepted is not {steps} accept counts within 0..{k - 1}")
+        for name in ("bootstrap", "decoded"):
+            v = e.get(name)
+            if (v is not None or name == "bootstrap") and not _ints([v], 0, vocab):
+                raise GoldenCorruptError(f"{at}.{name} is {v!r}, not a token id within the vocabulary")
