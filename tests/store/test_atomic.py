@@ -1,6 +1,6 @@
 """Crash safety: one writer at a time, a publish that always leaves a whole golden at its path, readers that
 keep the version they opened, refreshes through symlinks, and SIGKILL and SIGTERM at any moment of a
-refresh (a campaign: a few kills in the default suite, 50 in the slow one)."""
+refresh (a campaign: a few kills in the default suite, 50 with -m campaign)."""
 
 import os
 import random
@@ -100,7 +100,7 @@ def test_sigkill_at_random_moments_never_loses_the_golden(tmp_path):
     assert all(c in (0, -signal.SIGKILL) for c in codes)
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_sigkill_campaign(tmp_path):
     codes = _kill_campaign(tmp_path, 50, signal.SIGKILL)
     assert codes.count(-signal.SIGKILL) >= 40  # most trials killed mid-refresh

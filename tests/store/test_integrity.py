@@ -93,14 +93,8 @@ def test_any_damage_to_any_file_fails_verify_naming_it(made, tmp_path, how):
     assert caught >= (12 if how == "rewritten" else 20)
 
 
-@pytest.mark.parametrize("how", HOWS)
-def test_damage_never_reaches_a_verdict(made, tmp_path, tiny, how, request):
-    """A replay (the model given, as a test or the plugin runs it) refuses every damaged golden; in the default
-    suite a sample of files, in the slow suite every one."""
-    keys = _keys(made / "g.zarr", how)
-    if "not slow" in (request.config.getoption("-m") or ""):
-        keys = keys[::7]
-    for i, key in enumerate(keys):
+def _damage_replays(made, tmp_path, tiny, how: str, every: int) -> None:
+    for i, key in enumerate(_keys(made / "g.zarr", how)[::every]):
         if how == "foreign" and (made / "other.zarr" / key).read_bytes() == (made / "g.zarr" / key).read_bytes():
             continue
         copy = tmp_path / f"{i}.zarr"
@@ -108,6 +102,19 @@ def test_damage_never_reaches_a_verdict(made, tmp_path, tiny, how, request):
         _harm(copy, made / "other.zarr", key, how)
         with pytest.raises(GoldenError, match=key.replace(".", r"\.")):
             replay(copy, ReplaySettings(), model=tiny)
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_damage_never_reaches_a_verdict(made, tmp_path, tiny, how):
+    """A replay (the model given, as a test or the plugin runs it) refuses every damaged golden: a sample of
+    files here, every one with -m campaign."""
+    _damage_replays(made, tmp_path, tiny, how, every=7)
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("how", HOWS)
+def test_damage_campaign(made, tmp_path, tiny, how):
+    _damage_replays(made, tmp_path, tiny, how, every=1)
 
 
 # -- metadata mutated at random -------------------------------------------------------------------------------
@@ -169,7 +176,7 @@ def test_metadata_mutations_end_in_a_verdict_or_one_line(made, tiny, meta_paths,
     _fuzz(made, tiny, meta_paths, tmp_path_factory, data, sealed)
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 @settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), sealed=st.booleans())
 def test_metadata_mutation_campaign(made, tiny, meta_paths, tmp_path_factory, data, sealed):
