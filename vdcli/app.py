@@ -352,13 +352,8 @@ def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden
 
     g = open_golden(golden)
     g.check_files()
-    g.stored_prompt()
-    for k in g.ks:
-        g.checked_log(k)
-        if g.slim:
-            g.summary(k)
-        else:
-            g.verify_rows(k)
+    if g.manifest is not None:  # (without a manifest, check_files checked the contents already)
+        g.check_contents()
     files = f"{len(g.manifest)} files match the manifest, ID {g.meta['golden_id']}" if g.manifest is not None \
         else f"format {g.info.version}: no manifest; every chunk and row checked"
     out.print(f"intact: {g.url} ({files}; {sum(g.layout(k).total for k in g.ks)} rows"
@@ -387,6 +382,7 @@ def slim(
 ) -> int:
     """Write a golden's slim form: step logs, row digests and statistics, no rows (about 1 % of the size)."""
     check_golden(golden)
+    check_outside("OUT", out_path, (golden,))
     from vd.store import open_golden
     from vd.store import slim as do_slim
 

@@ -226,14 +226,21 @@ class Golden:
             for key in self.manifest:
                 self.check_file(key)
         else:
-            for k in self.ks:
-                self.checked_log(k)
-                if self.slim:
-                    self.summary(k)
-                else:
-                    self.verify_rows(k)
+            self.check_contents()
         if self.rows_source is not None and self.rows_source is not self:
             self.rows_source.check_files()
+
+    def check_contents(self) -> None:
+        """Every K's stored step log checked (against the metadata's copy, the vocabulary and the accept-count
+        range), every row against its digest (a slim golden: its digests and statistics read), and the prompt
+        array against its copy."""
+        self.stored_prompt()
+        for k in self.ks:
+            self.checked_log(k)
+            if self.slim:
+                self.summary(k)
+            else:
+                self.verify_rows(k)
 
     def check_file(self, key: str) -> None:
         """One file of the manifest read and checked against its size and hash."""
