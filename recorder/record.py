@@ -10,6 +10,7 @@ the caller learns why. This module leaves out comparison and verdicts: those are
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -23,14 +24,14 @@ from vd.coverage import coverage_reason, thin_reason
 from vd.digest import summarise
 from vd.dtypes import of_torch, to_storage
 from vd.env import check_threads
-from vd.errors import ModelOutputError, UsageError
+from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
 from vd.loop import DrafterFeed, ReferenceFeed, Run, continuation, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.policy import Policy
 from vd.progress import SILENT, Progress
 from vd.protocol import DraftHead, VerifyModel
-from vd.store import GoldenWriter, Location, check_target, locate
+from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
 
 # An ordinary instruction for the instruct model. (With an earlier two-sentence prompt SmolLM2's
@@ -124,6 +125,7 @@ class RecordResult:
     committed_is_greedy: dict[int, bool]
     seconds: dict[str, float] = field(default_factory=dict)
     short: list[str] = field(default_factory=list)
+    resumed_checked: int = 0  # blocks a resumed recording found equal to its journal
 
     @property
     def path(self) -> str | None:
@@ -132,21 +134,45 @@ class RecordResult:
 
 def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), *, refresh: bool = False,
            model: VerifyModel | None = None, progress: Progress = SILENT,
-           reason: str = "first recording") -> RecordResult:
+           reason: str = "first recording", resume: bool = False) -> RecordResult:
     """Record ``settings`` into the golden at ``out`` (a directory, a ``.zip`` file or an ``s3://`` URL);
     ``refresh`` replaces a golden already there (without comparing or keeping its history: that is
     `vd.workflow.refresh`). A passed-in ``model`` is used as it is (its device and dtype win over the
     settings'). ``reason`` starts the golden's history. Another process writing ``out`` meanwhile is refused
-    at once (a `vd.errors.GoldenError`): one writer at a time (`vd.store.atomic`)."""
-    policy = settings.check()
+    at once (a `vd.errors.GoldenError`): one writer at a time (`vd.store.atomic`).
+
+    A recording into a directory or a zip file keeps a journal as it goes (`vd.store.journal`); ``resume``
+    continues one a crash cut short: ``settings``, ``refresh`` and ``reason`` are then the journal's, every
+    block computed again is checked against it, and the golden is the one the uninterrupted run would have
+    written."""
     location = locate(out)
+    jpath = _journal_path(location)
+    header, frames = None, None
+    if resume:
+        if jpath is None:
+            raise UsageError(f"{location.url}: goldens on an object store keep no journal to resume from")
+        header, frames = journal.read(jpath)
+        settings, refresh, reason = _from_header(header)
+    policy = settings.check()
     check_target(location, refresh)  # before the expensive part (the writer checks again)
     with location.writer():
-        return _record(location, settings, policy, refresh, model, progress, reason)
+        return _record(location, settings, policy, refresh, model, progress, reason,
+                       (jpath, header, frames))
+
+
+def _journal_path(location: Location):
+    target = getattr(location, "target", None) or getattr(location, "path", None)  # a directory's, a zip's
+    return None if target is None else journal.path_for(target)
+
+
+def _from_header(header: dict) -> tuple[RecordSettings, bool, str]:
+    s = dict(header["settings"])
+    s["ks"], s["tolerances"] = tuple(s["ks"]), tuple(s["tolerances"])
+    return RecordSettings(**s), bool(header["refresh"]), str(header["reason"])
 
 
 def _record(location: Location, settings: RecordSettings, policy: Policy, refresh: bool, model: VerifyModel | None,
-            progress: Progress, reason: str) -> RecordResult:
+            progress: Progress, reason: str, resuming: tuple) -> RecordResult:
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     model = _model(settings, model, progress)
@@ -164,6 +190,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     seconds["continuation"] = time.perf_counter() - t
     # On CUDA the writer works on its own thread while the GPU computes; on the CPU it writes in line.
     with GoldenWriter(location, refresh=refresh, background=model.device.type == "cuda") as writer:
+        writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         t = time.perf_counter()
         result = RecordResult(None, {}, [], {}, seconds)
         for k in settings.ks:
@@ -171,15 +198,36 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
             _record_k(model, writer, tokens, greedy, k, settings, progress, result)
         seconds["verify"] = time.perf_counter() - t
         if result.short or (result.thin and not settings.allow_thin):
+            if writer.journal is not None:
+                writer.journal.close(remove=True)  # refused: nothing to resume
             return result
         t = time.perf_counter()
         progress.phase("writing golden", 0)
         meta = _meta(model, settings, forward, greedy, result.thin)
         writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
                        reason=reason)
+    if writer.journal is not None:
+        result.resumed_checked = writer.journal.checked
+        writer.journal.close(remove=True)  # published: nothing left to resume
     seconds["write"] = time.perf_counter() - t
     result.location = location
     return result
+
+
+def _journal(resuming: tuple, settings: RecordSettings, refresh: bool, reason: str, model: VerifyModel,
+             tokens: list[int], greedy: list[int]) -> journal.Journal | None:
+    """The recording's journal (None on an object store); resuming, the old one's model and greedy
+    continuation checked first, its blocks handed over to be checked as they are computed again."""
+    jpath, header, frames = resuming
+    if jpath is None:
+        return None
+    fingerprint = model.identity().fingerprint
+    if header is not None and (header["fingerprint"] != fingerprint or header["greedy"] != greedy
+                               or header["prompt"] != tokens):
+        raise GoldenError(f"{jpath}: the journaled recording had another model, prompt or greedy continuation; "
+                          "record afresh (without --resume)")
+    return journal.Journal(jpath, {"settings": dataclasses.asdict(settings), "refresh": refresh, "reason": reason,
+                                   "fingerprint": fingerprint, "prompt": tokens, "greedy": greedy}, frames)
 
 
 def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progress) -> VerifyModel:

@@ -82,6 +82,9 @@ def record(
     summary: Summary = None,
     suite: Suite = False,
     config: Config = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the recording of OUT a crash cut short, from "
+                                         "its journal (its settings; every step computed again is checked).")]
+    = False,
 ) -> int:
     """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store.
 
@@ -94,6 +97,11 @@ def record(
     if suite:
         return team.record_suite(targets or [], config, refresh, reason, summary)
     out_path = _one(targets, "OUT")
+    if resume:
+        from vd.recorder import record as do_record
+
+        with reporting() as progress:
+            return _recorded(do_record(out_path, resume=True, progress=progress))
     check_model(model, [forward] if forward else [])
     check_tolerances(tolerance)
     from vd.store import locate
@@ -148,7 +156,9 @@ def _recorded(r) -> int:
         return EXIT_FAIL
     for reason in r.thin:
         err.print(f"vd: warning: {reason}")
-    out.print(f"recorded {r.location.url} ({r.location.nbytes() / 1e6:.1f} MB) in {sum(r.seconds.values()):.1f} s")
+    resumed = f"; resumed: {r.resumed_checked} journaled blocks computed again and equal" if r.resumed_checked else ""
+    out.print(f"recorded {r.location.url} ({r.location.nbytes() / 1e6:.1f} MB) in {sum(r.seconds.values()):.1f} s"
+              f"{resumed}")
     return EXIT_PASS
 
 

@@ -113,6 +113,7 @@ class GoldenWriter:
         self._futures = []
         self.logs: list[StepLog] = []
         self.digests: dict[int, np.ndarray] = {}
+        self.journal = None  # a `vd.store.journal.Journal` the recorder sets: every block written goes into it
         self.stored_rows = True
 
     def _submit(self, fn: Callable, *args) -> None:
@@ -164,6 +165,8 @@ class GoldenWriter:
         g.attrs.update({"k": log.k, "steps": int(log.accepted.shape[0]), "bootstrap": int(log.bootstrap),
                         "committed_is_greedy": log.committed_is_greedy, "decoded": log.decoded})
         self.logs.append(log)
+        if self.journal is not None:
+            self.journal.finished(k, log.tokens, log.accepted)
 
     def _drain(self) -> None:
         try:
@@ -250,10 +253,13 @@ class KStream:
     def _write(self, kind: str, index: int | None, block: torch.Tensor, event) -> None:
         if event is not None:
             event.synchronize()
+        stored = to_storage(block)
         if kind == "prefill":
-            self.arrays["prefill"].write(0, to_storage(block))
+            self.arrays["prefill"].write(0, stored)
         else:
-            self.arrays["logits"].write(index, to_storage(block)[None])
+            self.arrays["logits"].write(index, stored[None])
+        if self.writer.journal is not None:
+            self.writer.journal.block(self.layout.k, index, _digest.digest(to_tensor(stored)).numpy())
 
     def finish(self, log: StepLog, summary: tuple[np.ndarray, np.ndarray], draft_rows: np.ndarray | None = None,
                drafts: np.ndarray | None = None) -> None:

@@ -1,0 +1,52 @@
+"""`vd record --resume`: a recording killed mid-K continues from its journal and writes the golden an
+uninterrupted run writes (equal content digest, every file but the run's volatile facts equal); a journal
+that disagrees with what the model computes again refuses the resume."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+
+from vd.store import journal, open_golden
+
+DYING = str(Path(__file__).parent / "plugins" / "dying.py") + ":factory"
+ARGS = ["--model", DYING, "--k", "2,3", "--steps", "6"]
+
+
+def _vd(*args, die_at: int | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "VD_DIE_AT_CALL"}
+    if die_at is not None:
+        env["VD_DIE_AT_CALL"] = str(die_at)
+    return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_a_recording_killed_mid_k_resumes_to_the_uninterrupted_golden(tmp_path):
+    # Calls: the greedy decode (1 + 18), K=2 (1 + 6), then K=3: call 30 is its third verify step.
+    g = tmp_path / "g.zarr"
+    assert _vd("record", g, *ARGS, die_at=30).returncode == -9
+    assert not g.exists() and journal.path_for(g).is_file()
+    header, frames = journal.read(journal.path_for(g))
+    assert header["settings"]["ks"] == [2, 3] and {f["k"] for f in frames} == {2, 3}
+    r = _vd("record", g, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "resumed: 10 journaled blocks computed again and equal" in r.stdout, r.stdout
+    assert not journal.path_for(g).exists()
+    whole = tmp_path / "whole.zarr"
+    assert _vd("record", whole, *ARGS).returncode == 0
+    assert open_golden(g).content_digest() == open_golden(whole).content_digest()
+    assert open_golden(g).manifest == open_golden(whole).manifest  # every file the same bytes
+
+
+def test_a_journal_the_model_does_not_compute_again_refuses_the_resume(tmp_path):
+    g = tmp_path / "g.zarr"
+    assert _vd("record", g, *ARGS, die_at=30).returncode == -9
+    path = journal.path_for(g)
+    header, frames = journal.read(path)
+    frames[1]["digests"][0][0] += 1  # a block the model will not compute
+    path.write_bytes(b"".join(msgpack.packb(f, use_bin_type=True) for f in [header, *frames]))
+    r = _vd("record", g, "--resume")
+    assert r.returncode == 2 and "differs from its journal at K=2" in r.stderr and not g.exists()
+    assert _vd("record", tmp_path / "none.zarr", "--resume").returncode == 2

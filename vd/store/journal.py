@@ -1,0 +1,84 @@
+"""A recording's journal (``.NAME.journal`` beside the golden): what a recording has computed so far, so that
+``vd record --resume`` can continue one a crash cut short and still write the golden an uninterrupted run
+would have written, bit for bit.
+
+msgpack frames appended as the recording goes: a header (the settings, the model's fingerprint, the prompt's
+tokens, the greedy continuation), then one frame per row block written (``{"k", "s", "digests"}``: a step's
+verify rows, ``s`` None for the prefill), each K's ``{"k", "tokens", "accepted"}`` once it is finished. A
+resume records again from the header's settings and checks every block it computes against the journaled
+one (`Journal.expect`): the same model on the same build computes the same rows, and a difference (another
+build, a nondeterministic kernel) refuses the resume, naming the K and step, rather than publish a golden
+made of two runs. A frame cut short by the crash is ignored. The journal is removed once the golden is
+published, and replaced by a recording that does not resume.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from vd.errors import GoldenError, UsageError
+
+
+def path_for(target: Path) -> Path:
+    return target.parent / f".{target.name}.journal"
+
+
+def read(path: Path) -> tuple[dict, list[dict]]:
+    """The header and frames of the journal at ``path`` (a last frame cut short by a crash left out)."""
+    if not path.is_file():
+        raise UsageError(f"nothing to resume: no journal {path} (a recording that was cut short leaves one)")
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(path.read_bytes())
+    frames = []
+    try:
+        for frame in unpacker:
+            frames.append(frame)
+    except (ValueError, msgpack.ExtraData) as e:
+        raise GoldenError(f"{path} is not a readable journal: {e}") from e
+    if not frames or not isinstance(frames[0], dict) or frames[0].get("journal") != 1:
+        raise GoldenError(f"{path} is not a vd journal")
+    return frames[0], [f for f in frames[1:] if isinstance(f, dict)]
+
+
+class Journal:
+    """Appends frames to the journal at ``path`` (thread-safe: the writer threads append); with ``expected``
+    (a resumed recording's journal frames), checks each block against its journaled digests."""
+
+    def __init__(self, path: Path, header: Mapping, expected: list[dict] | None = None):
+        self.path, self.lock = path, threading.Lock()
+        self.expected = {(f["k"], f.get("s")): f["digests"] for f in expected or () if "digests" in f}
+        self.checked = 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "wb")  # a new recording's journal replaces a stale one
+        self._append({"journal": 1, **header})
+
+    def _append(self, frame: Mapping) -> None:
+        with self.lock:
+            self.file.write(msgpack.packb(dict(frame), use_bin_type=True))
+            self.file.flush()
+
+    def block(self, k: int, s: int | None, digests: np.ndarray) -> None:
+        """Rows of K's step ``s`` (None: the prefill) were written with these digests."""
+        d = np.asarray(digests).tolist()
+        want = self.expected.get((k, s))
+        if want is not None:
+            if want != d:
+                where = "the prefill" if s is None else f"step {s}"
+                raise GoldenError(f"the resumed recording differs from its journal at K={k}, {where}: another model, "
+                                  "build or a nondeterministic kernel; record afresh (without --resume)")
+            self.checked += 1
+        self._append({"k": k, "s": s, "digests": d})
+
+    def finished(self, k: int, tokens: np.ndarray, accepted: np.ndarray) -> None:
+        self._append({"k": k, "tokens": tokens.tolist(), "accepted": accepted.tolist()})
+
+    def close(self, remove: bool) -> None:
+        self.file.close()
+        if remove:
+            os.unlink(self.path)
