@@ -26,6 +26,7 @@ from vd.cli.common import (
     Dtype,
     Feed,
     Reason,
+    Resume,
     Suite,
     Summary,
     Tolerances,
@@ -82,26 +83,20 @@ def record(
     summary: Summary = None,
     suite: Suite = False,
     config: Config = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the recording of OUT a crash cut short, from "
-                                         "its journal (its settings; every step computed again is checked).")]
-    = False,
+    resume: Resume = False,
 ) -> int:
     """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store.
 
     With --refresh over an existing golden it re-records what the golden (or its declaration) says, changed
     only by the flags given, and prints what changed (as vd refresh does). With --suite it records the
-    declared goldens that are missing, and with --refresh the rest. --tolerance sets the policy stored as
-    the golden's default."""
+    declared goldens that are missing (and with --refresh the rest); --tolerance sets the default policy."""
     from vd.cli import team
 
     if suite:
         return team.record_suite(targets or [], config, refresh, reason, summary)
     out_path = _one(targets, "OUT")
     if resume:
-        from vd.recorder import record as do_record
-
-        with reporting() as progress:
-            return _recorded(do_record(out_path, resume=True, progress=progress))
+        return _resumed(out_path)
     check_model(model, [forward] if forward else [])
     check_tolerances(tolerance)
     from vd.store import locate
@@ -141,6 +136,13 @@ def _one(targets: list[str] | None, what: str) -> str:
     if not targets or len(targets) != 1:
         raise UsageError(f"give one {what} (or --suite with declared golden names); got {len(targets or [])}")
     return targets[0]
+
+
+def _resumed(out_path: str) -> int:
+    from vd.recorder import record as do_record
+
+    with reporting() as progress:
+        return _recorded(do_record(out_path, resume=True, progress=progress))
 
 
 def _recorded(r) -> int:

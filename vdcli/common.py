@@ -292,3 +292,5 @@ AllowThin = Annotated[bool, typer.Option("--allow-thin", help="Store a reference
 Deterministic = Annotated[bool, typer.Option("--deterministic", help="Use deterministic algorithms, a fixed cuBLAS "
                                              "workspace and no reduced-precision reductions (stored; replay "
                                              "applies them too).")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the recording of OUT a crash cut short, from its "
+                                      "journal (its settings; every step computed again is checked).")]

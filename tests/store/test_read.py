@@ -205,3 +205,21 @@ def test_opening_reads_the_metadata_alone_and_rows_only_their_chunks(golden):
     g.read_rows(2, "verify", np.array([4, 5]))  # both rows of step 2
     chunks = [k for k in loc.keys if "/c/" in k]
     assert sorted(chunks) == ["k2/logits.hi/c/2/0/0", "k2/logits.lo/c/2/0/0/0"]
+
+
+def test_statistics_that_disagree_with_their_rows_are_refused(golden):
+    """A golden written with a wrong statistic (its checksums and manifest good) is refused when read whole,
+    and an argmax outside the vocabulary as soon as the K is compared."""
+    stats = zarr.open_array(zarr.storage.LocalStore(golden / "k2" / "stats"), mode="r+")
+    a = stats[...]
+    a[3, 2] = np.nan  # row 3's margin
+    stats[...] = a
+    edit_meta(golden, lambda m: None)
+    with pytest.raises(GoldenCorruptError, match=r"k2/stats: 1 row\(s\) disagree with the stored rows \(first: "
+                                                 r"prefill row 3\)"):
+        open_golden(golden).verify_rows(2)
+    a[3, 0] = V + 5  # its argmax
+    stats[...] = a
+    edit_meta(golden, lambda m: None)
+    with pytest.raises(GoldenCorruptError, match="k2/stats: an argmax outside the vocabulary"):
+        open_golden(golden).side(2)

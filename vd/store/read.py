@@ -16,7 +16,6 @@ import os
 from collections.abc import Mapping
 
 import numpy as np
-import torch
 
 from vd import digest as _digest
 from vd.dtypes import to_tensor
@@ -203,11 +202,12 @@ class Golden:
         return F.from_arrays(whole, self.info.vocab)
 
     def verify_rows(self, k: int) -> dict[str, np.ndarray]:
-        """Every row of K read whole and each checked against its stored digest (`vd show`, `vd diff`)."""
+        """Every row of K read whole and each checked against its stored digest and statistics (`vd show`,
+        `vd diff`, `vd verify`)."""
         rows = self.all_rows(k)
         if self.info.digested:
             layout = self.layout(k)
-            computed = torch.cat([_digest.digest(to_tensor(a)) for a in rows.values()]).numpy()
+            digests, stats = _digest.summarise({kind: to_tensor(a) for kind, a in rows.items()})
 
             def name(i: int) -> str:
                 for kind, n in layout.counts.items():
@@ -215,7 +215,12 @@ class Golden:
                         return f"{kind} row {i}"
                     i -= n
                 return f"row {i}"
-            check_digests(computed, self.summary(k)[0], self.where(k), name)
+            stored_digests, stored_stats = self.summary(k)
+            check_digests(digests, stored_digests, self.where(k), name)
+            differ = ~((stats == stored_stats) | (np.isnan(stats) & np.isnan(stored_stats))).all(axis=1)
+            if differ.any():
+                raise GoldenCorruptError(f"{self.where(k)}/stats: {int(differ.sum())} row(s) disagree with the stored "
+                                         f"rows (first: {name(int(np.flatnonzero(differ)[0]))})")
         return rows
 
     def check_files(self) -> None:

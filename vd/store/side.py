@@ -59,7 +59,10 @@ class GoldenSide:
         self.digests, self._load = digests, load
         self._stats = {kind: {n: part[:, i] for i, n in enumerate(STATS)} for kind, part in layout.split(stats).items()}
         for by in self._stats.values():
-            by["argmax"] = by["argmax"].astype(np.int64)
+            top = by["argmax"]
+            if not (np.isfinite(top) & (top >= 0) & (top < vocab) & (top == np.round(top))).all():
+                raise GoldenCorruptError(f"{where}/stats: an argmax outside the vocabulary (0..{vocab - 1})")
+            by["argmax"] = top.astype(np.int64)
         self._figures: dict[str, dict[str, float]] = {}
         self._device: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
