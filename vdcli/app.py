@@ -358,7 +358,7 @@ def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden
 
     Every file against the manifest's size and hash and the metadata against the golden's ID (format 6),
     every field against what a golden may hold, every step log against the vocabulary and the accept-count
-    range, every chunk against its checksum and every row against its digest."""
+    range, every chunk against its checksum and every row against its digest and statistics."""
     check_golden(golden)
     from vd.store import open_golden
 
