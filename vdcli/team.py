@@ -84,7 +84,8 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
     from vd.workflow.suite import replay_suite as do_replay
     from vd.workflow.suite import shard as take
 
-    entries = take(_suite(config).select(names), shard)
+    suite = _suite(config)
+    entries = take(suite.select(names), shard)
     for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
         check_writable(flag, path, [e.path for e in entries])
     models, outcomes, t = Models(), [], time.perf_counter()
@@ -96,7 +97,7 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
     code = exit_code(outcomes)
     verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[code]
     if report is not None:
-        write_json(report, {"verdict": verdict, "suite": str(_suite(config).file), "shard": shard,
+        write_json(report, {"verdict": verdict, "suite": str(suite.file), "shard": shard,
                             "models_loaded": models.loads, "seconds": time.perf_counter() - t,
                             "goldens": [o.to_json() for o in outcomes]})
     listed = [(o.name, o.report, o.error) for o in outcomes]

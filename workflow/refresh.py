@@ -62,11 +62,15 @@ def _previous(location: Location) -> tuple[Golden | None, str | None]:
         return None, str(e)
 
 
+def _check_reason(reason: str) -> None:
+    if not reason.strip():
+        raise UsageError("a refresh needs a reason (--reason TEXT): it goes into the golden's history")
+
+
 def refresh(where: str | os.PathLike, settings: RecordSettings, *, reason: str, name: str | None = None,
             model: VerifyModel | None = None, progress: Progress = SILENT) -> Refreshed:
     """Record ``settings`` as the golden at ``where``'s next version (see the module's docstring)."""
-    if not reason.strip():
-        raise UsageError("a refresh needs a reason (--reason TEXT): it goes into the golden's history")
+    _check_reason(reason)
     settings.check()
     location = locate(where)
     with location.writer():
@@ -106,8 +110,7 @@ def promote(candidate: str | os.PathLike, where: str | os.PathLike, *, reason: s
     """Publish a replay's saved candidate as the golden at ``where``'s next version. The candidate must have
     been saved against the golden's current version, every K's control must have fired and no K may be
     thin."""
-    if not reason.strip():
-        raise UsageError("a refresh needs a reason (--reason TEXT): it goes into the golden's history")
+    _check_reason(reason)
     location = locate(where)
     with location.writer():
         return _promote(location, open_golden(candidate), reason, name)
