@@ -199,13 +199,36 @@ def test_unwritable_destinations_exit_2(cli, tiny_golden, tmp_path):
 
 
 def test_an_internal_error_is_one_line_naming_its_traceback_file(cli, tiny_golden, monkeypatch):
-    """A crash that is no user's fault (here a model whose forward raises) exits 3 with one line; the
-    traceback goes to the file that line names."""
-    monkeypatch.setenv("VD_CRASH_AT_STEP", "2")
-    code, out, err = cli("replay", tiny_golden, "--model", f"{PLUGINS / 'crashing.py'}:factory")
+    """A crash of vd's own engine (here the built-in HF adapter's forward raising mid-run) exits 3 with one
+    line; the traceback goes to the file that line names."""
+    from vd.models.hf import HFModel
+
+    calls, forward = [], HFModel.forward
+
+    def crashing(self, tokens):
+        calls.append(len(tokens))
+        if len(calls) == 4:
+            raise RuntimeError("kernel fault at step 2")
+        return forward(self, tokens)
+
+    monkeypatch.setattr(HFModel, "forward", crashing)
+    code, out, err = cli("replay", tiny_golden)
     _one_line_error(code, out, err, "internal error", "RuntimeError", "kernel fault at step 2", exit_code=3)
     trace = Path(err.split("traceback in ")[1].rstrip(")\n"))
     assert "Traceback" in trace.read_text() and "kernel fault at step 2" in trace.read_text()
+    trace.unlink()
+
+
+def test_a_plugin_raising_mid_run_is_named_exit_2(cli, tiny_golden, monkeypatch):
+    """A plug-in whose forward raises mid-run is bad input (exit 2), named with what it raised; its
+    traceback, the plug-in's frames included, goes to the file the line names."""
+    monkeypatch.setenv("VD_CRASH_AT_STEP", "2")
+    spec = f"{PLUGINS / 'crashing.py'}:factory"
+    code, out, err = cli("replay", tiny_golden, "--model", spec)
+    _one_line_error(code, out, err, f"plug-in {spec}: its forward raised RuntimeError: kernel fault at step 2 "
+                                    "(traceback in ")
+    trace = Path(err.split("traceback in ")[1].rstrip(")\n"))
+    assert "crashing.py" in trace.read_text() and "kernel fault at step 2" in trace.read_text()
     trace.unlink()
 
 
@@ -237,6 +260,12 @@ def test_goldens_in_a_zip_file_and_on_s3(cli, tiny_golden, tmp_path, s3):
     assert code == 0, err
     assert cli("replay", tmp_path / "s.zip", "--rows", s3, "--tolerance", "kl:0.1")[0] == 0
     _one_line_error(*cli("record", s3, "--model", "tiny-llama"), "already holds a golden")
+    from vd.store.objects import ObjectPrefix
+
+    with ObjectPrefix(s3).writer():  # another writer is at work: a refresh is refused, the golden kept
+        _one_line_error(*cli("record", s3, "--refresh", "--reason", "r", "--steps", "4"),
+                        "is being written by another vd process")
+    assert cli("replay", s3)[0] == 0
 
 
 # -- usage errors before torch; help; version --------------------------------------------------------------

@@ -42,3 +42,8 @@ class ModelMismatchError(VdError):
 
 class ModelOutputError(VdError):
     """A model returned logits the protocol does not allow (shape, rank, dtype) or, recording, non-finite ones."""
+
+
+class PluginError(VdError):
+    """A plug-in's method raised while it ran: bad input (exit 2), named with what it raised; its traceback is
+    kept in a file the message names. A built-in engine that raises stays an internal error (exit 3)."""

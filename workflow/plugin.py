@@ -106,7 +106,7 @@ class _Session:
         """Why the golden cannot be replayed as declared: missing, unreadable or stale (empty: it can)."""
         from vd.store import locate, open_golden
 
-        if locate(entry.path).state() == "absent":
+        if locate(entry.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
             return [f"golden missing (record it: vd record --suite {entry.name}, or pytest --vd-update)"]
         try:
             stale = stale_reasons(entry, open_golden(entry.path))

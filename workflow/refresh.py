@@ -54,8 +54,11 @@ def _previous(location: Location) -> tuple[Golden | None, str | None]:
     """The golden a refresh replaces (None where there is none), or why it cannot be read (a damaged golden
     can be refreshed; its history is then lost, and the summary says so)."""
     check_target(location, refresh=True)
-    if location.state() == "absent":
+    state = location.state()
+    if state == "absent":
         return None, None
+    if state == "partial":
+        return None, "an interrupted S3 write had left no golden there"
     try:
         return open_golden(location), None
     except GoldenError as e:

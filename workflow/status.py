@@ -52,7 +52,7 @@ def status(suite: Suite, entries: Sequence[Entry], *, check_models: bool = True,
 
 def _one(e: Entry, check_models: bool, models: Models, last: str | None, progress: Progress) -> GoldenStatus:
     s = GoldenStatus(e.name, e.path, "current", last=last)
-    if locate(e.path).state() == "absent":
+    if locate(e.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
         s.state = "missing"
         return s
     try:

@@ -145,7 +145,7 @@ def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, re
     def one(e: Entry) -> Outcome:
         s = record_settings(e)
         location = locate(e.path)
-        present = location.state() != "absent"
+        present = location.state() not in ("absent", "partial")  # partial: an interrupted S3 write
         if present and not refresh_existing:
             check_target(location, refresh=True)  # a golden is left as it is; anything else is an error
             return Outcome(e.name, e.path, "PRESENT")

@@ -79,15 +79,15 @@ def test_s3_golden_round_trip_and_refresh(s3, tmp_path):
 def _keys(url: str) -> list[str]:
     from zarr.core.sync import sync
 
-    async def keys():
-        return [k async for k in locate(url).store().list()]
+    async def keys():  # the live prefix, through zarr itself
+        return [k async for k in zarr.storage.FsspecStore.from_url(url, read_only=True).list()]
 
     return sync(keys())
 
 
-def test_a_partial_s3_upload_never_opens_as_a_complete_golden(s3, monkeypatch):
-    """Uploads stop after five keys: a new golden is not there at all, and a refreshed one no longer opens
-    (its root zarr.json went first), where it would otherwise mix old and new arrays."""
+def test_a_partial_s3_upload_never_opens_as_a_golden(s3, monkeypatch):
+    """Uploads stop after five keys: neither a new golden nor a refreshed one opens (the placeholder root went
+    first); a reader waits for the write (VD_S3_WAIT_S), then names the writer; the next writer replaces it."""
     calls = []
     real_set = zarr.storage.FsspecStore.set
 
@@ -98,14 +98,19 @@ def test_a_partial_s3_upload_never_opens_as_a_complete_golden(s3, monkeypatch):
         return await real_set(self, key, value)
 
     write(s3 + "-old")
-    monkeypatch.setattr(zarr.storage.FsspecStore, "set", failing_set)
-    for url, refresh in ((s3, False), (s3 + "-old", True)):
-        calls.clear()
-        with pytest.raises(GoldenError, match="connection reset"):
-            write(url, seed=2, refresh=refresh)
-        with pytest.raises(NotAGoldenError, match="no zarr.json"):
-            open_golden(url)
-        assert "zarr.json" not in _keys(url)
+    monkeypatch.setenv("VD_S3_WAIT_S", "0.5")
+    with monkeypatch.context() as m:
+        m.setattr(zarr.storage.FsspecStore, "set", failing_set)
+        for url, refresh in ((s3, False), (s3 + "-old", True)):
+            calls.clear()
+            with pytest.raises(GoldenError, match="connection reset"):
+                write(url, seed=2, refresh=refresh)
+            assert locate(url).state() == "partial"
+            with pytest.raises(NotAGoldenError, match=r"is being written by .* pid \d+ since .*, or that write was "
+                                                      r"interrupted: waited 0 s \(VD_S3_WAIT_S\)"):
+                open_golden(url)
+    rows = write(s3, seed=3)  # no --refresh needed: there was no golden to lose
+    assert np.array_equal(open_golden(s3).verify_rows(2)["verify"], rows[2]["verify"])
 
 
 def test_s3_credentials_are_checked(s3, monkeypatch):
@@ -116,3 +121,124 @@ def test_s3_credentials_are_checked(s3, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps a file system per process; a new vd starts without
     with pytest.raises(GoldenError, match="cannot read s3:.*PermissionError"):
         open_golden(s3)
+
+
+def _golden_id(url) -> str:
+    g = open_golden(url)
+    try:
+        g.check_contents()
+        g.check_files()
+        return g.meta["golden_id"]
+    finally:
+        g.close()
+
+
+def test_an_s3_reader_keeps_the_version_it_opened(s3):
+    """A golden opened before a refresh is read whole from the version it opened; one opened while the
+    placeholder is up waits for the new version."""
+    import asyncio
+    import threading
+
+    old = write(s3, seed=1)
+    g = open_golden(s3)
+    new = write(s3, seed=2, refresh=True)
+    assert np.array_equal(g.verify_rows(2)["verify"], old[2]["verify"])  # read after the refresh published
+    g.check_files()
+    g.close()
+    assert np.array_equal(open_golden(s3).verify_rows(2)["verify"], new[2]["verify"])
+    # A refresh held up after its placeholder: the reader waits and reads the new golden.
+    gate = threading.Event()
+    real_set = zarr.storage.FsspecStore.set
+    started = threading.Event()
+
+    async def slow_set(self, key, value):
+        if key != "zarr.json":
+            started.set()
+            while not gate.is_set():  # zarr runs every store call on one event loop: never block it
+                await asyncio.sleep(0.05)
+        return await real_set(self, key, value)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(zarr.storage.FsspecStore, "set", slow_set):
+        t = threading.Thread(target=write, args=(s3,), kwargs={"seed": 3, "refresh": True})
+        t.start()
+        assert started.wait(30) and locate(s3).state() == "partial"
+        threading.Timer(1.0, gate.set).start()
+        reader = open_golden(s3)  # the placeholder is up: waits until the new root is written
+        t.join(30)
+    newest = k_data_rows(3)
+    assert np.array_equal(reader.verify_rows(2)["verify"], newest)
+
+
+def k_data_rows(seed):
+    from store_data import k_data
+
+    return k_data(2, seed=seed)[2]["verify"]
+
+
+def test_s3_readers_during_refreshes_see_old_or_new_never_a_mix(s3):
+    """Readers open, check every file and every row while another thread publishes refreshes one after
+    another: each judged golden is whole and one of the published versions."""
+    import threading
+
+    from store_data import meta  # noqa: F401  (the published goldens are store_data's)
+
+    ids, seen, errors = set(), [], []
+    write(s3, seed=0)
+    ids.add(_golden_id(s3))
+    done = threading.Event()
+
+    def refreshes():
+        try:
+            for seed in range(1, 7):
+                write(s3, seed=seed, refresh=True)
+                ids.add(_golden_id(s3))
+        finally:
+            done.set()
+
+    def reads():
+        while not done.is_set():
+            try:
+                seen.append(_golden_id(s3))
+            except Exception as e:  # any error is a failure of the guarantee
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=refreshes), threading.Thread(target=reads), threading.Thread(target=reads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and seen and set(seen) <= ids and len(ids) == 7
+
+
+def test_one_s3_writer_at_a_time(s3, monkeypatch):
+    """A second writer is refused with one line naming the first; a lock left by a dead process of this host
+    is taken over; the lock is gone after the write."""
+    from vd.store.objects import ObjectPrefix
+
+    write(s3, seed=1)
+    a = ObjectPrefix(s3)
+    with a.writer():
+        with pytest.raises(GoldenError, match=r"being written by another vd process \(.* pid \d+ since .*; it holds "
+                                              r"s3://.*\.lock\)"):
+            with ObjectPrefix(s3).writer():
+                pass
+    with ObjectPrefix(s3).writer():  # released
+        pass
+    # A lock whose process is gone (a SIGKILLed writer on this host) is taken over.
+    import json
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    store = a._store(False)
+    parent, _, name = store.path.rpartition("/")
+    from zarr.core.sync import sync
+
+    holder = {"host": __import__("socket").gethostname(), "pid": int(dead), "since": "then", "token": "x"}
+    sync(store.fs._pipe_file(f"{parent}/.{name}.lock", json.dumps(holder).encode()))
+    with ObjectPrefix(s3).writer():
+        pass
+    assert not sync(store.fs._exists(f"{parent}/.{name}.lock"))

@@ -15,14 +15,17 @@ does.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import re
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vd.errors import ModelSpecError, UsageError
+from vd.errors import ModelSpecError, PluginError, UsageError, VdError
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 
 if TYPE_CHECKING:
@@ -110,7 +113,42 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
             f"plug-in {spec} returned a {type(model).__name__}, which lacks {', '.join(sorted(missing))} "
             "of the vd model protocol"
         )
+    _guard(model, spec)
     return model
+
+
+# The protocol's methods a run calls (`vd.protocol.VerifyModel`, `vd.protocol.DraftHead`).
+_RUN_METHODS = ("set_forward", "reset", "forward", "rewind", "save_hidden", "trim_proposer", "propose")
+
+
+def _guard(model: VerifyModel, spec: str) -> None:
+    """Make each run-time method of a plug-in turn an exception into a `vd.errors.PluginError` naming the
+    plug-in, the method and what it raised (exit 2: the plug-in, an input, is at fault), its traceback written
+    to a file the message names. A built-in engine that raises stays an internal error (exit 3)."""
+    for name in _RUN_METHODS:
+        method = getattr(model, name, None)
+        if callable(method):
+            try:
+                setattr(model, name, _guarded(method, spec, name))
+            except (AttributeError, TypeError):  # __slots__ or a read-only attribute: its errors stay exit 3
+                return
+
+
+def _guarded(method, spec: str, name: str):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except VdError:
+            raise
+        except Exception as e:
+            with tempfile.NamedTemporaryFile("w", prefix="vd-plugin-", suffix=".txt", delete=False) as f:
+                traceback.print_exception(e, file=f)
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise PluginError(f"plug-in {spec}: its {name} raised {type(e).__name__}: {first} (traceback in "
+                              f"{f.name})") from e
+
+    return call
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",

@@ -1,11 +1,11 @@
 """The golden store: a recording's step logs and logits rows in a zarr v3 group, in a directory, a zip file
 or an object store.
 
-Its modules import one way: `format` (names, shapes, encodings) and `location` (where a golden lives)
-at the bottom; `chunks` (one array's chunks, checked) and `side` (one K as a comparison sees it) above
-them; then `read` (open and check a golden) and `write` (stage, then publish one); `prefetch` (read
-beside a GPU replay), `slim` and `migrate` on top; `manifest`, `schema`, `history` and `atomic` are
-below `read` and `write`.
+Its modules import one way: `format` (names, shapes, encodings) and `location` (where a golden lives:
+`local` for a directory or zip file, `objects` for an S3 prefix) at the bottom; `chunks` (one array's
+chunks, checked) and `side` (one K as a comparison sees it) above them; then `read` (open and check a
+golden) and `write` (stage, then publish one); `prefetch` (read beside a GPU replay), `slim` and
+`migrate` on top; `manifest`, `schema`, `history` and `atomic` are below `read` and `write`.
 """
 
 from vd.store.format import FORMAT_VERSION

@@ -9,33 +9,27 @@
   ``AWS_ENDPOINT_URL``, ``AWS_REGION``);
 * anything else: a `Directory`.
 
-A location reads single keys (`Location.get`) and publishes a golden staged in a local directory
-(`Location.publish`): a new golden appears at once and complete (a rename for a directory or a zip file),
-or, on an object store where nothing renames, with its root ``zarr.json`` written last and removed first
-when a golden is replaced, so a partial upload never opens as a complete golden. What a golden's keys
-mean is left to `vd.store.format`.
+A location reads single keys (`Location.get`), all from the one version it found at its first read, and
+publishes a golden staged in a local directory (`Location.publish`): a new golden appears at once and
+complete (a rename for a directory or a zip file: `vd.store.local`), or, on an object store where nothing
+renames, behind a placeholder root written first and the real root written last (`vd.store.objects`), so a
+partial upload never opens as a golden. What a golden's keys mean is left to `vd.store.format`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import zarr
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.buffer.cpu import Buffer
-from zarr.core.sync import sync
 
-from vd.errors import GoldenError, NotAGoldenError, UsageError
-from vd.store import atomic
-from vd.store.format import FORMAT
+from vd.errors import UsageError
+from vd.store.local import Directory, ZipFile
+from vd.store.objects import ObjectPrefix
+
+__all__ = ["Directory", "Location", "ObjectPrefix", "ZipFile", "locate"]
 
 
 @runtime_checkable
@@ -51,7 +45,8 @@ class Location(Protocol):
         """A read-only zarr store over the golden."""
 
     def state(self) -> str:
-        """``absent`` (nothing there), ``golden`` (a vd golden, complete or not) or ``other``."""
+        """``absent`` (nothing there), ``golden`` (a vd golden, complete or not), ``partial`` (an object-store
+        publish under way or interrupted: no golden to lose) or ``other``."""
 
     def staging(self) -> Path:
         """A new local directory to write a golden into before `publish`."""
@@ -85,270 +80,3 @@ def locate(where: str | os.PathLike) -> Location:
     if text.endswith(".zip"):
         return ZipFile(Path(text))
     return Directory(Path(text))
-
-
-def _is_golden(doc: bytes | None) -> bool:
-    try:
-        meta = json.loads(doc)["attributes"]["vd"]
-    except (TypeError, ValueError, KeyError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
-
-
-def _keys(staged: Path) -> Iterator[str]:
-    """The keys of a golden staged in a directory, its root ``zarr.json`` last."""
-    keys = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
-    yield from (k for k in keys if k != "zarr.json")
-    yield "zarr.json"
-
-
-def _check_parent(path: Path) -> None:
-    """Refuse, before any work, a destination whose folder cannot be created or written."""
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise GoldenError(f"cannot write {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise GoldenError(f"cannot write {path}: {parent} is not writable")
-
-
-def _read(path: Path, dir_fd: int | None = None) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
-    except IsADirectoryError:
-        return None
-
-
-class Directory:
-    """A golden as a directory (a zarr ``LocalStore``). Its first read opens the version then at the path and
-    every later read comes from that version (`vd.store.atomic.hold`), whatever a refresh publishes meanwhile;
-    writing goes through the symlink when the path is one, to the directory it names."""
-
-    def __init__(self, path: Path):
-        self.path, self.url = path, str(path)
-        self._fd: int | None = None
-
-    @property
-    def target(self) -> Path:
-        """The path written: the directory a symlink at ``path`` names, else ``path``."""
-        return Path(os.path.realpath(self.path)) if self.path.is_symlink() else self.path
-
-    def _held(self) -> int | None:
-        if self._fd is None and self.path.is_dir():
-            self._fd = atomic.hold(self.path)
-        return self._fd
-
-    def get(self, key):
-        # What LocalStore.get does, without its event-loop round trip (a GPU replay reads in idle time).
-        fd = self._held()
-        return None if fd is None else _read(Path(key), fd)
-
-    def sizes(self):
-        fd = self._held()
-        if fd is None:
-            return None
-        out = {}
-        for root, _, files, rfd in os.fwalk(".", dir_fd=fd):
-            for name in files:
-                out[os.path.normpath(os.path.join(root, name))] = os.stat(name, dir_fd=rfd).st_size
-        return out
-
-    def store(self):
-        return zarr.storage.LocalStore(self.path, read_only=True)
-
-    def state(self):
-        if not self.path.exists() and not self.path.is_symlink():
-            return "absent"
-        return "golden" if self.path.is_dir() and _is_golden(_read(self.path / "zarr.json")) else "other"
-
-    def staging(self):
-        target = self.target
-        _check_parent(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staged = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
-        staged.mkdir()
-        return staged
-
-    def writer(self):
-        _check_parent(self.target)
-        return atomic.writer_lock(self.target)
-
-    def publish(self, staged, replace):
-        old = atomic.replace(staged, self.target)
-        self.close()  # later reads open the new version
-        if old is not None and atomic.unused(old):  # else the next writer's clean removes it
-            shutil.rmtree(old, ignore_errors=True)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self):
-        self.close()
-
-    def nbytes(self):
-        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
-
-
-class ZipFile:
-    """A golden as one ``.zip`` file (zarr's ``ZipStore``, members stored uncompressed: the chunks are
-    compressed already)."""
-
-    def __init__(self, path: Path):
-        self.path, self.url = path, str(path)
-        self._store: zarr.storage.ZipStore | None = None
-
-    def store(self):
-        if self._store is None:
-            self._store = sync(zarr.storage.ZipStore.open(self.path, mode="r"))
-        return self._store
-
-    def get(self, key):
-        if not self.path.is_file():
-            return None
-        try:
-            buf = sync(self.store().get(key, default_buffer_prototype()))  # opening it may fail too
-        except Exception as e:  # not a zip file, or a damaged one (zipfile.BadZipFile and kin)
-            raise NotAGoldenError(f"{self.path} is not a readable zip file: {type(e).__name__}: {e}") from e
-        return None if buf is None else buf.to_bytes()
-
-    def state(self):
-        if not self.path.exists() and not self.path.is_symlink():
-            return "absent"
-        if not self.path.is_file():
-            return "other"
-        try:
-            return "golden" if _is_golden(self.get("zarr.json")) else "other"
-        except GoldenError:
-            return "other"
-
-    def staging(self):
-        _check_parent(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{self.path.name}.partial-", dir=self.path.parent))
-
-    def publish(self, staged, replace):
-        tmp = self.path.parent / f".{self.path.name}.partial-{uuid.uuid4().hex[:8]}.zip"
-        try:
-            out = sync(zarr.storage.ZipStore.open(tmp, mode="w"))
-            for key in _keys(staged):
-                sync(out.set(key, Buffer.from_bytes((staged / key).read_bytes())))
-            out.close()
-            if self._store is not None:
-                self._store.close()
-                self._store = None
-            os.replace(tmp, self.path)  # one rename: the old zip until here, the new one after
-        finally:
-            tmp.unlink(missing_ok=True)
-            shutil.rmtree(staged, ignore_errors=True)
-
-    def nbytes(self):
-        return self.path.stat().st_size
-
-    def sizes(self):
-        if not self.path.is_file():
-            return None
-        zf = getattr(self.store(), "_zf", None)  # ZipStore's zipfile.ZipFile: the members' sizes at no cost
-        if zf is None:
-            return None
-        try:
-            return {i.filename: i.file_size for i in zf.infolist() if not i.is_dir()}
-        except Exception as e:  # not a zip file, or a damaged one
-            raise NotAGoldenError(f"{self.path} is not a readable zip file: {type(e).__name__}: {e}") from e
-
-    def writer(self):
-        _check_parent(self.path)
-        return atomic.writer_lock(self.path)
-
-    def close(self):
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-
-
-class ObjectPrefix:
-    """A golden under an ``s3://bucket/prefix`` (zarr's ``FsspecStore`` over s3fs)."""
-
-    def __init__(self, url: str):
-        self.url = url.rstrip("/")
-        bucket, _, prefix = self.url[len("s3://"):].partition("/")
-        if not bucket or not prefix:
-            raise UsageError(f"{url}: an S3 golden needs a bucket and a prefix (s3://bucket/path/name.zarr)")
-        self._stores: dict[bool, zarr.abc.store.Store] = {}
-
-    def _store(self, read_only: bool):
-        if read_only not in self._stores:
-            try:
-                import s3fs  # noqa: F401  (zarr's FsspecStore needs it for s3://)
-            except ImportError as e:
-                raise UsageError(f"{self.url}: S3 goldens need s3fs (pip install 'vd[s3]')") from e
-            self._stores[read_only] = zarr.storage.FsspecStore.from_url(self.url, read_only=read_only)
-        return self._stores[read_only]
-
-    def _call(self, what: str, coro):
-        try:
-            return sync(coro)
-        except GoldenError:
-            raise
-        except Exception as e:  # network, credentials, a missing bucket: one line naming the URL
-            raise GoldenError(f"cannot {what} {self.url}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-
-    def store(self):
-        return self._store(True)
-
-    def get(self, key):
-        buf = self._call("read", self._store(True).get(key, default_buffer_prototype()))
-        return None if buf is None else buf.to_bytes()
-
-    def _list(self) -> list[str]:
-        async def keys():
-            return [k async for k in self._store(True).list()]
-
-        return self._call("list", keys())
-
-    def state(self):
-        doc = self.get("zarr.json")
-        if doc is not None:
-            return "golden" if _is_golden(doc) else "other"
-        return "other" if self._list() else "absent"
-
-    def staging(self):
-        return Path(tempfile.mkdtemp(prefix="vd-golden-"))
-
-    def publish(self, staged, replace):
-        store = self._store(False)
-        try:
-            old = set(self._list())
-            if "zarr.json" in old:  # from here on the old golden no longer opens as complete
-                self._call("write", store.delete("zarr.json"))
-            keys = list(_keys(staged))
-            for key in keys[:-1]:
-                self._call("write", store.set(key, Buffer.from_bytes((staged / key).read_bytes())))
-            for key in sorted(old - set(keys)):  # the replaced golden's keys this one has not
-                self._call("write", store.delete(key))
-            self._call("write", store.set("zarr.json", Buffer.from_bytes((staged / "zarr.json").read_bytes())))
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)
-
-    def nbytes(self):
-        async def total():
-            store = self._store(True)
-            return await store.getsize_prefix("")
-
-        return int(self._call("measure", total()))
-
-    def sizes(self):
-        return None  # one request a key: the hashes are checked instead, off the step's path
-
-    def writer(self):
-        return contextlib.nullcontext()  # object stores have no locks: the publish order keeps a golden whole
-
-    def close(self):
-        pass

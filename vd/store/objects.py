@@ -1,0 +1,303 @@
+"""A golden under an object-store prefix, ``s3://bucket/prefix`` (zarr's ``FsspecStore`` over s3fs), kept whole
+where nothing renames:
+
+* **Publishing** (`ObjectPrefix.publish`): the root ``zarr.json`` is first overwritten by a *placeholder*, a
+  zarr group whose only attribute, ``vd_partial``, names the writer (host, process, start time); then every
+  other key is uploaded, the replaced golden's keys the new one lacks are deleted, and the real root is
+  written last. At no moment does the prefix open as a golden mixing two versions, and a write that died
+  leaves the placeholder, which says who was writing.
+* **Reading one version**: the first read copies the golden into a local temporary directory (the root, every
+  key, then the root again; if the root changed meanwhile a publish began, and the copy is taken again), and
+  every later read comes from that copy, whatever is published meanwhile: the guarantee `vd.store.atomic.hold`
+  gives a directory golden. A reader that finds the placeholder waits for the publish to finish, at most
+  ``VD_S3_WAIT_S`` seconds (default 60), then says who was writing (exit 2).
+* **One writer** (`ObjectPrefix.writer`): ``.NAME.lock`` beside the prefix, created by a conditional put
+  (``If-None-Match: *``); a second writer is refused at once (exit 2). A lock left by a killed writer on this
+  host (its process gone) is taken over; one left on another host is named in the error, to be deleted by
+  hand, since nothing tells a slow writer from a dead one there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.buffer.cpu import Buffer
+from zarr.core.sync import sync
+
+from vd.errors import GoldenError, NotAGoldenError, UsageError
+from vd.store.local import Directory, _is_golden, _keys
+
+WAIT_ENV, PARTIAL = "VD_S3_WAIT_S", "vd_partial"
+_PARALLEL = 16  # requests in flight while copying or uploading a golden
+
+
+def _holder() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
+            "since": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def _attributes(doc: bytes | None) -> dict:
+    try:
+        attrs = json.loads(doc)["attributes"]
+    except (TypeError, ValueError, KeyError):
+        return {}
+    return attrs if isinstance(attrs, dict) else {}
+
+
+def _who(holder: dict) -> str:
+    return f"{holder.get('host', '?')} pid {holder.get('pid', '?')} since {holder.get('since', '?')}"
+
+
+def _dead_here(holder: dict) -> bool:
+    """Whether ``holder`` was a process of this host that no longer runs."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _wait_s() -> float:
+    text = os.environ.get(WAIT_ENV, "60")
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        raise UsageError(f"{WAIT_ENV}={text!r} is not a number of seconds") from None
+
+
+class ObjectPrefix:
+    """A golden under ``s3://bucket/prefix`` (see the module's docstring)."""
+
+    def __init__(self, url: str):
+        self._copy: Directory | None = None
+        self.url = url.rstrip("/")
+        bucket, _, prefix = self.url[len("s3://"):].partition("/")
+        if not bucket or not prefix:
+            raise UsageError(f"{url}: an S3 golden needs a bucket and a prefix (s3://bucket/path/name.zarr)")
+        self._stores: dict[bool, zarr.abc.store.Store] = {}
+
+    # -- the live prefix ------------------------------------------------------------------------------------
+
+    def _store(self, read_only: bool):
+        if read_only not in self._stores:
+            try:
+                import s3fs  # noqa: F401  (zarr's FsspecStore needs it for s3://)
+            except ImportError as e:
+                raise UsageError(f"{self.url}: S3 goldens need s3fs (pip install 'vd[s3]')") from e
+            self._stores[read_only] = zarr.storage.FsspecStore.from_url(self.url, read_only=read_only)
+        return self._stores[read_only]
+
+    def _call(self, what: str, coro):
+        try:
+            return sync(coro)
+        except GoldenError:
+            raise
+        except Exception as e:  # network, credentials, a missing bucket: one line naming the URL
+            raise GoldenError(f"cannot {what} {self.url}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+    def _live(self, key: str) -> bytes | None:
+        buf = self._call("read", self._store(True).get(key, default_buffer_prototype()))
+        return None if buf is None else buf.to_bytes()
+
+    def _list(self) -> list[str]:
+        store = self._store(True)
+        store.fs.invalidate_cache(store.path)  # another process may have written since this one listed
+
+        async def keys():
+            return [k async for k in store.list()]
+
+        return self._call("list", keys())
+
+    # -- reading one version --------------------------------------------------------------------------------
+
+    def _opened(self) -> Directory | None:
+        """The local copy of the version read (taken at the first read); None when no golden is there."""
+        if self._copy is not None:
+            return self._copy
+        wait = _wait_s()
+        deadline, pause = time.monotonic() + wait, 0.1
+        while True:
+            root = self._live("zarr.json")
+            if root is None:
+                return None  # nothing there, or not a golden: `state` says which
+            holder = _attributes(root).get(PARTIAL)
+            if not isinstance(holder, dict):
+                copy = self._take(root) if _is_golden(root) else self._only_root(root)  # the reader says what it is
+                if copy is not None:
+                    self._copy = copy
+                    return copy
+            if time.monotonic() >= deadline:
+                what = (f"is being written by {_who(holder)}, or that write was interrupted" if isinstance(holder, dict)
+                        else "kept changing while it was read (a refresh is publishing it)")
+                raise NotAGoldenError(f"{self.url} {what}: waited {wait:.0f} s ({WAIT_ENV}); record it again if "
+                                      "the writer died")
+            time.sleep(pause)
+            pause = min(2.0, pause * 2)
+
+    def _take(self, root: bytes) -> Directory | None:
+        """Copy every key of the golden whose root is ``root`` into a temporary directory; None (and nothing
+        kept) when the root changed meanwhile."""
+        keys = [k for k in self._list() if k != "zarr.json"]
+        where = Path(tempfile.mkdtemp(prefix="vd-s3-"))
+        store = self._store(True)
+        limit = asyncio.Semaphore(_PARALLEL)
+
+        async def one(key: str) -> bool:
+            async with limit:
+                buf = await store.get(key, default_buffer_prototype())
+            if buf is None:
+                return False  # deleted since listed: a publish is under way
+            path = where / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(buf.to_bytes())
+            return True
+
+        async def every() -> bool:
+            return all(await asyncio.gather(*(one(k) for k in keys)))
+
+        try:
+            complete = self._call("read", every())
+        except BaseException:
+            shutil.rmtree(where, ignore_errors=True)
+            raise
+        if complete and self._live("zarr.json") == root:
+            (where / "zarr.json").write_bytes(root)
+            return Directory(where)
+        shutil.rmtree(where, ignore_errors=True)
+        return None
+
+    @staticmethod
+    def _only_root(root: bytes) -> Directory:
+        where = Path(tempfile.mkdtemp(prefix="vd-s3-"))
+        (where / "zarr.json").write_bytes(root)
+        return Directory(where)
+
+    def get(self, key):
+        copy = self._opened()
+        return None if copy is None else copy.get(key)
+
+    def store(self):
+        copy = self._opened()
+        if copy is None:
+            raise NotAGoldenError(f"{self.url} is not a vd golden (no zarr.json)")
+        return copy.store()
+
+    def sizes(self):
+        copy = self._opened()
+        return None if copy is None else copy.sizes()
+
+    def close(self):
+        """Let go of the copy read (a later read copies the version then at the prefix)."""
+        if self._copy is not None:
+            self._copy.close()
+            shutil.rmtree(self._copy.path, ignore_errors=True)
+            self._copy = None
+
+    def __del__(self):
+        self.close()
+
+    # -- writing -------------------------------------------------------------------------------------------
+
+    def state(self):
+        root = self._live("zarr.json")
+        if root is None:
+            return "other" if self._list() else "absent"
+        if isinstance(_attributes(root).get(PARTIAL), dict):
+            return "partial"  # a publish under way or interrupted: no golden to lose, a writer may replace it
+        return "golden" if _is_golden(root) else "other"
+
+    def staging(self):
+        return Path(tempfile.mkdtemp(prefix="vd-golden-"))
+
+    def publish(self, staged, replace):
+        store = self._store(False)
+        placeholder = {"zarr_format": 3, "node_type": "group", "attributes": {PARTIAL: _holder()}}
+        limit = asyncio.Semaphore(_PARALLEL)
+
+        async def put(key: str) -> None:
+            async with limit:
+                await store.set(key, Buffer.from_bytes((staged / key).read_bytes()))
+
+        try:
+            old = set(self._list())
+            # From here on the prefix opens as no golden until the new root is written.
+            self._call("write", store.set("zarr.json", Buffer.from_bytes(json.dumps(placeholder).encode())))
+            keys = list(_keys(staged))
+
+            async def upload():
+                await asyncio.gather(*(put(k) for k in keys[:-1]))
+
+            self._call("write", upload())
+            for key in sorted(old - set(keys)):  # the replaced golden's keys this one has not
+                self._call("write", store.delete(key))
+            self._call("write", put("zarr.json"))
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+            self.close()  # later reads copy the new version
+
+    def nbytes(self):
+        async def total():
+            store = self._store(True)
+            return await store.getsize_prefix("")
+
+        return int(self._call("measure", total()))
+
+    @contextlib.contextmanager
+    def writer(self) -> Iterator[None]:
+        """The only writer of this golden for the block (see the module's docstring)."""
+        store = self._store(False)
+        parent, _, name = store.path.rpartition("/")
+        lock = f"{parent}/.{name}.lock"
+        lock_url = f"s3://{lock}"
+        mine = _holder()
+        for _ in range(2):
+            try:
+                self._call("lock", store.fs._pipe_file(lock, json.dumps(mine).encode(), mode="create"))
+                break
+            except GoldenError:
+                held = self._lock_holder(store, lock)
+                if held is None:
+                    raise  # not refused for an existing lock: the store's own error
+                if not _dead_here(held):
+                    raise GoldenError(f"{self.url} is being written by another vd process ({_who(held)}; it holds "
+                                      f"{lock_url}); try again when it has finished, or delete {lock_url} if that "
+                                      "process is gone") from None
+                self._call("lock", store.fs._rm_file(lock))  # its writer died on this host: take it over
+        else:
+            raise GoldenError(f"{self.url}: cannot take {lock_url} (another writer took it first)")
+        try:
+            yield
+        finally:
+            held = self._lock_holder(store, lock)
+            if held is not None and held.get("token") == mine["token"]:
+                self._call("unlock", store.fs._rm_file(lock))
+
+    def _lock_holder(self, store, lock: str) -> dict | None:
+        try:
+            doc = sync(store.fs._cat_file(lock))
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise GoldenError(f"cannot read s3://{lock}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        try:
+            held = json.loads(doc)
+        except ValueError:
+            held = {}
+        return held if isinstance(held, dict) else {}
