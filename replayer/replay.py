@@ -40,7 +40,7 @@ from vd.replayer.report import Control, FailureRows, Judged, KResult, Reason, Re
 from vd.store import Golden, Prefetcher, open_golden
 from vd.store.side import GoldenSide
 
-PHASES = ("open", "setup", "prepare", "run", "wait_golden", "compare", "control", "finish")
+PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "write", "finish")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +136,7 @@ class _Replay:
         self.reasons: list[Reason] = []
         self.failure: FailureRows | None = None
         self.candidate: CandidateWriter | None = None
+        self.first_step: float | None = None  # seconds from the process's start to its first verify run
 
     def open(self, where) -> None:
         """Open the golden (its metadata only) and check what the settings ask of it."""
@@ -172,6 +173,7 @@ class _Replay:
             t_load = time.perf_counter()
             model = self._load_model()
             loading = time.perf_counter() - t_load
+        self.clock["load"] = loading
         self.model = model
         if self.prefetcher is None:
             self._reader(Prefetcher(g, model.device, files=True))
@@ -242,6 +244,8 @@ class _Replay:
         queued: list[Queued] = []
         on_last = ((lambda run, rows: queued.append(Queued(self.prefetcher.side(k), run, rows)))
                    if self.model.device.type == "cuda" else None)
+        if self.first_step is None:
+            self.first_step = env.process_age()
         t1 = time.perf_counter()
         run = run_verify(self.model, self.golden.prompt, k, self.golden.info.steps, self._feed(k, steps),
                          on_step=self.progress.step, idle=self.prefetcher.idle, on_last=on_last)
@@ -271,11 +275,13 @@ class _Replay:
         """Publish the kept candidate, with each K's control result (`vd.replayer.candidate`)."""
         if self.candidate is None:
             return
+        t = time.perf_counter()
         controls = {v.k: v.control is not None and v.control.fired for v in verify}
         self.candidate.publish(self.model, self.settings.model or self.golden.meta["model"]["spec"], self.forwards[0],
                                controls, "FAIL" if self.reasons else "PASS")
         self.notes.append(f"candidate saved: {self.candidate.url} (review with vd diff, promote with vd refresh "
                           "--from)")
+        self.clock["write"] += time.perf_counter() - t
 
     def _control(self, k: int, steps: list[Step]) -> Control:
         """The detection control under the last forward (still selected): it must fail at the very step
@@ -321,10 +327,17 @@ class _Replay:
             notes=tuple(self.notes),
             environment={"recorded": self.recorded_env, "replayed": replayed_env, "numerics_differences": env_diff},
             rows={"slim": g.slim, "source": None if source is None else source.url},
-            seconds=sum(self.clock[n] for n in PHASES if n not in ("open", "setup")),
+            seconds=sum(self.clock[n] for n in PHASES if n not in ("open", "load", "setup", "write")),
             phases={**self.clock, "finish": time.perf_counter() - t},
+            timing=_timing_of(self.clock, time.perf_counter() - t, self.first_step),
             reader={**self.prefetcher.summary(), "file_check_s": getattr(self.files, "seconds", None)},
             failure_rows=self.failure)
+
+
+def _timing_of(clock: dict[str, float], finish: float, first_step: float | None) -> dict:
+    return {"first_step": first_step, "open": clock["open"], "load": clock["load"], "setup": clock["setup"],
+            "prepare": clock["prepare"], "run": clock["run"], "control": clock["control"],
+            "compare": clock["compare"] + clock["wait_golden"], "write": clock["write"] + finish}
 
 
 def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> list[str]:

@@ -152,6 +152,9 @@ class Report:
     phases: dict
     reader: dict | None
     failure_rows: FailureRows | None = field(default=None, compare=False)
+    # Seconds by phase (load, setup, prepare, run, control, compare, write), and ``first_step``: from the
+    # process's start to its first forward of a verify run (start-up, as a user waits for it).
+    timing: dict = field(default_factory=dict, compare=False)
 
     @property
     def verdict(self) -> str:
@@ -176,4 +179,4 @@ class Report:
                 "require_coverage": self.require_coverage, "verify": [v.to_json() for v in self.verify],
                 "verdict": self.verdict, "reasons": [r.text for r in self.reasons], "notes": list(self.notes),
                 "environment": self.environment, "rows": self.rows, "seconds": self.seconds, "phases": self.phases,
-                "reader": self.reader}
+                "timing": self.timing, "reader": self.reader}

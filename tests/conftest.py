@@ -4,6 +4,7 @@ that returns exit code, stdout and stderr separately, and a real S3 server (Seaw
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -65,6 +66,19 @@ def rows_golden(tiny_golden, tmp_path) -> Path:
     shutil.copytree(tiny_golden, dst)
     edit_meta(dst, lambda m: m.pop("digest"))
     return dst
+
+
+@pytest.fixture(scope="session", autouse=True)
+def weights_cache(tmp_path_factory) -> Path:
+    """A converted-weights cache of the session's own (`vd.models.weights`), not the user's."""
+    where = tmp_path_factory.mktemp("vd-cache")
+    before = os.environ.get("VD_CACHE_DIR")
+    os.environ["VD_CACHE_DIR"] = str(where)
+    yield where
+    if before is None:
+        os.environ.pop("VD_CACHE_DIR", None)
+    else:
+        os.environ["VD_CACHE_DIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -191,8 +191,12 @@ def test_drafter_golden_with_static_forward_determinism_and_phases(cli, tmp_path
     assert r["determinism"]["applied"]["deterministic_algorithms"] is True
     assert r["determinism"]["replayed"]["deterministic_algorithms"] is True
     assert r["graphs"] == "eager" and r["variants"][0]["graphs"] == "eager" and r["mtp"] is True
-    assert set(r["phases"]) == {"open", "setup", "prepare", "run", "wait_golden", "compare", "control", "finish"}
+    assert set(r["phases"]) == {"open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control",
+                                "write", "finish"}
     assert r["phases"]["run"] > 0 and all(v >= 0 for v in r["phases"].values())
+    t = r["timing"]  # the phases; the model was loaded here, and the process started before it
+    assert set(t) == {"first_step", "open", "load", "setup", "prepare", "run", "control", "compare", "write"}
+    assert t["load"] > 0 and t["run"] > 0 and t["control"] > 0 and t["first_step"] > t["load"] + t["setup"]
     with pytest.raises(UsageError, match=r"no verify width \[5\]"):
         replay(path, ReplaySettings(ks=(5,)))
 

@@ -158,3 +158,15 @@ def check_threads(threads: int | None) -> None:
     cores = os.cpu_count() or 1
     if not 1 <= threads <= cores:
         raise UsageError(f"--threads must be 1 to {cores} (this machine's cores); got {threads}")
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere): how long start-up took."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None

@@ -5,6 +5,9 @@ and decides the exit code (`vd.cli.common`). Nothing below imports it."""
 from vd.cli.app import app, main
 
 # isort: split
-from vd.cli import team  # noqa: F401  (registers refresh, history and status, listed after app's commands)
+from vd.cli import (
+    cache,  # noqa: F401  (registers vd cache info|clear)
+    team,  # noqa: F401  (registers refresh, history and status, listed after app's commands)
+)
 
 __all__ = ["app", "main"]

@@ -316,8 +316,59 @@ class TokenizerCodec:
 
 
 def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> HFModel:
-    """An HF checkpoint directory, or a `.gguf` file (loaded with ``gguf_file=``), from local disk.
-    A checkpoint without a tokenizer encodes prompts as UTF-8 bytes (recorded in its details)."""
+    """An HF checkpoint directory, or a `.gguf` file (loaded with ``gguf_file=``, its dequantised form
+    cached: `vd.models.weights`), from local disk. A checkpoint without a tokenizer encodes prompts as
+    UTF-8 bytes (recorded in its details)."""
+    model, tok, fp = _converted(path, dtype) if path.is_file() and path.suffix == ".gguf" else (
+        *_from_pretrained(path, dtype), None)
+    model.to(device)
+    if tok is not None:
+        encode, tokenizer = TokenizerCodec(tok), type(tok).__name__
+    else:
+        encode, tokenizer = ByteCodec(model.config.vocab_size), "none: UTF-8 bytes"
+    return HFModel(model, name=f"{type(model).__name__} from {path.name}", encode=encode,
+                   details={"source": str(path), "tokenizer": tokenizer}, fingerprinter=_first_known(fp))
+
+
+def _converted(gguf: Path, dtype: torch.dtype):
+    """A GGUF checkpoint's model (on the CPU), tokenizer and fingerprint, from the converted-weights cache
+    where it holds the file's conversion and the weights there still hash to the fingerprint stored with
+    them (else converted again and stored)."""
+    from vd.models import weights
+
+    name = str(dtype).removeprefix("torch.")
+    entry = None
+    with contextlib.suppress(OSError):
+        entry = weights.entry_path(gguf, name)
+    if weights.ready(entry):
+        try:
+            model, tok = _from_pretrained(entry, dtype)
+            fp = fingerprint(model, model.config)
+            if fp == weights.stored_fingerprint(entry):
+                return model, tok, fp
+        except Exception:  # noqa: BLE001  a damaged entry fails to load in any way: converted again below
+            pass
+        weights.discard(entry)
+    model, tok = _from_pretrained(gguf, dtype)
+    fp = fingerprint(model, model.config)
+    if entry is not None:
+        weights.store(entry, model, tok, gguf, name, fp)
+    return model, tok, fp
+
+
+def _first_known(fp: str | None) -> Callable[[torch.nn.Module, object], str]:
+    """A fingerprinter answering ``fp`` (already computed from these weights) once, then hashing."""
+    known = [fp] if fp is not None else []
+
+    def fingerprinter(model: torch.nn.Module, config) -> str:
+        return known.pop() if known else fingerprint(model, config)
+
+    return fingerprinter
+
+
+def _from_pretrained(path: Path, dtype: torch.dtype):
+    """The HF causal LM at ``path`` (a folder, or a ``.gguf`` file), on the CPU, and its tokenizer (None
+    where it has none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, extra = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
@@ -329,15 +380,12 @@ def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> 
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelSpecError(f"cannot load an HF causal LM from {path}: {first}") from e
-    model.to(device)
     try:
         with quiet_transformers():
             tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
-        encode, tokenizer = TokenizerCodec(tok), type(tok).__name__
     except (OSError, ValueError, KeyError, TypeError):
-        encode, tokenizer = ByteCodec(model.config.vocab_size), "none: UTF-8 bytes"
-    return HFModel(model, name=f"{type(model).__name__} from {path.name}", encode=encode,
-                   details={"source": str(path), "tokenizer": tokenizer})
+        tok = None
+    return model, tok
 
 
 def _seeded_init(model: torch.nn.Module, seed: int, std: float) -> None:
