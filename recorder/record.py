@@ -291,12 +291,12 @@ def _finished(run: Run, same: bool) -> tuple[StepLog, tuple[np.ndarray, np.ndarr
                   accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
                   step_ms=np.array(run.step_ms, dtype=np.float64),
                   decoded=run.committed_before[0] if run.bootstrap_row is not None else None)
-    by_kind = run.rows_by_kind()
-    summary = summarise(by_kind)
+    parts = run.parts_by_kind()
+    summary = summarise(parts)
     if run.bootstrap_row is None:
         return log, summary, None, None
     drafts = np.array(run.drafts, dtype=np.int32).reshape(len(run.steps), run.k - 1)
-    return log, summary, to_storage(by_kind["draft"]), drafts
+    return log, summary, to_storage(torch.cat(parts["draft"])), drafts
 
 
 def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int], thin: list[str]) -> dict:

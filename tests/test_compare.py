@@ -82,3 +82,21 @@ def test_a_slim_side_judges_exact_and_argmax_from_its_statistics():
     flipped[0, 1, 20] = 8.0
     b = compare_run("x", slim, _run(flipped, [1, 1]), "bfloat16", Policy.parse(["argmax"]))
     assert not b.passed and [f.got_argmax for f in b.flips] == [20] and b.rows[0]["got_stats"]["top1"] == 8.0
+
+
+def test_rows_measured_a_block_at_a_time_judge_as_all_at_once(monkeypatch):
+    """Differing rows are measured a few at a time so the float copies stay bounded: the comparison is the
+    one an all-at-once measurement gives, row for row."""
+    import vd.measure
+
+    g = torch.Generator().manual_seed(5)
+    gold = torch.randn(7, 3, V, generator=g).bfloat16()
+    cand = gold.clone()
+    cand[1:, :, ::3] += 0.25  # every step but the first differs in every row
+    policy = Policy.parse(["kl:0.5"])
+    side, accepted = (lambda: _side(gold, [2] * 7)), [2] * 7
+    whole = compare_run("x", side(), _run(cand, accepted), "bfloat16", policy)
+    monkeypatch.setattr(vd.measure, "BLOCK_BYTES", 16 * V * 2)  # two rows a block
+    blocks = compare_run("x", side(), _run(cand, accepted), "bfloat16", policy)
+    assert whole.rows == blocks.rows and whole.summary == blocks.summary and whole.positions == blocks.positions
+    assert whole.mismatched_steps == 6 and len(whole.rows) > 2

@@ -61,3 +61,16 @@ def test_a_recorded_golden_stores_its_rows_digests_and_statistics(tiny_golden):
         values = np.concatenate([to_float(a, "bfloat16") for a in rows.values()])
         assert np.array_equal(s[:, 0], values.argmax(1)) and np.array_equal(s[:, 1], values.max(1))
         assert d.shape == (len(g.prompt) + 8 * k, D.LANES)
+
+
+def test_summarise_in_blocks_equals_all_at_once(monkeypatch):
+    """Rows given as a run's steps and summarised a few rows at a time (small parts joined, large ones
+    cut) give what one tensor of every row gives."""
+    g = torch.Generator().manual_seed(3)
+    prefill = torch.randn(11, 300, generator=g).bfloat16()
+    steps = [torch.randn(4, 300, generator=g).bfloat16() for _ in range(9)]
+    whole = D.summarise({"prefill": prefill, "verify": torch.cat(steps)})
+    monkeypatch.setattr(D, "BLOCK_BYTES", 8 * 300 * 6)  # six rows a block
+    parts = D.summarise({"prefill": prefill, "verify": steps})
+    assert all(np.array_equal(a, b) for a, b in zip(whole, parts))
+    assert parts[0].shape == (11 + 36, D.LANES)

@@ -27,6 +27,7 @@ On the GPU a digest is one conversion and one float64 matrix multiply per block 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ import torch
 SCHEME = "vd-linear-int16-f64/1"  # what `weights` and `digest` compute; stored in a golden's metadata
 LANES = 6
 MAX_BITS = 20
-BLOCK_BYTES = 1 << 28  # rows converted to float64 at a time: at most 256 MB of them (210 rows of 152k words)
+BLOCK_BYTES = 1 << 25  # rows converted to float64 at a time: at most 32 MB of them (26 rows of 152k words)
 _CACHE: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -112,11 +113,31 @@ def stats_dict(stacked: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def summarise(rows) -> tuple[np.ndarray, np.ndarray]:
-    """What a golden stores about rows per kind (logits tensors ``[R, V]`` on any device, every kind's
-    in order): their digests (int64 ``[R, LANES]``) and statistics (float64 ``[R, len(STATS)]``),
-    computed on the rows' device and read back once."""
-    d = torch.cat([digest(t) for t in rows.values()])
-    s = torch.cat([stats_tensor(t) for t in rows.values()], dim=1).T
-    both = torch.cat([d, s], dim=1).cpu().numpy()
+def summarise(rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:
+    """What a golden stores about rows per kind (logits ``[R, V]`` on any device, every kind's in order; a
+    kind may be given as a list of consecutive row blocks, a run's steps, which are never joined whole):
+    their digests (int64 ``[R, LANES]``) and statistics (float64 ``[R, len(STATS)]``), computed on the rows'
+    device a block at a time (so the float copies stay bounded whatever the number of rows) and read back
+    once."""
+    parts = [t for v in rows.values() for t in (v if isinstance(v, (list, tuple)) else [v]) if t.shape[0]]
+    if not parts:
+        return np.zeros((0, LANES), np.int64), np.zeros((0, len(STATS)))
+    per_block = max(1, BLOCK_BYTES // (8 * words(parts[0].shape[1], parts[0].element_size())))
+    out = [torch.cat([digest(b), stats_tensor(b).T], dim=1) for b in _blocks(parts, per_block)]
+    both = torch.cat(out).cpu().numpy()
     return both[:, :LANES].astype(np.int64), np.ascontiguousarray(both[:, LANES:])
+
+
+def _blocks(parts: Sequence[torch.Tensor], n: int) -> Iterator[torch.Tensor]:
+    """The rows of ``parts`` in order, in blocks of at most ``n`` rows (small parts joined, large ones cut)."""
+    pending, count = [], 0
+    for t in parts:
+        for i in range(0, t.shape[0], n):
+            piece = t[i:i + n]
+            if count + piece.shape[0] > n and pending:
+                yield torch.cat(pending) if len(pending) > 1 else pending[0]
+                pending, count = [], 0
+            pending.append(piece)
+            count += piece.shape[0]
+    if pending:
+        yield torch.cat(pending) if len(pending) > 1 else pending[0]

@@ -66,6 +66,13 @@ class Run:
             parts += [self.bootstrap_row, *self.draft_rows]
         return torch.cat(parts)
 
+    def parts_by_kind(self) -> dict[str, list[torch.Tensor]]:
+        """The computed rows per kind as the blocks they were computed in (nothing joined)."""
+        out = {"prefill": [self.prefill], "verify": list(self.rows)}
+        if self.bootstrap_row is not None:
+            out["draft"] = [self.bootstrap_row, *self.draft_rows]
+        return out
+
     def rows_by_kind(self) -> dict[str, torch.Tensor]:
         """The computed rows ``[R, V]`` per kind (`vd.layout.RowLayout.split`)."""
         return self.layout.split(self.flat_rows())

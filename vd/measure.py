@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vd.digest import STATS, stats_tensor
+from vd.digest import BLOCK_BYTES, STATS, stats_tensor
 from vd.dtypes import DTYPES, int_view
 from vd.policy import Policy, Spec
 from vd.store.side import GoldenSide
@@ -88,19 +88,23 @@ def _measure_kind(side: GoldenSide, kind: str, got: torch.Tensor, differ: np.nda
         got_argmax = got_argmax.copy()
         got_stats = np.full((n, len(STATS)), np.nan)
         idx = np.flatnonzero(differ)
-        cand = got[torch.from_numpy(idx).to(got.device)]
-        got_stats[idx] = stats_tensor(cand).T.cpu().numpy()
-        got_argmax[idx] = got_stats[idx, 0].astype(np.int64)
-        if side.has_rows:
-            vals, ok, positions = _measure_differing(side.rows(kind, idx, got.device), cand, logical, spec)
-            for m in MEASURES:
-                host[m][idx] = vals[m]
-        else:  # a slim golden: the element measures are unknown
-            measured = False
-            for m in MEASURES:
-                host[m][idx] = np.nan
-            ok = (got_argmax[idx] == golden["argmax"][idx]) if spec.name == "argmax" else np.zeros(idx.size, bool)
-        passed[idx] = ok
+        measured = side.has_rows
+        per_block = max(1, BLOCK_BYTES // (16 * got.shape[1]))  # float copies stay bounded: rows a block
+        for part in np.array_split(idx, -(-idx.size // per_block)):
+            cand = got[torch.from_numpy(part).to(got.device)]
+            got_stats[part] = stats_tensor(cand).T.cpu().numpy()
+            got_argmax[part] = got_stats[part, 0].astype(np.int64)
+            if measured:
+                vals, ok, pos = _measure_differing(side.rows(kind, part, got.device), cand, logical, spec)
+                positions += pos
+                for m in MEASURES:
+                    host[m][part] = vals[m]
+            else:  # a slim golden: the element measures are unknown
+                for m in MEASURES:
+                    host[m][part] = np.nan
+                same = got_argmax[part] == golden["argmax"][part]
+                ok = same if spec.name == "argmax" else np.zeros(part.size, bool)
+            passed[part] = ok
     return Rows(differ=differ, passed=passed, golden_argmax=golden["argmax"], got_argmax=got_argmax,
                 margin=golden["margin"], top1=golden["top1"], golden_absmax=golden["absmax"], top1_p=golden["top1_p"],
                 got_stats=got_stats, positions=positions, measured=measured, **host)

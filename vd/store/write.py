@@ -231,21 +231,31 @@ def seal(staged: Path, updates: Mapping, drop: tuple[str, ...] = ()) -> None:
 
 
 class KStream:
-    """One K's rows written as they are computed (`GoldenWriter.stream`)."""
+    """One K's rows written as they are computed (`GoldenWriter.stream`). Rows on the host are written from
+    where they are; rows on a GPU are copied into page-locked step buffers first, reused once written, so
+    what is held stays a few steps' rows whatever the number of steps."""
 
     def __init__(self, writer: GoldenWriter, layout: RowLayout, vocab: int, dtype: torch.dtype):
         self.writer, self.layout, self.vocab = writer, layout, vocab
         self.pinned = torch.cuda.is_available()
-        self.host = {"prefill": torch.empty((layout.prompt, vocab), dtype=dtype, pin_memory=self.pinned),
-                     "verify": torch.empty((layout.steps, layout.k, vocab), dtype=dtype, pin_memory=self.pinned)}
-        self.arrays = _row_arrays(writer.staged / f"k{layout.k}", layout, vocab, self.host["prefill"].element_size())
+        self.free: list[torch.Tensor] = []  # page-locked step buffers already written (list.append: thread-safe)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.arrays = _row_arrays(writer.staged / f"k{layout.k}", layout, vocab, itemsize)
+
+    def _host(self, rows: torch.Tensor) -> torch.Tensor:
+        """A page-locked buffer for ``rows``: one written already, else a new one."""
+        for i, b in enumerate(self.free):
+            if b.shape == rows.shape and b.dtype == rows.dtype:
+                return self.free.pop(i)
+        return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
 
     def put(self, kind: str, index: int | None, rows: torch.Tensor) -> None:
-        """Hand over the prefill's rows (``index`` None) or step ``index``'s verify rows."""
-        dst = self.host["prefill"] if kind == "prefill" else self.host["verify"][index]
-        dst.copy_(rows, non_blocking=self.pinned and rows.is_cuda)
-        event = None
+        """Hand over the prefill's rows (``index`` None) or step ``index``'s verify rows (not changed after:
+        the loop keeps them)."""
+        dst, event = rows, None
         if self.pinned and rows.is_cuda:
+            dst = self._host(rows)
+            dst.copy_(rows, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         self.writer._submit(self._write, kind, index, dst, event)
@@ -260,6 +270,8 @@ class KStream:
             self.arrays["logits"].write(index, stored[None])
         if self.writer.journal is not None:
             self.writer.journal.block(self.layout.k, index, _digest.digest(to_tensor(stored)).numpy())
+        if event is not None and kind != "prefill":
+            self.free.append(block)
 
     def finish(self, log: StepLog, summary: tuple[np.ndarray, np.ndarray], draft_rows: np.ndarray | None = None,
                drafts: np.ndarray | None = None) -> None:

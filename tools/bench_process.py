@@ -1,0 +1,115 @@
+"""Benchmark: whole `vd` processes on the CPU, as a user runs them: start-up (process start to the first
+verify step, by phase) and peak memory and time per step as the number of steps grows.
+
+    python tools/bench_process.py --out tools/bench_process.json
+
+Each figure comes from `vd record` / `vd replay` run as subprocesses (peak resident memory from the kernel's
+accounting of that child, `os.wait4`); start-up from the replay report's ``timing`` (``first_step`` counts
+from the process's start). The converted-weights cache is warmed first, so start-ups are the second and
+later ones, as the target asks; the first (a conversion) is measured once and kept apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vd import env
+
+
+def run(args: list[str], cache: Path) -> dict:
+    """One `vd` process: its wall time, peak memory (MB) and exit code."""
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "vd", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "VD_CACHE_DIR": str(cache)})
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    code = os.waitstatus_to_exitcode(status)
+    if code not in (0, 1):
+        raise SystemExit(f"vd {' '.join(args)} exited {code}: {proc.stderr.read().decode()[-2000:]}")
+    return {"wall_s": wall, "peak_mb": usage.ru_maxrss / 1024, "exit": code}
+
+
+def machine() -> dict:
+    return {k: v for k, v in env.capture(torch.device("cpu")).items() if k in ("cpu_model", "torch", "transformers",
+                                                                                 "vd")}
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--steps", default="16,64,256", help="step counts for the memory rows")
+    ap.add_argument("--reps", type=int, default=3, help="replays measured for start-up")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vd-bench-process-"))
+    cache = work / "cache"
+    result: dict = {"command": "python tools/bench_process.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+                    "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                    "machine": {"cpu_count": os.cpu_count(), **machine()},
+                    "model": a.model}
+    rows = {}
+    for steps in [int(s) for s in a.steps.split(",")]:
+        golden = work / f"g{steps}.zarr"
+        rec = run(["record", str(golden), "--model", a.model, "--steps", str(steps)], cache)
+        if "first_conversion" not in result:
+            result["first_conversion"] = rec  # the first process converted the GGUF into the cache
+            golden_first = golden
+            rec = run(["record", str(work / "again.zarr"), "--model", a.model, "--steps", str(steps)], cache)
+        report = work / f"r{steps}.json"
+        rep = run(["replay", str(golden), "--report", str(report)], cache)
+        timing = json.loads(report.read_text())["timing"]
+        rows[steps] = {"record": rec, "replay": rep, "replay_timing": timing,
+                       "replay_run_ms_per_step": 1000 * timing["run"] / steps}
+        print(f"{steps:4d} steps: record {rec['wall_s']:.1f} s {rec['peak_mb']:.0f} MB, replay {rep['wall_s']:.1f} s "
+              f"{rep['peak_mb']:.0f} MB, run {rows[steps]['replay_run_ms_per_step']:.1f} ms/step", flush=True)
+    result["memory"] = rows
+    base = rows[min(rows)]
+    result["peak_over_smallest"] = {n: {"record": r["record"]["peak_mb"] / base["record"]["peak_mb"],
+                                        "replay": r["replay"]["peak_mb"] / base["replay"]["peak_mb"]}
+                                    for n, r in rows.items()}
+    starts = []
+    for i in range(a.reps):
+        report = work / f"start{i}.json"
+        p = run(["replay", str(golden_first), "--report", str(report)], cache)
+        starts.append({**json.loads(report.read_text())["timing"], "wall_s": p["wall_s"]})
+        print(f"replay {i}: first step {starts[-1]['first_step']:.2f} s after start", flush=True)
+    result["startup"] = {"samples": starts,
+                         **{k: spread([s[k] for s in starts]) for k in ("first_step", "load", "setup", "wall_s")}}
+    result["startup"]["imports_s"] = imports()
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+def imports() -> dict:
+    """How long this machine takes to import what a replay needs, each in a fresh interpreter (median of 3)."""
+    steps = {"python": "pass", "torch": "import torch",
+             "torch+transformers' Llama": "import torch, transformers.models.llama.modeling_llama"}
+    out = {}
+    for name, code in steps.items():
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True)
+            times.append(time.perf_counter() - t)
+        out[name] = statistics.median(times)
+    return out
+
+
+if __name__ == "__main__":
+    main()
