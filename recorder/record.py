@@ -28,6 +28,7 @@ from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
 from vd.loop import DrafterFeed, ReferenceFeed, Run, continuation, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
+from vd.models.inductor import keep_artifacts
 from vd.policy import Policy
 from vd.progress import SILENT, Progress
 from vd.protocol import DraftHead, VerifyModel
@@ -203,7 +204,8 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
             return result
         t = time.perf_counter()
         progress.phase("writing golden", 0)
-        meta = _meta(model, settings, forward, greedy, result.thin)
+        meta = {**_meta(model, settings, forward, greedy, result.thin),
+                **keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)}
         writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
                        reason=reason)
     if writer.journal is not None:

@@ -20,12 +20,13 @@ from vd.dtypes import to_storage
 from vd.errors import UsageError
 from vd.layout import StepLog
 from vd.loop import Run
+from vd.models.inductor import keep_artifacts
 from vd.protocol import VerifyModel
 from vd.store import Golden, GoldenWriter, check_target, locate
 from vd.store import format as F
 
 # The golden's metadata a candidate does not inherit: the writer makes it anew, or it names the recording.
-_NOT_INHERITED = (*F.WRITTEN, "history", "candidate")
+_NOT_INHERITED = (*F.WRITTEN, "history", "candidate", "compiled")  # compiled: this process's own artifacts
 
 
 class CandidateWriter:
@@ -73,7 +74,8 @@ class CandidateWriter:
             logits=F.logits_meta(g.logical), environment=env.capture(model.device),
             determinism={"applied": (g.meta.get("determinism") or {}).get("applied"), "settings": env.determinism()},
             candidate={"of": g.url, "of_content": g.content_digest(), "verdict": verdict,
-                       "control": {str(k): bool(v) for k, v in controls.items()}})
+                       "control": {str(k): bool(v) for k, v in controls.items()}},
+            **keep_artifacts(forward, self.writer.add_file, F.INDUCTOR_ARTIFACTS))
         self.writer.publish(meta, g.prompt, reason=f"candidate saved by a replay of {g.url}")
 
     def abort(self) -> None:

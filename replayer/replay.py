@@ -14,6 +14,7 @@ HTML, the command line prints.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 import threading
@@ -27,10 +28,11 @@ from vd import env
 from vd.compare import Comparison, Queued, compare_run
 from vd.coverage import coverage_reason, thin_reason
 from vd.dtypes import to_storage
-from vd.errors import GoldenError, ModelMismatchError, UsageError
+from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
 from vd.layout import Step
 from vd.loop import DrafterFeed, ReplayFeed, prepare, run_verify
 from vd.models import check_device, check_forward_names, load_model, require_forwards
+from vd.models.inductor import compiles, held, load_artifacts
 from vd.models.static import CUDA_ONLY
 from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
@@ -168,6 +170,7 @@ class _Replay:
         torch.set_num_threads(s.threads or min(self.recorded_env.get("threads") or torch.get_num_threads(),
                                                os.cpu_count() or 1))
         self.prefetcher = None
+        artifacts = self._artifacts()  # before anything compiles
         if model is None:
             self.progress.phase("loading model", 0)
             t_load = time.perf_counter()
@@ -177,7 +180,7 @@ class _Replay:
         self.model = model
         if self.prefetcher is None:
             self._reader(Prefetcher(g, model.device, files=True))
-        self.notes = _check_model(g, model, s.allow_model_mismatch)
+        self.notes = _check_model(g, model, s.allow_model_mismatch) + artifacts
         self.offered = model.forwards()
         if not s.forwards and g.info.forward not in self.offered:  # e.g. a CUDA golden replayed on a CPU
             raise UsageError(f"the golden was recorded with forward {g.info.forward!r}, which this model on "
@@ -190,6 +193,26 @@ class _Replay:
                 raise UsageError("--save-candidate keeps one forward's rows; replay one --forward")
             self.candidate = CandidateWriter(s.save_candidate, g)
         self.clock["setup"] = time.perf_counter() - t - loading
+
+    def _artifacts(self) -> list[str]:
+        """Load the Inductor artifacts a compiled golden's recording stored, when a compiled forward is to run,
+        so that it compiles to the recording's kernels (`vd.models.inductor`); what happened, as a note."""
+        g, s = self.golden, self.settings
+        about = g.meta.get("compiled")
+        if about is None or not any(compiles(f) for f in (s.forwards or [g.info.forward])):
+            return []
+        if held(about["sha256"]):  # this process saved or loaded them already (its file is checked with the rest)
+            return [f"compiled forwards reuse the recording's Inductor artifacts ({about['bytes'] / 1e6:.1f} MB, "
+                    f"{about.get('torch')}; held by this process already)"]
+        data = g.location.get(about["artifacts"])
+        if data is None or hashlib.sha256(data).hexdigest() != about["sha256"]:
+            raise GoldenCorruptError(f"{g.url}/{about['artifacts']} is missing or does not match its hash")
+        why = load_artifacts(data)
+        if why is not None:
+            return [f"the recording's Inductor artifacts ({about.get('torch')}) could not be loaded ({why}): compiled "
+                    "forwards compiled afresh and may run other kernels than the recording's"]
+        return [f"compiled forwards reuse the recording's Inductor artifacts ({len(data) / 1e6:.1f} MB, "
+                f"{about.get('torch')})"]
 
     def _reader(self, prefetcher: Prefetcher) -> None:
         """The golden's reader, and its files' check begun: by the reader's units where it reads ahead (CUDA),

@@ -101,6 +101,42 @@ def test_compiled_forwards_replay_their_own_golden(cli, tmp_path):
     assert _equal(by["compiled"]) and _equal(by["compiled-graphed"]), json.dumps(by, default=str)[:2000]
 
 
+def test_a_compiled_golden_carries_the_kernels_it_was_recorded_with(cli, tmp_path):
+    """A compiled recording (`vd record`, a process of its own) stores the Inductor artifacts it compiled; a
+    replay in a new process with an empty Inductor cache (as on another machine) loads them before compiling,
+    says so, and is bit for bit equal; the slim form keeps them; damaging them is caught before anything
+    runs. (Recorded inside a process that had compiled other models first, the K=4 step of this golden did
+    not replay bit for bit: README, "Compiled goldens travel".)"""
+    import os
+    import subprocess
+    import sys
+
+    def vd(*args, cache: str):  # a process of its own with an empty Inductor cache, as a machine of its own
+        fresh = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}
+        return subprocess.run([sys.executable, "-P", "-m", "vd", *map(str, args)], env=fresh, capture_output=True,
+                              text=True, timeout=600)
+
+    path = tmp_path / "compiled.zarr"
+    done = vd("record", path, "--model", "tiny-llama", "--device", "cuda", "--steps", "8", "--forward",
+              "compiled-graphed", "--allow-thin", cache="recording")
+    assert done.returncode == 0, done.stderr[-2000:]
+    g = open_golden(path)
+    about = g.meta["compiled"]
+    assert about["artifacts"] == "inductor/artifacts.bin" and about["bytes"] > 0 and about["kinds"]
+    assert "inductor/artifacts.bin" in g.manifest and cli("verify", path)[0] == 0
+    assert cli("slim", path, tmp_path / "slim.zarr")[0] == 0
+    report = tmp_path / "r.json"
+    done = vd("replay", path, "--report", report, cache="replay")
+    r = json.loads(report.read_text())
+    assert done.returncode == 0 and r["verdict"] == "PASS", (r["reasons"], r["notes"])
+    assert any("reuse the recording's Inductor artifacts" in n for n in r["notes"]), r["notes"]
+    data = bytearray((path / "inductor" / "artifacts.bin").read_bytes())
+    data[len(data) // 2] ^= 1
+    (path / "inductor" / "artifacts.bin").write_bytes(bytes(data))
+    code, out, err = cli("replay", path)
+    assert code == 2 and "inductor/artifacts.bin" in err, err
+
+
 def test_generated_weights_are_the_same_bits_on_cpu_and_cuda():
     from transformers import LlamaConfig
 

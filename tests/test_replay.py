@@ -264,3 +264,16 @@ def test_a_slim_golden_measures_its_rows_against_the_full_golden_named(tiny_gold
     assert measured.to_json()["rows"] == {"slim": True, "source": str(tiny_golden)}
     a, b = full.verify[0].comparisons[0].comparison, measured.verify[0].comparisons[0].comparison
     assert b.measured and a.to_json() == b.to_json() and measured.verdict == full.verdict
+
+
+@pytest.mark.parametrize("compiled", [
+    {"artifacts": "elsewhere.bin", "bytes": 3, "sha256": "0" * 64},
+    {"artifacts": "inductor/artifacts.bin", "bytes": -1, "sha256": "0" * 64},
+    {"artifacts": "inductor/artifacts.bin", "bytes": 3, "sha256": "not hex"},
+    "yes",
+])
+def test_a_malformed_compiled_field_is_named(cli, tiny_copy, compiled):
+    """The metadata of a compiled recording's Inductor artifacts is checked at open like every field."""
+    edit_meta(tiny_copy, lambda m: m.update(compiled=compiled))
+    code, out, err = cli("replay", tiny_copy)
+    assert code == 2 and "metadata field 'compiled'" in err and len(err.strip().splitlines()) == 1, err

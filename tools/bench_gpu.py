@@ -179,8 +179,10 @@ def main() -> None:
             samples = {"record_s": [], "bare_record_s": [], "replay_s": [], "bare_replay_s": [], "step_ms": []}
             for _ in range(args.reps):  # interleaved, so drift hits both sides alike
                 t = time.perf_counter()
-                record(path, settings, refresh=True, model=model)
+                done = record(path, settings, refresh=True, model=model)
                 samples["record_s"].append(time.perf_counter() - t)
+                for name, sec in done.seconds.items():  # where record's own time went
+                    samples.setdefault(f"record_{name}_s", []).append(sec)
                 bare_s, _ = bare_verify(model, prompt, steps)
                 samples["bare_record_s"].append(bare_decode(model, prompt, args.steps * k + 1) + bare_s)
                 t = time.perf_counter()

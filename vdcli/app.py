@@ -317,6 +317,10 @@ def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden t
     out.print(f"model     {m['model'].get('name')}  [{m['model']['spec']}]")
     out.print(f"          {m['model']['fingerprint']}")
     out.print(f"forward   {m['forward']}: {m.get('forward_description', '')}")
+    if m.get("compiled"):
+        c = m["compiled"]
+        out.print(f"compiled  Inductor artifacts {c['bytes'] / 1e6:.1f} MB (torch {c.get('torch')}), loaded by a "
+                  "compiled forward's replay before it compiles")
     if m.get("mtp"):
         h = m["mtp"]
         out.print(f"MTP head  {h.get('name')} ({h.get('source')}, {h.get('block')})  {h['fingerprint']}")

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from vd.models import load_model, weights
 from vd.models import hf as hf_module
+from vd.models import load_model, weights
 from vd.models.presets import smollm2_path
 
 PROMPT = "The three laws of thermodynamics state that"

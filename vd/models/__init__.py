@@ -117,8 +117,9 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
     return model
 
 
-# The protocol's methods a run calls (`vd.protocol.VerifyModel`, `vd.protocol.DraftHead`).
-_RUN_METHODS = ("set_forward", "reset", "forward", "rewind", "save_hidden", "trim_proposer", "propose")
+# The protocol's methods a run calls (`vd.protocol.VerifyModel`, `vd.protocol.DraftHead`); not ``set_forward``,
+# whose KeyError for a name it does not offer is part of the protocol (vd checks names before calling it).
+_RUN_METHODS = ("reset", "forward", "rewind", "save_hidden", "trim_proposer", "propose")
 
 
 def _guard(model: VerifyModel, spec: str) -> None:

@@ -17,3 +17,72 @@ def inductor_settings() -> None:
     # Each step shape (verify K, decode, every proposal shape) is its own compilation.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.cache_size_limit = max(getattr(torch._dynamo.config, "cache_size_limit", 8), 64)
+
+
+# Artifacts this process saved or loaded already (by SHA-256): its Inductor caches hold them.
+_HELD: set[str] = set()
+
+
+def held(digest: str) -> bool:
+    """Whether this process saved or loaded the artifacts of that SHA-256 already."""
+    return digest in _HELD
+
+
+def compiles(forward: str) -> bool:
+    """Whether a forward of that name runs code Inductor compiled (vd's ``compiled`` and ``compiled-graphed``)."""
+    return forward.startswith("compiled")
+
+
+def save_artifacts() -> tuple[bytes, dict[str, int]] | None:
+    """Everything Inductor compiled (or found in its caches) in this process, as one blob
+    (`torch.compiler.save_cache_artifacts`: FX graphs, AOTAutograd entries, kernels and the kernel
+    configurations it chose by timing), and how many artifacts of each kind; None where there are none."""
+    import torch
+
+    save = getattr(torch.compiler, "save_cache_artifacts", None)
+    saved = save() if save is not None else None
+    if not saved:
+        return None
+    data, info = saved
+    kinds = {k: len(v) for k, v in (getattr(info, "artifacts", None) or {}).items()}
+    return data, kinds
+
+
+def load_artifacts(data: bytes) -> str | None:
+    """Make Inductor's caches hold ``data`` (`save_artifacts`), so that the next compilations of the same
+    code reuse its kernels and choices instead of timing candidates afresh; why not, or None."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256(data).hexdigest()
+    if digest in _HELD:
+        return None  # this process saved or loaded them already
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    if load is None:
+        return f"torch {torch.__version__} has no torch.compiler.load_cache_artifacts"
+    try:
+        load(data)
+    except Exception as e:  # noqa: BLE001  another torch's format, or a cache that cannot be written
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    _HELD.add(digest)
+    return None
+
+
+def keep_artifacts(forward: str, add_file, key: str) -> dict:
+    """For a compiled forward, the Inductor artifacts this process compiled, handed to ``add_file(key, data)``
+    (a golden's writer) so that a replay elsewhere runs the same kernels; the golden's ``compiled`` metadata
+    field describing them (empty for other forwards, or when nothing was compiled)."""
+    import hashlib
+
+    import torch
+
+    saved = save_artifacts() if compiles(forward) else None
+    if saved is None:
+        return {}
+    data, kinds = saved
+    add_file(key, data)
+    digest = hashlib.sha256(data).hexdigest()
+    _HELD.add(digest)
+    return {"compiled": {"artifacts": key, "bytes": len(data), "sha256": digest,
+                         "torch": torch.__version__, "kinds": kinds}}

@@ -38,6 +38,11 @@ FORMAT_VERSION = 6
 VOLATILE_SINCE = 5  # the first format keeping volatile facts in the ``run`` group
 MANIFEST_SINCE = 6  # the first format listing every file's size and hash in a manifest (`vd.store.manifest`)
 RUN_GROUP = "run"
+# A compiled forward's recording keeps the Inductor artifacts it compiled (`torch.compiler.save_cache_artifacts`)
+# here, described by the metadata's ``compiled`` field; a replay loads them before it compiles, so it runs the
+# kernels the recording ran (Inductor otherwise picks some kernel configurations by timing them, which
+# differs from machine to machine).
+INDUCTOR_ARTIFACTS = "inductor/artifacts.bin"
 PLANES_SINCE = 4  # the first format storing row arrays as byte planes
 DIGESTS_SINCE = 3  # the first format storing each row's digest and statistics
 # About how much of the prefill's raw rows one chunk holds. The prefill is written once and read only where

@@ -270,6 +270,10 @@ class ObjectPrefix:
         for _ in range(2):
             try:
                 self._call("lock", store.fs._pipe_file(lock, json.dumps(mine).encode(), mode="create"))
+                held = self._lock_holder(store, lock)
+                if held is None or held.get("token") != mine["token"]:  # a store that ignores If-None-Match
+                    raise GoldenError(f"{self.url} is being written by another vd process ({_who(held or {})}; it "
+                                      f"holds {lock_url}); try again when it has finished")
                 break
             except GoldenError:
                 held = self._lock_holder(store, lock)

@@ -147,6 +147,10 @@ _TYPED = (
     ("mtp", lambda v: isinstance(v, Mapping), "the draft head's description"),
     ("candidate", lambda v: isinstance(v, Mapping) and isinstance(v.get("control", {}), Mapping),
      "a candidate's description"),
+    ("compiled", lambda v: isinstance(v, Mapping) and v.get("artifacts") == F.INDUCTOR_ARTIFACTS
+     and isinstance(v.get("bytes"), int) and not isinstance(v.get("bytes"), bool) and 0 < v["bytes"] <= 1 << 31
+     and isinstance(v.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", v["sha256"]) is not None,
+     f'{{"artifacts": "{F.INDUCTOR_ARTIFACTS}", "bytes": N, "sha256": HEX, ...}}'),
 )
 
 

@@ -35,5 +35,8 @@ def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
         meta.update(logits=F.logits_meta(g.logical),
                     rows={"stored": False, "slim_of": {"golden": g.url, "created": g.meta.get("created"),
                                                        "format_version": g.info.version}})
+        if g.meta.get("compiled"):  # the kernels a compiled forward's replay needs stay with the golden
+            g.check_file(F.INDUCTOR_ARTIFACTS)
+            w.add_file(F.INDUCTOR_ARTIFACTS, g.location.get(F.INDUCTOR_ARTIFACTS))
         w.publish(meta, g.prompt, reason=f"slim form of {g.url}")
     return w.location

@@ -175,6 +175,12 @@ class GoldenWriter:
         finally:
             self._futures = []
 
+    def add_file(self, key: str, data: bytes) -> None:
+        """A file of the golden beside its arrays (``key`` relative to its root), covered by its manifest."""
+        path = self.staged / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
     def publish(self, meta: Mapping, prompt: list[int], *, reason: str = "first recording") -> None:
         """Wait for everything queued, write the prompt and the metadata (``complete`` last), and put the
         golden in place. The metadata gets the golden's content digest and, unless ``meta`` brings a
