@@ -77,3 +77,27 @@ def test_rows_are_not_read_ahead_but_when_a_comparison_asks(tiny_copy):
     assert p.side(2).k == 2
     with pytest.raises(GoldenCorruptError, match="k2/logits.hi: chunk c/0/0/0 is missing"):
         p.side(2).host_rows("verify", np.array([0]))
+
+
+def test_a_files_hash_is_expected_to_take_time_in_proportion_to_its_size(tiny_golden, monkeypatch):
+    """A file's hash unit is run in a run's idle time only when its size fits (a 40 MB file must not delay
+    the steps of a 1 ms verify); the rest are hashed when the files are checked."""
+    import vd.store.prefetch as prefetch
+
+    class Slow(dict):  # hashing at 1 MB a second, whatever the units measure
+        def __setitem__(self, key, value):
+            if key != "hash/byte":
+                super().__setitem__(key, value)
+
+    monkeypatch.setattr(prefetch, "_EXPECT", Slow({"hash/byte": 1e-6}))
+    p = Prefetcher(open_golden(tiny_golden), CPU, ahead=True, files=True)
+    hashes = [u for u in p.units if u.kind == "hash"]
+    cut = sorted(u.nbytes for u in hashes)[len(hashes) // 2]  # half the files fit the windows below
+    for _ in range(500):
+        p.idle(prefetch.UNIT_S + 1e-6 * (cut + 100))  # windows that fit the smaller files' hashes
+    left = [u for u in p.units if u.kind == "hash"]
+    ran = [u for u in hashes if u not in left]
+    assert ran and all(u.nbytes <= cut + 100 for u in ran)  # no larger file was started in a window ...
+    assert left and left[0].nbytes > cut + 100  # ... the first of them waits, and the units behind it
+    p.check_files()  # the rest, now
+    assert not [u for u in p.units if u.kind == "hash"]

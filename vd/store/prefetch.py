@@ -33,15 +33,17 @@ from vd.store.side import GoldenSide
 from vd.streams import side_stream
 
 UNIT_S = 1e-3  # seconds a unit of a kind not timed yet is expected to take
+HASH_S_PER_BYTE = 1e-9  # a file's hash, per byte, until timed (reading and SHA-256 at 1 GB/s)
 FILES = -1  # the pseudo-K of the file-hashing units
 _EXPECT: dict[str, float] = {}  # seconds a unit of each kind took: a running mean over this process's readers
 
 
 @dataclass(slots=True)
 class _Unit:
-    kind: str  # "read", "check", "side": how long it takes is learnt per kind
+    kind: str  # "read", "check", "side", "hash": how long it takes is learnt per kind
     k: int
     fn: Callable[[], None]
+    nbytes: int = 0  # a hash unit's file size: its time is learnt per byte (files range from 100 B to 40 MB)
 
 
 @dataclass
@@ -64,7 +66,8 @@ class Prefetcher:
         self.units: deque[_Unit] = deque(u for k in golden.ks for u in self._plan(k)) if ahead else deque()
         self.hashing = ahead and files and golden.manifest is not None
         if self.hashing:
-            self.units.extend(_Unit("hash", FILES, lambda key=key: golden.check_file(key)) for key in golden.manifest)
+            self.units.extend(_Unit("hash", FILES, lambda key=key: golden.check_file(key), size)
+                              for key, (size, _) in golden.manifest.items())
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
@@ -120,7 +123,7 @@ class Prefetcher:
         if not self.lock.acquire(blocking=False):
             return True
         try:
-            while self.units and time.perf_counter() + self._expect(self.units[0].kind) <= until:
+            while self.units and time.perf_counter() + self._expect(self.units[0]) <= until:
                 self._run(self.units[0], "idle")
             return bool(self.units)
         finally:
@@ -147,8 +150,13 @@ class Prefetcher:
             raise kk.error
         return kk.side if kk.side is not None else self.golden.side(k)
 
-    def _expect(self, kind: str) -> float:
-        return _EXPECT.get(kind, UNIT_S)
+    @staticmethod
+    def _expect(u: _Unit) -> float:
+        """Seconds ``u`` is expected to take: its kind's running mean, per byte for a file's hash (a large
+        file is then left for after the run rather than overrunning a step's idle time)."""
+        if u.nbytes:
+            return UNIT_S + u.nbytes * _EXPECT.get("hash/byte", HASH_S_PER_BYTE)
+        return _EXPECT.get(u.kind, UNIT_S)
 
     def _run(self, u: _Unit, who: str) -> None:
         """Run ``u`` (queued) and take it off the queue; an error is kept for the K's `side`, as reading in
@@ -167,8 +175,9 @@ class Prefetcher:
         self.timeline.append((who, u.kind, dt))
         # A running mean that one slow unit moves at most 1.6x: a unit expected to take longer than a step
         # would run only after the run, with every unit queued behind it.
-        old = self._expect(u.kind)
-        _EXPECT[u.kind] = 0.7 * old + 0.3 * min(dt, 3 * old)
+        key, dt = ("hash/byte", max(dt - UNIT_S, 0.0) / u.nbytes) if u.nbytes else (u.kind, dt)
+        old = _EXPECT.get(key, HASH_S_PER_BYTE if u.nbytes else UNIT_S)
+        _EXPECT[key] = 0.7 * old + 0.3 * min(dt, 3 * old)
 
     def summary(self) -> dict:
         """Units and seconds by who ran them: the thread while the model loaded, a run's idle time, or
