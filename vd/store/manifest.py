@@ -31,12 +31,23 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build(staged: Path) -> dict[str, list]:
-    """Every file of the golden staged at ``staged`` but `OUTSIDE`: ``{key: [size, sha256 hex]}``, by key."""
+def file_digest(data: bytes) -> str:
+    """A file's hash as the manifest lists it."""
+    return _digest(data)
+
+
+def build(staged: Path, known: Mapping[str, list] | None = None) -> dict[str, list]:
+    """Every file of the golden staged at ``staged`` but `OUTSIDE`: ``{key: [size, sha256 hex]}``, by key.
+    ``known``: files whose size and hash their writer remembered as it wrote them whole (taken where the
+    file's size still agrees; every other file is read and hashed)."""
+    known = known or {}
     out = {}
     for p in sorted(staged.rglob("*")):
         key = p.relative_to(staged).as_posix()
         if p.is_file() and key not in OUTSIDE:
+            if key in known and p.stat().st_size == known[key][0]:
+                out[key] = list(known[key])
+                continue
             data = p.read_bytes()
             out[key] = [len(data), _digest(data)]
     return out

@@ -54,19 +54,16 @@ def _array(group: zarr.Group, name: str, shape, dtype, chunks, codecs: list) -> 
                               config={"write_empty_chunks": True})
 
 
-def _small(group: zarr.Group, name: str, data: np.ndarray) -> None:
-    data = np.ascontiguousarray(data, dtype=F.SMALL_DTYPES[name])
-    _array(group, name, data.shape, data.dtype, tuple(max(n, 1) for n in data.shape), F.plain_codecs())[...] = data
-
-
 class _RowArray:
     """Row array ``name`` of the K group staged at ``where``: its two byte planes' chunks encoded and written
     straight to their files, the bytes zarr's codecs would write (`vd.store.chunks.encode_chunk`), so that
     several chunks can be encoded at once (zstd runs without the interpreter lock); its metadata is made
     through zarr (`create`)."""
 
-    def __init__(self, where: Path, name: str, shape: tuple[int, ...], chunk_rows: int, itemsize: int):
+    def __init__(self, where: Path, name: str, shape: tuple[int, ...], chunk_rows: int, itemsize: int,
+                 put: Callable[[Path, bytes], None]):
         self.where, self.name, self.shape, self.rows, self.itemsize = where, name, shape, chunk_rows, itemsize
+        self.put = put  # writes a file of the staged golden (`GoldenWriter._put`)
 
     def write(self, first: int, data: np.ndarray) -> None:
         """Rows ``first ..`` of the array as stored (``first`` on a chunk boundary; the last chunk padded with
@@ -77,9 +74,8 @@ class _RowArray:
                 block = part[j:j + self.rows]
                 if len(block) < self.rows:
                     block = np.concatenate([block, np.zeros((self.rows - len(block), *block.shape[1:]), np.uint8)])
-                path = self.where / f"{self.name}{plane}" / chunk_key((first + j) // self.rows, block.ndim)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(encode_chunk(block, compressor))
+                self.put(self.where / f"{self.name}{plane}" / chunk_key((first + j) // self.rows, block.ndim),
+                         encode_chunk(block, compressor))
 
     def create(self, group: zarr.Group) -> None:
         """The two planes' zarr metadata (their chunks are `write`'s)."""
@@ -89,10 +85,11 @@ class _RowArray:
         _array(group, lo, (*self.shape, self.itemsize - 1), "u1", (*chunks, self.itemsize - 1), F.plain_codecs())
 
 
-def _row_arrays(where: Path, layout: RowLayout, vocab: int, itemsize: int) -> dict[str, _RowArray]:
+def _row_arrays(where: Path, layout: RowLayout, vocab: int, itemsize: int, put: Callable[[Path, bytes], None]
+                ) -> dict[str, _RowArray]:
     """K's row arrays, by name."""
     chunks = F.row_chunks(layout, vocab, itemsize)
-    return {name: _RowArray(where, name, shape, chunks[name][0], itemsize)
+    return {name: _RowArray(where, name, shape, chunks[name][0], itemsize, put)
             for name, shape in F.row_shapes(layout, vocab).items()}
 
 
@@ -115,6 +112,8 @@ class GoldenWriter:
         self.digests: dict[int, np.ndarray] = {}
         self.journal = None  # a `vd.store.journal.Journal` the recorder sets: every block written goes into it
         self.stored_rows = True
+        self.known: dict[str, list] = {}  # files written whole by this writer: [size, SHA-256] for the manifest
+        self._groups: dict[int, object] = {}  # each K's group, made (or being made: a Future) ahead of its end
 
     def _submit(self, fn: Callable, *args) -> None:
         if self.background:
@@ -138,30 +137,57 @@ class GoldenWriter:
             self.stored_rows = False
         self._submit(self._write_k, layout, log, rows, summary, drafts)
 
+    def _put(self, path: Path, data: bytes) -> None:
+        """Write a file of the staged golden whole, and remember its size and hash (`seal` lists it without
+        reading it back)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        self.known[path.relative_to(self.staged).as_posix()] = [len(data), manifest.file_digest(data)]
+
+    def prepare_k(self, layout: RowLayout, arrays: list[_RowArray]) -> None:
+        """Make K's group and its arrays' metadata now (on the writer's thread, while K runs), so that its end
+        writes only the step log, digests and statistics."""
+        if self.background:
+            self._groups[layout.k] = self._pool.submit(self._make_k, layout, arrays)
+        else:
+            self._groups[layout.k] = self._make_k(layout, arrays)
+
+    def _make_k(self, layout: RowLayout, arrays: list[_RowArray]) -> zarr.Group:
+        g = self.root.create_group(f"k{layout.k}")
+        for a in arrays:
+            a.create(g)
+        shapes = F.small_shapes(layout)
+        for name in (*F.step_log_arrays(F.FORMAT_VERSION), *F.SUMMARY, *(["drafts"] if layout.drafted else [])):
+            shape = shapes[name]
+            _array(g, name, shape, F.SMALL_DTYPES[name], tuple(max(n, 1) for n in shape), F.plain_codecs())
+        return g
+
     def _write_k(self, layout, log, rows, summary, drafts) -> None:
         arrays = []
         if rows is not None:
             vocab, itemsize = rows["prefill"].shape[1], rows["prefill"].dtype.itemsize
-            row_arrays = _row_arrays(self.staged / f"k{layout.k}", layout, vocab, itemsize)
+            row_arrays = _row_arrays(self.staged / f"k{layout.k}", layout, vocab, itemsize, self._put)
             for name, data in F.to_arrays(layout, rows, vocab).items():
                 row_arrays[name].write(0, data)
                 arrays.append(row_arrays[name])
-        self._finish_k(layout.k, arrays, log, summary, drafts)
+        self._finish_k(layout, arrays, log, summary, drafts)
 
-    def _finish_k(self, k: int, arrays: list[_RowArray], log: StepLog, summary: tuple[np.ndarray, np.ndarray],
-                  drafts: np.ndarray | None) -> None:
-        """K's group: its row arrays' metadata, its step log, its rows' digests and statistics, the drafter's
-        drafts, and its attributes."""
-        g = self.root.create_group(f"k{k}")
-        for a in arrays:
-            a.create(g)
-        for name in F.step_log_arrays(F.FORMAT_VERSION):
-            _small(g, name, getattr(log, name))
-        _small(g, "digests", summary[0])
+    def _finish_k(self, layout: RowLayout, arrays: list[_RowArray], log: StepLog,
+                  summary: tuple[np.ndarray, np.ndarray], drafts: np.ndarray | None) -> None:
+        """K's group (made now unless `prepare_k` made it): its step log, its rows' digests and statistics, the
+        drafter's drafts, written as their one chunk each, and its attributes."""
+        k = layout.k
+        g = self._groups.pop(k, None)
+        if g is None:
+            g = self._make_k(layout, arrays)
+        elif not isinstance(g, zarr.Group):
+            g = g.result()
+        small = {**{n: getattr(log, n) for n in F.step_log_arrays(F.FORMAT_VERSION)}, "digests": summary[0],
+                 "stats": summary[1], **({"drafts": drafts} if drafts is not None else {})}
+        for name, data in small.items():
+            data = np.ascontiguousarray(data, dtype=F.SMALL_DTYPES[name])
+            self._put(self.staged / f"k{k}" / name / chunk_key(0, data.ndim), encode_chunk(data, None))
         self.digests[k] = summary[0]
-        _small(g, "stats", summary[1])
-        if drafts is not None:
-            _small(g, "drafts", drafts)
         g.attrs.update({"k": log.k, "steps": int(log.accepted.shape[0]), "bootstrap": int(log.bootstrap),
                         "committed_is_greedy": log.committed_is_greedy, "decoded": log.decoded})
         self.logs.append(log)
@@ -202,7 +228,7 @@ class GoldenWriter:
             stable, volatile = F.split_volatile(json.loads(json.dumps(full, default=str)))
             self.root.create_group(F.RUN_GROUP).attrs["vd_run"] = volatile
             self.root.attrs["vd"] = stable
-            seal(self.staged, {})
+            seal(self.staged, {}, known=self.known)
             self.location.publish(self.staged, self.refresh)
         finally:
             self.abort()
@@ -224,13 +250,14 @@ class GoldenWriter:
         self.abort()
 
 
-def seal(staged: Path, updates: Mapping, drop: tuple[str, ...] = ()) -> None:
+def seal(staged: Path, updates: Mapping, drop: tuple[str, ...] = (), known: Mapping[str, list] | None = None) -> None:
     """Finish the root metadata of the golden staged at ``staged``: apply ``updates`` (and drop ``drop``),
-    list every file in its manifest, hash it into the golden's ID (`vd.store.manifest`), ``complete`` last."""
+    list every file in its manifest (``known``: files a writer hashed as it wrote them), hash it into the
+    golden's ID (`vd.store.manifest`), ``complete`` last."""
     root = zarr.open_group(zarr.storage.LocalStore(staged), mode="r+")
     meta = {k: v for k, v in dict(root.attrs["vd"]).items() if k not in (*drop, "complete", "golden_id", "manifest")}
     meta.update(json.loads(json.dumps(dict(updates), default=str)))
-    meta["manifest"] = manifest.build(staged)
+    meta["manifest"] = manifest.build(staged, known)
     meta["golden_id"] = manifest.golden_id(meta)
     root.attrs["vd"] = meta
     root.attrs["vd"] = {**meta, "complete": True}  # set last
@@ -246,7 +273,8 @@ class KStream:
         self.pinned = torch.cuda.is_available()
         self.free: list[torch.Tensor] = []  # page-locked step buffers already written (list.append: thread-safe)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.arrays = _row_arrays(writer.staged / f"k{layout.k}", layout, vocab, itemsize)
+        self.arrays = _row_arrays(writer.staged / f"k{layout.k}", layout, vocab, itemsize, writer._put)
+        writer.prepare_k(layout, list(self.arrays.values()))  # its group and arrays made while it runs
 
     def _host(self, rows: torch.Tensor) -> torch.Tensor:
         """A page-locked buffer for ``rows``: one written already, else a new one."""
@@ -290,4 +318,4 @@ class KStream:
             s, k, v = self.layout.steps, self.layout.k, self.vocab
             self.arrays["bootstrap_logits"].write(0, draft_rows[:1])
             self.arrays["draft_logits"].write(0, draft_rows[1:].reshape(s, k - 1, v))
-        self.writer._finish_k(self.layout.k, list(self.arrays.values()), log, summary, drafts)
+        self.writer._finish_k(self.layout, list(self.arrays.values()), log, summary, drafts)
