@@ -148,7 +148,8 @@ class GoldenWriter:
         """Make K's group and its arrays' metadata now (on the writer's thread, while K runs), so that its end
         writes only the step log, digests and statistics."""
         if self.background:
-            self._groups[layout.k] = self._pool.submit(self._make_k, layout, arrays)
+            self._groups[layout.k] = future = self._pool.submit(self._make_k, layout, arrays)
+            self._futures.append(future)  # waited for by `publish` and `abort` as every other write
         else:
             self._groups[layout.k] = self._make_k(layout, arrays)
 
@@ -203,9 +204,7 @@ class GoldenWriter:
 
     def add_file(self, key: str, data: bytes) -> None:
         """A file of the golden beside its arrays (``key`` relative to its root), covered by its manifest."""
-        path = self.staged / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        self._put(self.staged / key, data)
 
     def publish(self, meta: Mapping, prompt: list[int], *, reason: str = "first recording") -> None:
         """Wait for everything queued, write the prompt and the metadata (``complete`` last), and put the
