@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,14 +108,19 @@ def test_sigkill_campaign(tmp_path):
 
 
 def test_sigterm_cleans_up_like_a_failure(tmp_path):
-    """What a CI timeout sends: the process ends with 143, its staging folder and lock removed at once."""
+    """What a CI timeout sends, in the middle of a K: the process ends with 143, its staging folder and lock
+    removed at once; its journal stays, and `vd record --resume` finishes the golden, leaving nothing."""
     path = tmp_path / "g.zarr"
-    proc = subprocess.Popen([sys.executable, "-m", "vd", "record", str(path), "--model", "tiny-llama", "--steps",
-                             "400", "--k", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not _debris(path) and time.time() < deadline:  # until it is writing (its lock file is there)
-        time.sleep(0.05)
-    time.sleep(1.0)
+    slow = Path(__file__).parent.parent / "plugins" / "slow.py"  # 10 ms a forward: a K=2 run of 200 steps, 2 s
+    proc = subprocess.Popen([sys.executable, "-m", "vd", "record", str(path), "--model", f"{slow}:factory", "--steps",
+                             "200", "--k", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while ".g.zarr.journal" not in _debris(path) and time.time() < deadline:  # until it has written rows
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143
-    assert _debris(path) == [] and not path.exists()
+    assert proc.wait(timeout=60) == 143, proc.stderr.read()
+    assert _debris(path) == [".g.zarr.journal"] and not path.exists()
+    done = subprocess.run([sys.executable, "-m", "vd", "record", str(path), "--resume"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and path.is_dir() and _debris(path) == [], done.stderr

@@ -16,6 +16,7 @@ import datetime as _dt
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -105,7 +106,11 @@ class GoldenWriter:
         check_target(self.location, refresh)
         self.refresh, self.background = refresh, background
         self.staged = self.location.staging()
-        self.root = zarr.create_group(zarr.storage.LocalStore(self.staged), zarr_format=3)
+        try:
+            self.root = zarr.create_group(zarr.storage.LocalStore(self.staged), zarr_format=3)
+        except BaseException:  # SIGTERM (SystemExit) or an error before the writer exists to abort itself
+            shutil.rmtree(self.staged, ignore_errors=True)
+            raise
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="vd-writer")
         self._futures = []
         self.logs: list[StepLog] = []
@@ -240,6 +245,10 @@ class GoldenWriter:
             pass
         self._pool.shutdown(wait=True)
         if self.staged.exists():
+            shutil.rmtree(self.staged, ignore_errors=True)
+            # A zarr write still in flight on zarr's event-loop thread (the caller interrupted by SIGTERM while
+            # it waited for one) can land after the removal and make the folder again: remove it once more.
+            time.sleep(0.05)
             shutil.rmtree(self.staged, ignore_errors=True)
 
     def __enter__(self) -> GoldenWriter:
