@@ -207,7 +207,7 @@ class _Replay:
         data = g.location.get(about["artifacts"])
         if data is None or hashlib.sha256(data).hexdigest() != about["sha256"]:
             raise GoldenCorruptError(f"{g.url}/{about['artifacts']} is missing or does not match its hash")
-        why = load_artifacts(data)
+        why = load_artifacts(data, about["sha256"])
         if why is not None:
             return [f"the recording's Inductor artifacts ({about.get('torch')}) could not be loaded ({why}): compiled "
                     "forwards compiled afresh and may run other kernels than the recording's"]

@@ -4,6 +4,17 @@ Internal invariants use `assert`; everything here is something the user can fix.
 """
 
 
+def write_traceback(e: BaseException, prefix: str) -> str:
+    """Write ``e``'s traceback to a new file (``/tmp/PREFIX*.txt``) and return its path, for the one line that
+    names it (an internal error's, a plug-in's)."""
+    import tempfile
+    import traceback
+
+    with tempfile.NamedTemporaryFile("w", prefix=prefix, suffix=".txt", delete=False) as f:
+        traceback.print_exception(e, file=f)
+    return f.name
+
+
 class VdError(Exception):
     """Base of every error vd reports to a user as bad input (exit code 2)."""
 

@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from vd.cli.common import EXIT_PASS, Command, _Group, app, examples, out
+from vd.cli.common import EXIT_PASS, Command, Group, app, examples, out
 
-cache = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+cache = typer.Typer(cls=Group, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                     help="The cache of converted model weights (a GGUF checkpoint is dequantised once per machine).")
 app.add_typer(cache, name="cache")
 

@@ -20,8 +20,6 @@ import math
 import os
 import re
 import sys
-import tempfile
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
@@ -32,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from typer.core import TyperCommand, TyperGroup
 
 import vd
-from vd.errors import GoldenNotFoundError, UsageError, VdError
+from vd.errors import GoldenNotFoundError, UsageError, VdError, write_traceback
 from vd.progress import Lines
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
@@ -43,10 +41,9 @@ _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "C
 
 def crash(e: BaseException) -> int:
     """An internal error: its traceback to a file, one line naming it."""
-    with tempfile.NamedTemporaryFile("w", prefix="vd-crash-", suffix=".txt", delete=False) as f:
-        traceback.print_exception(e, file=f)
+    where = write_traceback(e, "vd-crash-")
     typer.echo(f"vd: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-               f"(traceback in {f.name})", err=True)
+               f"(traceback in {where})", err=True)
     return EXIT_INTERNAL
 
 
@@ -68,7 +65,7 @@ class Command(_PlainFlags, TyperCommand):
     """A vd command."""
 
 
-class _Group(_PlainFlags, TyperGroup):
+class Group(_PlainFlags, TyperGroup):
     """Turns every error into one stderr line and its exit code, for the CLI and CliRunner alike."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -98,7 +95,7 @@ class _Group(_PlainFlags, TyperGroup):
 
 
 app = typer.Typer(
-    cls=_Group,
+    cls=Group,
     help="Record-and-replay golden files for the logits of an LLM's speculative-decoding verify path.",
     no_args_is_help=True,
     add_completion=False,

@@ -20,12 +20,10 @@ import importlib
 import importlib.util
 import re
 import sys
-import tempfile
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vd.errors import ModelSpecError, PluginError, UsageError, VdError
+from vd.errors import ModelSpecError, PluginError, UsageError, VdError, write_traceback
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 
 if TYPE_CHECKING:
@@ -143,11 +141,9 @@ def _guarded(method, spec: str, name: str):
         except VdError:
             raise
         except Exception as e:
-            with tempfile.NamedTemporaryFile("w", prefix="vd-plugin-", suffix=".txt", delete=False) as f:
-                traceback.print_exception(e, file=f)
             first = str(e).splitlines()[0] if str(e) else ""
             raise PluginError(f"plug-in {spec}: its {name} raised {type(e).__name__}: {first} (traceback in "
-                              f"{f.name})") from e
+                              f"{write_traceback(e, 'vd-plugin-')})") from e
 
     return call
 

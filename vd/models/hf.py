@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vd.dtypes import of_torch
 from vd.errors import ModelSpecError, UsageError
 from vd.models.static import CUDA_ONLY, STATIC_FORWARDS, StaticRunner, static_forwards
 from vd.protocol import ModelIdentity
@@ -336,7 +337,7 @@ def _converted(gguf: Path, dtype: torch.dtype):
     them (else converted again and stored)."""
     from vd.models import weights
 
-    name = str(dtype).removeprefix("torch.")
+    name = of_torch(dtype).name
     entry = None
     with contextlib.suppress(OSError):
         entry = weights.entry_path(gguf, name)

@@ -48,14 +48,12 @@ def save_artifacts() -> tuple[bytes, dict[str, int]] | None:
     return data, kinds
 
 
-def load_artifacts(data: bytes) -> str | None:
-    """Make Inductor's caches hold ``data`` (`save_artifacts`), so that the next compilations of the same
-    code reuse its kernels and choices instead of timing candidates afresh; why not, or None."""
-    import hashlib
-
+def load_artifacts(data: bytes, digest: str) -> str | None:
+    """Make Inductor's caches hold ``data`` (`save_artifacts`; ``digest``, its SHA-256, checked by the caller),
+    so that the next compilations of the same code reuse its kernels and choices instead of timing
+    candidates afresh; why not, or None."""
     import torch
 
-    digest = hashlib.sha256(data).hexdigest()
     if digest in _HELD:
         return None  # this process saved or loaded them already
     load = getattr(torch.compiler, "load_cache_artifacts", None)

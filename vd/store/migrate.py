@@ -12,9 +12,9 @@ import os
 
 from vd.errors import UsageError
 from vd.store import format as F
-from vd.store.location import Location, locate
+from vd.store.location import Location
 from vd.store.read import open_golden
-from vd.store.write import GoldenWriter
+from vd.store.slim import rewrite
 
 
 def migrate(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = False) -> Location:
@@ -22,13 +22,5 @@ def migrate(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool 
     g = open_golden(source)
     if g.info.version == F.FORMAT_VERSION:
         raise UsageError(f"{g.url} is in the current format ({F.FORMAT_VERSION}) already")
-    location = locate(out)
-    with location.writer(), GoldenWriter(location, refresh=refresh, background=False) as w:
-        for k in g.ks:
-            rows = None if g.slim else g.verify_rows(k)  # read whole, each chunk and row checked
-            drafts = g.small(k, "drafts") if g.info.drafted else None
-            w.add(g.layout(k), g.checked_log(k), rows, g.summary(k), drafts)
-        meta = {key: v for key, v in g.meta.items() if key not in F.WRITTEN}
-        meta.update(logits=F.logits_meta(g.logical), rows=g.meta.get("rows") or {"stored": True})
-        w.publish(meta, g.prompt, reason=f"migrated from format {g.info.version} ({g.url})")
-    return w.location
+    return rewrite(g, out, refresh=refresh, rows=True, updates={"rows": g.meta.get("rows") or {"stored": True}},
+                   reason=f"migrated from format {g.info.version} ({g.url})")

@@ -11,11 +11,12 @@ or an object store.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from vd.errors import UsageError
 from vd.store import format as F
 from vd.store.location import Location, locate
-from vd.store.read import open_golden
+from vd.store.read import Golden, open_golden
 from vd.store.write import GoldenWriter
 
 
@@ -25,18 +26,27 @@ def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
     g = open_golden(source)
     if g.slim:
         raise UsageError(f"{g.url} is slim already")
+    return rewrite(g, out, refresh=refresh, rows=False, reason=f"slim form of {g.url}",
+                   updates={"rows": {"stored": False, "slim_of": {"golden": g.url, "created": g.meta.get("created"),
+                                                                  "format_version": g.info.version}}})
+
+
+def rewrite(g: Golden, out: str | os.PathLike, *, refresh: bool, rows: bool, updates: Mapping, reason: str
+            ) -> Location:
+    """Write the opened golden ``g`` again at ``out`` as a recording writes one (`slim`, `vd.store.migrate`):
+    every row it stores read whole and checked first, each K's step log, digests and statistics, its rows
+    (with ``rows``), its metadata with ``updates``, and the Inductor artifacts a compiled forward's replay
+    needs; ``reason`` starts the new golden's history."""
     location = locate(out)
     with location.writer(), GoldenWriter(location, refresh=refresh, background=False) as w:
         for k in g.ks:
-            g.verify_rows(k)
+            stored = None if g.slim else g.verify_rows(k)  # read whole, each chunk and row checked
             drafts = g.small(k, "drafts") if g.info.drafted else None
-            w.add(g.layout(k), g.checked_log(k), None, g.summary(k), drafts)
+            w.add(g.layout(k), g.checked_log(k), stored if rows else None, g.summary(k), drafts)
         meta = {key: v for key, v in g.meta.items() if key not in F.WRITTEN}
-        meta.update(logits=F.logits_meta(g.logical),
-                    rows={"stored": False, "slim_of": {"golden": g.url, "created": g.meta.get("created"),
-                                                       "format_version": g.info.version}})
+        meta.update(logits=F.logits_meta(g.logical), **updates)
         if g.meta.get("compiled"):  # the kernels a compiled forward's replay needs stay with the golden
             g.check_file(F.INDUCTOR_ARTIFACTS)
             w.add_file(F.INDUCTOR_ARTIFACTS, g.location.get(F.INDUCTOR_ARTIFACTS))
-        w.publish(meta, g.prompt, reason=f"slim form of {g.url}")
+        w.publish(meta, g.prompt, reason=reason)
     return w.location
