@@ -21,12 +21,12 @@ import torch
 
 from vd import env
 from vd.coverage import coverage_reason, thin_reason
-from vd.digest import summarise
+from vd.digest import Summary
 from vd.dtypes import of_torch, to_storage
 from vd.env import check_threads
 from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
-from vd.loop import DrafterFeed, ReferenceFeed, Run, continuation, prepare, run_verify
+from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, continuation, hold_bytes, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import keep_artifacts
 from vd.policy import Policy
@@ -192,6 +192,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     # On CUDA the writer works on its own thread while the GPU computes; on the CPU it writes in line.
     with GoldenWriter(location, refresh=refresh, background=model.device.type == "cuda") as writer:
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
+        writer.write_prompt(tokens)
         t = time.perf_counter()
         result = RecordResult(None, {}, [], {}, seconds)
         for k in settings.ks:
@@ -254,12 +255,14 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
     chooser = DrafterFeed(k, steps) if mtp else ReferenceFeed(greedy)
     layout = RowLayout(len(tokens), steps, k, mtp)
     stream = writer.stream(layout, model.vocab_size, model.dtype)
-    run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step, sink=stream.put)
+    settled = _Settled(layout)
+    run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step, sink=stream.put,
+                     hold=Hold(hold_bytes(model.device), settled.add))
     committed = run.committed()
     same = committed == greedy[:len(committed)]
     # Made here, between runs: the writer thread touches no GPU (a CUDA call of its own during a graph
     # captured mid-run, such as a draft head's first propose of a shape, would invalidate that capture).
-    log, summary, draft_rows, drafts = _finished(run, same)
+    log, summary, draft_rows, drafts = _finished(run, same, settled)
     if not settings.allow_nonfinite:
         _refuse_nonfinite(layout, summary[1], k)
     stream.finish(log, summary, draft_rows, drafts)
@@ -284,21 +287,38 @@ def _refuse_nonfinite(layout: RowLayout, stats: np.ndarray, k: int) -> None:
                                f"{' ...' if len(where) > 5 else ''}; nothing stored (--allow-nonfinite stores them)")
 
 
-def _finished(run: Run, same: bool) -> tuple[StepLog, tuple[np.ndarray, np.ndarray], np.ndarray | None,
-                                             np.ndarray | None]:
-    """A finished run's step log, every row's digest and statistics (computed on the run's device, read
-    back once) and, for the drafter feed, its draft rows as stored and the head's drafts."""
+class _Settled:
+    """What a recording keeps of the rows its run lets go (`vd.loop.Hold`; the verify rows are streamed to the
+    store as they come): their digests and statistics and, for the drafter feed, the draft kind's rows as
+    stored, which the store writes when the K is finished."""
+
+    def __init__(self, layout: RowLayout):
+        self.summary = Summary(list(layout.counts))
+        self.draft_rows: list[np.ndarray] = []
+
+    def add(self, kind: str, start: int, rows: torch.Tensor) -> None:
+        self.summary.add({kind: rows})
+        if kind == "draft":
+            self.draft_rows.append(to_storage(rows))
+
+
+def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[np.ndarray, np.ndarray],
+                                                               np.ndarray | None, np.ndarray | None]:
+    """A finished run's step log, every row's digest and statistics (the rows still held computed on the run's
+    device, read back once) and, for the drafter feed, its draft rows as stored and the head's drafts."""
     log = StepLog(k=run.k, bootstrap=run.bootstrap, committed_is_greedy=same,
                   tokens=np.array([s.tokens for s in run.steps], dtype=np.int32).reshape(-1, run.k),
                   accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
                   step_ms=np.array(run.step_ms, dtype=np.float64),
                   decoded=run.committed_before[0] if run.bootstrap_row is not None else None)
-    parts = run.parts_by_kind()
-    summary = summarise(parts)
+    held = {kind: rows for kind, _, rows in run.held()}
+    settled.summary.add(held)
     if run.bootstrap_row is None:
-        return log, summary, None, None
+        return log, settled.summary.result(), None, None
+    if "draft" in held:
+        settled.draft_rows.append(to_storage(held["draft"]))
     drafts = np.array(run.drafts, dtype=np.int32).reshape(len(run.steps), run.k - 1)
-    return log, summary, to_storage(torch.cat(parts["draft"])), drafts
+    return log, settled.summary.result(), np.concatenate(settled.draft_rows), drafts
 
 
 def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int], thin: list[str]) -> dict:

@@ -30,7 +30,8 @@ from vd.coverage import coverage_reason, thin_reason
 from vd.dtypes import to_storage
 from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
 from vd.layout import Step
-from vd.loop import DrafterFeed, ReplayFeed, prepare, run_verify
+from vd.loop import DrafterFeed, Hold, ReplayFeed, hold_bytes, prepare, run_verify
+from vd.measure import Measurer
 from vd.models import check_device, check_forward_names, load_model, require_forwards
 from vd.models.inductor import compiles, held, load_artifacts
 from vd.models.static import CUDA_ONLY
@@ -262,26 +263,31 @@ class _Replay:
 
     def _execute(self, k: int, steps: list[Step], variant: str, clock: dict[str, float], control: bool = False
                  ) -> tuple[Comparison, list[float]]:
-        """One run of ``steps`` under the selected forward and its comparison, timed into ``clock``; on CUDA
-        the comparison's GPU work is queued behind the last step while it runs."""
+        """One run of ``steps`` under the selected forward and its comparison, timed into ``clock``. Rows are
+        measured as the run lets them go (`vd.loop.Hold`), so its memory stays flat in steps (a run whose
+        candidate is kept holds them all); on CUDA the comparison of the rows still held is queued behind the
+        last step while it runs."""
         queued: list[Queued] = []
         on_last = ((lambda run, rows: queued.append(Queued(self.prefetcher.side(k), run, rows)))
                    if self.model.device.type == "cuda" else None)
+        measurer = Measurer(lambda: self.prefetcher.side(k), self.golden.logical, self.policy)
+        hold = None if self.candidate is not None and not control else Hold(hold_bytes(self.model.device),
+                                                                            measurer.add)
         if self.first_step is None:
             self.first_step = env.process_age()
         t1 = time.perf_counter()
         run = run_verify(self.model, self.golden.prompt, k, self.golden.info.steps, self._feed(k, steps),
-                         on_step=self.progress.step, idle=self.prefetcher.idle, on_last=on_last)
+                         on_step=self.progress.step, idle=self.prefetcher.idle, on_last=on_last, hold=hold)
         t2 = time.perf_counter()
         side = self.prefetcher.side(k)  # made in the run's idle time on CUDA
         t3 = time.perf_counter()
-        c = compare_run(variant, side, run, self.golden.logical, self.policy, *queued)
+        c = compare_run(variant, side, run, self.golden.logical, self.policy, *queued, measurer=measurer)
         for name, dt in (("run", t2 - t1), ("wait_golden", t3 - t2), ("compare", time.perf_counter() - t3)):
             clock[name] += dt
         if control:  # meant to fail: neither the first divergence nor a candidate
             return c, run.step_ms
         if not c.passed and self.failure is None:
-            self.failure = _failure_rows(k, variant, c, side, run, getattr(self.model, "decode", None))
+            self.failure = _failure_rows(k, variant, c, side, measurer.kept, getattr(self.model, "decode", None))
         if self.candidate is not None:
             self.candidate.keep(k, run)
         return c, run.step_ms
@@ -451,19 +457,21 @@ def _where(m) -> str:
     return f"{step} row {m.row} index {m.index}: golden {m.golden!r}, got {m.got!r}"
 
 
-def _failure_rows(k: int, name: str, c: Comparison, side: GoldenSide, run, decode=None) -> FailureRows | None:
-    """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle)."""
+def _failure_rows(k: int, name: str, c: Comparison, side: GoldenSide, kept: dict, decode=None) -> FailureRows | None:
+    """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle);
+    ``kept``: the candidate's rows of each kind's first failing step (`vd.measure.Measurer.kept`)."""
     f = c.first_failure
     if f is None:  # a changed accept count alone: keep its step's verify rows
         if not c.accept_changes:
             return None
         f = {"kind": "verify", "step": c.accept_changes[0]["step"]}
     kind, step = f["kind"], f["step"]
+    if kind not in kept or kept[kind][0] != step:
+        return None
     idx = side.layout.step_rows(kind, step)
-    at = torch.from_numpy(idx).to(run.prefill.device)
     return FailureRows(k=k, forward=name, kind=kind, step=step,
                        golden=side.host_rows(kind, idx) if side.has_rows else None,
-                       candidate=to_storage(run.rows_by_kind()[kind][at]),
+                       candidate=to_storage(kept[kind][1]),
                        tokens=side.tokens[step].tolist() if step is not None else None, first_failure=f,
                        text=None if decode is None or step is None else decode(side.tokens[step].tolist()))
 

@@ -87,7 +87,7 @@ def test_a_slim_side_judges_exact_and_argmax_from_its_statistics():
 def test_rows_measured_a_block_at_a_time_judge_as_all_at_once(monkeypatch):
     """Differing rows are measured a few at a time so the float copies stay bounded: the comparison is the
     one an all-at-once measurement gives, row for row."""
-    import vd.measure
+    import vd.digest
 
     g = torch.Generator().manual_seed(5)
     gold = torch.randn(7, 3, V, generator=g).bfloat16()
@@ -96,7 +96,7 @@ def test_rows_measured_a_block_at_a_time_judge_as_all_at_once(monkeypatch):
     policy = Policy.parse(["kl:0.5"])
     side, accepted = (lambda: _side(gold, [2] * 7)), [2] * 7
     whole = compare_run("x", side(), _run(cand, accepted), "bfloat16", policy)
-    monkeypatch.setattr(vd.measure, "BLOCK_BYTES", 16 * V * 2)  # two rows a block
+    monkeypatch.setattr(vd.digest, "CPU_BLOCK_BYTES", 16 * V * 2)  # two rows a block
     blocks = compare_run("x", side(), _run(cand, accepted), "bfloat16", policy)
     assert whole.rows == blocks.rows and whole.summary == blocks.summary and whole.positions == blocks.positions
     assert whole.mismatched_steps == 6 and len(whole.rows) > 2

@@ -30,7 +30,7 @@ def test_any_changed_bit_changes_the_digest_and_blocks_do_not(monkeypatch):
     g = torch.Generator().manual_seed(2)
     rows = torch.randn(9, 4096, generator=g).to(torch.bfloat16)
     base = D.digest(rows)
-    monkeypatch.setattr(D, "BLOCK_BYTES", 8 * 4096 * 2)  # two rows a block: five blocks
+    monkeypatch.setattr(D, "CPU_BLOCK_BYTES", 8 * 4096 * 2)  # two rows a block: five blocks
     assert torch.equal(D.digest(rows), base)
     bits = rows.view(torch.int16)
     for r, col, flip in ((0, 0, 1), (3, 4095, -32768), (8, 1234, 1 << 7)):
@@ -70,7 +70,7 @@ def test_summarise_in_blocks_equals_all_at_once(monkeypatch):
     prefill = torch.randn(11, 300, generator=g).bfloat16()
     steps = [torch.randn(4, 300, generator=g).bfloat16() for _ in range(9)]
     whole = D.summarise({"prefill": prefill, "verify": torch.cat(steps)})
-    monkeypatch.setattr(D, "BLOCK_BYTES", 8 * 300 * 6)  # six rows a block
+    monkeypatch.setattr(D, "CPU_BLOCK_BYTES", 8 * 300 * 6)  # six rows a block
     parts = D.summarise({"prefill": prefill, "verify": steps})
     assert all(np.array_equal(a, b) for a, b in zip(whole, parts))
     assert parts[0].shape == (11 + 36, D.LANES)

@@ -6,17 +6,23 @@ and replay cost over bare loops of the same forward.
 For each forward and K it records a golden (K alone, reference feed) and replays it, timing both
 against a bare loop that makes the same model calls (a bare greedy decode then the same verify steps,
 argmax read back after each, the same rewinds) with no feed, storage or comparison. Every figure is
-a median over ``--reps`` interleaved repetitions in this one process; the JSON keeps every sample.
+a median over ``--reps`` interleaved repetitions in this one process, ratios taken repetition by
+repetition; ``spread`` gives each figure's min, median and max, and the JSON keeps every sample. An
+ungraphed forward's rows carry no ratio fields of their own (``host_bound``): their spread is the host's
+noise as much as vd's cost.
 
 * ``step_ms``: median verify step (CUDA events around one ``forward`` of K tokens).
 * ``floor_ms``: the model's weight bytes over the device-to-device copy bandwidth measured here
   (bytes read plus written per second): a verify step must stream every weight once.
-* ``record_ratio``: `vd.recorder.record` (greedy continuation, the K run, the background zarr write,
-  publishing) over the bare decode plus verify loop.
+* ``record_ratio``: `vd.recorder.record` up to its publish (greedy continuation, the K run with the
+  zarr write beside it) over the bare decode plus verify loop; ``record_tail_ms`` the publish after it
+  (metadata, manifest, the golden put in place: a bounded tail, the same whatever the steps), and
+  ``record_total_ratio`` both over the bare loop.
 * ``replay_ratio``: `vd.replayer.replay` without the detection control (opening the golden, its small
   arrays read beside the run by `vd.store.prefetch`, the run, the comparison by row digests on the GPU,
   the report) over the bare verify loop. ``reader`` says where the last replay's reading ran;
   ``samples`` keeps each replay's ``phases``.
+* ``import_s``, ``cuda_init_s``, ``load_s`` (the model's build alone) and ``fingerprint_s``: start-up.
 * ``golden_bytes`` and ``raw_rows_bytes``: the golden's size and its prefill and verify rows' raw bytes.
 
 Rows are appended to ``--out`` (a JSON file holding a list of runs), so the shapes can run as separate
@@ -36,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from figures import ratios, spread
 
 # vd is imported as installed (pip install -e ., or its wheel on a GPU machine): vd.recorder and
 # vd.replayer are the card's top-level folders mapped under vd, which a bare source path does not do.
@@ -133,8 +140,15 @@ def main() -> None:
     ks = [int(x) for x in args.k.split(",")]
 
     t = time.perf_counter()
+    import transformers.models.llama.modeling_llama  # noqa: F401  imported apart from the build it serves
+    import_s = time.perf_counter() - t
+    t = time.perf_counter()
+    torch.cuda.init()
+    torch.empty(1, device=device)
+    cuda_init_s = time.perf_counter() - t
+    t = time.perf_counter()
     model = load_model(args.model, device=device, dtype="bfloat16")
-    load_s = time.perf_counter() - t
+    load_s = time.perf_counter() - t  # the build alone: transformers imported and CUDA started above
     t = time.perf_counter()
     fingerprint = model.identity().fingerprint
     fingerprint_s = time.perf_counter() - t
@@ -143,7 +157,8 @@ def main() -> None:
     floor_ms = wbytes / bw * 1e3
     prompt = model.encode(args.prompt)
     print(f"{args.model}: {wbytes / 1e9:.2f} GB of weights, copy {bw / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms; "
-          f"load {load_s:.1f} s, fingerprint {fingerprint_s:.1f} s", flush=True)
+          f"import {import_s:.1f} s, CUDA init {cuda_init_s:.1f} s, build {load_s:.2f} s, fingerprint "
+          f"{fingerprint_s:.2f} s", flush=True)
 
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="vd-bench-"))
     earlier = json.loads(args.out.read_text()) if args.out.exists() else []
@@ -154,7 +169,8 @@ def main() -> None:
         "environment": env.capture(device),
         "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
         "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
-        "prompt_tokens": len(prompt), "load_s": load_s, "fingerprint_s": fingerprint_s,
+        "prompt_tokens": len(prompt), "import_s": import_s, "cuda_init_s": cuda_init_s, "load_s": load_s,
+        "fingerprint_s": fingerprint_s,
         "rows": rows,
     }
 
@@ -193,19 +209,33 @@ def main() -> None:
                 samples["bare_replay_s"].append(bare_verify(model, prompt, steps)[0])
                 samples["step_ms"].extend(bare_verify(model, prompt, steps, timed=True)[1])
             med = {n: statistics.median(v) for n, v in samples.items()}
+            graphed = bool(r["graphs"] == "graphed")
+            loop_s = [a - b for a, b in zip(samples["record_s"], samples["record_write_s"])]
+            figures = {
+                "step_ms": spread(samples["step_ms"]),
+                "record_ratio": ratios(loop_s, samples["bare_record_s"]),
+                "record_total_ratio": ratios(samples["record_s"], samples["bare_record_s"]),
+                "record_tail_ms": spread([1e3 * x for x in samples["record_write_s"]]),
+                "replay_ratio": ratios(samples["replay_s"], samples["bare_replay_s"]),
+            }
             row = {
                 "model": args.model, "forward": fwd, "description": model.forwards()[fwd], "k": k,
                 "graphs": r["graphs"], "verdict": r["verdict"], "reasons": r["reasons"],
                 "step_ms": med["step_ms"], "floor_ms": floor_ms, "step_over_floor": med["step_ms"] / floor_ms,
-                "record_ratio": med["record_s"] / med["bare_record_s"],
-                "replay_ratio": med["replay_s"] / med["bare_replay_s"],
+                **({n: figures[n]["median"] for n in ("record_ratio", "record_total_ratio", "replay_ratio")}
+                   if graphed else {"host_bound": "an ungraphed forward launches every kernel from Python: its "
+                                                 "ratios below are the host's noise as much as vd's cost"}),
+                "record_tail_ms": figures["record_tail_ms"]["median"],
+                "spread": figures,
                 "accepted": rec.accepted[k], "reader": r["reader"], "samples": samples,
                 "golden_bytes": locate(path).nbytes(), "raw_rows_bytes": _raw_bytes(path, k),
             }
             rows.append(row)
-            print(f"  {fwd:17s} K={k}: step {row['step_ms']:.3f} ms ({row['step_over_floor']:.2f}x floor), "
-                  f"record {row['record_ratio']:.3f}x, replay {row['replay_ratio']:.3f}x, {r['verdict']}",
-                  flush=True)
+            f = figures
+            print(f"  {fwd:17s} K={k}: step {row['step_ms']:.3f} ms ({row['step_over_floor']:.2f}x floor), record "
+                  f"{f['record_ratio']['min']:.3f}-{f['record_ratio']['max']:.3f}x + tail "
+                  f"{f['record_tail_ms']['median']:.1f} ms, replay {f['replay_ratio']['min']:.3f}-"
+                  f"{f['replay_ratio']['max']:.3f}x, {r['verdict']}", flush=True)
             row["prepare_s"] = warm_s  # graph capture (and compilation) before the first K
             save()
 

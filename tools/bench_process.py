@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from figures import spread
 
 from vd import env
 
@@ -46,15 +47,13 @@ def machine() -> dict:
                                                                                  "vd")}
 
 
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", default="16,64,256", help="step counts for the memory rows")
     ap.add_argument("--reps", type=int, default=3, help="replays measured for start-up")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cuda: an H200's start-up, say)")
+    ap.add_argument("--forward", default=None, help="the forward to record with (default: the model's)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vd-bench-process-"))
@@ -62,15 +61,17 @@ def main() -> None:
     result: dict = {"command": "python tools/bench_process.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
                     "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                     "machine": {"cpu_count": os.cpu_count(), **machine()},
-                    "model": a.model}
+                    "model": a.model, "device": a.device, "forward": a.forward}
     rows = {}
     for steps in [int(s) for s in a.steps.split(",")]:
         golden = work / f"g{steps}.zarr"
-        rec = run(["record", str(golden), "--model", a.model, "--steps", str(steps)], cache)
+        how = ["--model", a.model, "--steps", str(steps), "--device", a.device,
+               *(["--forward", a.forward] if a.forward else [])]
+        rec = run(["record", str(golden), *how], cache)
         if "first_conversion" not in result:
             result["first_conversion"] = rec  # the first process converted the GGUF into the cache
             golden_first = golden
-            rec = run(["record", str(work / "again.zarr"), "--model", a.model, "--steps", str(steps)], cache)
+            rec = run(["record", str(work / "again.zarr"), *how], cache)
         report = work / f"r{steps}.json"
         rep = run(["replay", str(golden), "--report", str(report)], cache)
         timing = json.loads(report.read_text())["timing"]
@@ -90,7 +91,9 @@ def main() -> None:
         starts.append({**json.loads(report.read_text())["timing"], "wall_s": p["wall_s"]})
         print(f"replay {i}: first step {starts[-1]['first_step']:.2f} s after start", flush=True)
     result["startup"] = {"samples": starts,
-                         **{k: spread([s[k] for s in starts]) for k in ("first_step", "load", "setup", "wall_s")}}
+                         **{k: spread([s[k] for s in starts]) for k in ("first_step", "load", "setup", "prepare",
+                                                                        "wall_s")},
+                         "setup_and_prepare": spread([s["setup"] + s["prepare"] for s in starts])}
     result["startup"]["imports_s"] = imports()
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")

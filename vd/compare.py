@@ -17,7 +17,7 @@ import torch
 
 from vd.layout import RowLayout
 from vd.loop import Run
-from vd.measure import POSITION_BINS, Rows, measure_kinds, ulp_of
+from vd.measure import POSITION_BINS, Measurer, Rows, ulp_of
 from vd.policy import Policy
 from vd.store.side import GoldenSide
 from vd.streams import side_stream
@@ -135,39 +135,50 @@ class _Kind:
 
 
 class Queued:
-    """Which of a run's rows differ from the golden's, asked of the GPU while it still runs the run's last
-    step (`vd.loop.run_verify`'s ``on_last``): the rows gathered, their digests compared and the answer
-    copied back to page-locked memory on a side stream behind that step's forward, nothing waited for;
-    `compare_run` takes it instead of doing the same after the run, when the GPU would wait."""
+    """Which of a run's held rows differ from the golden's, asked of the GPU while it still runs the run's
+    last step (`vd.loop.run_verify`'s ``on_last``): their digests compared and the answer copied back to
+    page-locked memory on a side stream behind that step's forward, nothing waited for; `compare_run` takes
+    it instead of doing the same after the run, when the GPU would wait."""
 
     def __init__(self, side: GoldenSide, run: Run, last: torch.Tensor):
         device = last.device
         self.stream = side_stream(device)
         self.stream.wait_stream(torch.cuda.current_stream(device))  # behind the forward just issued
         with torch.cuda.stream(self.stream):
-            flat = run.flat_rows(last)
-            self.rows = flat[:side.layout.total]
-            flags = side.differ(self.rows)
+            self.parts = [(kind, start, rows[:side.counts[kind] - start]) for kind, start, rows in run.held(last)]
+            flags = torch.cat([side.differ_at(rows, side.layout.offset(kind) + start)
+                               for kind, start, rows in self.parts])
             self.flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
             self.flags.copy_(flags, non_blocking=True)
             self.done = self.stream.record_event()
 
-    def result(self) -> tuple[torch.Tensor, np.ndarray]:
-        """The rows (for the current stream) and which of them differ, once the side stream is done."""
+    def result(self) -> list[tuple[str, int, torch.Tensor, np.ndarray]]:
+        """Each kind's held rows (for the current stream) and which of them differ, once the side stream is
+        done."""
         self.done.synchronize()
-        self.rows.record_stream(torch.cuda.current_stream(self.rows.device))
-        return self.rows, self.flags.numpy()
+        flags, out, at = self.flags.numpy(), [], 0
+        for kind, start, rows in self.parts:
+            rows.record_stream(torch.cuda.current_stream(rows.device))
+            out.append((kind, start, rows, flags[at:at + rows.shape[0]]))
+            at += rows.shape[0]
+        return out
 
 
 def compare_run(variant: str, side: GoldenSide, run: Run, logical: str, policy: Policy,
-                queued: Queued | None = None) -> Comparison:
+                queued: Queued | None = None, measurer: Measurer | None = None) -> Comparison:
     """Measure every row of ``run`` (its prefill, each step's K rows and, for a drafter golden, the bootstrap
     row and the head's draft rows) against ``side`` under ``policy``, and check every decision: each row's
-    argmax, and each step's accept count. ``queued``: which rows differ, asked during the run (`Queued`)."""
+    argmax, and each step's accept count. ``queued``: which held rows differ, asked during the run
+    (`Queued`); ``measurer``: the `vd.measure.Measurer` the run's settled rows went to (a run with a hold)."""
     assert run.layout == side.layout, "the replay ran the golden's steps"
-    got, flags = queued.result() if queued is not None else (run.flat_rows(), None)
-    measured = measure_kinds(side, got[:side.layout.total], logical, policy, flags)
-    kinds = {name: _Kind(name, rows, side.layout) for name, rows in measured.items()}
+    measurer = measurer or Measurer(side, logical, policy)
+    if queued is not None:
+        for kind, start, rows, flags in queued.result():
+            measurer.add(kind, start, rows, flags)
+    else:
+        for kind, start, rows in run.held():
+            measurer.add(kind, start, rows[:side.counts[kind] - start])
+    kinds = {name: _Kind(name, rows, side.layout) for name, rows in measurer.result().items()}
     flips, failures, failed = _decisions(kinds, logical, policy)
     accept_changes = [{"step": i, "golden": int(a), "got": int(b)}
                       for i, (a, b) in enumerate(zip(side.accepted.tolist(), run.computed)) if a != b]

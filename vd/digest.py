@@ -35,7 +35,8 @@ import torch
 SCHEME = "vd-linear-int16-f64/1"  # what `weights` and `digest` compute; stored in a golden's metadata
 LANES = 6
 MAX_BITS = 20
-BLOCK_BYTES = 1 << 25  # rows converted to float64 at a time: at most 32 MB of them (26 rows of 152k words)
+BLOCK_BYTES = 1 << 25  # rows converted to float64 at a time on a GPU: at most 32 MB of them (26 rows of 152k words)
+CPU_BLOCK_BYTES = 1 << 23  # and on the CPU, where the copies count in the process's peak memory: 8 MB
 _CACHE: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -81,12 +82,17 @@ def weights(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _CACHE[key]
 
 
+def block_bytes(device: torch.device) -> int:
+    """How many bytes of float copies of rows one block of work on ``device`` may make."""
+    return BLOCK_BYTES if device.type == "cuda" else CPU_BLOCK_BYTES
+
+
 def digest(rows: torch.Tensor) -> torch.Tensor:
     """The digests ``[R, LANES]`` (float64, exact integers) of logits rows ``[R, V]`` of any dtype,
     computed on their device (nothing read back)."""
     x = rows.reshape(rows.shape[0], -1).contiguous().view(torch.int16)
     w = weights(x.shape[1], x.device)
-    block = max(1, BLOCK_BYTES // (8 * x.shape[1]))
+    block = max(1, block_bytes(x.device) // (8 * x.shape[1]))
     if x.shape[0] <= block:
         return x.to(torch.float64) @ w
     return torch.cat([x[i:i + block].to(torch.float64) @ w for i in range(0, x.shape[0], block)])
@@ -122,10 +128,36 @@ def summarise(rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> tupl
     parts = [t for v in rows.values() for t in (v if isinstance(v, (list, tuple)) else [v]) if t.shape[0]]
     if not parts:
         return np.zeros((0, LANES), np.int64), np.zeros((0, len(STATS)))
-    per_block = max(1, BLOCK_BYTES // (8 * words(parts[0].shape[1], parts[0].element_size())))
+    per_block = max(1, block_bytes(parts[0].device) // (8 * words(parts[0].shape[1], parts[0].element_size())))
     out = [torch.cat([digest(b), stats_tensor(b).T], dim=1) for b in _blocks(parts, per_block)]
     both = torch.cat(out).cpu().numpy()
     return both[:, :LANES].astype(np.int64), np.ascontiguousarray(both[:, LANES:])
+
+
+class Summary:
+    """`summarise` of a run whose rows come a block at a time (`add`, each kind's in order), so they need not
+    all be held: each block is summarised as it comes, and `result` joins them in layout order."""
+
+    def __init__(self, kinds: Sequence[str]):
+        self._parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {kind: [] for kind in kinds}
+
+    def add(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """The next rows of each kind given (one read-back for them all)."""
+        rows = {kind: t for kind, t in rows.items() if t.shape[0]}
+        if not rows:
+            return
+        digests, stats = summarise(rows)
+        at = 0
+        for kind, t in rows.items():
+            self._parts[kind].append((digests[at:at + t.shape[0]], stats[at:at + t.shape[0]]))
+            at += t.shape[0]
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """Digests and statistics of every row added, in the order of the kinds given, then of adding."""
+        parts = [p for ps in self._parts.values() for p in ps]
+        if not parts:
+            return np.zeros((0, LANES), np.int64), np.zeros((0, len(STATS)))
+        return np.concatenate([d for d, _ in parts]), np.concatenate([s for _, s in parts])
 
 
 def _blocks(parts: Sequence[torch.Tensor], n: int) -> Iterator[torch.Tensor]:

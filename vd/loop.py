@@ -28,14 +28,34 @@ from vd.layout import RowLayout, Step
 from vd.protocol import VerifyModel
 
 
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """How much of its rows a run holds: past ``limit`` bytes, `Run.settle` hands every held row to
+    ``settle(kind, start, rows)`` (each kind's consecutive rows from row ``start`` of the kind, whole steps)
+    and lets them go, so a long run's memory stays flat (a recorder summarises them, a replay measures them)."""
+
+    limit: int
+    settle: Callable[[str, int, torch.Tensor], None]
+
+
+CPU_HOLD_BYTES = 1 << 24  # on the CPU held rows count in the process's peak memory: 16 MB of them
+GPU_HOLD_BYTES = 1 << 30  # a GPU holds a short run whole, so its rows are handled in one go behind its last step
+
+
+def hold_bytes(device: torch.device) -> int:
+    """The `Hold` limit on ``device``."""
+    return GPU_HOLD_BYTES if device.type == "cuda" else CPU_HOLD_BYTES
+
+
 @dataclass(slots=True)
 class Run:
     """What one pass of the loop computed.
 
     ``prefill`` is ``[P, V]``; ``rows[s]`` is step ``s``'s ``[K, V]``; both stay on the model's device
-    and dtype. ``computed`` holds the accept count the run's own argmaxes gave at each step (equal to
-    ``steps[s].accepted`` except where a replay forced the stored count). ``step_ms`` times each verify
-    forward including its argmax read-back.
+    and dtype. With a ``hold``, rows the run let go (`settle`) are gone from them: ``settled`` counts them
+    per kind, and ``rows`` holds the steps after them. ``computed`` holds the accept count the run's own
+    argmaxes gave at each step (equal to ``steps[s].accepted`` except where a replay forced the stored
+    count). ``step_ms`` times each verify forward including its argmax read-back.
     """
 
     k: int
@@ -52,30 +72,62 @@ class Run:
     draft_rows: list[torch.Tensor] = field(default_factory=list)
     # Generated tokens committed before the first step (the drafter's bootstrap decode commits one).
     committed_before: list[int] = field(default_factory=list)
+    hold: Hold | None = None
+    settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("prefill", "verify", "draft"), 0))
+    prompt: int = 0  # prefill rows (``prefill`` is empty once settled)
+
+    def __post_init__(self):
+        self.prompt = self.prefill.shape[0]
 
     @property
     def layout(self) -> RowLayout:
         """How this run's rows are laid out (`vd.layout.RowLayout`)."""
-        return RowLayout(self.prefill.shape[0], len(self.rows), self.k, self.bootstrap_row is not None)
+        return RowLayout(self.prompt, len(self.steps), self.k, self.bootstrap_row is not None)
+
+    def held(self, last: torch.Tensor | None = None) -> list[tuple[str, int, torch.Tensor]]:
+        """The rows still held, per kind in layout order: (kind, the kind's row it starts at, rows ``[n, V]``);
+        with ``last``, as if those verify rows were one more step's (a run's last, not logged yet)."""
+        parts = {"prefill": [self.prefill], "verify": [*self.rows, *([] if last is None else [last])]}
+        if self.bootstrap_row is not None:
+            parts["draft"] = [self.bootstrap_row, *self.draft_rows]
+        out = []
+        for kind, ps in parts.items():
+            ps = [t for t in ps if t.shape[0]]
+            if ps:
+                out.append((kind, self.settled[kind], torch.cat(ps) if len(ps) > 1 else ps[0]))
+        return out
 
     def flat_rows(self, last: torch.Tensor | None = None) -> torch.Tensor:
-        """Every computed row in one ``[R, V]`` tensor in layout order; with ``last``, as if those verify rows
-        were one more step's (a run's last, not logged yet)."""
-        parts = [self.prefill, *self.rows, *([] if last is None else [last])]
-        if self.bootstrap_row is not None:  # every row tensor is [n, V]
-            parts += [self.bootstrap_row, *self.draft_rows]
-        return torch.cat(parts)
+        """Every held row in one ``[R, V]`` tensor in layout order (for a run that settled none: every row)."""
+        return torch.cat([t for _, _, t in self.held(last)])
 
     def parts_by_kind(self) -> dict[str, list[torch.Tensor]]:
-        """The computed rows per kind as the blocks they were computed in (nothing joined)."""
+        """The held rows per kind as the blocks they were computed in (nothing joined)."""
         out = {"prefill": [self.prefill], "verify": list(self.rows)}
         if self.bootstrap_row is not None:
             out["draft"] = [self.bootstrap_row, *self.draft_rows]
         return out
 
     def rows_by_kind(self) -> dict[str, torch.Tensor]:
-        """The computed rows ``[R, V]`` per kind (`vd.layout.RowLayout.split`)."""
+        """The computed rows ``[R, V]`` per kind (`vd.layout.RowLayout.split`), of a run that settled none."""
+        assert not any(self.settled.values()), "a run that let rows go has them no more"
         return self.layout.split(self.flat_rows())
+
+    def held_bytes(self) -> int:
+        n = self.prefill.shape[0] + self.k * len(self.rows) + (self.k - 1) * len(self.draft_rows)
+        n += 0 if self.bootstrap_row is None else self.bootstrap_row.shape[0]
+        return n * self.prefill.shape[1] * self.prefill.element_size()
+
+    def settle(self) -> None:
+        """Hand every held row to the hold's ``settle`` and let them go."""
+        for kind, start, rows in self.held():
+            self.hold.settle(kind, start, rows)
+            self.settled[kind] = start + rows.shape[0]
+        self.prefill = self.prefill[:0]
+        self.rows.clear()
+        self.draft_rows.clear()
+        if self.bootstrap_row is not None:
+            self.bootstrap_row = self.bootstrap_row[:0]
 
     def committed(self) -> list[int]:
         """The generated sequence this run committed: each step's ``last`` and accepted drafts."""
@@ -253,6 +305,8 @@ def _log(run: Run, s: int, tokens: Sequence[int], rows: torch.Tensor, na: int, c
     run.rows.append(rows)
     run.steps.append(Step(tuple(int(t) for t in tokens), na))
     run.computed.append(computed)
+    if run.hold is not None and run.held_bytes() > run.hold.limit:
+        run.settle()
     if on_step is not None:
         on_step(s)
 
@@ -304,6 +358,7 @@ def run_verify(
     sink: Callable[[str, int | None, torch.Tensor], None] | None = None,
     idle: Callable[[float], bool] | None = None,
     on_last: Callable[[Run, torch.Tensor], None] | None = None,
+    hold: Hold | None = None,
 ) -> Run:
     """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them.
 
@@ -312,14 +367,15 @@ def run_verify(
     is offered, on CUDA, the time the GPU stays busy with each step (`_IdleClock`: a replay reads its golden
     there). ``on_last(run, rows)`` is called once the last step's forward is issued, before its result is
     read back, with the run so far and that step's rows (a replay queues its comparison behind it).
-    ``on_step(s)`` ticks once step ``s`` is logged.
+    ``on_step(s)`` ticks once step ``s`` is logged. ``hold``: how many rows the run holds before it lets
+    them go (`Hold`; None: it keeps every row).
     """
     model.reset()
     prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
     if sink is not None:
         sink("prefill", None, prefill)
     clock = _IdleClock(idle, prefill.device)
-    run = Run(k=k, prefill=prefill)
+    run = Run(k=k, prefill=prefill, hold=hold)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
     logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)

@@ -12,12 +12,13 @@ fails under ``exact``, is judged by its argmax under ``argmax``, and its element
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from vd.digest import BLOCK_BYTES, STATS, stats_tensor
+from vd.digest import STATS, block_bytes, stats_tensor
 from vd.dtypes import DTYPES, int_view
 from vd.policy import Policy, Spec
 from vd.store.side import GoldenSide
@@ -64,50 +65,104 @@ def ulp_of(x: float, logical: str) -> float:
     return 2.0 ** (math.floor(math.log2(x)) - DTYPES[logical].mantissa_bits)
 
 
-def measure_kinds(side: GoldenSide, got: torch.Tensor, logical: str, policy: Policy,
-                  flags: np.ndarray | None = None) -> dict[str, Rows]:
-    """Each kind's candidate rows measured against the golden's: ``got`` is ``[R, V]``, every kind's rows in
-    ``side.layout`` order; ``flags``, when given, say which differ (asked of the GPU during the run)."""
-    differ_all = side.differ(got).cpu().numpy() if flags is None else flags
-    return {kind: _measure_kind(side, kind, got_k, differ_all_k, logical, policy[kind])
-            for (kind, got_k), differ_all_k in zip(side.layout.split(got).items(),
-                                                  side.layout.split(differ_all).values())}
+class Measurer:
+    """One run's rows measured against the golden's a block at a time, as the run lets them go (`add`: a
+    kind's consecutive rows, whole steps, from row ``start`` of the kind), so a run never holds all its rows;
+    `result` gives every kind's `Rows`. ``side`` is the golden's `GoldenSide`, or a function that makes it
+    (called at the first block: on CUDA a replay builds it in the run's idle time). For each kind it keeps the
+    candidate's rows of the first step whose rows fail or flip an argmax (`kept`), which a first-divergence
+    bundle shows."""
+
+    def __init__(self, side: GoldenSide | Callable[[], GoldenSide], logical: str, policy: Policy):
+        self._side, self.logical, self.policy = side, logical, policy
+        self._kinds: dict[str, _Tally] = {}
+        self.kept: dict[str, tuple[int | None, torch.Tensor]] = {}
+
+    @property
+    def side(self) -> GoldenSide:
+        if not isinstance(self._side, GoldenSide):
+            self._side = self._side()
+        return self._side
+
+    def add(self, kind: str, start: int, got: torch.Tensor, differ: np.ndarray | None = None) -> None:
+        """Rows ``start ..`` of ``kind`` (``got``, ``[n, V]``); ``differ``, when given, says which differ (asked
+        of the GPU during the run), else their digests are compared here."""
+        side = self.side
+        if differ is None:
+            differ = side.differ_at(got, side.layout.offset(kind) + start).cpu().numpy()
+        if kind not in self._kinds:
+            self._kinds[kind] = _Tally(side, kind, self.logical, self.policy[kind])
+        bad = self._kinds[kind].add(start, got, differ)
+        if bad is not None and kind not in self.kept:
+            step = side.layout.locate(kind, bad)[0] if kind != "prefill" else None
+            at = side.layout.step_rows(kind, step) - start
+            self.kept[kind] = (step, got[torch.from_numpy(at).to(got.device)].clone())
+
+    def result(self) -> dict[str, Rows]:
+        """Every kind's measured rows, in layout order (a kind with no rows added counts as all equal)."""
+        side = self.side
+        for kind in side.counts:
+            if kind not in self._kinds:
+                self._kinds[kind] = _Tally(side, kind, self.logical, self.policy[kind])
+        return {kind: self._kinds[kind].rows() for kind in side.counts}
 
 
-def _measure_kind(side: GoldenSide, kind: str, got: torch.Tensor, differ: np.ndarray, logical: str,
-                  spec: Spec) -> Rows:
-    n = differ.size
-    golden = side.stats(kind)
-    zero = np.zeros(n, dtype=np.float64)  # every measure of a row whose bits are equal
-    host, got_stats = dict.fromkeys(MEASURES, zero), None
-    passed, got_argmax = ~differ, golden["argmax"]
-    positions = np.zeros(POSITION_BINS, dtype=np.int64)
-    measured = True
-    if differ.any():
-        host = {m: zero.copy() for m in MEASURES}
-        got_argmax = got_argmax.copy()
-        got_stats = np.full((n, len(STATS)), np.nan)
-        idx = np.flatnonzero(differ)
-        measured = side.has_rows
-        per_block = max(1, BLOCK_BYTES // (16 * got.shape[1]))  # float copies stay bounded: rows a block
-        for part in np.array_split(idx, -(-idx.size // per_block)):
+class _Tally:
+    """One kind's measures, filled a block of rows at a time."""
+
+    def __init__(self, side: GoldenSide, kind: str, logical: str, spec: Spec):
+        self.side, self.kind, self.logical, self.spec = side, kind, logical, spec
+        n = side.counts[kind]
+        self.golden = side.stats(kind)
+        self.differ = np.zeros(n, dtype=bool)
+        self.passed = np.ones(n, dtype=bool)
+        self.got_argmax = self.golden["argmax"]
+        self.host: dict[str, np.ndarray] | None = None  # MEASURES, made at the first differing row
+        self.got_stats: np.ndarray | None = None
+        self.positions = np.zeros(POSITION_BINS, dtype=np.int64)
+        self.measured = True
+
+    def add(self, start: int, got: torch.Tensor, differ: np.ndarray) -> int | None:
+        """Rows ``start .. start + len(got)``; the first of them that fails or flips its argmax, if any."""
+        self.differ[start:start + differ.size] = differ
+        if not differ.any():
+            return None
+        n = self.differ.size
+        if self.host is None:
+            self.host = {m: np.zeros(n, dtype=np.float64) for m in MEASURES}
+            self.got_argmax = self.got_argmax.copy()
+            self.got_stats = np.full((n, len(STATS)), np.nan)
+        side, host, golden = self.side, self.host, self.golden
+        local = np.flatnonzero(differ)
+        self.measured = side.has_rows
+        per_block = max(1, block_bytes(got.device) // (16 * got.shape[1]))  # float copies stay bounded
+        for part in np.array_split(local, -(-local.size // per_block)):
             cand = got[torch.from_numpy(part).to(got.device)]
-            got_stats[part] = stats_tensor(cand).T.cpu().numpy()
-            got_argmax[part] = got_stats[part, 0].astype(np.int64)
-            if measured:
-                vals, ok, pos = _measure_differing(side.rows(kind, part, got.device), cand, logical, spec)
-                positions += pos
+            at = part + start
+            self.got_stats[at] = stats_tensor(cand).T.cpu().numpy()
+            self.got_argmax[at] = self.got_stats[at, 0].astype(np.int64)
+            if self.measured:
+                vals, ok, pos = _measure_differing(side.rows(self.kind, at, got.device), cand, self.logical, self.spec)
+                self.positions += pos
                 for m in MEASURES:
-                    host[m][part] = vals[m]
+                    host[m][at] = vals[m]
             else:  # a slim golden: the element measures are unknown
                 for m in MEASURES:
-                    host[m][part] = np.nan
-                same = got_argmax[part] == golden["argmax"][part]
-                ok = same if spec.name == "argmax" else np.zeros(part.size, bool)
-            passed[part] = ok
-    return Rows(differ=differ, passed=passed, golden_argmax=golden["argmax"], got_argmax=got_argmax,
-                margin=golden["margin"], top1=golden["top1"], golden_absmax=golden["absmax"], top1_p=golden["top1_p"],
-                got_stats=got_stats, positions=positions, measured=measured, **host)
+                    host[m][at] = np.nan
+                same = self.got_argmax[at] == golden["argmax"][at]
+                ok = same if self.spec.name == "argmax" else np.zeros(part.size, bool)
+            self.passed[at] = ok
+        at = local + start
+        bad = at[~self.passed[at] | (self.got_argmax[at] != golden["argmax"][at])]
+        return int(bad[0]) if bad.size else None
+
+    def rows(self) -> Rows:
+        golden = self.golden
+        host = self.host or dict.fromkeys(MEASURES, np.zeros(self.differ.size, dtype=np.float64))
+        return Rows(differ=self.differ, passed=self.passed, golden_argmax=golden["argmax"], got_argmax=self.got_argmax,
+                    margin=golden["margin"], top1=golden["top1"], golden_absmax=golden["absmax"],
+                    top1_p=golden["top1_p"], got_stats=self.got_stats, positions=self.positions,
+                    measured=self.measured, **host)
 
 
 def _measure_differing(gb: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec

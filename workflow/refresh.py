@@ -31,7 +31,7 @@ from vd.replayer.diff import diff
 from vd.store import Golden, Location, check_target, locate, open_golden
 from vd.store import history as H
 from vd.store.location import Directory, ZipFile
-from vd.store.write import seal
+from vd.store.write import reseal
 
 
 @dataclass(slots=True)
@@ -138,7 +138,7 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None) ->
         _copy_golden(cand, new_path)
         ran = [f"rows from a replay with {cand.meta['model']['spec']} ({cand.info.forward}), candidate {cand.url}"]
         if old is not None:  # the golden stays of the model it names; the numbers are the candidate's
-            seal(new_path, {"model": {**cand.meta["model"], "spec": old.meta["model"]["spec"],
+            reseal(new_path, {"model": {**cand.meta["model"], "spec": old.meta["model"]["spec"],
                                                "head": old.meta["model"].get("head")}})
         return _publish(location, new_path, old, unreadable, reason, name, ran)
     finally:
@@ -169,7 +169,7 @@ def _publish(location: Location, new_path: Path, old: Golden | None, unreadable:
     for g in (old, new):  # let go of both versions' files: the replaced one can then be removed at once
         if g is not None:
             g.close()
-    seal(new_path, {"history": [*previous, entry]}, drop=("candidate",))
+    reseal(new_path, {"history": [*previous, entry]}, drop=("candidate",))
     location.publish(new_path, True)
     return Refreshed(location.url, summary=summary, changes=changes, version=entry["version"])
 

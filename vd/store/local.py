@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,7 +118,12 @@ class Directory:
         old = atomic.replace(staged, self.target)
         self.close()  # later reads open the new version
         if old is not None and atomic.unused(old):  # else the next writer's clean removes it
-            shutil.rmtree(old, ignore_errors=True)
+            # Removed beside the caller, who has its golden in place already; the thread is not a daemon, so
+            # the process finishes the removal before it exits.
+            t = threading.Thread(target=shutil.rmtree, args=(old,), kwargs={"ignore_errors": True},
+                                 name="vd-remove-replaced")
+            t.start()
+            _REMOVING.append(t)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -129,6 +135,15 @@ class Directory:
 
     def nbytes(self):
         return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+
+
+_REMOVING: list[threading.Thread] = []  # replaced versions being removed (`Directory.publish`)
+
+
+def finish_removals() -> None:
+    """Wait until the replaced versions this process is removing are gone."""
+    while _REMOVING:
+        _REMOVING.pop().join()
 
 
 class ZipFile:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -42,15 +43,26 @@ def build(staged: Path, known: Mapping[str, list] | None = None) -> dict[str, li
     file's size still agrees; every other file is read and hashed)."""
     known = known or {}
     out = {}
-    for p in sorted(staged.rglob("*")):
-        key = p.relative_to(staged).as_posix()
-        if p.is_file() and key not in OUTSIDE:
-            if key in known and p.stat().st_size == known[key][0]:
-                out[key] = list(known[key])
-                continue
-            data = p.read_bytes()
-            out[key] = [len(data), _digest(data)]
+    for key, path, size in sorted(_files(str(staged), "")):
+        if key in OUTSIDE:
+            continue
+        if key in known and size == known[key][0]:
+            out[key] = list(known[key])
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        out[key] = [len(data), _digest(data)]
     return out
+
+
+def _files(folder: str, prefix: str):
+    """(key, path, size) of every file under ``folder`` (`os.scandir`: one call a folder, sizes included)."""
+    with os.scandir(folder) as it:
+        for e in it:
+            if e.is_dir(follow_symlinks=False):
+                yield from _files(e.path, f"{prefix}{e.name}/")
+            elif e.is_file(follow_symlinks=False):
+                yield f"{prefix}{e.name}", e.path, e.stat(follow_symlinks=False).st_size
 
 
 def golden_id(meta: Mapping) -> str:

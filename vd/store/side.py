@@ -79,6 +79,10 @@ class GoldenSide:
         a bool ``[R]`` on their device, nothing read back."""
         return (digest(got) != self._digests_on(got.device)).any(dim=1)
 
+    def differ_at(self, got: torch.Tensor, first: int) -> torch.Tensor:
+        """`differ` for rows ``got`` that sit at flat positions ``first ..`` of the layout."""
+        return (digest(got) != self._digests_on(got.device)[first:first + got.shape[0]]).any(dim=1)
+
     def stats(self, kind: str) -> dict[str, np.ndarray]:
         """The golden's statistics (`vd.digest.STATS`, by name) of every row of ``kind``."""
         return self._stats[kind]

@@ -119,6 +119,17 @@ class GoldenWriter:
         self.stored_rows = True
         self.known: dict[str, list] = {}  # files written whole by this writer: [size, SHA-256] for the manifest
         self._groups: dict[int, object] = {}  # each K's group, made (or being made: a Future) ahead of its end
+        self._prompt: list[int] | None = None  # written ahead by `write_prompt`
+
+    def write_prompt(self, prompt: list[int]) -> None:
+        """The prompt's array, written now (on the writer's thread where it works in the background) rather
+        than at `publish`, which must then be given the same prompt."""
+        self._prompt = list(prompt)
+        self._submit(self._write_prompt, self._prompt)
+
+    def _write_prompt(self, prompt: list[int]) -> None:
+        tokens = np.asarray(prompt, dtype=np.int32)
+        _array(self.root, "prompt", tokens.shape, "<i4", (max(len(prompt), 1),), F.plain_codecs())[...] = tokens
 
     def _submit(self, fn: Callable, *args) -> None:
         if self.background:
@@ -218,8 +229,10 @@ class GoldenWriter:
         the manifest of every file and the golden's ID (`seal`)."""
         try:
             self._drain()
-            tokens = np.asarray(prompt, dtype=np.int32)
-            _array(self.root, "prompt", tokens.shape, "<i4", (max(len(prompt), 1),), F.plain_codecs())[...] = tokens
+            if self._prompt is None:
+                self._write_prompt(prompt)
+            elif self._prompt != list(prompt):
+                raise ValueError("publish was given another prompt than write_prompt")
             full = dict(meta)
             scheme = F.digest_meta(full.get("vocab_size"), (full.get("logits") or {}).get("dtype"))
             full.update(digest=scheme, logs={str(log.k): log.to_json() for log in sorted(self.logs, key=lambda x: x.k)},
@@ -230,9 +243,8 @@ class GoldenWriter:
             if not full.get("history"):
                 full["history"] = [history.entry(full, full["content_digest"], reason=reason)]
             stable, volatile = F.split_volatile(json.loads(json.dumps(full, default=str)))
-            self.root.create_group(F.RUN_GROUP).attrs["vd_run"] = volatile
-            self.root.attrs["vd"] = stable
-            seal(self.staged, {}, known=self.known)
+            self.root.create_group(F.RUN_GROUP, attributes={"vd_run": volatile})
+            seal(self.root, self.staged, stable, known=self.known)
             self.location.publish(self.staged, self.refresh)
         finally:
             self.abort()
@@ -258,17 +270,24 @@ class GoldenWriter:
         self.abort()
 
 
-def seal(staged: Path, updates: Mapping, drop: tuple[str, ...] = (), known: Mapping[str, list] | None = None) -> None:
-    """Finish the root metadata of the golden staged at ``staged``: apply ``updates`` (and drop ``drop``),
-    list every file in its manifest (``known``: files a writer hashed as it wrote them), hash it into the
-    golden's ID (`vd.store.manifest`), ``complete`` last."""
-    root = zarr.open_group(zarr.storage.LocalStore(staged), mode="r+")
-    meta = {k: v for k, v in dict(root.attrs["vd"]).items() if k not in (*drop, "complete", "golden_id", "manifest")}
-    meta.update(json.loads(json.dumps(dict(updates), default=str)))
+def seal(root: zarr.Group, staged: Path, meta: Mapping, known: Mapping[str, list] | None = None) -> None:
+    """Write the root metadata of the golden staged at ``staged`` (its group ``root``): ``meta`` with the
+    manifest of every other file (``known``: files a writer hashed as it wrote them; `vd.store.manifest`), the
+    golden's ID hashed from both, and ``complete``, in one write: the folder is not the golden until it is
+    put in place, and an object store uploads the root last (`vd.store.objects`)."""
+    meta = {k: v for k, v in meta.items() if k not in ("complete", "golden_id", "manifest")}
     meta["manifest"] = manifest.build(staged, known)
     meta["golden_id"] = manifest.golden_id(meta)
-    root.attrs["vd"] = meta
-    root.attrs["vd"] = {**meta, "complete": True}  # set last
+    root.attrs["vd"] = {**meta, "complete": True}
+
+
+def reseal(staged: Path, updates: Mapping, drop: tuple[str, ...] = ()) -> None:
+    """`seal` a staged copy of a golden again after a change: its root metadata with ``updates`` applied and
+    ``drop`` left out, every file hashed anew."""
+    root = zarr.open_group(zarr.storage.LocalStore(staged), mode="r+")
+    meta = {k: v for k, v in dict(root.attrs["vd"]).items() if k not in drop}
+    meta.update(json.loads(json.dumps(dict(updates), default=str)))
+    seal(root, staged, meta)
 
 
 class KStream:

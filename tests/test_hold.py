@@ -1,0 +1,77 @@
+"""Runs that let their rows go (`vd.loop.Hold`): a recording summarises them and a replay measures them a
+block at a time, so memory stays flat in steps; what either stores or reports must not depend on where
+the blocks fall."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from conftest import PLUGINS
+
+import vd.loop
+from vd.loop import DrafterFeed, Hold, run_verify
+from vd.models import load_model
+from vd.replayer import ReplaySettings, replay
+
+
+def test_a_held_run_lets_whole_steps_go_and_loses_no_row():
+    m = load_model("tiny-llama-mtp", device="cpu", dtype="float32")
+    prompt = m.encode("rows that leave the run")
+    whole = run_verify(m, prompt, 3, 7, DrafterFeed(3, 7))
+    blocks: list[tuple[str, int, torch.Tensor]] = []
+    row_bytes = m.vocab_size * 4
+    held = run_verify(m, prompt, 3, 7, DrafterFeed(3, 7),
+                      hold=Hold(5 * row_bytes, lambda kind, start, rows: blocks.append((kind, start, rows.clone()))))
+    assert held.layout == whole.layout and held.steps == whole.steps
+    assert len(blocks) >= 3 and held.held_bytes() <= 5 * row_bytes + 3 * row_bytes + 2 * row_bytes
+    blocks += held.held()
+    for kind, rows in whole.rows_by_kind().items():
+        mine = [(start, t) for k, start, t in blocks if k == kind]
+        assert [s for s, _ in mine] == list(np.cumsum([0] + [t.shape[0] for _, t in mine])[:-1])
+        assert torch.equal(torch.cat([t for _, t in mine]), rows), kind
+        if kind == "verify":  # whole steps
+            assert all(t.shape[0] % 3 == 0 for _, t in mine)
+    with pytest.raises(AssertionError, match="let rows go"):
+        held.rows_by_kind()
+
+
+def _arrays(path) -> dict[str, np.ndarray]:
+    root = zarr.open_group(str(path), mode="r")
+    out = {}
+    for k in ("k2", "k3", "k4"):
+        for name, a in root[k].arrays():
+            out[f"{k}/{name}"] = a[...]
+    return out
+
+
+@pytest.mark.parametrize("feed", ["reference", "mtp"])
+def test_recording_with_a_small_hold_stores_what_a_whole_run_stores(cli, tmp_path, monkeypatch, feed):
+    model = "tiny-llama-mtp" if feed == "mtp" else "tiny-llama"
+    args = ["--model", model, "--steps", "6", "--feed", feed, "--allow-thin"]
+    assert cli("record", tmp_path / "whole.zarr", *args)[0] == 0
+    monkeypatch.setattr(vd.loop, "CPU_HOLD_BYTES", 1)
+    assert cli("record", tmp_path / "held.zarr", *args)[0] == 0
+    whole, held = _arrays(tmp_path / "whole.zarr"), _arrays(tmp_path / "held.zarr")
+    assert whole.keys() == held.keys() and any(n.endswith("digests") for n in whole)
+    for name in whole:
+        if not name.endswith("step_ms"):
+            assert np.array_equal(whole[name], held[name], equal_nan=True), name
+
+
+def test_replay_with_a_small_hold_reports_what_a_whole_run_reports(tiny_golden, tmp_path, monkeypatch):
+    monkeypatch.setenv("VD_PERTURB_STEP", "5")
+    settings = ReplaySettings(model=f"{PLUGINS / 'perturb.py'}:factory")
+    whole = replay(tiny_golden, settings)
+    monkeypatch.setattr(vd.loop, "CPU_HOLD_BYTES", 1)
+    held = replay(tiny_golden, settings)
+    assert whole.verdict == held.verdict == "FAIL"
+    for a, b in zip(whole.verify, held.verify):
+        ca, cb = a.comparisons[0].comparison.to_json(), b.comparisons[0].comparison.to_json()
+        assert ca == cb and ca["mismatched_step_list"] == [5]
+        assert a.control.fired and b.control.fired
+    fa, fb = whole.failure_rows, held.failure_rows
+    assert fb is not None and (fa.k, fa.kind, fa.step) == (fb.k, fb.kind, fb.step) == (2, "verify", 5)
+    assert np.array_equal(fa.candidate, fb.candidate) and np.array_equal(fa.golden, fb.golden)
+    assert replay(tiny_golden).verdict == "PASS"
