@@ -10,8 +10,10 @@ the caller learns why. This module leaves out comparison and verdicts: those are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -34,6 +36,7 @@ from vd.progress import SILENT, Progress
 from vd.protocol import DraftHead, VerifyModel
 from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
+from vd.streams import side_stream
 
 # An ordinary instruction for the instruct model. (With an earlier two-sentence prompt SmolLM2's
 # continuation was one its draft head rarely predicted: no full accept at K=4 in 16 steps.)
@@ -256,8 +259,10 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
     layout = RowLayout(len(tokens), steps, k, mtp)
     stream = writer.stream(layout, model.vocab_size, model.dtype)
     settled = _Settled(layout)
-    run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step, sink=stream.put,
-                     hold=Hold(hold_bytes(model.device), settled.add))
+    with _handing_over(writer.background):
+        run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step, sink=stream.put,
+                         hold=Hold(hold_bytes(model.device), settled.add),
+                         on_last=settled.queue if model.device.type == "cuda" else None)
     committed = run.committed()
     same = committed == greedy[:len(committed)]
     # Made here, between runs: the writer thread touches no GPU (a CUDA call of its own during a graph
@@ -272,6 +277,25 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
         result.thin.append(reason)
     if settings.require_coverage and (reason := coverage_reason(k, accepted)) is not None:
         result.short.append(reason)
+
+
+SWITCH_S = 1e-4  # how soon a writer thread hands the interpreter back while a K runs beside it
+
+
+@contextlib.contextmanager
+def _handing_over(background: bool):
+    """While a K runs beside the background writer: Python's thread switch interval cut from 5 ms to
+    `SWITCH_S`, so that the step loop, wanting the interpreter back when the GPU finishes a step, does not wait
+    out the writer's turn (a 0.5B-shape step takes about 2 ms)."""
+    if not background:
+        yield
+        return
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 def _refuse_nonfinite(layout: RowLayout, stats: np.ndarray, k: int) -> None:
@@ -295,11 +319,17 @@ class _Settled:
     def __init__(self, layout: RowLayout):
         self.summary = Summary(list(layout.counts))
         self.draft_rows: list[np.ndarray] = []
+        self.queued = False  # the rows held at the end were summarised behind the last step (`queue`)
 
     def add(self, kind: str, start: int, rows: torch.Tensor) -> None:
         self.summary.add({kind: rows})
         if kind == "draft":
             self.draft_rows.append(to_storage(rows))
+
+    def queue(self, run: Run, last: torch.Tensor) -> None:
+        """On CUDA, while the last step runs: the rows still held summarised on a side stream behind it."""
+        self.summary.queue({kind: rows for kind, _, rows in run.held(last)}, side_stream(last.device))
+        self.queued = True
 
 
 def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[np.ndarray, np.ndarray],
@@ -312,7 +342,8 @@ def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[n
                   step_ms=np.array(run.step_ms, dtype=np.float64),
                   decoded=run.committed_before[0] if run.bootstrap_row is not None else None)
     held = {kind: rows for kind, _, rows in run.held()}
-    settled.summary.add(held)
+    if not settled.queued:
+        settled.summary.add(held)
     if run.bootstrap_row is None:
         return log, settled.summary.result(), None, None
     if "draft" in held:

@@ -75,3 +75,25 @@ def test_replay_with_a_small_hold_reports_what_a_whole_run_reports(tiny_golden, 
     assert fb is not None and (fa.k, fa.kind, fa.step) == (fb.k, fb.kind, fb.step) == (2, "verify", 5)
     assert np.array_equal(fa.candidate, fb.candidate) and np.array_equal(fa.golden, fb.golden)
     assert replay(tiny_golden).verdict == "PASS"
+
+
+def test_rows_held_when_the_last_step_is_issued_are_left_to_on_last():
+    """A comparison (or a summary) queued behind the last step takes every row still held then: the run lets
+    none of them go after it, so no row is handled twice."""
+    m = load_model("tiny-llama", device="cpu", dtype="float32")
+    prompt = m.encode("the last step")
+    whole = run_verify(m, prompt, 2, 6, _greedy_feed(m, prompt, 2, 6))
+    settled, at_last = [], []
+    held = run_verify(m, prompt, 2, 6, _greedy_feed(m, prompt, 2, 6),
+                      hold=Hold(1, lambda kind, start, rows: settled.append((kind, start, rows.clone()))),
+                      on_last=lambda run, last: at_last.extend(run.held(last)))
+    assert held.hold is None and settled and at_last
+    for kind, rows in whole.rows_by_kind().items():
+        mine = [(s, t) for k, s, t in settled + at_last if k == kind]
+        assert torch.equal(torch.cat([t for _, t in sorted(mine, key=lambda x: x[0])]), rows), kind
+
+
+def _greedy_feed(m, prompt, k, steps):
+    from vd.loop import ReferenceFeed, continuation
+
+    return ReferenceFeed(continuation(m, prompt, steps * k + 1))

@@ -125,35 +125,67 @@ def summarise(rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> tupl
     their digests (int64 ``[R, LANES]``) and statistics (float64 ``[R, len(STATS)]``), computed on the rows'
     device a block at a time (so the float copies stay bounded whatever the number of rows) and read back
     once."""
+    both = _on_device(rows)
+    if both is None:
+        return np.zeros((0, LANES), np.int64), np.zeros((0, len(STATS)))
+    return _split(both.cpu().numpy())
+
+
+def _on_device(rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> torch.Tensor | None:
+    """`summarise`'s digests and statistics side by side, ``[R, LANES + len(STATS)]`` float64 on the rows'
+    device (None for no rows)."""
     parts = [t for v in rows.values() for t in (v if isinstance(v, (list, tuple)) else [v]) if t.shape[0]]
     if not parts:
-        return np.zeros((0, LANES), np.int64), np.zeros((0, len(STATS)))
+        return None
     per_block = max(1, block_bytes(parts[0].device) // (8 * words(parts[0].shape[1], parts[0].element_size())))
-    out = [torch.cat([digest(b), stats_tensor(b).T], dim=1) for b in _blocks(parts, per_block)]
-    both = torch.cat(out).cpu().numpy()
+    return torch.cat([torch.cat([digest(b), stats_tensor(b).T], dim=1) for b in _blocks(parts, per_block)])
+
+
+def _split(both: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return both[:, :LANES].astype(np.int64), np.ascontiguousarray(both[:, LANES:])
 
 
 class Summary:
     """`summarise` of a run whose rows come a block at a time (`add`, each kind's in order), so they need not
-    all be held: each block is summarised as it comes, and `result` joins them in layout order."""
+    all be held: each block is summarised as it comes, and `result` joins them in layout order. On CUDA the
+    last block can be queued on a stream (`queue`) behind work still running, and read back at `result`."""
 
     def __init__(self, kinds: Sequence[str]):
         self._parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {kind: [] for kind in kinds}
+        self._queued: tuple[dict[str, int], torch.Tensor, torch.cuda.Event] | None = None
 
     def add(self, rows: Mapping[str, torch.Tensor]) -> None:
         """The next rows of each kind given (one read-back for them all)."""
         rows = {kind: t for kind, t in rows.items() if t.shape[0]}
+        if rows:
+            self._keep({kind: t.shape[0] for kind, t in rows.items()}, summarise(rows))
+
+    def queue(self, rows: Mapping[str, torch.Tensor], stream: torch.cuda.Stream) -> None:
+        """`add` the last rows (on a GPU) on ``stream`` once the work queued so far on the current stream is
+        done, their figures copied back without waiting."""
+        rows = {kind: t for kind, t in rows.items() if t.shape[0]}
         if not rows:
             return
-        digests, stats = summarise(rows)
+        stream.wait_stream(torch.cuda.current_stream(next(iter(rows.values())).device))
+        with torch.cuda.stream(stream):
+            both = _on_device(rows)
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            self._queued = ({kind: t.shape[0] for kind, t in rows.items()}, host, stream.record_event())
+
+    def _keep(self, counts: Mapping[str, int], summary: tuple[np.ndarray, np.ndarray]) -> None:
         at = 0
-        for kind, t in rows.items():
-            self._parts[kind].append((digests[at:at + t.shape[0]], stats[at:at + t.shape[0]]))
-            at += t.shape[0]
+        for kind, n in counts.items():
+            self._parts[kind].append((summary[0][at:at + n], summary[1][at:at + n]))
+            at += n
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """Digests and statistics of every row added, in the order of the kinds given, then of adding."""
+        if self._queued is not None:
+            counts, host, done = self._queued
+            done.synchronize()
+            self._keep(counts, _split(host.numpy()))
+            self._queued = None
         parts = [p for ps in self._parts.values() for p in ps]
         if not parts:
             return np.zeros((0, LANES), np.int64), np.zeros((0, len(STATS)))

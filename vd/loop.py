@@ -366,7 +366,8 @@ def run_verify(
     (``"verify"``, step) as soon as they are computed (a recorder streams them to storage). ``idle(seconds)``
     is offered, on CUDA, the time the GPU stays busy with each step (`_IdleClock`: a replay reads its golden
     there). ``on_last(run, rows)`` is called once the last step's forward is issued, before its result is
-    read back, with the run so far and that step's rows (a replay queues its comparison behind it).
+    read back, with the run so far and that step's rows (a replay queues its comparison behind it); the rows
+    held then stay held (a ``hold`` lets none go after it).
     ``on_step(s)`` ticks once step ``s`` is logged. ``hold``: how many rows the run holds before it lets
     them go (`Hold`; None: it keeps every row).
     """
@@ -390,6 +391,7 @@ def run_verify(
             _log(run, *logged, on_step)
         if on_last is not None and s == steps - 1:
             on_last(run, rows)
+            run.hold = None  # what is held now is on_last's: nothing more is let go
         clock.hand_over(t0)
         outs = _argmax(rows)  # reads back to the host, so the forward has finished
         run.step_ms.append((time.perf_counter() - t0) * 1e3)

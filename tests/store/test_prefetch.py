@@ -101,3 +101,29 @@ def test_a_files_hash_is_expected_to_take_time_in_proportion_to_its_size(tiny_go
     assert left and left[0].nbytes > cut + 100  # ... the first of them waits, and the units behind it
     p.check_files()  # the rest, now
     assert not [u for u in p.units if u.kind == "hash"]
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_large_files_are_hashed_on_a_thread_of_their_own(tiny_copy, monkeypatch, damaged):
+    """Files of `BIG_FILE` bytes or more are checked by a thread (reading and hashing let go of the
+    interpreter lock) while the small ones wait for idle time; `check_files` waits for it and raises what it
+    found."""
+    import vd.store.prefetch as prefetch
+
+    golden = open_golden(tiny_copy)
+    sizes = sorted(size for size, _ in golden.manifest.values())
+    monkeypatch.setattr(prefetch, "BIG_FILE", sizes[len(sizes) // 2])
+    big = max(golden.manifest, key=lambda key: golden.manifest[key][0])
+    if damaged:
+        flip_byte(tiny_copy / big)
+    p = Prefetcher(open_golden(tiny_copy), CPU, ahead=True, files=True)
+    small = [u for u in p.units if u.kind == "hash"]
+    assert small and all(u.nbytes < prefetch.BIG_FILE for u in small)
+    if damaged:
+        with pytest.raises(GoldenCorruptError, match=f"{big} does not match the golden's manifest"):
+            p.check_files()
+    else:
+        p.check_files()
+        hashed = [t for t in p.timeline if t[0] == "hasher"]
+        assert len(hashed) == sum(size >= prefetch.BIG_FILE for size, _ in golden.manifest.values())
+        assert p.summary()["hasher"]["units"] == len(hashed)

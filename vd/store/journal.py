@@ -3,17 +3,18 @@
 would have written, bit for bit.
 
 msgpack frames appended as the recording goes: a header (the settings, the model's fingerprint, the prompt's
-tokens, the greedy continuation), then one frame per row block written (``{"k", "s", "digests"}``: a step's
-verify rows, ``s`` None for the prefill), each K's ``{"k", "tokens", "accepted"}`` once it is finished. A
-resume records again from the header's settings and checks every block it computes against the journaled
-one (`Journal.expect`): the same model on the same build computes the same rows, and a difference (another
-build, a nondeterministic kernel) refuses the resume, naming the K and step, rather than publish a golden
+tokens, the greedy continuation), then one frame per row block written (``{"k", "s", "sha256"}``: the SHA-256
+of a step's verify rows as stored, ``s`` None for the prefill), each K's ``{"k", "tokens", "accepted"}`` once
+it is finished. A resume records again from the header's settings and checks every block it computes against
+the journaled one: the same model on the same build computes the same rows, and a difference (another build,
+a nondeterministic kernel) refuses the resume, naming the K and step, rather than publish a golden
 made of two runs. A frame cut short by the crash is ignored. The journal is removed once the golden is
 published, and replaced by a recording that does not resume.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Mapping
@@ -52,7 +53,10 @@ class Journal:
 
     def __init__(self, path: Path, header: Mapping, expected: list[dict] | None = None):
         self.path, self.lock = path, threading.Lock()
-        self.expected = {(f["k"], f.get("s")): f["digests"] for f in expected or () if "digests" in f}
+        if any("digests" in f for f in expected or ()):  # row digests: what vd wrote before the SHA-256
+            raise GoldenError(f"{path} was written by an earlier vd, which journaled other figures; record afresh "
+                              "(without --resume)")
+        self.expected = {(f["k"], f.get("s")): f["sha256"] for f in expected or () if "sha256" in f}
         self.checked = 0
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "wb")  # a new recording's journal replaces a stale one
@@ -63,9 +67,9 @@ class Journal:
             self.file.write(msgpack.packb(dict(frame), use_bin_type=True))
             self.file.flush()
 
-    def block(self, k: int, s: int | None, digests: np.ndarray) -> None:
-        """Rows of K's step ``s`` (None: the prefill) were written with these digests."""
-        d = np.asarray(digests).tolist()
+    def block(self, k: int, s: int | None, stored: np.ndarray) -> None:
+        """Rows of K's step ``s`` (None: the prefill) were written, as stored: ``stored``."""
+        d = hashlib.sha256(np.ascontiguousarray(stored).data).hexdigest()  # lets go of the interpreter lock
         want = self.expected.get((k, s))
         if want is not None:
             if want != d:
@@ -73,7 +77,7 @@ class Journal:
                 raise GoldenError(f"the resumed recording differs from its journal at K={k}, {where}: another model, "
                                   "build or a nondeterministic kernel; record afresh (without --resume)")
             self.checked += 1
-        self._append({"k": k, "s": s, "digests": d})
+        self._append({"k": k, "s": s, "sha256": d})
 
     def finished(self, k: int, tokens: np.ndarray, accepted: np.ndarray) -> None:
         self._append({"k": k, "tokens": tokens.tolist(), "accepted": accepted.tolist()})

@@ -35,6 +35,7 @@ from vd.streams import side_stream
 UNIT_S = 1e-3  # seconds a unit of a kind not timed yet is expected to take
 HASH_S_PER_BYTE = 1e-9  # a file's hash, per byte, until timed (reading and SHA-256 at 1 GB/s)
 FILES = -1  # the pseudo-K of the file-hashing units
+BIG_FILE = 1 << 18  # files of this size or more are hashed on a thread of their own (`Prefetcher._hash`)
 _EXPECT: dict[str, float] = {}  # seconds a unit of each kind took: a running mean over this process's readers
 
 
@@ -65,12 +66,17 @@ class Prefetcher:
         self.ahead = ahead = (device.type == "cuda" if ahead is None else ahead) and golden.info.digested
         self.units: deque[_Unit] = deque(u for k in golden.ks for u in self._plan(k)) if ahead else deque()
         self.hashing = ahead and files and golden.manifest is not None
-        if self.hashing:
-            self.units.extend(_Unit("hash", FILES, lambda key=key: golden.check_file(key), size)
-                              for key, (size, _) in golden.manifest.items())
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
+        self.hasher: threading.Thread | None = None
+        if self.hashing:
+            big = [key for key, (size, _) in golden.manifest.items() if size >= BIG_FILE]
+            self.units.extend(_Unit("hash", FILES, lambda key=key: golden.check_file(key), size)
+                              for key, (size, _) in golden.manifest.items() if size < BIG_FILE)
+            if big:
+                self.hasher = threading.Thread(target=self._hash, args=(big,), name="vd-hash", daemon=True)
+                self.hasher.start()
         if golden.info.digested:
             from vd.digest import weights
 
@@ -129,9 +135,25 @@ class Prefetcher:
         finally:
             self.lock.release()
 
+    def _hash(self, keys: list[str]) -> None:
+        """The large files checked on a thread of their own: reading a file and hashing it let go of the
+        interpreter lock, so the run's thread hardly notices."""
+        for key in keys:
+            t = time.perf_counter()
+            try:
+                self.golden.check_file(key)
+            except Exception as e:
+                self.ks[FILES].error = self.ks[FILES].error or e
+                return
+            finally:
+                self.timeline.append(("hasher", "hash", time.perf_counter() - t))
+
     def check_files(self) -> None:
-        """The file units left run now; the first damaged file found raises (`vd.store.manifest`)."""
+        """The file units left run now (and the large files' thread waited for); the first damaged file found
+        raises (`vd.store.manifest`)."""
         self.side_units(FILES)
+        if self.hasher is not None:
+            self.hasher.join()
         if self.ks[FILES].error is not None:
             raise self.ks[FILES].error
 
@@ -180,9 +202,9 @@ class Prefetcher:
         _EXPECT[key] = 0.7 * old + 0.3 * min(dt, 3 * old)
 
     def summary(self) -> dict:
-        """Units and seconds by who ran them: the thread while the model loaded, a run's idle time, or
-        when a K was judged (``drain``)."""
-        out = {w: {"units": 0, "seconds": 0.0} for w in ("thread", "idle", "drain")}
+        """Units and seconds by who ran them: the thread while the model loaded, a run's idle time, when a K
+        was judged (``drain``), or the large files' thread (``hasher``)."""
+        out = {w: {"units": 0, "seconds": 0.0} for w in ("thread", "idle", "drain", "hasher")}
         for who, _, sec in self.timeline:
             out[who]["units"] += 1
             out[who]["seconds"] += sec

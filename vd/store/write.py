@@ -290,6 +290,12 @@ def reseal(staged: Path, updates: Mapping, drop: tuple[str, ...] = ()) -> None:
     seal(root, staged, meta)
 
 
+# Page-locked step buffers already written, by (shape, dtype): reused by every K stream of the process, and
+# `PINNED_AHEAD` of a K's step shape made before its run.
+_PINNED: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+PINNED_AHEAD = 4
+
+
 class KStream:
     """One K's rows written as they are computed (`GoldenWriter.stream`). Rows on the host are written from
     where they are; rows on a GPU are copied into page-locked step buffers first, reused once written, so
@@ -298,17 +304,19 @@ class KStream:
     def __init__(self, writer: GoldenWriter, layout: RowLayout, vocab: int, dtype: torch.dtype):
         self.writer, self.layout, self.vocab = writer, layout, vocab
         self.pinned = torch.cuda.is_available()
-        self.free: list[torch.Tensor] = []  # page-locked step buffers already written (list.append: thread-safe)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.arrays = _row_arrays(writer.staged / f"k{layout.k}", layout, vocab, itemsize, writer._put)
         writer.prepare_k(layout, list(self.arrays.values()))  # its group and arrays made while it runs
+        if self.pinned:  # allocating page-locked memory takes a millisecond or so: not between steps
+            free = _PINNED.setdefault(((layout.k, vocab), dtype), [])
+            free.extend(torch.empty((layout.k, vocab), dtype=dtype, pin_memory=True)
+                        for _ in range(PINNED_AHEAD - len(free)))
 
-    def _host(self, rows: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _host(rows: torch.Tensor) -> torch.Tensor:
         """A page-locked buffer for ``rows``: one written already, else a new one."""
-        for i, b in enumerate(self.free):
-            if b.shape == rows.shape and b.dtype == rows.dtype:
-                return self.free.pop(i)
-        return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        free = _PINNED.get((tuple(rows.shape), rows.dtype))
+        return free.pop() if free else torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
 
     def put(self, kind: str, index: int | None, rows: torch.Tensor) -> None:
         """Hand over the prefill's rows (``index`` None) or step ``index``'s verify rows (not changed after:
@@ -330,9 +338,9 @@ class KStream:
         else:
             self.arrays["logits"].write(index, stored[None])
         if self.writer.journal is not None:
-            self.writer.journal.block(self.layout.k, index, _digest.digest(to_tensor(stored)).numpy())
-        if event is not None and kind != "prefill":
-            self.free.append(block)
+            self.writer.journal.block(self.layout.k, index, stored)
+        if event is not None:
+            _PINNED.setdefault((tuple(block.shape), block.dtype), []).append(block)  # list.append: thread-safe
 
     def finish(self, log: StepLog, summary: tuple[np.ndarray, np.ndarray], draft_rows: np.ndarray | None = None,
                drafts: np.ndarray | None = None) -> None:
