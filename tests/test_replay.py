@@ -277,3 +277,20 @@ def test_a_malformed_compiled_field_is_named(cli, tiny_copy, compiled):
     edit_meta(tiny_copy, lambda m: m.update(compiled=compiled))
     code, out, err = cli("replay", tiny_copy)
     assert code == 2 and "metadata field 'compiled'" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_replay_probes_no_pinned_backend_it_does_not_run(tiny_golden, monkeypatch):
+    """Which pinned SDPA backends a model runs is probed by running it (a quarter of a second on the 8B
+    shape): a replay of another forward asks about none, and one that names a backend probes that one."""
+    from vd.models import load_model
+    from vd.models.hf import HFModel
+
+    probed = []
+    real = HFModel._runs_pinned
+    monkeypatch.setattr(HFModel, "_runs_pinned", lambda self, name: probed.append(name) or real(self, name))
+    m = load_model("tiny-llama")
+    assert replay(tiny_golden, ReplaySettings(control=False), model=m).verdict == "PASS" and probed == []
+    r = replay(tiny_golden, ReplaySettings(forwards=("sdpa-math",), control=False), model=m)
+    assert r.variants[0]["name"] == "sdpa-math" and probed == ["sdpa-math"]
+    assert "sdpa-math" in list(m.forwards()) and "sdpa-cudnn" not in m.forwards()  # listing probes the rest, once
+    assert sorted(probed) == sorted(["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"])

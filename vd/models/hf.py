@@ -98,6 +98,40 @@ def fingerprint(model: torch.nn.Module, config) -> str:
     return "sha256:" + h.hexdigest()
 
 
+class _Offered(Mapping):
+    """A model's forwards by name (`HFModel.forwards`): the fixed ones, then each pinned SDPA backend that runs
+    here, probed (``runs(name)``) when first asked about, then the static ones."""
+
+    def __init__(self, first: Mapping[str, str], last: Mapping[str, str], runs: Callable[[str], bool]):
+        self._first, self._last, self._runs = dict(first), dict(last), runs
+        self._pinned: dict[str, bool] = {}
+
+    def _offers(self, name: str) -> bool:
+        if name in self._first or name in self._last:
+            return True
+        if name not in PINNED_SDPA:
+            return False
+        if name not in self._pinned:
+            self._pinned[name] = self._runs(name)
+        return self._pinned[name]
+
+    def __getitem__(self, name: str) -> str:
+        if not isinstance(name, str) or not self._offers(name):
+            raise KeyError(name)
+        return self._first.get(name) or self._last.get(name) or _pinned_description(name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._offers(name)
+
+    def __iter__(self):
+        yield from self._first
+        yield from (n for n in PINNED_SDPA if self._offers(n))
+        yield from self._last
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class HFModel:
     """A `vd.protocol.VerifyModel` over an HF `*ForCausalLM` and its `DynamicCache`."""
 
@@ -124,7 +158,7 @@ class HFModel:
         self._runners: dict[str, StaticRunner] = {}  # one per static forward used, kept across switches
         self._runner: StaticRunner | None = None  # the selected static forward's, else None
         self._backend = None  # an SDPBackend while a pinned SDPA forward is selected
-        self._forwards: dict[str, str] | None = None  # probed on first use: see `forwards`
+        self._forwards: _Offered | None = None  # see `forwards`
         self._forward: str | None = None
         self.set_forward(self.default_forward())
 
@@ -171,13 +205,12 @@ class HFModel:
         return self._runner
 
     def forwards(self) -> Mapping[str, str]:
-        """Eager and SDPA attention, SDPA pinned to each backend the device runs (probed once, when
-        first asked, so a load that never lists or pins a backend pays nothing for it), and the static
-        forwards (graphed and compiled ones on CUDA only)."""
+        """Eager and SDPA attention, SDPA pinned to each backend the device runs, and the static forwards
+        (graphed and compiled ones on CUDA only). A pinned backend is probed once, when it is first asked
+        about (by name, or by listing them all): a replay of another forward pays nothing for it."""
         if self._forwards is None:
-            pinned = {n: _pinned_description(n) for n in PINNED_SDPA if self._runs_pinned(n)}
-            self._forwards = {**HF_FORWARDS, **pinned, **self._static_forwards()}
-        return dict(self._forwards)
+            self._forwards = _Offered(HF_FORWARDS, self._static_forwards(), self._runs_pinned)
+        return self._forwards
 
     def _static_forwards(self) -> dict[str, str]:
         text = self.config.get_text_config()
@@ -451,13 +484,19 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 def device_checksum(t: torch.Tensor, chunk: int = 1 << 25) -> int:
     """A position-weighted sum of ``t``'s bit patterns, exact in int64 and computed where ``t`` lives."""
+    return int(_checksum_on_device(t, chunk).sum())
+
+
+def _checksum_on_device(t: torch.Tensor, chunk: int = 1 << 25) -> torch.Tensor:
+    """`device_checksum`'s partial sums, one per chunk, int64 on ``t``'s device (nothing read back). Each is
+    below 2**15 * 2**16 * 2**25 = 2**56 in magnitude, so int64 holds it exactly."""
     bits = t.detach().contiguous().view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-    total = 0
+    parts = []
     for s in range(0, bits.numel(), chunk):
         b = bits[s : s + chunk].to(torch.int64)
         w = torch.arange(s, s + b.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
-        total += int((b * w).sum())
-    return total
+        parts.append((b * w).sum())
+    return torch.stack(parts) if parts else torch.zeros(0, dtype=torch.int64, device=t.device)
 
 
 def generated_fingerprint(seed: int) -> Callable[[torch.nn.Module, object], str]:
@@ -468,11 +507,29 @@ def generated_fingerprint(seed: int) -> Callable[[torch.nn.Module, object], str]
         h = hashlib.sha256()
         h.update(json.dumps({"fields": identity_fields(config), "generator": GENERATOR, "seed": seed},
                             sort_keys=True, default=str).encode())
-        for name, t in sorted(model.state_dict().items()):
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{device_checksum(t)}|".encode())
+        tensors = sorted(model.state_dict().items())
+        parts = [_checksum_on_device(t) for _, t in tensors]  # every tensor's queued, then one read-back
+        sums = [sum(p) for p in _read_back(parts)]
+        for (name, t), total in zip(tensors, sums):
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{total}|".encode())
         return "sha256:" + h.hexdigest()
 
     return fp
+
+
+def _read_back(parts: list[torch.Tensor]) -> list[list[int]]:
+    """Each tensor's values as Python integers, read back in one copy per device."""
+    out: list[list[int] | None] = [None] * len(parts)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(parts):
+        by_device.setdefault(p.device, []).append(i)
+    for idx in by_device.values():
+        flat = torch.cat([parts[i] for i in idx]).cpu().tolist()
+        at = 0
+        for i in idx:
+            out[i] = flat[at:at + parts[i].numel()]
+            at += parts[i].numel()
+    return out
 
 
 def build_generated(config, *, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
