@@ -296,7 +296,8 @@ class _Replay:
         t = time.perf_counter()
         self.model.set_forward(name)
         self.prefetcher.pause()  # no reader work beside a graph capture
-        prepare(self.model, len(self.golden.prompt), self.golden.info.steps, self.golden.ks)
+        prepare(self.model, len(self.golden.prompt), self.golden.info.steps, self.golden.ks,
+                decode=self.golden.info.drafted)  # a reference feed's replay runs no one-token forward
         self.clock["prepare"] += time.perf_counter() - t
         return self._execute(k, steps, name, self.clock)
 

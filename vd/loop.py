@@ -258,11 +258,12 @@ class DrafterFeed(Feed):
             self._propose(model, run, last)
 
 
-def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) -> None:
+def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int], decode: bool = True) -> None:
     """Refuse runs longer than the model's context (``model.context_length``, optional in the protocol), before
     any step; let a model that can (``model.prepare``, optional too) size its static cache for the longest
-    sequence these runs build and capture its step graphs (the prefill's, each K's, the decode's), largest
-    first, before any timing."""
+    sequence these runs build and capture its step graphs (the prefill's, each K's and, with ``decode``, the
+    one-token decode's, which a greedy continuation and a drafter's bootstrap run), largest first, before any
+    timing."""
     longest = prompt_len + steps * max(ks) + max(ks) + 2
     context = getattr(model, "context_length", None)
     if isinstance(context, int) and longest > context:
@@ -270,7 +271,7 @@ def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int]) 
                          f"the model's context holds {context} (fewer --steps, or a shorter prompt)")
     fn = getattr(model, "prepare", None)
     if fn is not None:
-        fn(longest, sorted({prompt_len, 1, *ks}, reverse=True))
+        fn(longest, sorted({prompt_len, *ks, *([1] if decode else [])}, reverse=True))
 
 
 def checked(model: VerifyModel, tokens: Sequence[int], rows) -> torch.Tensor:
