@@ -257,7 +257,7 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
     steps, mtp = settings.steps, settings.feed == "mtp"
     chooser = DrafterFeed(k, steps) if mtp else ReferenceFeed(greedy)
     layout = RowLayout(len(tokens), steps, k, mtp)
-    stream = writer.stream(layout, model.vocab_size, model.dtype)
+    stream = writer.stream(layout, model.vocab_size, model.dtype, model.device)
     settled = _Settled(layout)
     with _handing_over(writer.background):
         run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step, sink=stream.put,

@@ -101,19 +101,13 @@ class Run:
         """Every held row in one ``[R, V]`` tensor in layout order (for a run that settled none: every row)."""
         return torch.cat([t for _, _, t in self.held(last)])
 
-    def parts_by_kind(self) -> dict[str, list[torch.Tensor]]:
-        """The held rows per kind as the blocks they were computed in (nothing joined)."""
-        out = {"prefill": [self.prefill], "verify": list(self.rows)}
-        if self.bootstrap_row is not None:
-            out["draft"] = [self.bootstrap_row, *self.draft_rows]
-        return out
-
     def rows_by_kind(self) -> dict[str, torch.Tensor]:
         """The computed rows ``[R, V]`` per kind (`vd.layout.RowLayout.split`), of a run that settled none."""
         assert not any(self.settled.values()), "a run that let rows go has them no more"
         return self.layout.split(self.flat_rows())
 
     def held_bytes(self) -> int:
+        """Bytes of the rows held."""
         n = self.prefill.shape[0] + self.k * len(self.rows) + (self.k - 1) * len(self.draft_rows)
         n += 0 if self.bootstrap_row is None else self.bootstrap_row.shape[0]
         return n * self.prefill.shape[1] * self.prefill.element_size()
@@ -123,11 +117,11 @@ class Run:
         for kind, start, rows in self.held():
             self.hold.settle(kind, start, rows)
             self.settled[kind] = start + rows.shape[0]
-        self.prefill = self.prefill[:0]
+        self.prefill = self.prefill.new_empty((0, self.prefill.shape[1]))  # not a view: its memory goes too
         self.rows.clear()
         self.draft_rows.clear()
         if self.bootstrap_row is not None:
-            self.bootstrap_row = self.bootstrap_row[:0]
+            self.bootstrap_row = self.bootstrap_row.new_empty((0, self.bootstrap_row.shape[1]))
 
     def committed(self) -> list[int]:
         """The generated sequence this run committed: each step's ``last`` and accepted drafts."""

@@ -99,11 +99,13 @@ class Measurer:
             self.kept[kind] = (step, got[torch.from_numpy(at).to(got.device)].clone())
 
     def result(self) -> dict[str, Rows]:
-        """Every kind's measured rows, in layout order (a kind with no rows added counts as all equal)."""
+        """Every kind's measured rows, in layout order; every row of the golden's must have been added (a row
+        never compared is never taken for an equal one)."""
         side = self.side
-        for kind in side.counts:
-            if kind not in self._kinds:
-                self._kinds[kind] = _Tally(side, kind, self.logical, self.policy[kind])
+        for kind, n in side.counts.items():
+            added = self._kinds[kind].added if kind in self._kinds else 0
+            if added != n:
+                raise AssertionError(f"{side.where}: {added} of {n} {kind} rows were compared")
         return {kind: self._kinds[kind].rows() for kind in side.counts}
 
 
@@ -121,10 +123,12 @@ class _Tally:
         self.got_stats: np.ndarray | None = None
         self.positions = np.zeros(POSITION_BINS, dtype=np.int64)
         self.measured = True
+        self.added = 0  # rows added so far
 
     def add(self, start: int, got: torch.Tensor, differ: np.ndarray) -> int | None:
         """Rows ``start .. start + len(got)``; the first of them that fails or flips its argmax, if any."""
         self.differ[start:start + differ.size] = differ
+        self.added += differ.size
         if not differ.any():
             return None
         n = self.differ.size

@@ -137,10 +137,11 @@ class GoldenWriter:
         else:
             fn(*args)
 
-    def stream(self, layout: RowLayout, vocab: int, dtype: torch.dtype) -> KStream:
+    def stream(self, layout: RowLayout, vocab: int, dtype: torch.dtype, device: torch.device | None = None
+               ) -> KStream:
         """A K whose prefill and verify rows arrive while it runs (`KStream.put`), the rest when it ends
-        (`KStream.finish`)."""
-        return KStream(self, layout, vocab, dtype)
+        (`KStream.finish`); ``device``: where they are computed (on CUDA, step buffers are made ahead)."""
+        return KStream(self, layout, vocab, dtype, device)
 
     def add(self, layout: RowLayout, log: StepLog, rows: Mapping[str, np.ndarray] | None,
             summary: tuple[np.ndarray, np.ndarray] | None = None, drafts: np.ndarray | None = None) -> None:
@@ -301,9 +302,10 @@ class KStream:
     where they are; rows on a GPU are copied into page-locked step buffers first, reused once written, so
     what is held stays a few steps' rows whatever the number of steps."""
 
-    def __init__(self, writer: GoldenWriter, layout: RowLayout, vocab: int, dtype: torch.dtype):
+    def __init__(self, writer: GoldenWriter, layout: RowLayout, vocab: int, dtype: torch.dtype,
+                 device: torch.device | None = None):
         self.writer, self.layout, self.vocab = writer, layout, vocab
-        self.pinned = torch.cuda.is_available()
+        self.pinned = device is not None and device.type == "cuda"
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.arrays = _row_arrays(writer.staged / f"k{layout.k}", layout, vocab, itemsize, writer._put)
         writer.prepare_k(layout, list(self.arrays.values()))  # its group and arrays made while it runs
