@@ -36,7 +36,6 @@ from vd.progress import SILENT, Progress
 from vd.protocol import DraftHead, VerifyModel
 from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
-from vd.streams import side_stream
 
 # An ordinary instruction for the instruct model. (With an earlier two-sentence prompt SmolLM2's
 # continuation was one its draft head rarely predicted: no full accept at K=4 in 16 steps.)
@@ -328,7 +327,7 @@ class _Settled:
 
     def queue(self, run: Run, last: torch.Tensor) -> None:
         """On CUDA, while the last step runs: the rows still held summarised on a side stream behind it."""
-        self.summary.queue({kind: rows for kind, _, rows in run.held(last)}, side_stream(last.device))
+        self.summary.queue(last.device, lambda: {kind: rows for kind, _, rows in run.held(last)})
         self.queued = True
 
 

@@ -67,19 +67,21 @@ def test_replay_feed_forces_tokens_and_accepts(fp32_model):
     assert rep0.computed[0] == ref.steps[0].accepted
 
 
-def test_flat_rows_lay_every_kind_out_in_order_and_a_replay_needs_no_read_back_to_start():
-    """`Run.flat_rows` is `Run.rows_by_kind` in one tensor (what a comparison digests); a feed that knows
-    its bootstrap token starts without reading the prefill's argmax back (the GPU runs on)."""
+def test_held_rows_lay_every_kind_out_in_order_and_a_replay_needs_no_read_back_to_start():
+    """`Run.held` gives each kind's rows in layout order from its first row (what a comparison digests); a
+    feed that knows its bootstrap token starts without reading the prefill's argmax back (the GPU runs on)."""
     from vd.loop import DrafterFeed
     from vd.models import load_model
 
     m = load_model("tiny-llama-mtp", device="cpu", dtype="float32")
     prompt = m.encode("rows in order")
     run = run_verify(m, prompt, 3, 5, DrafterFeed(3, 5))
-    flat = run.flat_rows()
+    held = run.held()
     kinds = run.rows_by_kind()
     assert run.layout.counts == {n: t.shape[0] for n, t in kinds.items()} == {"prefill": len(prompt), "verify": 15,
                                                                                "draft": 11}
+    assert [(kind, start) for kind, start, _ in held] == [("prefill", 0), ("verify", 0), ("draft", 0)]
+    flat = torch.cat([t for _, _, t in held])
     assert torch.equal(torch.cat(list(kinds.values())), flat) and flat.shape[0] == run.layout.total
 
     def never() -> int:  # the prefill's greedy token, were it read back
@@ -88,4 +90,4 @@ def test_flat_rows_lay_every_kind_out_in_order_and_a_replay_needs_no_read_back_t
     assert ReplayFeed(run.steps, 7).start(m, run, never) == 7
     forced = ReplayFeed(run.steps, run.bootstrap, run.committed_before[0])
     again = run_verify(m, prompt, 3, 5, DrafterFeed(3, 5, forced))
-    assert again.steps == run.steps and torch.equal(again.flat_rows(), flat)
+    assert again.steps == run.steps and torch.equal(torch.cat(list(again.rows_by_kind().values())), flat)

@@ -20,7 +20,7 @@ from vd.loop import Run
 from vd.measure import POSITION_BINS, Measurer, Rows, ulp_of
 from vd.policy import Policy
 from vd.store.side import GoldenSide
-from vd.streams import side_stream
+from vd.streams import Behind
 
 NEAR_TIE_ULPS = 4
 MAX_ROWS = 2000  # rows listed one by one in a comparison; the summaries cover them all
@@ -141,22 +141,17 @@ class Queued:
     it instead of doing the same after the run, when the GPU would wait."""
 
     def __init__(self, side: GoldenSide, run: Run, last: torch.Tensor):
-        device = last.device
-        self.stream = side_stream(device)
-        self.stream.wait_stream(torch.cuda.current_stream(device))  # behind the forward just issued
-        with torch.cuda.stream(self.stream):
+        def flags() -> torch.Tensor:  # on the side stream: the rows joined there too
             self.parts = [(kind, start, rows[:side.counts[kind] - start]) for kind, start, rows in run.held(last)]
-            flags = torch.cat([side.differ_at(rows, side.layout.offset(kind) + start)
-                               for kind, start, rows in self.parts])
-            self.flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
-            self.flags.copy_(flags, non_blocking=True)
-            self.done = self.stream.record_event()
+            return torch.cat([side.differ_at(rows, side.layout.offset(kind) + start)
+                              for kind, start, rows in self.parts])
+
+        self.flags = Behind(last.device, flags)
 
     def result(self) -> list[tuple[str, int, torch.Tensor, np.ndarray]]:
         """Each kind's held rows (for the current stream) and which of them differ, once the side stream is
         done."""
-        self.done.synchronize()
-        flags, out, at = self.flags.numpy(), [], 0
+        flags, out, at = self.flags.result(), [], 0
         for kind, start, rows in self.parts:
             rows.record_stream(torch.cuda.current_stream(rows.device))
             out.append((kind, start, rows, flags[at:at + rows.shape[0]]))

@@ -27,10 +27,12 @@ On the GPU a digest is one conversion and one float64 matrix multiply per block 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+
+from vd.streams import Behind
 
 SCHEME = "vd-linear-int16-f64/1"  # what `weights` and `digest` compute; stored in a golden's metadata
 LANES = 6
@@ -126,9 +128,7 @@ def summarise(rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> tupl
     device a block at a time (so the float copies stay bounded whatever the number of rows) and read back
     once."""
     both = _on_device(rows)
-    if both is None:
-        return np.zeros((0, LANES), np.int64), np.zeros((0, len(STATS)))
-    return _split(both.cpu().numpy())
+    return _split(np.zeros((0, LANES + len(STATS))) if both is None else both.cpu().numpy())
 
 
 def _on_device(rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> torch.Tensor | None:
@@ -152,7 +152,7 @@ class Summary:
 
     def __init__(self, kinds: Sequence[str]):
         self._parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {kind: [] for kind in kinds}
-        self._queued: tuple[dict[str, int], torch.Tensor, torch.cuda.Event] | None = None
+        self._queued: tuple[dict[str, int], Behind] | None = None
 
     def add(self, rows: Mapping[str, torch.Tensor]) -> None:
         """The next rows of each kind given (one read-back for them all)."""
@@ -160,18 +160,18 @@ class Summary:
         if rows:
             self._keep({kind: t.shape[0] for kind, t in rows.items()}, summarise(rows))
 
-    def queue(self, rows: Mapping[str, torch.Tensor], stream: torch.cuda.Stream) -> None:
-        """`add` the last rows (on a GPU) on ``stream`` once the work queued so far on the current stream is
-        done, their figures copied back without waiting."""
-        rows = {kind: t for kind, t in rows.items() if t.shape[0]}
-        if not rows:
-            return
-        stream.wait_stream(torch.cuda.current_stream(next(iter(rows.values())).device))
-        with torch.cuda.stream(stream):
-            both = _on_device(rows)
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            self._queued = ({kind: t.shape[0] for kind, t in rows.items()}, host, stream.record_event())
+    def queue(self, device: torch.device, rows: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        """`add` the last rows (``rows()``, on GPU ``device``, gathered there too) on the device's side stream,
+        behind the work queued so far (`vd.streams.Behind`), read back at `result`."""
+        counts = {}
+
+        def both() -> torch.Tensor:
+            given = {kind: t for kind, t in rows().items() if t.shape[0]}
+            counts.update({kind: t.shape[0] for kind, t in given.items()})
+            out = _on_device(given)
+            return out if out is not None else torch.zeros((0, LANES + len(STATS)), dtype=torch.float64, device=device)
+
+        self._queued = (counts, Behind(device, both))
 
     def _keep(self, counts: Mapping[str, int], summary: tuple[np.ndarray, np.ndarray]) -> None:
         at = 0
@@ -182,13 +182,10 @@ class Summary:
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """Digests and statistics of every row added, in the order of the kinds given, then of adding."""
         if self._queued is not None:
-            counts, host, done = self._queued
-            done.synchronize()
-            self._keep(counts, _split(host.numpy()))
+            counts, behind = self._queued
+            self._keep(counts, _split(behind.result()))
             self._queued = None
-        parts = [p for ps in self._parts.values() for p in ps]
-        if not parts:
-            return np.zeros((0, LANES), np.int64), np.zeros((0, len(STATS)))
+        parts = [p for ps in self._parts.values() for p in ps] or [_split(np.zeros((0, LANES + len(STATS))))]
         return np.concatenate([d for d, _ in parts]), np.concatenate([s for _, s in parts])
 
 

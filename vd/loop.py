@@ -97,14 +97,11 @@ class Run:
                 out.append((kind, self.settled[kind], torch.cat(ps) if len(ps) > 1 else ps[0]))
         return out
 
-    def flat_rows(self, last: torch.Tensor | None = None) -> torch.Tensor:
-        """Every held row in one ``[R, V]`` tensor in layout order (for a run that settled none: every row)."""
-        return torch.cat([t for _, _, t in self.held(last)])
-
     def rows_by_kind(self) -> dict[str, torch.Tensor]:
-        """The computed rows ``[R, V]`` per kind (`vd.layout.RowLayout.split`), of a run that settled none."""
+        """The computed rows ``[R, V]`` per kind, of a run that let none go."""
         assert not any(self.settled.values()), "a run that let rows go has them no more"
-        return self.layout.split(self.flat_rows())
+        held = {kind: rows for kind, _, rows in self.held()}
+        return {kind: held.get(kind, self.prefill.new_empty((0, self.prefill.shape[1]))) for kind in self.layout.counts}
 
     def held_bytes(self) -> int:
         """Bytes of the rows held."""
