@@ -5,8 +5,11 @@ verify step, by phase) and peak memory and time per step as the number of steps 
 
 Each figure comes from `vd record` / `vd replay` run as subprocesses (peak resident memory from the kernel's
 accounting of that child, `os.wait4`); start-up from the replay report's ``timing`` (``first_step`` counts
-from the process's start). The converted-weights cache is warmed first, so start-ups are the second and
-later ones, as the target asks; the first (a conversion) is measured once and kept apart.
+from the process's start). Beside each replay's time per step, this process runs the golden's steps as a
+bare loop of the same forward (``bare_ms_per_step``, ``run_over_bare``), so a step that costs more at
+more steps can be told to be the model's (a longer context) or vd's. The converted-weights cache is
+warmed first, so start-ups are the second and later ones, as the target asks; the first (a conversion)
+is measured once and kept apart.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench_cpu import bare_verify
 from figures import spread
 
 from vd import env
+from vd.models import load_model
+from vd.store import open_golden
 
 
 def run(args: list[str], cache: Path) -> dict:
@@ -75,10 +81,13 @@ def main() -> None:
         report = work / f"r{steps}.json"
         rep = run(["replay", str(golden), "--report", str(report)], cache)
         timing = json.loads(report.read_text())["timing"]
+        bare = bare_s(golden, a)
         rows[steps] = {"record": rec, "replay": rep, "replay_timing": timing,
-                       "replay_run_ms_per_step": 1000 * timing["run"] / steps}
+                       "replay_run_ms_per_step": 1000 * timing["run"] / steps,
+                       "bare_ms_per_step": 1000 * bare / steps, "run_over_bare": timing["run"] / bare}
         print(f"{steps:4d} steps: record {rec['wall_s']:.1f} s {rec['peak_mb']:.0f} MB, replay {rep['wall_s']:.1f} s "
-              f"{rep['peak_mb']:.0f} MB, run {rows[steps]['replay_run_ms_per_step']:.1f} ms/step", flush=True)
+              f"{rep['peak_mb']:.0f} MB, run {rows[steps]['replay_run_ms_per_step']:.1f} ms/step (bare loop "
+              f"{rows[steps]['bare_ms_per_step']:.1f})", flush=True)
     result["memory"] = rows
     base = rows[min(rows)]
     result["peak_over_smallest"] = {n: {"record": r["record"]["peak_mb"] / base["record"]["peak_mb"],
@@ -97,6 +106,24 @@ def main() -> None:
     result["startup"]["imports_s"] = imports()
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")
+
+
+_MODEL: list = []
+
+
+def bare_s(golden: Path, a) -> float:
+    """Seconds this process takes to run ``golden``'s steps (every K) as a bare loop of the same forward: what
+    a replay's ``run`` costs without vd, so its time per step can be told from the model's."""
+    if not _MODEL:
+        _MODEL.append(load_model(a.model, device=a.device))
+    model, g = _MODEL[0], open_golden(golden)
+    model.set_forward(a.forward or g.info.forward)
+    prompt = g.prompt
+    t = time.perf_counter()
+    bare_verify(model, prompt, g)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
 
 
 def imports() -> dict:
