@@ -318,7 +318,6 @@ class _Settled:
     def __init__(self, layout: RowLayout):
         self.summary = Summary(list(layout.counts))
         self.draft_rows: list[np.ndarray] = []
-        self.queued = False  # the rows held at the end were summarised behind the last step (`queue`)
 
     def add(self, kind: str, start: int, rows: torch.Tensor) -> None:
         self.summary.add({kind: rows})
@@ -328,7 +327,6 @@ class _Settled:
     def queue(self, run: Run, last: torch.Tensor) -> None:
         """On CUDA, while the last step runs: the rows still held summarised on a side stream behind it."""
         self.summary.queue(last.device, lambda: {kind: rows for kind, _, rows in run.held(last)})
-        self.queued = True
 
 
 def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[np.ndarray, np.ndarray],
@@ -341,7 +339,7 @@ def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[n
                   step_ms=np.array(run.step_ms, dtype=np.float64),
                   decoded=run.committed_before[0] if run.bootstrap_row is not None else None)
     held = {kind: rows for kind, _, rows in run.held()}
-    if not settled.queued:
+    if not settled.summary.queued:  # else summarised behind the last step already
         settled.summary.add(held)
     if run.bootstrap_row is None:
         return log, settled.summary.result(), None, None

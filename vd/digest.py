@@ -173,6 +173,11 @@ class Summary:
 
         self._queued = (counts, Behind(device, both))
 
+    @property
+    def queued(self) -> bool:
+        """Whether rows were `queue`d and not read back yet."""
+        return self._queued is not None
+
     def _keep(self, counts: Mapping[str, int], summary: tuple[np.ndarray, np.ndarray]) -> None:
         at = 0
         for kind, n in counts.items():

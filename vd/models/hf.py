@@ -509,27 +509,15 @@ def generated_fingerprint(seed: int) -> Callable[[torch.nn.Module, object], str]
                             sort_keys=True, default=str).encode())
         tensors = sorted(model.state_dict().items())
         parts = [_checksum_on_device(t) for _, t in tensors]  # every tensor's queued, then one read-back
-        sums = [sum(p) for p in _read_back(parts)]
-        for (name, t), total in zip(tensors, sums):
+        flat = torch.cat(parts).tolist() if parts else []  # a generated model lives on one device
+        at = 0
+        for (name, t), part in zip(tensors, parts):
+            total = sum(flat[at:at + part.numel()])  # summed here: Python integers do not overflow
+            at += part.numel()
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{total}|".encode())
         return "sha256:" + h.hexdigest()
 
     return fp
-
-
-def _read_back(parts: list[torch.Tensor]) -> list[list[int]]:
-    """Each tensor's values as Python integers, read back in one copy per device."""
-    out: list[list[int] | None] = [None] * len(parts)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(parts):
-        by_device.setdefault(p.device, []).append(i)
-    for idx in by_device.values():
-        flat = torch.cat([parts[i] for i in idx]).cpu().tolist()
-        at = 0
-        for i in idx:
-            out[i] = flat[at:at + parts[i].numel()]
-            at += parts[i].numel()
-    return out
 
 
 def build_generated(config, *, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
