@@ -1,5 +1,5 @@
 """Record a golden: the greedy continuation, then for each K the reference feed (or the drafter feed, with
-an MTP head) through the shared loop, its rows streamed to the store, then one publish.
+an MTP head) through the shared loop, its rows written as the run lets them go, then one publish.
 
 The greedy continuation is computed for both feeds: the reference drafts from it, and for either feed the
 golden notes whether each K's committed sequence equals it (it must, unless a verify row's argmax differs
@@ -10,10 +10,8 @@ the caller learns why. This module leaves out comparison and verdicts: those are
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -24,7 +22,7 @@ import torch
 from vd import env
 from vd.coverage import coverage_reason, thin_reason
 from vd.digest import Summary
-from vd.dtypes import of_torch, to_storage
+from vd.dtypes import of_torch
 from vd.env import check_threads
 from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
@@ -36,6 +34,7 @@ from vd.progress import SILENT, Progress
 from vd.protocol import DraftHead, VerifyModel
 from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
+from vd.store.write import KRows
 
 # An ordinary instruction for the instruct model. (With an earlier two-sentence prompt SmolLM2's
 # continuation was one its draft head rarely predicted: no full accept at K=4 in 16 steps.)
@@ -191,16 +190,14 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     progress.phase("greedy continuation", 0)
     greedy = continuation(model, tokens, settings.steps * max(settings.ks) + 1)
     seconds["continuation"] = time.perf_counter() - t
-    # On CUDA the writer works on its own thread while the GPU computes; on the CPU it writes in line.
-    with GoldenWriter(location, refresh=refresh, background=model.device.type == "cuda") as writer:
+    # The writer never works beside a run: it writes what each run lets go, before the next starts.
+    with GoldenWriter(location, refresh=refresh) as writer:
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
-        writer.write_prompt(tokens)
-        t = time.perf_counter()
         result = RecordResult(None, {}, [], {}, seconds)
+        seconds["verify"] = seconds["store"] = 0.0
         for k in settings.ks:
             progress.phase(f"recording K={k}", settings.steps)
             _record_k(model, writer, tokens, greedy, k, settings, progress, result)
-        seconds["verify"] = time.perf_counter() - t
         if result.short or (result.thin and not settings.allow_thin):
             if writer.journal is not None:
                 writer.journal.close(remove=True)  # refused: nothing to resume
@@ -252,49 +249,33 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
 
 def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greedy: list[int], k: int,
               settings: RecordSettings, progress: Progress, result: RecordResult) -> None:
-    """One K's run, its rows streamed to ``writer``, its accept counts and checks into ``result``."""
+    """One K's run, its rows written to ``writer`` as the run lets them go and once it ends, its accept counts
+    and checks into ``result``; its time into ``result.seconds``: the run's (``verify``) and the writes after
+    it (``store``)."""
     steps, mtp = settings.steps, settings.feed == "mtp"
     chooser = DrafterFeed(k, steps) if mtp else ReferenceFeed(greedy)
     layout = RowLayout(len(tokens), steps, k, mtp)
-    stream = writer.stream(layout, model.vocab_size, model.dtype, model.device)
-    settled = _Settled(layout)
-    with _handing_over(writer.background):
-        run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step, sink=stream.put,
-                         hold=Hold(hold_bytes(model.device), settled.add),
-                         on_last=settled.queue if model.device.type == "cuda" else None)
+    settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype))
+    t = time.perf_counter()
+    run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step,
+                     hold=Hold(hold_bytes(model.device), settled.add),
+                     on_last=settled.queue if model.device.type == "cuda" else None)
+    t, result.seconds["verify"] = time.perf_counter(), result.seconds["verify"] + time.perf_counter() - t
     committed = run.committed()
     same = committed == greedy[:len(committed)]
-    # Made here, between runs: the writer thread touches no GPU (a CUDA call of its own during a graph
+    # Written here, between runs: the writer's threads touch no GPU (a CUDA call of theirs during a graph
     # captured mid-run, such as a draft head's first propose of a shape, would invalidate that capture).
-    log, summary, draft_rows, drafts = _finished(run, same, settled)
+    log, summary, drafts = _finished(run, same, settled)
     if not settings.allow_nonfinite:
         _refuse_nonfinite(layout, summary[1], k)
-    stream.finish(log, summary, draft_rows, drafts)
+    settled.rows.finish(log, summary, drafts)
+    result.seconds["store"] += time.perf_counter() - t
     accepted = log.accepted.tolist()
     result.accepted[k], result.committed_is_greedy[k] = accepted, same
     if (reason := thin_reason(k, accepted)) is not None:
         result.thin.append(reason)
     if settings.require_coverage and (reason := coverage_reason(k, accepted)) is not None:
         result.short.append(reason)
-
-
-SWITCH_S = 1e-4  # how soon a writer thread hands the interpreter back while a K runs beside it
-
-
-@contextlib.contextmanager
-def _handing_over(background: bool):
-    """While a K runs beside the background writer: Python's thread switch interval cut from 5 ms to
-    `SWITCH_S`, so that the step loop, wanting the interpreter back when the GPU finishes a step, does not wait
-    out the writer's turn (a 0.5B-shape step takes about 2 ms)."""
-    if not background:
-        yield
-        return
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_S)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _refuse_nonfinite(layout: RowLayout, stats: np.ndarray, k: int) -> None:
@@ -311,18 +292,16 @@ def _refuse_nonfinite(layout: RowLayout, stats: np.ndarray, k: int) -> None:
 
 
 class _Settled:
-    """What a recording keeps of the rows its run lets go (`vd.loop.Hold`; the verify rows are streamed to the
-    store as they come): their digests and statistics and, for the drafter feed, the draft kind's rows as
-    stored, which the store writes when the K is finished."""
+    """Where a recording's rows go as its run lets them go (`vd.loop.Hold`) and once it ends: their digests
+    and statistics into a `vd.digest.Summary`, the rows themselves to the store (`vd.store.write.KRows`)."""
 
-    def __init__(self, layout: RowLayout):
+    def __init__(self, layout: RowLayout, rows: KRows):
         self.summary = Summary(list(layout.counts))
-        self.draft_rows: list[np.ndarray] = []
+        self.rows = rows
 
     def add(self, kind: str, start: int, rows: torch.Tensor) -> None:
         self.summary.add({kind: rows})
-        if kind == "draft":
-            self.draft_rows.append(to_storage(rows))
+        self.rows.write(kind, start, rows)
 
     def queue(self, run: Run, last: torch.Tensor) -> None:
         """On CUDA, while the last step runs: the rows still held summarised on a side stream behind it."""
@@ -330,23 +309,22 @@ class _Settled:
 
 
 def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[np.ndarray, np.ndarray],
-                                                               np.ndarray | None, np.ndarray | None]:
-    """A finished run's step log, every row's digest and statistics (the rows still held computed on the run's
-    device, read back once) and, for the drafter feed, its draft rows as stored and the head's drafts."""
+                                                               np.ndarray | None]:
+    """A finished run's step log, every row's digest and statistics (the rows still held summarised on the
+    run's device, read back once) and, for the drafter feed, the head's drafts; the rows still held written."""
     log = StepLog(k=run.k, bootstrap=run.bootstrap, committed_is_greedy=same,
                   tokens=np.array([s.tokens for s in run.steps], dtype=np.int32).reshape(-1, run.k),
                   accepted=np.array([s.accepted for s in run.steps], dtype=np.int32),
                   step_ms=np.array(run.step_ms, dtype=np.float64),
                   decoded=run.committed_before[0] if run.bootstrap_row is not None else None)
-    held = {kind: rows for kind, _, rows in run.held()}
+    held = run.held()
     if not settled.summary.queued:  # else summarised behind the last step already
-        settled.summary.add(held)
+        settled.summary.add({kind: rows for kind, _, rows in held})
+    for kind, start, rows in held:
+        settled.rows.write(kind, start, rows)
     if run.bootstrap_row is None:
-        return log, settled.summary.result(), None, None
-    if "draft" in held:
-        settled.draft_rows.append(to_storage(held["draft"]))
-    drafts = np.array(run.drafts, dtype=np.int32).reshape(len(run.steps), run.k - 1)
-    return log, settled.summary.result(), np.concatenate(settled.draft_rows), drafts
+        return log, settled.summary.result(), None
+    return log, settled.summary.result(), np.array(run.drafts, dtype=np.int32).reshape(len(run.steps), run.k - 1)
 
 
 def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int], thin: list[str]) -> dict:

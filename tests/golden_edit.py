@@ -33,7 +33,7 @@ def edit_rows(golden: Path, k: int, kind: str, edit: Callable[[np.ndarray], None
     rows = g.all_rows(k)
     edit(rows[kind])
     root = zarr.open_group(zarr.storage.LocalStore(golden), mode="r+")
-    arrays = F.to_arrays(RowLayout(len(g.prompt), g.info.steps, k, g.info.drafted), rows, g.info.vocab)
+    arrays = _arrays(RowLayout(len(g.prompt), g.info.steps, k, g.info.drafted), rows, g.info.vocab)
     for name in F.ROW_ARRAYS[kind]:
         hi, lo = F.split_planes(arrays[name])
         root[f"k{k}/{name}.hi"][...] = hi
@@ -44,6 +44,15 @@ def edit_rows(golden: Path, k: int, kind: str, edit: Callable[[np.ndarray], None
         root[f"k{k}/stats"][...] = s
     if sealed:
         edit_meta(golden, lambda m: None)
+
+
+def _arrays(layout: RowLayout, rows: dict[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:
+    """Rows by kind as the row arrays that store them, by name (`vd.store.format.row_shapes`)."""
+    s, k = layout.steps, layout.k
+    out = {"prefill": rows["prefill"], "logits": rows["verify"].reshape(s, k, vocab)}
+    if "draft" in rows:
+        out.update(bootstrap_logits=rows["draft"][:1], draft_logits=rows["draft"][1:].reshape(s, k - 1, vocab))
+    return out
 
 
 def _reseal(golden: Path, meta: dict) -> None:

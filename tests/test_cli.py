@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 import vd
 from vd.cli import app
 from vd.progress import Lines
+from vd.store.local import finish_removals
 
 PLUGINS = Path(__file__).parent / "plugins"
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,6 +85,7 @@ def test_refresh_replaces(cli, tmp_path, name):
     assert cli("record", path, "--model", "tiny-qwen2", "--steps", "4", "--k", "2", "--refresh")[0] == 0
     code, out, err = cli("show", path)
     assert code == 0 and "tiny-qwen2" in out
+    finish_removals()  # the replaced version is removed beside the caller (a process waits for it at exit)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 

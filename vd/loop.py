@@ -347,26 +347,21 @@ def run_verify(
     steps: int,
     feed: Feed,
     on_step: Callable[[int], None] | None = None,
-    sink: Callable[[str, int | None, torch.Tensor], None] | None = None,
     idle: Callable[[float], bool] | None = None,
     on_last: Callable[[Run, torch.Tensor], None] | None = None,
     hold: Hold | None = None,
 ) -> Run:
     """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them.
 
-    ``sink(kind, step, rows)`` receives the prefill's rows (``"prefill"``, None) and each step's verify rows
-    (``"verify"``, step) as soon as they are computed (a recorder streams them to storage). ``idle(seconds)``
-    is offered, on CUDA, the time the GPU stays busy with each step (`_IdleClock`: a replay reads its golden
-    there). ``on_last(run, rows)`` is called once the last step's forward is issued, before its result is
-    read back, with the run so far and that step's rows (a replay queues its comparison behind it); the rows
-    held then stay held (a ``hold`` lets none go after it).
+    ``idle(seconds)`` is offered, on CUDA, the time the GPU stays busy with each step (`_IdleClock`: a
+    replay reads its golden there). ``on_last(run, rows)`` is called once the last step's forward is issued,
+    before its result is read back, with the run so far and that step's rows (a replay queues its comparison
+    behind it); the rows held then stay held (a ``hold`` lets none go after it).
     ``on_step(s)`` ticks once step ``s`` is logged. ``hold``: how many rows the run holds before it lets
     them go (`Hold`; None: it keeps every row).
     """
     model.reset()
     prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
-    if sink is not None:
-        sink("prefill", None, prefill)
     clock = _IdleClock(idle, prefill.device)
     run = Run(k=k, prefill=prefill, hold=hold)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
@@ -393,8 +388,6 @@ def run_verify(
         model.rewind(k - 1 - na)  # as a scheduler does: the rejected rows go, [last, accepted drafts] stay
         last = feed.next_last(s, outs[na])
         p += na + 1
-        if sink is not None:
-            sink("verify", s, rows)
         logged = (s, tokens, rows, na, computed)
         feed.after_commit(model, run, s, na, last)  # a drafter proposes the next step's drafts here
     if logged is not None:

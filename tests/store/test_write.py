@@ -36,22 +36,36 @@ def test_round_trip_and_plain_zarr(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
-def test_streamed_rows_store_what_a_whole_k_does(tmp_path):
-    """`KStream` (rows handed over while a K runs, as the recorder does) and `GoldenWriter.add` (a whole K)
-    store the same golden."""
-    layout, log, rows = k_data(3, steps=3)
-    tensors = {kind: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for kind, a in rows.items()}
-    with GoldenWriter(tmp_path / "s.zarr", background=True) as w:
-        stream = w.stream(layout, V, torch.bfloat16)
-        stream.put("prefill", None, tensors["prefill"])
-        for s in range(3):
-            stream.put("verify", s, tensors["verify"][3 * s:3 * s + 3])
-        from vd.digest import summarise
+@pytest.mark.parametrize("hold", [1, 1 << 30])
+def test_rows_written_as_a_run_lets_them_go_store_what_a_whole_k_does(tmp_path, monkeypatch, hold):
+    """`KRows` (rows written in parts as a run's hold lets them go, as the recorder does; slices of one chunk
+    with the smallest ``SLICE_BYTES``) and `GoldenWriter.add` (a whole K) store the same golden, drafter
+    rows included."""
+    import vd.store.write as W
+    from vd.digest import summarise
 
-        stream.finish(log, summarise(tensors))
-        w.publish(meta((3,)), PROMPT)
-    a = open_golden(tmp_path / "s.zarr").verify_rows(3)
-    assert all(np.array_equal(a[kind], to_storage(t)) for kind, t in tensors.items())
+    monkeypatch.setattr(W, "SLICE_BYTES", hold)
+    layout, log, rows = k_data(3, steps=3, drafted=True)
+    tensors = {kind: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for kind, a in rows.items()}
+    step = {"prefill": layout.prompt, "verify": 3, "draft": 2}
+    with GoldenWriter(tmp_path / "s.zarr", background=True) as w:
+        k_rows = w.rows(layout, V, torch.bfloat16)
+        for kind, t in tensors.items():
+            first = 1 if kind == "draft" else 0  # the bootstrap row on its own, then whole steps
+            if first:
+                k_rows.write(kind, 0, t[:1])
+            for a in range(first, t.shape[0], step[kind]):
+                k_rows.write(kind, a, t[a:a + step[kind]])
+        k_rows.finish(log, summarise(tensors), np.zeros((3, 2), np.int32))
+        w.publish(meta((3,), feed="mtp"), PROMPT)
+    with GoldenWriter(tmp_path / "w.zarr", background=False) as w:
+        w.add(layout, log, rows, drafts=np.zeros((3, 2), np.int32))
+        w.publish(meta((3,), feed="mtp"), PROMPT)
+    a, b = open_golden(tmp_path / "s.zarr"), open_golden(tmp_path / "w.zarr")
+    assert set(a.verify_rows(3)) == set(tensors) == {"prefill", "verify", "draft"}
+    assert all(np.array_equal(a.verify_rows(3)[kind], to_storage(t)) for kind, t in tensors.items())
+    assert all(np.array_equal(a.verify_rows(3)[kind], b.verify_rows(3)[kind]) for kind in tensors)
+    assert a.meta["manifest"] == b.meta["manifest"]  # the same files, byte for byte
 
 
 def test_refuses_overwrite_and_refresh_replaces(tmp_path):

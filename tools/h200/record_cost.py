@@ -1,6 +1,6 @@
 """Where a recording's time goes on a GPU (the experiment behind tools/h200/record-cost.json): one K's run
-timed bare, through vd's loop, with the row hold and the queued summary, and with a golden writer streaming
-its rows beside it in several variants (see the JSON's ``what``).
+timed bare, through vd's loop, with the row hold and the queued summary, and as the recorder runs it (the
+rows held, then written after the run: ``record_run`` and ``record_tail``).
 
     python3 -P tools/h200/record_cost.py qwen2.5-0.5b-shape graphed OUT.json
 """
@@ -40,7 +40,13 @@ def main() -> None:
     for k in (2, 4):
         res[k] = measure_k(m, prompt, k)
         print(k, {n: round(statistics.median(v), 1) for n, v in res[k].items()}, flush=True)
-    Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    what = ("milliseconds of one K's run (16 steps, prompt 'Verify.') per way of running it, 5 interleaved "
+            "repetitions: bare = the bare verify loop; loop = vd.loop.run_verify with no hold; hold = plus the row "
+            "hold and the summary queued behind the last step; record_run = the run as the recorder runs it (hold, "
+            "summary, a golden writer and its journal open); record_tail = what the recorder does after it (the "
+            "held rows written, the K's metadata)")
+    doc = {"command": f"python3 -P tools/h200/record_cost.py {model_name} {forward} OUT.json", "what": what, "ms": res}
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def measure_k(m, prompt, k: int) -> dict[str, list[float]]:
@@ -55,46 +61,39 @@ def measure_k(m, prompt, k: int) -> dict[str, list[float]]:
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    def held_run(sink=None):
-        settled = record._Settled(layout)
-        run_verify(m, prompt, k, STEPS, ReferenceFeed(greedy), sink=sink,
-                   hold=Hold(hold_bytes(m.device), settled.add), on_last=settled.queue)
+    def held_run(rows=None):
+        settled = record._Settled(layout, rows)
+        run = run_verify(m, prompt, k, STEPS, ReferenceFeed(greedy), hold=Hold(hold_bytes(m.device), settled.add),
+                         on_last=settled.queue)
+        return run, settled
+
+    def summarised():
+        settled = held_run()[1]
         settled.summary.result()
 
-    def streamed(journal: bool = False, write: bool = True) -> tuple[float, float]:
+    def recorded() -> tuple[float, float]:
         d = Path(tempfile.mkdtemp())
-        w = GoldenWriter(d / "g.zarr", background=True)
-        if journal:
-            w.journal = J.Journal(d / ".g.zarr.journal", {"experiment": 1})
-
-        def go():
-            stream = w.stream(layout, m.vocab_size, m.dtype, m.device)
-            if not write:
-                stream._write = lambda *a: None
-            held_run(stream.put)
-
-        dt = timed(go)
+        w = GoldenWriter(d / "g.zarr")
+        w.journal = J.Journal(d / ".g.zarr.journal", {"experiment": 1})
+        out = []
+        run_s = timed(lambda: out.append(held_run(w.rows(layout, m.vocab_size, m.dtype))))
         t = time.perf_counter()
-        w._drain()
-        drain = time.perf_counter() - t
+        run, settled = out[0]
+        log, summary, _ = record._finished(run, True, settled)
+        settled.rows.finish(log, summary)
+        tail = time.perf_counter() - t
         w.abort()
-        return dt, drain
+        return run_s, tail
 
-    names = ("bare", "loop", "hold", "stream", "stream_drain", "stream_nowrite", "stream_switch", "stream_journal")
+    names = ("bare", "loop", "hold", "record_run", "record_tail")
     r: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(5):
         r["bare"].append(bench_gpu.bare_verify(m, prompt, ref.steps)[0])
         r["loop"].append(timed(lambda: run_verify(m, prompt, k, STEPS, ReferenceFeed(greedy))))
-        r["hold"].append(timed(held_run))
-        a, b = streamed()
-        r["stream"].append(a)
-        r["stream_drain"].append(b)
-        r["stream_nowrite"].append(streamed(write=False)[0])
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(1e-4)
-        r["stream_switch"].append(streamed()[0])
-        sys.setswitchinterval(old)
-        r["stream_journal"].append(streamed(journal=True)[0])
+        r["hold"].append(timed(summarised))
+        a, b = recorded()
+        r["record_run"].append(a)
+        r["record_tail"].append(b)
     return {n: [x * 1e3 for x in v] for n, v in r.items()}
 
 

@@ -136,13 +136,28 @@ SMALL_DTYPES = {"tokens": np.dtype("<i4"), "accepted": np.dtype("<i4"), "step_ms
                 "drafts": np.dtype("<i4"), "digests": np.dtype("<i8"), "stats": np.dtype("<f8")}
 
 
-def to_arrays(layout: RowLayout, rows: Mapping[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:
-    """Rows by kind (`vd.layout.RowLayout`) as the row arrays that store them, by name."""
-    s, k = layout.steps, layout.k
-    out = {"prefill": rows["prefill"], "logits": rows["verify"].reshape(s, k, vocab)}
-    if "draft" in rows:
-        out.update(bootstrap_logits=rows["draft"][:1], draft_logits=rows["draft"][1:].reshape(s, k - 1, vocab))
-    return out
+def chunk_spans(layout: RowLayout, kind: str, start: int, n: int, vocab: int, itemsize: int
+                ) -> list[tuple[str, int, int, int]]:
+    """Where ``n`` rows of ``kind`` from the kind's row ``start`` are stored, whole chunks (the prefill's last
+    may be short): (row array, chunk index, first row, end row), rows counted from ``start``. Rows that are
+    not whole chunks are a ValueError."""
+    if kind == "prefill":
+        step = prefill_chunks(layout.prompt, vocab, itemsize)
+        if start % step:
+            raise ValueError(f"prefill rows from {start}: not on a chunk of {step}")
+        return [("prefill", (start + a) // step, a, min(a + step, n)) for a in range(0, n, step)]
+    if kind == "verify":
+        k = layout.k
+        if start % k or n % k:
+            raise ValueError(f"verify rows {start}..{start + n}: not whole steps of {k}")
+        return [("logits", (start + a) // k, a, a + k) for a in range(0, n, k)]
+    out, a = [], 0
+    if start == 0 and n:  # the draft kind: the bootstrap row, then K - 1 a step
+        out, a = [("bootstrap_logits", 0, 0, 1)], 1
+    w = layout.k - 1
+    if (start + a - 1) % w or (n - a) % w:
+        raise ValueError(f"draft rows {start}..{start + n}: not the bootstrap row and whole steps of {w}")
+    return out + [("draft_logits", (start + b - 1) // w, b, b + w) for b in range(a, n, w)]
 
 
 def from_arrays(arrays: Mapping[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:

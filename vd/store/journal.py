@@ -67,17 +67,24 @@ class Journal:
             self.file.write(msgpack.packb(dict(frame), use_bin_type=True))
             self.file.flush()
 
-    def block(self, k: int, s: int | None, stored: np.ndarray) -> None:
-        """Rows of K's step ``s`` (None: the prefill) were written, as stored: ``stored``."""
-        d = hashlib.sha256(np.ascontiguousarray(stored).data).hexdigest()  # lets go of the interpreter lock
+    @staticmethod
+    def digest(stored: np.ndarray, into=None):
+        """The SHA-256 of rows as stored (``into``: a hash to update, for a block written in parts)."""
+        h = hashlib.sha256() if into is None else into
+        h.update(np.ascontiguousarray(stored).data)  # lets go of the interpreter lock
+        return h
+
+    def block(self, k: int, s: int | None, digest: str) -> None:
+        """Rows of K's step ``s`` (None: the prefill) were written; ``digest``: their SHA-256 as stored
+        (`digest`)."""
         want = self.expected.get((k, s))
         if want is not None:
-            if want != d:
+            if want != digest:
                 where = "the prefill" if s is None else f"step {s}"
                 raise GoldenError(f"the resumed recording differs from its journal at K={k}, {where}: another model, "
                                   "build or a nondeterministic kernel; record afresh (without --resume)")
             self.checked += 1
-        self._append({"k": k, "s": s, "sha256": d})
+        self._append({"k": k, "s": s, "sha256": digest})
 
     def finished(self, k: int, tokens: np.ndarray, accepted: np.ndarray) -> None:
         self._append({"k": k, "tokens": tokens.tolist(), "accepted": accepted.tolist()})

@@ -1,0 +1,49 @@
+"""The ``zarr.json`` documents of the nodes a golden writer makes, as bytes to write.
+
+Each kind of array vd writes (a dtype and its codecs: `vd.store.format.hi_codecs` or ``plain_codecs``) is
+made once per process by zarr itself, in memory, and its document reused with the shape and chunk shape set.
+The documents are zarr's, so plain zarr opens every golden (tests/store/test_write.py checks it); making a
+K's dozen nodes costs no event-loop round trips (about 2 ms a node through zarr's API, which a recording's
+publish paid per K).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from collections.abc import Mapping
+
+import numpy as np
+import zarr
+
+from vd.store import format as F
+
+CODECS = {"zstd": F.hi_codecs, None: F.plain_codecs}
+
+
+@functools.cache
+def _template(dtype: str, compressor: str | None) -> dict:
+    """zarr's document for a one-value array of ``dtype`` (a numpy dtype string) with vd's codecs."""
+    held: dict = {}
+    root = zarr.create_group(zarr.storage.MemoryStore(held), zarr_format=3)
+    root.create_array("a", shape=(1,), dtype=dtype, chunks=(1,), compressors=CODECS[compressor](), fill_value=0)
+    return json.loads(held["a/zarr.json"].to_bytes())
+
+
+def array(shape: tuple[int, ...], dtype, chunks: tuple[int, ...], compressor: str | None = None) -> bytes:
+    """An array's document: ``shape`` of ``dtype`` in ``chunks``, Zstd-compressed when ``compressor`` is
+    ``"zstd"``, then CRC32C (`vd.store.chunks.encode_chunk` writes its chunks)."""
+    doc = copy.deepcopy(_template(np.dtype(dtype).str, compressor))
+    doc["shape"] = [int(n) for n in shape]
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = [int(n) for n in chunks]
+    return _dump(doc)
+
+
+def group(attributes: Mapping | None = None) -> bytes:
+    """A group's document with ``attributes`` (JSON values)."""
+    return _dump({"attributes": dict(attributes or {}), "zarr_format": 3, "node_type": "group"})
+
+
+def _dump(doc: dict) -> bytes:
+    return json.dumps(doc, indent=2).encode()  # as zarr writes it (NaN included)
