@@ -348,7 +348,7 @@ def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: li
         "greedy": greedy,
         "thin": thin,
         "logits": F.logits_meta(logical),
-        "environment": env.capture(model.device),
+        "environment": env.of_model(model),
         "determinism": {"applied": env.DETERMINISTIC if settings.deterministic else None,
                         "settings": env.determinism()},
     }

@@ -71,7 +71,7 @@ class CandidateWriter:
             forward=forward, forward_description=model.forwards()[forward],
             graphs="graphed" if getattr(model, "forward_uses_graphs", lambda n: False)(forward) else "eager",
             mtp=dict(model.head_info()) if g.info.drafted else None, device=model.device.type,
-            logits=F.logits_meta(g.logical), environment=env.capture(model.device),
+            logits=F.logits_meta(g.logical), environment=env.of_model(model),
             determinism={"applied": (g.meta.get("determinism") or {}).get("applied"), "settings": env.determinism()},
             candidate={"of": g.url, "of_content": g.content_digest(), "verdict": verdict,
                        "control": {str(k): bool(v) for k, v in controls.items()}},

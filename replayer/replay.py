@@ -332,7 +332,7 @@ class _Replay:
     def report(self, verify: list[KResult]) -> Report:
         t = time.perf_counter()
         g, model = self.golden, self.model
-        replayed_env = env.capture(model.device)
+        replayed_env = env.of_model(model)
         uses_graphs = getattr(model, "forward_uses_graphs", lambda name: False)
         graphed = [uses_graphs(n) for n in self.forwards]
         env_diff = env.numerics_differences(self.recorded_env, replayed_env)

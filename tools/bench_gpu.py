@@ -27,7 +27,9 @@ noise as much as vd's cost.
 * ``golden_bytes`` and ``raw_rows_bytes``: the golden's size and its prefill and verify rows' raw bytes.
 
 Rows are appended to ``--out`` (a JSON file holding a list of runs), so the shapes can run as separate
-processes (each needs its own GPU memory) into one file.
+processes (each needs its own GPU memory) into one file. Under torchrun the model is split over the ranks
+(`vd.models.tp`; ``torchrun --standalone --nproc-per-node 2 tools/bench_gpu.py --model llama3-70b-shape
+--forwards graphed ...``): rank 0 measures, ``floor_ms`` is one GPU's weight bytes over its bandwidth.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def main() -> None:
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(device),
-        "environment": env.capture(device),
+        "environment": env.of_model(model),
         "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
         "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
         "prompt_tokens": len(prompt), "import_s": import_s, "cuda_init_s": cuda_init_s, "load_s": load_s,
@@ -243,4 +245,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from vd.models import tp
+
+    if tp.is_follower():  # under torchrun: rank 0 benchmarks, the other ranks run its model calls
+        tp.follow()
+    else:
+        try:
+            main()
+        finally:
+            tp.stop()
+    tp.finish()

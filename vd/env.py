@@ -23,7 +23,7 @@ from vd.errors import UsageError
 # Fields whose difference can change the numbers, in the order a reader should see them.
 NUMERIC_FIELDS = (
     "device", "cpu_capability", "cpu_model", "threads", "torch", "transformers", "gpu_name", "cuda",
-    "cudnn", "driver", "determinism",
+    "cudnn", "driver", "determinism", "tp", "collectives",
 )
 
 
@@ -60,10 +60,17 @@ def _driver() -> str | None:
 
 
 def capture(device: torch.device) -> dict:
-    """The environment of this process, for a computation on ``device``."""
+    """The environment of this process, for a computation on ``device`` by one process (``tp`` 1)."""
     machine, gpu = _fixed(device.type, device.index if device.type == "cuda" else None)
     return {**machine, "threads": torch.get_num_threads(), **gpu, "determinism": determinism(),
-            "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
+            "tp": 1, "collectives": None, "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
+
+
+def of_model(model) -> dict:
+    """`capture` for ``model``'s device, with the fields the model adds (an optional ``environment()``: a
+    tensor-parallel model's degree and collective library, `vd.models.tp`)."""
+    extra = getattr(model, "environment", None)
+    return {**capture(model.device), **(dict(extra()) if callable(extra) else {})}
 
 
 @functools.cache

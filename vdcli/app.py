@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from vd.cli import ranks
 from vd.cli.common import (
     DEVICE_METAVAR,
     EXIT_FAIL,
@@ -30,6 +31,7 @@ from vd.cli.common import (
     Suite,
     Summary,
     Tolerances,
+    Tp,
     Widths,
     app,
     check_golden,
@@ -52,6 +54,7 @@ from vd.errors import UsageError
     "vd record goldens/smollm2.zarr --refresh",
     "vd record goldens/smollm2-mtp.zarr --model smollm2-mtp --feed mtp",
     'vd record --suite --refresh --reason "fused attention kernel (PR 123)" --summary changes.md'))
+@ranks.tensor_parallel
 def record(
     ctx: typer.Context,
     targets: Annotated[list[str] | None, typer.Argument(metavar="OUT|NAME", help=f"Golden to write "
@@ -59,8 +62,7 @@ def record(
                                                         "(default: all).")] = None,
     model: Annotated[str, typer.Option(metavar="SPEC", help="Model: preset, checkpoint dir, .gguf, module:factory "
                                        "(`vd models`).")] = "smollm2",
-    prompt: Annotated[str | None, typer.Option(metavar="TEXT", help="Prompt (default: vd's built-in prompt).")]
-    = None,
+    prompt: Annotated[str | None, typer.Option(metavar="TEXT", help="Prompt (default: vd's own).")] = None,
     k: Annotated[Widths, typer.Option("--k", metavar="K,K,...", parser=parse_widths, help="Verify widths.")] = "2,3,4",
     steps: Annotated[int, typer.Option(metavar="N", min=1, help="Verify steps per K.")] = 16,
     forward: Annotated[str | None, typer.Option(metavar="NAME", help="Forward to record with (default: the "
@@ -72,6 +74,7 @@ def record(
     device: Annotated[str, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device, help="Device.")] = "cpu",
     dtype: Annotated[Dtype, typer.Option(help="Dtype the model computes in.")] = Dtype.bfloat16,
     threads: Annotated[int | None, typer.Option(metavar="N", min=1, help="CPU threads (default: torch's).")] = None,
+    tp: Tp = None,
     refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden.")] = False,
     allow_nonfinite: AllowNonfinite = False,
     allow_thin: AllowThin = False,
@@ -194,6 +197,7 @@ def _summary(report) -> None:
     "vd replay goldens/smollm2.zarr --report report.json",
     "vd replay goldens/smollm2.zarr --forward eager --forward sdpa --tolerance verify=ulp:2",
     "vd replay --suite --shard 1/2 --junit vd.xml --html vd.html"))
+@ranks.tensor_parallel
 def replay(
     targets: Annotated[list[str] | None, typer.Argument(metavar="GOLDEN|NAME", help=f"Golden to replay "
                                                         f"({GOLDEN_HELP}); with --suite, declared goldens "
@@ -209,6 +213,7 @@ def replay(
     device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device,
                                                help="Device (default: the golden's).")] = None,
     threads: Annotated[int | None, typer.Option(metavar="N", min=1, help="CPU threads (default: recorded).")] = None,
+    tp: Tp = None,
     allow_model_mismatch: Annotated[bool, typer.Option("--allow-model-mismatch", help="Compare even if the model's "
                                                        "fingerprint differs.")] = False,
     tolerance: Tolerances = None,
@@ -505,6 +510,8 @@ def main() -> None:
     """Console entry point. SIGTERM (what CI timeouts send) ends the process as an exception would, so a
     recording's staging folder is removed and its writer lock released; the exit code is 143."""
     signal.signal(signal.SIGTERM, _terminated)
+    if ranks.ranks() > 1:  # one of the ranks torchrun started (vd record/replay --tp, or torchrun itself)
+        ranks.ranked(app)
     app()
 
 

@@ -160,6 +160,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     dev = check_device(device)
     dt = parse_dtype(dtype).torch if isinstance(dtype, str) else dtype
     kind = spec_kind(spec)
+    if _split():
+        return _tensor_parallel(spec, kind, dev, dt, head)
     if kind == "plugin":
         model = _load_plugin(spec, dev, dt)
     elif kind == "path":
@@ -178,6 +180,27 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
             raise ModelSpecError(f"--head attaches to an HF model without a draft head; {spec} is not one")
         model = attach_head(model, Path(head))
     return model
+
+
+def _split() -> bool:
+    """Whether this process is one of several ranks torchrun started (``WORLD_SIZE`` > 1)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def _tensor_parallel(spec: str, kind: str, device: torch.device, dtype: torch.dtype, head: str | None
+                     ) -> VerifyModel:
+    """Preset ``spec`` split over the ranks torchrun started (`vd.models.tp`): generated-weight shapes only."""
+    from vd.models import tp
+
+    preset = PRESETS.get(spec) if kind == "preset" else None
+    if preset is None or preset.shape is None or head is not None:
+        shapes = ", ".join(n for n, p in PRESETS.items() if p.shape is not None)
+        raise UsageError(f"tensor parallelism (torchrun, --tp) splits the generated-weight shapes ({shapes}), "
+                         f"without a draft head; {spec}{' with --head' if head else ''} is not one")
+    cfg, seed, name = preset.shape()
+    return tp.build(cfg, seed, name, device, dtype)
 
 
 def forwards_of(spec: str, *, device: str = "cpu", dtype: str = "bfloat16") -> dict[str, str]:

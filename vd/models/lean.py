@@ -85,6 +85,17 @@ def attn_out_mlp(x, attn, wo, w_norm, eps: float, wgu, wd, inter: int):
     return x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], wd)
 
 
+def attn_out(attn, wo):
+    """The output projection alone (tensor parallel: this rank's heads' share, summed across ranks)."""
+    return F.linear(attn[0].transpose(0, 1).reshape(attn.shape[2], -1), wo)
+
+
+def mlp(x, w_norm, eps: float, wgu, wd, inter: int):
+    """Norm, SiLU(gate) * up and the down projection alone (tensor parallel: this rank's share)."""
+    gu = F.linear(rms_norm(x, w_norm, eps), wgu)
+    return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], wd)
+
+
 @dataclass(slots=True)
 class _Weights:
     w_in: torch.Tensor
@@ -135,8 +146,11 @@ class LeanStack:
     description = ("vd's lean Llama-family step (fused QKV and gate-up GEMMs, rotary on queries and keys at once, "
                    "grouped-query SDPA, HF's norm arithmetic)")
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, reduce=None):
+        """``reduce``: for a tensor-parallel shard (`vd.models.tp`), the in-place sum across ranks of each
+        layer's output and down projections (None: the model is whole)."""
         cfg = model.config.get_text_config()
+        self.reduce = reduce
         inner = model.model
         self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.hq
@@ -157,13 +171,17 @@ class LeanStack:
                 eps_post=layer.post_attention_layernorm.variance_epsilon,
                 wgu=_fuse((m.gate_proj, m.up_proj)), wd=m.down_proj.weight.detach(), scale=a.scaling))
         self.cos = self.sin = None
-        self._attn_in, self._attn_out_mlp = attn_in, attn_out_mlp
+        self._attn_in, self._attn_out_mlp, self._attn_out, self._mlp = attn_in, attn_out_mlp, attn_out, mlp
 
     def compile(self) -> None:
         """Compile each layer's two regions (one compilation per step shape, shared by every layer)."""
         inductor_settings()
         self._attn_in = torch.compile(attn_in, dynamic=False, fullgraph=True)
-        self._attn_out_mlp = torch.compile(attn_out_mlp, dynamic=False, fullgraph=True)
+        if self.reduce is None:
+            self._attn_out_mlp = torch.compile(attn_out_mlp, dynamic=False, fullgraph=True)
+        else:  # the sums across ranks stay outside the compiled regions
+            self._attn_out = torch.compile(attn_out, dynamic=False, fullgraph=True)
+            self._mlp = torch.compile(mlp, dynamic=False, fullgraph=True)
 
     def allocate(self, kv) -> None:
         """Size the rotary tables and ``kv``'s layers for ``kv.capacity`` positions."""
@@ -179,6 +197,8 @@ class LeanStack:
         n = inp.shape[0] - 1
         pos, mask = kv.begin(inp[n], n, self.embed.dtype)
         a_in, a_out = (self._attn_in, self._attn_out_mlp) if fast else (attn_in, attn_out_mlp)
+        if self.reduce is not None:
+            a_out = self._reduced(*((self._attn_out, self._mlp) if fast else (attn_out, mlp)))
         x = F.embedding(inp[:n], self.embed)
         cos, sin = self.cos[pos], self.sin[pos]
         for w, layer in zip(self.layers, kv.cache.layers):
@@ -190,3 +210,14 @@ class LeanStack:
             x = a_out(x, attn, w.wo, w.w_post, w.eps_post, w.wgu, w.wd, self.inter)
         h = rms_norm(x, self.norm, self.norm_eps)
         return F.linear(h, self.lm_head), (h if hidden else None)
+
+    def _reduced(self, out, mlp_fn):
+        """`attn_out_mlp` for a tensor-parallel shard: each projection's share summed across ranks, then the
+        residual added (the whole model's arithmetic but for the order of that sum)."""
+        reduce = self.reduce
+
+        def a_out(x, attn, wo, w_norm, eps, wgu, wd, inter):
+            x = x + reduce(out(attn, wo))
+            return x + reduce(mlp_fn(x, w_norm, eps, wgu, wd, inter))
+
+        return a_out

@@ -33,6 +33,8 @@ class Preset:
     name: str
     summary: str
     build: Callable[[torch.device, torch.dtype], HFModel]
+    # A generated-weight shape: (its config, seed, name), which `vd.models.tp` splits over ranks.
+    shape: Callable[[], tuple[object, int, str]] | None = None
 
 
 def smollm2_path() -> Path:
@@ -126,10 +128,8 @@ def _tiny_glm4moe_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
     return _native(cfg, 4, "tiny-glm4moe-mtp (GLM-4.5 style, random weights, seed 4)", device, dtype)
 
 
-def _qwen25_05b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
+def _qwen25_05b_config():
     from transformers import Qwen2Config
-
-    from vd.models.hf import build_generated
 
     # Qwen2.5-0.5B's published config.json: 24 layers, hidden 896, 14 query and 2 key-value heads.
     cfg = Qwen2Config(
@@ -137,14 +137,11 @@ def _qwen25_05b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_theta=1000000.0, tie_word_embeddings=True, initializer_range=0.02,
     )
-    return build_generated(cfg, seed=5, name="qwen2.5-0.5b-shape (generated weights, seed 5)", device=device,
-                           dtype=dtype)
+    return cfg, 5, "qwen2.5-0.5b-shape (generated weights, seed 5)"
 
 
-def _llama3_8b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
+def _llama3_8b_config():
     from transformers import LlamaConfig
-
-    from vd.models.hf import build_generated
 
     # Llama-3-8B's published config.json: 32 layers, hidden 4096, 32 query and 8 key-value heads.
     cfg = LlamaConfig(
@@ -152,8 +149,40 @@ def _llama3_8b_shape(device: torch.device, dtype: torch.dtype) -> HFModel:
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_theta=500000.0, tie_word_embeddings=False, initializer_range=0.02,
     )
-    return build_generated(cfg, seed=6, name="llama3-8b-shape (generated weights, seed 6)", device=device,
-                           dtype=dtype)
+    return cfg, 6, "llama3-8b-shape (generated weights, seed 6)"
+
+
+def _llama3_70b_config():
+    from transformers import LlamaConfig
+
+    # Llama-3-70B's published config.json: 80 layers, hidden 8192, 64 query and 8 key-value heads.
+    cfg = LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, initializer_range=0.02,
+    )
+    return cfg, 8, "llama3-70b-shape (generated weights, seed 8)"
+
+
+def _tiny_llama_shape_config():
+    from transformers import LlamaConfig
+
+    # tiny-llama's shape with generated weights: what the tensor-parallel tests split over two CPU processes.
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+    )
+    return cfg, 7, "tiny-llama-shape (generated weights, seed 7)"
+
+
+def _generated(shape: Callable[[], tuple[object, int, str]]) -> Callable[[torch.device, torch.dtype], HFModel]:
+    def build(device: torch.device, dtype: torch.dtype) -> HFModel:
+        from vd.models.hf import build_generated
+
+        cfg, seed, name = shape()
+        return build_generated(cfg, seed=seed, name=name, device=device, dtype=dtype)
+
+    return build
 
 
 PRESETS: dict[str, Preset] = {
@@ -170,8 +199,13 @@ PRESETS: dict[str, Preset] = {
                _tiny_deepseek_mtp),
         Preset("tiny-glm4moe-mtp", "random GLM-4.5-style model (MoE) with HF's native MTP layer", _tiny_glm4moe_mtp),
         Preset("qwen2.5-0.5b-shape", "Qwen2.5-0.5B's shape (494 M parameters, vocab 151936), generated weights; "
-               "for GPU benchmarks", _qwen25_05b_shape),
+               "for GPU benchmarks", _generated(_qwen25_05b_config), _qwen25_05b_config),
         Preset("llama3-8b-shape", "Llama-3-8B's shape (8.03 B parameters, vocab 128256), generated weights; "
-               "needs about 17 GB of GPU memory in bf16", _llama3_8b_shape),
+               "needs about 17 GB of GPU memory in bf16", _generated(_llama3_8b_config), _llama3_8b_config),
+        Preset("llama3-70b-shape", "Llama-3-70B's shape (70.6 B parameters, vocab 128256), generated weights; "
+               "141 GB in bf16: tensor parallel over 2 or more GPUs (--tp)", _generated(_llama3_70b_config),
+               _llama3_70b_config),
+        Preset("tiny-llama-shape", "tiny-llama's shape with generated weights, which split over ranks (tests of "
+               "--tp)", _generated(_tiny_llama_shape_config), _tiny_llama_shape_config),
     )
 }

@@ -232,8 +232,9 @@ class _Staging:
 class StaticRunner:
     """An HF causal LM stepping over a `StaticKV`, in one of the `STATIC_FORWARDS` modes."""
 
-    def __init__(self, model: torch.nn.Module, mode: str, *, hidden: bool, lean: bool = True):
-        """``lean``: run vd's lean step where the architecture allows (False: HF's modules always)."""
+    def __init__(self, model: torch.nn.Module, mode: str, *, hidden: bool, lean: bool = True, reduce=None):
+        """``lean``: run vd's lean step where the architecture allows (False: HF's modules always);
+        ``reduce``: the model is a tensor-parallel shard (`vd.models.tp`), whose lean step sums across ranks."""
         self.model, self.mode, self.hidden = model, mode, hidden
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -243,7 +244,9 @@ class StaticRunner:
         self.length = 0
         compiled = mode.startswith("compiled")
         # vd's lean step where the architecture allows it (vd.models.lean), else HF's modules.
-        self.lean = LeanStack(model) if lean and lean_unsupported(model) is None else None
+        self.lean = LeanStack(model, reduce) if lean and lean_unsupported(model) is None else None
+        if reduce is not None and self.lean is None:
+            raise ValueError(f"a tensor-parallel shard needs vd's lean step: {lean_unsupported(model)}")
         if self.lean is not None:
             if compiled:
                 self.lean.compile()

@@ -1,0 +1,147 @@
+"""Tensor parallelism (`vd.models.tp`, ``--tp``): shards generated alone are slices of the whole model; a TP=2
+recording over two CPU processes (gloo, launched with torchrun) replays bit for bit at TP=2 and as another
+build at TP=1; a rank that fails ends every rank with one line; bad degrees and models are refused."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from vd.models.hf import _checksum_on_device, _tensor_seed, build_generated, hash_uniform_
+from vd.models.presets import PRESETS
+from vd.models.tp import region, shard_config
+from vd.store import open_golden
+
+ARGS = ["--model", "tiny-llama-shape", "--k", "2,3", "--steps", "6"]
+
+
+def _vd(*args, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_each_rank_generates_its_slice_of_the_whole_model(size):
+    """Every shard tensor `build` would fill is that slice of the whole generated model's tensor, and the
+    ranks' checksums of their slices (weighted by index in the whole tensor) add up to the whole one's."""
+    cfg, seed, _ = PRESETS["tiny-llama-shape"].shape()
+    whole = dict(build_generated(cfg, seed=seed, name="x", device=torch.device("cpu"),
+                                 dtype=torch.bfloat16).model.named_parameters())
+    shard = shard_config(cfg, size)
+    assert (shard.num_attention_heads, shard.num_key_value_heads, shard.intermediate_size) == (4 // size, 2 // size,
+                                                                                                128 // size)
+    split = 0
+    for name, full in whole.items():
+        module = name.split(".")[-2]
+        dim = 0 if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") else \
+            1 if module in ("o_proj", "down_proj") else None
+        shape = list(full.shape)
+        if dim is None:  # every rank holds it whole
+            assert region(name, tuple(shape), cfg, 1, size) == (None, tuple(shape))
+            continue
+        shape[dim] //= size
+        pieces, sums = [], 0
+        for rank in range(size):
+            at, whole_shape = region(name, tuple(shape), cfg, rank, size)
+            assert whole_shape == tuple(full.shape)
+            t = torch.empty(shape, dtype=torch.bfloat16)
+            hash_uniform_(t, _tensor_seed(seed, name), cfg.initializer_range, at=at)
+            pieces.append(t)
+            sums += int(_checksum_on_device(t, at=at).sum())
+        split += 1
+        assert torch.equal(torch.cat(pieces, dim=dim), full), name
+        assert sums == int(_checksum_on_device(full).sum()), name
+    assert split == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
+    with pytest.raises(Exception, match="needs 3 to divide"):
+        shard_config(cfg, 3)
+
+
+def test_tp2_golden_replays_bit_for_bit_at_tp2_and_as_another_build_at_tp1(tmp_path):
+    g = tmp_path / "tp2.zarr"
+    r = _vd("record", g, *ARGS, "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    meta = open_golden(g).meta
+    assert meta["environment"]["tp"] == 2 and meta["environment"]["collectives"] == "gloo"
+    assert meta["forward"] == "static" and "tensor parallel over 2 ranks" in meta["forward_description"]
+    # The fingerprint is the whole model's, whatever the degree.
+    cfg, seed, name = PRESETS["tiny-llama-shape"].shape()
+    whole = build_generated(cfg, seed=seed, name=name, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert meta["model"]["fingerprint"] == whole.identity().fingerprint
+    assert meta["model"]["details"]["parameters"] == whole.identity().details["parameters"]
+
+    r = _vd("replay", g, "--tp", "2", "--report", tmp_path / "r2.json")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    report = json.loads((tmp_path / "r2.json").read_text())
+    assert report["verdict"] == "PASS" and [v["k"] for v in report["verify"]] == [2, 3]
+    assert all(v["detection_control"]["fired"] and v["comparisons"][0]["mismatched_steps"] == 0
+               for v in report["verify"])
+    assert report["environment"]["numerics_differences"] == []
+    assert not [line for line in r.stderr.splitlines() if "Traceback" in line or "SIGABRT" in line], r.stderr
+
+    r = _vd("replay", g, "--report", tmp_path / "r1.json")  # one process: the sums' order differs
+    report = json.loads((tmp_path / "r1.json").read_text())
+    assert r.returncode == 1 and report["verdict"] == "FAIL", r.stdout
+    assert "tp: 2 → 1" in report["environment"]["numerics_differences"], report["environment"]
+
+
+def test_a_rank_that_fails_ends_every_rank_with_one_line(tmp_path):
+    """Rank 1's forward raising on its 20th call (a crashing engine on one GPU) ends the run: rank 1 says so in
+    one line, rank 0 fails its next collective (an internal error, exit 3), nothing is written."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("RANK") == "1":
+            from vd.models import tp
+            calls, forward = [0], tp.TPModel.forward
+            def failing(self, tokens):
+                calls[0] += 1
+                if calls[0] == 20:
+                    raise RuntimeError("injected failure on rank 1")
+                return forward(self, tokens)
+            tp.TPModel.forward = failing
+    """))
+    env = {"PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])}
+    r = _vd("record", tmp_path / "g.zarr", *ARGS, "--tp", "2", env=env)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "vd: error: rank 1: RuntimeError: injected failure on rank 1 (traceback in" in r.stderr, r.stderr
+    assert "tensor-parallel ranks ended without an outcome" in r.stderr or "internal error" in r.stderr
+    assert not (tmp_path / "g.zarr").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny-llama-shape", "--tp", "3"], "needs 3 to divide the model's query heads 4"),
+    (["--model", "tiny-llama", "--tp", "2"], "tiny-llama is not one"),
+])
+def test_a_degree_or_model_that_cannot_split_is_refused(tmp_path, args, message):
+    r = _vd("record", tmp_path / "g.zarr", "--steps", "2", *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("vd: error:")] == \
+        [next(line for line in r.stderr.splitlines() if message in line)]
+    assert not Path(tmp_path / "g.zarr").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_graphed_on_two_gpus_replays_bit_for_bit(tmp_path):
+    """On two GPUs: NCCL's all-reduce captured inside each step's CUDA graph; the TP=2 `graphed` golden
+    replays bit for bit at TP=2 (`graphed` and `static`), and in one process as another build."""
+    g = tmp_path / "tp2.zarr"
+    args = ["--model", "qwen2.5-0.5b-shape", "--prompt", "Verify.", "--k", "2,4", "--steps", "8", "--allow-thin",
+            "--device", "cuda"]
+    r = _vd("record", g, *args, "--forward", "graphed", "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    env = open_golden(g).meta["environment"]
+    assert env["tp"] == 2 and env["collectives"].startswith("nccl ")
+    r = _vd("replay", g, "--tp", "2", "--forward", "graphed", "--forward", "static", "--report", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert r.returncode == 0 and report["verdict"] == "PASS", r.stdout + r.stderr
+    assert all(v["detection_control"]["fired"] for v in report["verify"])
+    r = _vd("replay", g, "--forward", "graphed", "--report", tmp_path / "r1.json")
+    report = json.loads((tmp_path / "r1.json").read_text())
+    assert "tp: 2 → 1" in report["environment"]["numerics_differences"]

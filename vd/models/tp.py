@@ -1,0 +1,278 @@
+"""Tensor-parallel models over torch.distributed: a generated-shape model (`vd.models.presets`) split over the
+ranks torchrun starts, each rank generating only its own slice of the weights.
+
+**How a run is shared.** Rank 0 is vd: it parses the command, opens, reads, judges and writes the golden and
+the report, and drives the model (`TPModel`) as it drives any other. Every call that touches the model's
+weights or cache (build, forward, rewind, reset, prepare, choosing a forward, the fingerprint) is first
+broadcast to the other ranks over a gloo control group, and they make the same call on their shard
+(`follow`); so every rank runs the same feed and the same steps, and the tokens, accept counts and rewinds
+are rank 0's: ranks cannot drift. Rank 0 ends every rank with ``stop`` when its command is done, whatever its
+outcome; an error on another rank ends that rank with one line and an exit code, which breaks rank 0's next
+collective (an internal error there, exit 3) and torchrun ends the rest.
+
+**The split** (Megatron's, over vd's lean step: `vd.models.lean`): each layer's query, key and value heads and
+its MLP's gate and up rows are split by rank (column parallel), its output and down projections by input
+column (row parallel), each summed across ranks by an all-reduce (NCCL on CUDA, captured inside the CUDA
+graph of a ``graphed`` step; gloo on the CPU); the embeddings, norms and LM head are whole on every rank, so
+every rank computes the same logits. The static KV cache holds each rank's key/value heads. The sums' order
+differs from one GPU's, so a TP=N golden replayed at another degree is another build (its environment's
+``tp``), with the numbers as they are.
+
+**Weights and identity.** `vd.models.hf.hash_uniform_` gives every element a value from its index in the
+whole tensor, so a rank fills its slice alone (`Region`) and the model is the one `build_generated` makes
+whole; its fingerprint is the whole model's (each rank's checksums of its slices, weighted by their indices
+in the whole tensors, summed across ranks), the same at every degree.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vd.errors import UsageError
+from vd.models.hf import GENERATOR, ByteCodec, HFModel, Region, _checksum_on_device, fingerprint_of, generate
+from vd.models.static import CUDA_ONLY, StaticRunner, static_forwards
+from vd.protocol import ModelIdentity
+
+
+@dataclass(slots=True)
+class World:
+    """This process's place among the ranks torchrun started (``WORLD_SIZE`` > 1): its rank, their number,
+    its local rank (its GPU), the control group (gloo, the default group) and, once a model is built on
+    CUDA, the NCCL group its sums run on."""
+
+    rank: int
+    size: int
+    local_rank: int
+    nccl: object | None = None
+
+    def broadcast(self, obj=None):
+        """Rank 0's ``obj`` on every rank (over the control group)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def data_group(self, device: torch.device):
+        """The group a model on ``device`` sums over: NCCL on CUDA (made collectively on first use), else the
+        control group."""
+        if device.type != "cuda":
+            return None
+        if self.nccl is None:
+            self.nccl = dist.new_group(backend="nccl")
+        return self.nccl
+
+    def environment(self, device: torch.device) -> dict:
+        """The golden environment's fields for a model split over these ranks."""
+        if device.type == "cuda":
+            version = ".".join(map(str, torch.cuda.nccl.version()))
+            return {"tp": self.size, "collectives": f"nccl {version}"}
+        return {"tp": self.size, "collectives": "gloo"}
+
+
+_WORLD: World | None = None
+
+
+def world() -> World | None:
+    """The ranks this process runs among under torchrun (None when it runs alone), joined on first use: the
+    default process group is gloo, for the control messages; on the CPU each rank takes its share of the
+    cores."""
+    global _WORLD
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return None
+    if _WORLD is None:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        _WORLD = World(rank=dist.get_rank(), size=dist.get_world_size(),
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    return _WORLD
+
+
+def is_follower() -> bool:
+    """Whether this process is a rank other than 0 (it serves rank 0's calls: `follow`)."""
+    w = world()
+    return w is not None and w.rank != 0
+
+
+def stop() -> None:
+    """Rank 0 is done: every other rank leaves `follow`. A no-op elsewhere."""
+    w = world()
+    if w is not None and w.rank == 0:
+        w.broadcast(("stop", ()))
+
+
+def finish() -> None:
+    """Leave the process groups (every rank, once its part is done), together: a rank that tore its groups
+    down while another still used them made that one abort at exit."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def follow() -> None:
+    """A rank other than 0: make every call rank 0 broadcasts on this rank's shard, until ``stop``."""
+    w = world()
+    model = None
+    while True:
+        op, args = w.broadcast()
+        if op == "stop":
+            return
+        if op == "build":
+            model = build(*args)
+        else:
+            getattr(model, op)(*args)
+
+
+# -- the split -------------------------------------------------------------------------------------------
+
+_COLUMN = {"q_proj": "heads", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter", "up_proj": "inter"}
+_ROW = {"o_proj": "heads", "down_proj": "inter"}
+
+
+def _sizes(config) -> dict[str, int]:
+    """Each split dimension of the whole model: query heads' rows, key/value heads' rows, MLP rows."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {"heads": config.num_attention_heads * d, "kv": config.num_key_value_heads * d,
+            "inter": config.intermediate_size, "d": d}
+
+
+def shard_config(config, size: int):
+    """The config of one rank's shard: its share of the query and key/value heads and of the MLP rows (head
+    size kept). A UsageError where ``size`` does not divide them."""
+    hq, hkv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    bad = [f"{what} {n}" for what, n in (("query heads", hq), ("key/value heads", hkv), ("MLP rows", inter))
+           if n % size]
+    if bad:
+        raise UsageError(f"tensor parallelism over {size} ranks needs {size} to divide the model's "
+                         f"{', '.join(bad)}")
+    out = copy.deepcopy(config)
+    out.head_dim = _sizes(config)["d"]
+    out.num_attention_heads, out.num_key_value_heads, out.intermediate_size = hq // size, hkv // size, inter // size
+    return out
+
+
+def region(name: str, shape: tuple[int, ...], config, rank: int, size: int) -> tuple[Region | None, tuple]:
+    """Where rank ``rank``'s tensor ``name`` (of shard shape ``shape``) sits in the whole model's, and the
+    whole tensor's shape: None for a tensor every rank holds whole."""
+    parts = name.split(".")
+    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    sizes = _sizes(config)
+    if module in _COLUMN:
+        n = sizes[_COLUMN[module]] // size
+        whole = (n * size, *shape[1:])
+        return Region(row=rank * n, column=0, columns=shape[1] if kind == "weight" else 1), whole
+    if module in _ROW and kind == "weight":
+        n = sizes[_ROW[module]] // size
+        return Region(row=0, column=rank * n, columns=n * size), (shape[0], n * size)
+    return None, tuple(shape)
+
+
+def build(config, seed: int, name: str, device: str | torch.device, dtype: torch.dtype) -> TPModel:
+    """This rank's shard of the generated model of ``config`` (`vd.models.hf.build_generated`'s values); on
+    rank 0, broadcast first, so every rank builds its own."""
+    w = world()
+    shard = shard_config(config, w.size)  # refused on rank 0 before any other rank builds
+    if w.rank == 0:
+        w.broadcast(("build", (config, seed, name, str(device), dtype)))
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", w.local_rank)
+        torch.cuda.set_device(dev)
+    model = generate(shard, seed, dev, dtype, "sdpa", lambda n, shape: region(n, shape, config, w.rank, w.size)[0])
+    return TPModel(model, world=w, whole=config, seed=seed, name=name)
+
+
+class TPModel(HFModel):
+    """One rank's shard of a tensor-parallel model (see the module's docstring): the static forwards of vd's
+    lean step, summing across ranks; on rank 0 each call is broadcast to the other ranks first."""
+
+    def __init__(self, model: torch.nn.Module, *, world: World, whole, seed: int, name: str):
+        self.world, self.whole, self.seed = world, whole, seed
+        self._leading = False  # no broadcasts while every rank builds
+        group = world.data_group(next(model.parameters()).device)
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t, group=group)
+            return t
+
+        self._reduce = reduce
+        super().__init__(model, name=name, encode=ByteCodec(whole.vocab_size),
+                         details={"seed": seed, "random_weights": True, "generator": GENERATOR},
+                         fingerprinter=self._fingerprint)
+        self._leading = world.rank == 0
+
+    def _lead(self, op: str, *args) -> None:
+        if self._leading:
+            self.world.broadcast((op, args))
+
+    def _fingerprint(self, model: torch.nn.Module, config) -> str:
+        """The whole model's fingerprint (`vd.models.hf.generated_fingerprint`): each tensor's checksum summed
+        across ranks (a tensor every rank holds whole counted once, rank 0's)."""
+        w = self.world
+        tensors, parts, shapes = sorted(model.state_dict().items()), [], []
+        for pname, t in tensors:
+            at, whole = region(pname, tuple(t.shape), self.whole, w.rank, w.size)
+            shapes.append(whole)
+            if at is None and w.rank != 0:
+                parts.append(torch.zeros((), dtype=torch.int64, device=t.device))
+            else:
+                parts.append(_checksum_on_device(t, at=at).sum())
+        totals = torch.stack(parts)
+        dist.all_reduce(totals, group=w.data_group(totals.device))
+        return fingerprint_of(self.whole, self.seed, [(pname, t.dtype, shape, total) for (pname, t), shape, total
+                                                       in zip(tensors, shapes, totals.tolist())])
+
+    def identity(self) -> ModelIdentity:
+        if self._identity is None:
+            self._lead("identity")
+            ident = super().identity()
+            whole = sum(int(torch.Size(region(n, tuple(t.shape), self.whole, 0, self.world.size)[1]).numel())
+                        for n, t in self.model.named_parameters())
+            self._identity = ModelIdentity(ident.name, ident.fingerprint, {**ident.details, "parameters": whole})
+        return self._identity
+
+    def environment(self) -> dict:
+        """The degree and the collective library, for the golden's environment (`vd.env.of_model`)."""
+        return self.world.environment(self.device)
+
+    def forwards(self) -> Mapping[str, str]:
+        """The static forwards (graphed and compiled ones on CUDA), each summing across the ranks."""
+        split = f"tensor parallel over {self.world.size} ranks ({self.environment()['collectives']}): "
+        return {n: split + d for n, d in static_forwards(self.model).items()
+                if self.device.type == "cuda" or n not in CUDA_ONLY}
+
+    def default_forward(self) -> str:
+        return "static"
+
+    def set_forward(self, name: str) -> None:
+        if name == self._forward:
+            return
+        if name not in self.forwards():
+            raise KeyError(name)
+        self._lead("set_forward", name)
+        if name not in self._runners:
+            self._runners[name] = StaticRunner(self.model, name, hidden=False, reduce=self._reduce)
+        self._runner = self._runners[name]
+        self._forward = name
+
+    def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
+        self._lead("prepare", capacity, tuple(lengths))
+        super().prepare(capacity, lengths)
+
+    def reset(self) -> None:
+        self._lead("reset")
+        super().reset()
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        self._lead("forward", [int(t) for t in tokens])
+        return super().forward(tokens)
+
+    def rewind(self, n: int) -> None:
+        self._lead("rewind", n)
+        super().rewind(n)

@@ -1,0 +1,121 @@
+"""The command line split over ranks (`vd.models.tp`): ``--tp N`` launches the command under torchrun, and a
+command torchrun started runs on rank 0 while every other rank serves its model calls.
+
+Under torchrun (``WORLD_SIZE`` > 1) rank 0 runs the command as the command line always does; every other
+rank runs `vd.models.tp.follow` and prints nothing unless it fails (one line, its traceback in a file).
+Rank 0 ends the others when its command is done (exit 0, 1 or 2); an internal error (3) or a signal ends it
+without them, and torchrun ends the rest. ``--tp N`` runs ``python -m torch.distributed.run --standalone
+--nproc-per-node N -m vd ...`` with the same arguments and passes on the ranks' own lines (torchrun's logging
+and failure reports left out); rank 0 hands its exit code back through a file (``VD_TP_STATUS``) and exits 0
+after a verdict or a refusal, so torchrun sees no failed rank for an ordinary FAIL; ``vd`` exits with rank 0's
+code, or 3 with one line when the ranks ended without one (a rank failed and torchrun ended the rest).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import typer
+
+from vd.cli.common import EXIT_INTERNAL, crash
+from vd.errors import UsageError, write_traceback
+
+STATUS = "VD_TP_STATUS"
+
+
+def ranks() -> int:
+    """How many ranks torchrun started this process among (1: it runs alone)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def launch(tp: int | None) -> int | None:
+    """``--tp``: None where the command runs in this process (no ``--tp``, ``--tp 1``, or torchrun started it
+    with as many ranks), else rank 0's exit code after torchrun ran the command over ``tp`` ranks."""
+    if tp is None or (tp == 1 and ranks() == 1):
+        return None
+    if ranks() > 1:
+        if tp != ranks():
+            raise UsageError(f"--tp {tp}, but torchrun started {ranks()} ranks")
+        return None
+    argv = _without_tp(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="vd-tp-") as d:
+        status = Path(d) / "status"
+        env = {**os.environ, STATUS: str(status)}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
+        with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={tp}", "-m", "vd", *argv], env=env, stderr=subprocess.PIPE,
+                              text=True, bufsize=1) as proc:
+            for line in proc.stderr:  # the ranks' own lines; torchrun's logging and failure reports left out
+                if line.startswith("vd:"):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+        rc = proc.returncode
+        if status.is_file():
+            return int(status.read_text())
+    typer.echo(f"vd: error: the {tp} tensor-parallel ranks ended without an outcome (torchrun exited {rc}; "
+               "each rank's error is above)", err=True)
+    return EXIT_INTERNAL
+
+
+def tensor_parallel(command):
+    """A command taking ``--tp``: launched under torchrun first where it asks for it (`launch`)."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        code = launch(kwargs.get("tp"))
+        return command(*args, **kwargs) if code is None else code
+
+    return run
+
+
+def _without_tp(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--tp":
+            skip = True
+        elif not a.startswith("--tp="):
+            out.append(a)
+    return out
+
+
+def ranked(app) -> None:
+    """Run the command line as one of the ranks torchrun started (see the module's docstring); exits."""
+    from vd.models import tp
+
+    w = tp.world()
+    if w.rank != 0:
+        try:
+            tp.follow()
+        except SystemExit:  # torchrun ending this rank (SIGTERM) after another one failed
+            raise
+        except BaseException as e:  # noqa: BLE001 (one line for anything, as the command line's own errors)
+            first = str(e).splitlines()[0] if str(e) else ""
+            typer.echo(f"vd: error: rank {w.rank}: {type(e).__name__}: {first} (traceback in "
+                       f"{write_traceback(e, 'vd-rank-')})", err=True)
+            sys.stderr.flush()
+            os._exit(EXIT_INTERNAL)  # at once: rank 0 and torchrun see the rank gone
+        tp.finish()
+        sys.exit(0)
+    code = EXIT_INTERNAL
+    try:
+        app()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_INTERNAL)
+    if code in (0, 1, 2):
+        try:
+            tp.stop()
+            tp.finish()
+        except Exception as e:  # another rank is gone: rank 0's outcome cannot be trusted to have been shared
+            code = crash(e)
+    status = os.environ.get(STATUS)
+    if status and code in (0, 1, 2, EXIT_INTERNAL):  # not when torchrun ended it (another rank failed)
+        Path(status).write_text(str(code))
+        sys.exit(0 if code in (0, 1, 2) else code)
+    sys.exit(code)
