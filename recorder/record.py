@@ -97,7 +97,8 @@ class RecordSettings:
                    dtype=meta.get("dtype", "bfloat16"), threads=env.get("threads"),
                    deterministic=(meta.get("determinism") or {}).get("applied") is not None,
                    tolerances=tuple(f"{kind}={policy[kind].text}" for kind in KINDS
-                                    if policy[kind].text != default[kind].text),
+                                    if policy[kind].text != default[kind].text)
+                   + ((f"decisions={policy.decisions}",) if policy.margin is not None else ()),
                    require_coverage=bool(meta.get("require_coverage")), allow_thin=bool(meta.get("thin")))
 
     def changes_from(self, other: RecordSettings) -> list[str]:

@@ -433,10 +433,12 @@ def _control_figure(plots: _Plots, fid: str, k: int, control: Control) -> str:
     svg, top = _step_plot(plots, fid, f"K={k} detection control ({c.variant})", c, _GREY, "fails the policy",
                           changed=at)
     verdict = ("fired: it fails at that step, as it must" if control.fired
+               else "inconclusive: the forward's own run fails at that step already, so the control shows nothing"
+               if control.inconclusive
                else "<b class='FAIL'>BLIND</b>: no failure at that step, so this policy cannot see such a change")
     caption = (f"detection control, drawn apart from the forwards on its own axes: the last draft of step {at} "
                f"changed; {verdict}")
-    return _figure(fid, svg, top, caption, not control.fired, "control")
+    return _figure(fid, svg, top, caption, not control.fired and not control.inconclusive, "control")
 
 
 def _k_table(v: KResult) -> str:

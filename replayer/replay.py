@@ -248,7 +248,7 @@ class _Replay:
             self.reasons.extend(why)
             judged.append(Judged(c, why))
             timings.append(Timing(name, tuple(step_ms)))
-        control = self._control(k, log.steps) if self.settings.control else None
+        control = self._control(k, log.steps, judged[-1].comparison) if self.settings.control else None
         accepted = log.accepted.tolist()
         for what, text in (("thin", thin_reason(k, accepted)),
                            ("coverage", coverage_reason(k, accepted) if self.settings.require_coverage else None)):
@@ -313,20 +313,23 @@ class _Replay:
                           "--from)")
         self.clock["write"] += time.perf_counter() - t
 
-    def _control(self, k: int, steps: list[Step]) -> Control:
-        """The detection control under the last forward (still selected): it must fail at the very step
-        whose draft changed, under the active policy or by a changed decision, whatever else differs."""
+    def _control(self, k: int, steps: list[Step], own: Comparison) -> Control:
+        """The detection control under the last forward (still selected; ``own``: its comparison): it must
+        fail at the very step whose draft changed, under the active policy or by a changed decision, where
+        that forward's own run did not. Where its own run fails there already, it is inconclusive: a replay
+        that differs everywhere does not show it would see a change (and fails anyway)."""
         t = time.perf_counter()
         self.progress.phase(f"K={k} control", self.golden.info.steps)
         dc, _ = self._execute(k, control_steps(steps, self.model.vocab_size), f"{self.forwards[-1]}, one draft changed",
                               dict.fromkeys(PHASES, 0.0), control=True)  # counted as the control's time alone
         at = self.golden.info.steps // 2
-        fired = at in dc.failed_step_list
-        if not fired:
+        inconclusive = at in own.failed_step_list
+        fired = at in dc.failed_step_list and not inconclusive
+        if not fired and not inconclusive:
             self.reasons.append(Reason("control", f"verify K={k}: the detection control saw no difference at step "
                                        f"{at} after changing its last draft (policy: {self.policy.describe()})", k))
         self.clock["control"] += time.perf_counter() - t
-        return Control(dc, at, fired)
+        return Control(dc, at, fired, inconclusive)
 
     # -- the report --------------------------------------------------------------------------------------
     def report(self, verify: list[KResult]) -> Report:
@@ -394,10 +397,10 @@ def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> li
 def _reasons(k: int, name: str, c: Comparison) -> list[Reason]:
     """One reason per kind of row that fails (its policy, or a changed decision)."""
     out, pol, sm = [], c.policy, c.summary
-    flips = {kind: [f for f in c.flips if f.kind == kind] for kind in ("prefill", "verify", "draft")}
+    flips = {kind: [f for f in c.flips if f.kind == kind and not f.allowed] for kind in ("prefill", "verify", "draft")}
     slim = "" if c.measured else " (the golden is slim: name its full golden with --rows to measure the rows)"
     if sm["verify"]["rows_failed"] or sm["prefill"]["rows_failed"] or flips["verify"] or flips["prefill"] \
-            or c.accept_changes:
+            or _changed(c):
         if pol["prefill"] == pol["verify"] == "exact":
             head = (f"verify K={k}, {name}: prefill equal {c.prefill_equal}, {c.mismatched_steps} of {c.steps} "
                     f"steps differ (first at {_where(c.first_mismatch or c.prefill_first_mismatch)})")
@@ -431,11 +434,17 @@ def _flip_text(flips: list) -> str:
             f"top-1/top-2 margin {f.margin:.4g} ({f.margin_ulps:.1f} ULP{', a near-tie' if f.near_tie else ''})")
 
 
+def _changed(c: Comparison) -> list[dict]:
+    """The accept-count changes the policy does not allow."""
+    return [a for a in c.accept_changes if not a["allowed"]]
+
+
 def _accept_text(c: Comparison) -> str:
-    if not c.accept_changes:
+    changed = _changed(c)
+    if not changed:
         return ""
-    a = c.accept_changes[0]
-    return (f"; {len(c.accept_changes)} step(s) would accept a different number of drafts (first: step {a['step']}, "
+    a = changed[0]
+    return (f"; {len(changed)} step(s) would accept a different number of drafts (first: step {a['step']}, "
             f"{a['golden']} → {a['got']})")
 
 
@@ -463,9 +472,9 @@ def _failure_rows(k: int, name: str, c: Comparison, side: GoldenSide, kept: dict
     ``kept``: the candidate's rows of each kind's first failing step (`vd.measure.Measurer.kept`)."""
     f = c.first_failure
     if f is None:  # a changed accept count alone: keep its step's verify rows
-        if not c.accept_changes:
+        if not _changed(c):
             return None
-        f = {"kind": "verify", "step": c.accept_changes[0]["step"]}
+        f = {"kind": "verify", "step": _changed(c)[0]["step"]}
     kind, step = f["kind"], f["step"]
     if kind not in kept or kept[kind][0] != step:
         return None
@@ -487,5 +496,6 @@ def _sensitivity(policy: Policy, logical: str, verify: list[KResult]) -> dict:
         agg = {"max_abs": max(s["golden_max_abs"] for s in stats),
                "min_margin": min(s["golden_min_margin"] for s in stats),
                "median_top1_p": statistics.median(s["golden_median_top1_p"] for s in stats)}
-        out[kind] = {"policy": policy[kind].text, "catches": sensitivity(policy[kind], logical, agg), **agg}
+        catches = sensitivity(policy[kind], logical, agg, policy.margin)
+        out[kind] = {"policy": policy[kind].text, "catches": catches, **agg}
     return out

@@ -70,14 +70,22 @@ class Judged:
 @dataclass(frozen=True, slots=True)
 class Control:
     """The detection control: the run with one draft changed at ``changed_step``, and whether it failed
-    there (``fired``) under the active policy."""
+    there (``fired``) under the active policy where the candidate's own run did not. ``inconclusive``: the
+    candidate's own run already fails at that step, so the control shows nothing (its forward fails anyway)."""
 
     comparison: Comparison
     changed_step: int
     fired: bool
+    inconclusive: bool = False
+
+    @property
+    def state(self) -> str:
+        """``fired``, ``inconclusive`` or ``BLIND``."""
+        return "fired" if self.fired else "inconclusive" if self.inconclusive else "BLIND"
 
     def to_json(self) -> dict:
-        return {**self.comparison.to_json(), "changed_step": self.changed_step, "fired": self.fired}
+        return {**self.comparison.to_json(), "changed_step": self.changed_step, "fired": self.fired,
+                "inconclusive": self.inconclusive}
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,15 @@ def test_round_trip_passes_with_report(cli, tiny_golden, tmp_path):
         assert dc["fired"] and dc["changed_step"] == 4 and dc["mismatched_step_list"][0] == 4
 
 
+def test_decisions_margin_from_the_command_line(cli, tiny_golden, tmp_path):
+    report = tmp_path / "r.json"
+    code, out, err = cli("replay", tiny_golden, "--tolerance", "decisions=margin:0.5", "--report", report)
+    r = json.loads(report.read_text())
+    assert code == 0 and r["policy"]["decisions"] == "margin:0.5", out + err
+    assert "decisions=margin:0.5" in r["sensitivity"]["verify"]["catches"]
+    _one_line_error(*cli("replay", tiny_golden, "--tolerance", "decisions=margin:0"), "decisions=margin:X")
+
+
 def test_python_m_vd_is_the_command_line():
     done = subprocess.run([sys.executable, "-m", "vd", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "record" in done.stdout and "replay" in done.stdout and "slim" in done.stdout

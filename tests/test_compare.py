@@ -59,9 +59,42 @@ def test_a_flipped_decision_fails_inside_tolerance_and_names_the_margin():
     assert (f.step, f.row, f.golden_argmax, f.got_argmax) == (1, 0, 10, 20)
     # 1/64 is one step below 4.0 in bf16, half a ULP of 4.0 itself (the top-1 value the margin is counted in)
     assert f.margin == pytest.approx(1 / 64) and f.margin_ulps == pytest.approx(0.5) and f.near_tie
-    assert c.accept_changes == [{"step": 1, "golden": 1, "got": 0}]
+    assert c.accept_changes == [{"step": 1, "golden": 1, "got": 0, "margin": pytest.approx(1 / 64), "allowed": False}]
     ok = compare_run("x", _side(gold, [1, 1]), _run(gold.clone(), [1, 1]), "bfloat16", policy)
     assert ok.passed and not ok.flips and ok.equal
+
+
+@pytest.mark.parametrize("decisions, passed", [("strict", False), ("margin:0.25", True), ("margin:0.01", False)])
+def test_decisions_margin_allows_a_flip_and_its_accept_change_only_below_the_margin(decisions, passed):
+    """The near-tie flip at step 1 row 0 (golden margin 1/64) and the accept-count change it causes are
+    allowed under decisions=margin:X for X above the margin, listed with their margin either way; a flip at a
+    clear row (margin 1.0) never is."""
+    gold = _gold()
+    cand = gold.clone()
+    cand[1, 0, 20] = 4.0 + 1 / 32
+    policy = Policy.parse(["atol:0.1,rtol:0", f"decisions={decisions}"])
+    c = compare_run("x", _side(gold, [1, 1]), _run(cand, [1, 0]), "bfloat16", policy)
+    assert c.passed is passed and c.failed_step_list == ([] if passed else [1])
+    (f,) = c.flips
+    assert f.allowed is passed and f.margin == 1 / 64
+    assert c.accept_changes == [{"step": 1, "golden": 1, "got": 0, "margin": 1 / 64, "allowed": passed}]
+    assert c.to_json()["flips"][0]["allowed"] is passed
+    clear = gold.clone()
+    clear[0, 1, 30] = 5.0  # step 0 row 1: 2.0 -> 5.0 over the top's 4.0 (margin 1.0): a real change
+    c = compare_run("x", _side(gold, [1, 1]), _run(clear, [1, 1]), "bfloat16",
+                    Policy.parse(["kl:100", "decisions=margin:0.25"]))
+    assert not c.passed and [f.allowed for f in c.flips] == [False] and c.failed_step_list == [0]
+
+
+def test_decisions_term_parses_stores_and_refuses():
+    p = Policy.parse(["kl:0.05", "decisions=margin:0.25"])
+    assert p.margin == 0.25 and p.to_json()["decisions"] == "margin:0.25" and "decisions margin:0.25" in p.describe()
+    assert Policy.parse((), p.to_json()) == p  # as a golden stores it
+    assert "decisions" not in Policy.parse(()).to_json() and Policy.parse(()).margin is None
+    assert Policy.parse(["decisions=margin:0.25", "decisions=strict"]).margin is None
+    for bad in ("decisions=margin:0", "decisions=margin:x", "decisions=loose", "decision=margin:1"):
+        with pytest.raises(Exception, match="decisions"):
+            Policy.parse([bad])
 
 
 def test_a_slim_side_judges_exact_and_argmax_from_its_statistics():

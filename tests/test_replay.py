@@ -119,6 +119,18 @@ def test_perturbed_plugin_fails_at_that_step(tiny_golden, monkeypatch):
         assert [x.what for x in v.comparisons[0].reasons] == ["rows"]
 
 
+def test_a_control_on_a_step_the_forward_already_fails_is_inconclusive(tiny_golden, monkeypatch):
+    """The perturb plug-in differs at step 4, where the control changes a draft: the control cannot show the
+    replay would see a change there (it is inconclusive, not fired), and the verdict fails on the rows alone."""
+    monkeypatch.setenv("VD_PERTURB_STEP", str(8 // 2))
+    r = replay(tiny_golden, ReplaySettings(model=f"{PLUGINS / 'perturb.py'}:factory"))
+    assert r.verdict == "FAIL" and {x.what for x in r.reasons} == {"rows"}
+    for v in r.verify:
+        assert v.comparisons[0].comparison.failed_step_list == [4]
+        assert v.control.changed_step == 4 and v.control.inconclusive and not v.control.fired
+        assert v.control.state == "inconclusive" and v.control.to_json()["inconclusive"] is True
+
+
 def test_blind_control_fails(cli, golden_dir):
     path = golden_dir / "deaf.zarr"
     code, out, err = cli("record", path, "--model", f"{PLUGINS / 'deaf.py'}:factory", "--steps", "8",
@@ -127,7 +139,7 @@ def test_blind_control_fails(cli, golden_dir):
     r = replay(path)
     assert r.verdict == "FAIL"
     assert all(j.comparison.mismatched_steps == 0 for v in r.verify for j in v.comparisons)
-    assert all(not v.control.fired for v in r.verify)
+    assert all(not v.control.fired and not v.control.inconclusive and v.control.state == "BLIND" for v in r.verify)
     assert {x.what for x in r.reasons} >= {"control"}
     assert all("detection control saw no difference" in x.text for x in r.reasons_of(("control",)))
 

@@ -5,7 +5,10 @@ Rows are measured by `vd.measure` (digests first, the golden's rows read only wh
 row's argmax is a decision where generation acts on it (every verify and draft row, and the prefill's
 last row); a flipped decision fails even inside a tolerance, labelled with the golden's top-1/top-2 margin
 so a near-tie can be told from a real change; a step whose candidate rows would accept another number of
-drafts fails too. The result is a `Comparison`, which becomes JSON only in a report.
+drafts fails too. Under ``decisions=margin:X`` (`vd.policy`) a flip at a row whose golden margin is below X
+is allowed (``Flip.allowed``), and so is the accept-count change it causes (the step's first row where the
+two counts part); every allowed one is still listed with its margin. The result is a `Comparison`, which
+becomes JSON only in a report.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Flip:
     margin_ulps: float  # the same in units in the last place of the golden's top-1 value
     near_tie: bool  # margin within NEAR_TIE_ULPS: a tie at the dtype's resolution
     row_max_abs: float  # the candidate row's largest absolute difference
+    allowed: bool = False  # below the policy's decisions=margin:X
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +179,8 @@ def compare_run(variant: str, side: GoldenSide, run: Run, logical: str, policy: 
             measurer.add(kind, start, rows[:side.counts[kind] - start])
     kinds = {name: _Kind(name, rows, side.layout) for name, rows in measurer.result().items()}
     flips, failures, failed = _decisions(kinds, logical, policy)
-    accept_changes = [{"step": i, "golden": int(a), "got": int(b)}
-                      for i, (a, b) in enumerate(zip(side.accepted.tolist(), run.computed)) if a != b]
-    failed |= {c["step"] for c in accept_changes}
+    accept_changes = _accept_changes(side, run, flips)
+    failed |= {c["step"] for c in accept_changes if not c["allowed"]}
     verify, prefill = kinds["verify"], kinds["prefill"]
     bad = verify.bad_steps()
     return Comparison(
@@ -192,7 +195,8 @@ def compare_run(variant: str, side: GoldenSide, run: Run, logical: str, policy: 
         mismatched_step_list=bad,
         decision_changes=len(accept_changes),
         policy=policy.to_json(),
-        passed=not flips and not accept_changes and all(kd.quiet or kd.rows.passed.all() for kd in kinds.values()),
+        passed=(not any(not f.allowed for f in flips) and not any(not c["allowed"] for c in accept_changes)
+                and all(kd.quiet or kd.rows.passed.all() for kd in kinds.values())),
         failed_step_list=sorted(failed),
         first_failure=failures[0][2] if failures else None,
         flips=flips,
@@ -227,19 +231,36 @@ def _decisions(kinds: dict[str, _Kind], logical: str, policy: Policy) -> tuple[l
         flipped_rows = (r.golden_argmax != r.got_argmax) & decides
         for f in np.flatnonzero(~r.passed | flipped_rows):
             step, row = kd.where(int(f))
-            if step is not None:
-                failed.add(step)
-            flipped = bool(flipped_rows[f])
+            flipped, allowed = bool(flipped_rows[f]), False
             if flipped:
                 units = float(r.margin[f]) / ulp_of(float(r.top1[f]), logical)
+                allowed = policy.allows_flip(float(r.margin[f]))
                 flips.append(Flip(kd.name, step, row, int(r.golden_argmax[f]), int(r.got_argmax[f]),
-                                  float(r.margin[f]), units, units <= NEAR_TIE_ULPS, float(r.max_abs[f])))
+                                  float(r.margin[f]), units, units <= NEAR_TIE_ULPS, float(r.max_abs[f]), allowed))
+            if r.passed[f] and (not flipped or allowed):
+                continue  # an allowed flip in a row within its tolerance: listed, not a failure
+            if step is not None:
+                failed.add(step)
             order = (-1 if step is None else step, _ORDER[kd.name] if step is not None else int(kd.name == "draft"))
             failures.append((order, row, {"kind": kd.name, "step": step, "row": row, "index": _int(r.first_index[f]),
                                           "golden": float(r.first_golden[f]), "got": float(r.first_got[f]),
                                           "policy": policy[kd.name].text, "argmax_flipped": flipped}))
     failures.sort(key=lambda x: (x[0], x[1]))
     return flips, failures, failed
+
+
+def _accept_changes(side: GoldenSide, run: Run, flips: list[Flip]) -> list[dict]:
+    """Each step whose candidate's own argmaxes would accept another number of drafts: the two counts, the
+    golden's margin at the row where they part (row min(golden, got) of the step: there one argmax took the
+    draft and the other did not) and whether that row's flip is allowed."""
+    at = {(f.step, f.row): f for f in flips if f.kind == "verify"}
+    out = []
+    for i, (a, b) in enumerate(zip(side.accepted.tolist(), run.computed)):
+        if a != b:
+            f = at.get((i, min(a, b)))
+            out.append({"step": i, "golden": int(a), "got": int(b), "margin": None if f is None else f.margin,
+                        "allowed": f is not None and f.allowed})
+    return out
 
 
 def _int(x: float) -> int | None:

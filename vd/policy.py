@@ -18,7 +18,11 @@ bootstrap row) to a SPEC:
 
 Whatever the policy, decisions are checked as well (`vd.compare`): a row whose argmax differs from the
 golden's fails even when its values are within tolerance, because it changes which draft a scheduler
-accepts or which token it emits. `sensitivity` states the smallest change a policy is guaranteed to
+accepts or which token it emits. The one exception is stated, not implied: ``decisions=margin:X`` allows
+an argmax flip, and the accept-count change it causes, only at a row whose golden top-1/top-2 margin is
+below X (logits): near-ties, where another engine's rounding may pick the other token (what llama.cpp's
+``--kl-divergence`` calls "same top p"). Each allowed flip is reported with its margin;
+``decisions=strict`` (the default) allows none. `sensitivity` states the smallest change a policy is guaranteed to
 catch. A golden stores the policy it was recorded with as its default; ``--tolerance`` overrides it. A slim
 golden (`vd.store.slim`) can be judged under ``exact`` and ``argmax`` only, unless its full golden is named.
 """
@@ -84,6 +88,25 @@ def parse_spec(text: str) -> Spec:
         raise UsageError(f"bad number in tolerance {text!r}") from e
 
 
+DECISIONS = "decisions"  # the policy term for argmax flips and accept-count changes
+
+
+def parse_decisions(text: str) -> float | None:
+    """``strict`` (None) or ``margin:X`` (X > 0, finite), else a UsageError."""
+    t = text.strip()
+    if t == "strict":
+        return None
+    m = re.fullmatch(r"margin:(.+)", t)
+    try:
+        x = float(m[1]) if m else float("nan")
+    except ValueError:
+        x = float("nan")
+    if not (x > 0 and math.isfinite(x)):
+        raise UsageError(f"unknown decisions term {text!r}: use decisions=strict or decisions=margin:X (X > 0, the "
+                         "golden top-1/top-2 logit margin below which an argmax flip is allowed)")
+    return x
+
+
 ROWLESS = ("exact", "argmax")  # specs a golden's stored digests and statistics decide without its rows
 
 
@@ -94,6 +117,7 @@ class Policy:
     prefill: Spec
     verify: Spec
     draft: Spec
+    margin: float | None = None  # decisions=margin:X: flips allowed below this golden margin (None: strict)
 
     @classmethod
     def parse(cls, items: Iterable[str] = (), base: Mapping[str, str] | None = None) -> Policy:
@@ -101,26 +125,44 @@ class Policy:
         A SPEC without a KIND applies to every kind."""
         texts = {k: "exact" for k in KINDS}
         texts.update({k: v for k, v in (base or {}).items() if k in KINDS})
+        decisions = (base or {}).get(DECISIONS, "strict")
         for item in items:
             kind, sep, spec = item.partition("=")
             if not sep:
                 kind, spec = "", item
+            if kind == DECISIONS:
+                decisions = spec.strip()
+                parse_decisions(decisions)
+                continue
             if kind and kind not in KINDS:
-                raise UsageError(f"unknown row kind {kind!r} in --tolerance {item!r} (choose from {', '.join(KINDS)})")
+                raise UsageError(f"unknown row kind {kind!r} in --tolerance {item!r} (choose from "
+                                 f"{', '.join(KINDS)}, or {DECISIONS}=margin:X)")
             parse_spec(spec)
             for k in [kind] if kind else KINDS:
                 texts[k] = spec.strip()
-        return cls(**{k: parse_spec(texts[k]) for k in KINDS})  # a stored policy must parse too
+        # a stored policy must parse too
+        return cls(**{k: parse_spec(texts[k]) for k in KINDS}, margin=parse_decisions(decisions))
 
     def __getitem__(self, kind: str) -> Spec:
         return getattr(self, kind)
 
     def to_json(self) -> dict[str, str]:
-        return {k: self[k].text for k in KINDS}
+        """Each kind's SPEC, and ``decisions`` where it is not strict."""
+        return {**{k: self[k].text for k in KINDS}, **({DECISIONS: self.decisions} if self.margin is not None else {})}
+
+    @property
+    def decisions(self) -> str:
+        """``strict`` or ``margin:X``."""
+        return "strict" if self.margin is None else f"margin:{self.margin:g}"
+
+    def allows_flip(self, margin: float) -> bool:
+        """Whether an argmax flip at a row whose golden top-1/top-2 margin is ``margin`` is allowed."""
+        return self.margin is not None and margin < self.margin
 
     def describe(self) -> str:
-        """``prefill exact, verify ulp:2, draft exact``."""
-        return ", ".join(f"{k} {self[k].text}" for k in KINDS)
+        """``prefill exact, verify ulp:2, draft exact`` (and ``, decisions margin:X``)."""
+        return ", ".join(f"{k} {self[k].text}" for k in KINDS) + (
+            f", decisions {self.decisions}" if self.margin is not None else "")
 
     @property
     def needs_rows(self) -> list[str]:
@@ -128,17 +170,21 @@ class Policy:
         return [k for k in KINDS if self[k].name not in ROWLESS]
 
 
-def sensitivity(spec: Spec, logical: str, stats: Mapping[str, float]) -> str:
+def sensitivity(spec: Spec, logical: str, stats: Mapping[str, float], margin: float | None = None) -> str:
     """The smallest change the policy is guaranteed to catch in a row, in words and figures.
 
     ``stats`` describes the golden's rows of this kind: ``max_abs`` (largest |logit|), ``min_margin``
-    (smallest top-1/top-2 gap) and ``median_top1_p`` (median probability of the top token).
+    (smallest top-1/top-2 gap) and ``median_top1_p`` (median probability of the top token); ``margin``: the
+    policy's decisions=margin:X (flips allowed below it).
     """
     from vd.dtypes import DTYPES  # here, not at the top: parsing a policy needs no torch
 
     ulp_at = 2.0 ** (math.floor(math.log2(max(stats.get("max_abs", 1.0), 2.0 ** -126))) - DTYPES[logical].mantissa_bits)
-    flip = (f"; and always any change of a row's argmax (the golden's smallest top-1/top-2 margin is "
-            f"{stats.get('min_margin', float('nan')):.4g})")
+    smallest = f"{stats.get('min_margin', float('nan')):.4g}"
+    flip = (f"; and always any change of a row's argmax (the golden's smallest top-1/top-2 margin is {smallest})"
+            if margin is None else
+            f"; and any change of the argmax of a row whose golden top-1/top-2 margin is {margin:g} or more "
+            f"(decisions=margin:{margin:g}; the golden's smallest margin is {smallest})")
     if spec.name == "exact":
         return "any change of any bit of any element (1 ULP)" + flip
     if spec.name == "ulp":

@@ -168,6 +168,12 @@ def _recorded(r) -> int:
 
 
 
+def _flips(c) -> str:
+    """The flips column: how many, and how many of them the policy's decisions=margin:X allowed."""
+    allowed = sum(f.allowed for f in c.flips)
+    return f"{len(c.flips)}" + (f" ({allowed} allowed)" if allowed else "")
+
+
 def _summary(report) -> None:
     t = Table(title=f"vd replay {report.golden}  (policy: {report.policy.describe()})", title_justify="left")
     cols = ["K", "forward", "prefill", "steps differ", "first mismatch", "max |Δ|", "flips", "judged", "step ms",
@@ -177,12 +183,12 @@ def _summary(report) -> None:
     for col in cols:
         t.add_column(col)
     for v in report.verify:
-        control = "-" if v.control is None else ("fired" if v.control.fired else "BLIND")
+        control = "-" if v.control is None else v.control.state
         for j, tm in zip(v.comparisons, v.timings[1:]):
             c, m = j.comparison, j.comparison.first_mismatch
             first = "-" if m is None else f"step {m.step} row {m.row}" + ("" if m.index is None else f" [{m.index}]")
             cells = [str(v.k), c.variant, "equal" if c.prefill_equal else "DIFFERS", f"{c.mismatched_steps}/{c.steps}",
-                     first, f"{c.max_abs_diff:.4g}", str(len(c.flips)), "pass" if c.passed else "FAIL",
+                     first, f"{c.max_abs_diff:.4g}", _flips(c), "pass" if c.passed else "FAIL",
                      f"{tm.to_json()['step_ms_median']:.2f}", control]
             if report.mtp:
                 cells[4:4] = [f"{c.draft_mismatched_steps}/{c.steps}{'' if c.bootstrap_equal else ' +bootstrap'}"]

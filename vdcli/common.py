@@ -283,7 +283,8 @@ Suite = Annotated[bool, typer.Option("--suite", help="Work on the declared golde
                                      "of pyproject.toml): those named, else all.")]
 Tolerances = Annotated[list[str] | None, typer.Option("--tolerance", metavar=TOLERANCE_METAVAR, help="Repeatable: "
                                                       "KIND prefill, verify or draft; SPEC exact, ulp:N, "
-                                                      "atol:X,rtol:Y, argmax, topk:N, kl:X.")]
+                                                      "atol:X,rtol:Y, argmax, topk:N, kl:X; or decisions=margin:X "
+                                                      "(argmax flips allowed below golden margin X).")]
 AllowNonfinite = Annotated[bool, typer.Option("--allow-nonfinite", help="Store logits holding NaN or Inf "
                                               "(refused otherwise).")]
 AllowThin = Annotated[bool, typer.Option("--allow-thin", help="Store a reference without both full and partial "
