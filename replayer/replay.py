@@ -27,7 +27,7 @@ import torch
 from vd import env
 from vd.compare import Comparison, Queued, compare_run
 from vd.coverage import coverage_reason, thin_reason
-from vd.dtypes import to_storage
+from vd.dtypes import of_torch, to_storage
 from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
 from vd.layout import Step
 from vd.loop import DrafterFeed, Hold, ReplayFeed, hold_bytes, prepare, run_verify
@@ -181,12 +181,13 @@ class _Replay:
         self.model = model
         if self.prefetcher is None:
             self._reader(Prefetcher(g, model.device, files=True))
-        self.notes = _check_model(g, model, s.allow_model_mismatch) + artifacts
         self.offered = model.forwards()
-        if not s.forwards and g.info.forward not in self.offered:  # e.g. a CUDA golden replayed on a CPU
-            raise UsageError(f"the golden was recorded with forward {g.info.forward!r}, which this model on "
-                             f"{model.device.type} does not offer; choose one with --forward "
-                             f"({', '.join(self.offered)})")
+        lacks = None if s.forwards or g.info.forward in self.offered else (  # e.g. a CUDA golden on a CPU
+            f"--forward NAME: the golden was recorded with forward {g.info.forward!r}, which this model on "
+            f"{model.device.type} does not offer (it offers {', '.join(self.offered)})")
+        self.notes = _check_model(g, model, s.allow_model_mismatch, lacks) + artifacts
+        if lacks is not None:
+            raise UsageError(f"pass {lacks}")
         self.forwards = list(s.forwards) or [g.info.forward]
         require_forwards(model, self.forwards)
         if s.save_candidate is not None:
@@ -373,11 +374,18 @@ def _timing_of(clock: dict[str, float], finish: float, first_step: float | None)
             "compare": clock["compare"] + clock["wait_golden"], "write": clock["write"] + finish}
 
 
-def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> list[str]:
-    """Refuse a model that cannot be compared; a different fingerprint only with ``allow_mismatch``."""
+def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool, lacks: str | None = None
+                 ) -> list[str]:
+    """Refuse a model that cannot be compared; a different fingerprint only with ``allow_mismatch``. ``lacks``:
+    the other flag the replay needs (a forward), named in the same error so one attempt learns both."""
     meta = golden.meta
     if model.vocab_size != golden.info.vocab:
         raise ModelMismatchError(f"model has vocab {model.vocab_size}, golden {golden.url} has {golden.info.vocab}")
+    computes = of_torch(model.dtype).name
+    if computes != golden.logical:
+        raise ModelMismatchError(f"model computes {computes} rows, golden {golden.url} holds {golden.logical} rows: "
+                                 "a replay compares rows of the golden's dtype (load the model in it, or replay a "
+                                 f"golden recorded in {computes})")
     pairs = [("model", model.identity().fingerprint, meta["model"]["fingerprint"])]
     if golden.info.drafted:
         if not isinstance(model, DraftHead):
@@ -388,8 +396,9 @@ def _check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool) -> li
         if got == want:
             continue
         if not allow_mismatch:
+            also = "" if lacks is None else f", and {lacks}"
             raise ModelMismatchError(f"{what} fingerprint {got[:19]}… differs from golden's {want[:19]}… "
-                                     "(pass --allow-model-mismatch to compare anyway)")
+                                     f"(pass --allow-model-mismatch to compare anyway{also})")
         notes.append(f"{what} fingerprint differs from the golden's ({got} vs {want}); allowed by the user")
     return notes
 

@@ -163,6 +163,17 @@ def test_replay_of_a_forward_this_device_lacks_names_the_choice(cli, tiny_copy):
     assert code == 0, err
 
 
+def test_a_foreign_engine_learns_every_flag_it_needs_in_one_error(cli, tiny_copy):
+    """Another model (another fingerprint) lacking the golden's forward: one line names both flags, so one
+    failed attempt is enough."""
+    edit_meta(tiny_copy, lambda m: m.update(forward="graphed"))
+    reseeded = f"{PLUGINS / 'reseeded.py'}:factory"
+    _one_line_error(*cli("replay", tiny_copy, "--model", reseeded), "--allow-model-mismatch", "--forward NAME",
+                    "'graphed'")
+    code, out, err = cli("replay", tiny_copy, "--model", reseeded, "--allow-model-mismatch", "--forward", "eager")
+    assert code == 1, err  # judged: another model, allowed by the user
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_golden_on_a_cpu_machine_says_what_to_pass(cli, tiny_copy):
     """A golden recorded on CUDA with a CUDA-only forward, replayed where there is no GPU: the one line
@@ -491,6 +502,41 @@ def test_a_misbehaving_engine_is_named_in_one_line(cli, tmp_path, factory, needl
     code, _, err = cli("record", out, "--model", f"{MISBEHAVING}:{factory}", "--k", "2", "--steps", "4")
     _one_line_error(code, "", err, needle)
     assert not out.exists()
+
+
+def test_an_engine_reusing_its_output_buffer_is_refused_naming_it(cli, tmp_path, tiny_golden):
+    """Rows returned as views of one reused buffer would be stored (and compared) as whatever the buffer held
+    last: record and replay refuse them at once, an internal error of the engine (exit 3) naming it."""
+    out, spec = tmp_path / "g.zarr", f"{MISBEHAVING}:aliasing"
+    code, _, err = cli("record", out, "--model", spec, "--k", "2", "--steps", "4")
+    _one_line_error(code, "", err, f"AdapterError: the model adapter {spec} returned rows in memory holding rows it "
+                    "returned earlier", exit_code=3)
+    assert not out.exists()
+    code, _, err = cli("replay", tiny_golden, "--model", spec)
+    _one_line_error(code, "", err, "reused output buffer", exit_code=3)
+    from vd.models import load_model
+    from vd.testing import ModelConformance
+
+    with pytest.raises(AssertionError, match="rows returned by forward changed"):
+        ModelConformance().test_returned_rows_are_owned(load_model(spec))
+
+
+def test_an_engines_own_environment_joins_the_golden_and_its_build_is_compared(cli, tmp_path, monkeypatch):
+    out, report = tmp_path / "g.zarr", tmp_path / "r.json"
+    monkeypatch.setenv("VD_ENGINE_BUILD", "1")
+    assert cli("record", out, "--model", f"{MISBEHAVING}:built", "--k", "2", "--steps", "4", "--allow-thin")[0] == 0
+    from vd.store import open_golden
+
+    assert open_golden(out).meta["environment"]["engine"] == {"name": "tiny-engine", "build": "1"}
+    monkeypatch.setenv("VD_ENGINE_BUILD", "2")
+    cli("replay", out, "--report", report)
+    diffs = json.loads(report.read_text())["environment"]["numerics_differences"]
+    assert any(d.startswith("engine: ") and "'build': '2'" in d for d in diffs), diffs
+
+
+def test_a_replay_whose_engine_computes_another_dtype_is_refused(cli, tiny_golden):
+    code, _, err = cli("replay", tiny_golden, "--model", f"{MISBEHAVING}:computes_float32")
+    _one_line_error(code, "", err, "model computes float32 rows", "holds bfloat16 rows")
 
 
 def test_nonfinite_logits_are_stored_only_when_asked(cli, tmp_path):

@@ -23,7 +23,7 @@ from vd.errors import UsageError
 # Fields whose difference can change the numbers, in the order a reader should see them.
 NUMERIC_FIELDS = (
     "device", "cpu_capability", "cpu_model", "threads", "torch", "transformers", "gpu_name", "cuda",
-    "cudnn", "driver", "determinism", "tp", "collectives",
+    "cudnn", "driver", "determinism", "tp", "collectives", "engine",
 )
 
 

@@ -58,3 +58,9 @@ class ModelOutputError(VdError):
 class PluginError(VdError):
     """A plug-in's method raised while it ran: bad input (exit 2), named with what it raised; its traceback is
     kept in a file the message names. A built-in engine that raises stays an internal error (exit 3)."""
+
+
+class AdapterError(RuntimeError):
+    """A model adapter broke the protocol in a way that would store or judge wrong rows: rows it returned
+    share memory with rows an earlier forward returned (a reused output buffer). Not bad input but a broken
+    engine: an internal error (exit 3) naming the adapter."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vd.errors import ModelOutputError, UsageError
+from vd.errors import AdapterError, ModelOutputError, UsageError
 from vd.layout import RowLayout, Step
 from vd.protocol import VerifyModel
 
@@ -75,9 +75,22 @@ class Run:
     hold: Hold | None = None
     settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("prefill", "verify", "draft"), 0))
     prompt: int = 0  # prefill rows (``prefill`` is empty once settled)
+    storages: set[int] = field(default_factory=set)  # the memory of the rows held, to refuse a reused buffer
 
     def __post_init__(self):
         self.prompt = self.prefill.shape[0]
+        self.storages.add(self.prefill.untyped_storage().data_ptr())
+
+    def own(self, model, rows: torch.Tensor) -> None:
+        """Refuse (`vd.errors.AdapterError`) rows a forward returned in memory the run still holds: the
+        adapter reuses its output buffer, so rows held for the golden or the comparison would change."""
+        ptr = rows.untyped_storage().data_ptr()
+        if ptr in self.storages:
+            adapter = getattr(model, "_vd_plugin", None) or f"{type(model).__module__}.{type(model).__qualname__}"
+            raise AdapterError(f"the model adapter {adapter} returned rows in memory holding rows it returned "
+                               "earlier (a reused output buffer): vd keeps every row it is given until the run "
+                               "lets it go, so forward must return a tensor it does not reuse (clone it)")
+        self.storages.add(ptr)
 
     @property
     def layout(self) -> RowLayout:
@@ -116,6 +129,7 @@ class Run:
             self.settled[kind] = start + rows.shape[0]
         self.prefill = self.prefill.new_empty((0, self.prefill.shape[1]))  # not a view: its memory goes too
         self.rows.clear()
+        self.storages.clear()
         self.draft_rows.clear()
         if self.bootstrap_row is not None:
             self.bootstrap_row = self.bootstrap_row.new_empty((0, self.bootstrap_row.shape[1]))
@@ -373,6 +387,7 @@ def run_verify(
         t0 = time.perf_counter()
         clock.started()
         rows = checked(model, tokens, model.forward(tokens))  # [K, V]
+        run.own(model, rows)
         clock.issued()
         if logged is not None:
             _log(run, *logged, on_step)

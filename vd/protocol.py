@@ -30,7 +30,11 @@ class ModelIdentity:
         Human-readable name (architecture and checkpoint), for display.
     fingerprint : str
         ``sha256:<hex>`` over the weights as loaded (names, dtypes, shapes, bytes) and the config fields
-        that change the arithmetic. Two models with the same fingerprint compute the same function.
+        that change the arithmetic. Two models with the same fingerprint compute the same function. An
+        engine that is not HF covers what decides its function: the model file's content hash (not its
+        path), the quantisation and any config it applies; not its version, threads or build flags, which
+        are the build (its ``environment()``, below), so the same model run by another build keeps its
+        fingerprint and a replay reports the build's differences.
     details : dict
         Anything else worth storing (architecture, parameter count, config summary).
     """
@@ -51,7 +55,10 @@ class VerifyModel(Protocol):
     device : torch.device
         Where `forward` computes and returns its rows.
     dtype : torch.dtype
-        The dtype of the returned logits rows (bfloat16, float16 or float32).
+        The dtype of the returned logits rows (bfloat16, float16 or float32): the dtype the factory was
+        asked for (``factory(device=, dtype=)``). An engine that computes in float32 whatever it is asked
+        returns float32 rows and says so here; a replay refuses a model whose dtype is not the golden's
+        (exit 2), so record and replay such an engine with ``--dtype float32``.
 
     Notes
     -----
@@ -65,8 +72,18 @@ class VerifyModel(Protocol):
     * `forward` is deterministic for a fixed forward, device and thread count.
     * `set_forward(name)` switches the implementation (attention kernel, compiled, graphed, ...) without
       changing the weights; `forwards()` names each and says what it is.
+    * The rows `forward` returns are the caller's: vd holds them until its run lets them go (and compares or
+      stores them then), so they must not change after a rewind or a later forward. Return a tensor the
+      engine does not reuse (clone an output buffer); rows in memory the run still holds are refused as an
+      internal error naming the adapter (exit 3, `vd.errors.AdapterError`).
+    * Threads: the factory is given only ``device`` and ``dtype``. vd sets torch's thread count
+      (``--threads``, else the recording's) before it calls the factory; an engine with its own threads
+      reads ``torch.get_num_threads()`` there.
     * Optional: `decode(ids)`, token ids back to text (`TokenDecoder`); not part of this protocol, so an
-      engine without it still fits.
+      engine without it still fits. Optional: ``environment()``, a mapping of fields added to the golden's
+      environment (`vd.env.of_model`): an engine puts its version and build flags under ``engine`` (a
+      mapping), which a replay compares with the recording's and lists among the numerics differences,
+      as it does ``tp`` and ``collectives`` (`vd.env.NUMERIC_FIELDS`).
     """
 
     vocab_size: int

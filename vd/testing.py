@@ -63,10 +63,33 @@ class ModelConformance:
         model.reset()
         prompt = _prompt(model)
         rows = model.forward(prompt)
-        assert tuple(rows.shape) == (len(prompt), model.vocab_size)
-        assert rows.dtype == model.dtype and rows.device.type == model.device.type
+        assert isinstance(rows, torch.Tensor), f"forward returned a {type(rows).__name__}, expected a torch.Tensor"
+        want = [len(prompt), model.vocab_size]
+        assert list(rows.shape) == want, \
+            f"forward of {len(prompt)} tokens returned shape {list(rows.shape)}, expected {want}"
+        assert rows.dtype == model.dtype, (f"forward returned {rows.dtype} rows and the model says its dtype is "
+                                           f"{model.dtype}: rows must be of model.dtype")
+        assert rows.device.type == model.device.type, \
+            f"forward returned rows on {rows.device}, expected the model's device {model.device}"
         step = model.forward([1, 2, 3])
-        assert tuple(step.shape) == (3, model.vocab_size)
+        assert tuple(step.shape) == (3, model.vocab_size), \
+            f"forward of 3 tokens returned shape {list(step.shape)}, expected {[3, model.vocab_size]}"
+
+    def test_returned_rows_are_owned(self, model):
+        """Rows a forward returned stay as they were after a rewind and later forwards: vd holds them until
+        the run lets them go, so an adapter must return a tensor it does not reuse (a view of a reused output
+        buffer, such as llama-cpp-python's logits array, is not)."""
+        model.reset()
+        model.forward(_prompt(model))
+        kept = model.forward([5, 6, 7])
+        before = kept.clone()
+        model.rewind(2)
+        model.forward([8, 9])
+        model.forward([10])
+        moved = (kept.float() - before.float()).abs().max().item()
+        assert torch.equal(kept, before), (f"rows returned by forward changed (max |Δ| {moved}) after a rewind and "
+                                           "two later forwards: return a tensor the adapter does not reuse (clone "
+                                           "its output buffer)")
 
     def test_repeat_after_rewind_is_bitwise(self, model):
         model.reset()

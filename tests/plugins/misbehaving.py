@@ -1,5 +1,9 @@
 """Plug-in engines that break the protocol in one way each (tiny-llama's otherwise), for the checks that name
-them: a factory that raises, rows of the wrong width, rank or dtype, and logits that are all NaN."""
+them: a factory that raises, rows of the wrong width, rank or dtype, logits that are all NaN, rows returned
+in one reused output buffer (as llama-cpp-python's logits array, viewed without a copy), and an engine that
+computes float32 whatever dtype it is asked for."""
+
+import os
 
 import torch
 
@@ -30,3 +34,37 @@ wide = _make(lambda rows: torch.cat([rows, rows[:, :1]], dim=1))
 flat = _make(lambda rows: rows[-1])
 float32 = _make(lambda rows: rows.float())
 nan = _make(lambda rows: torch.full_like(rows, float("nan")))
+
+
+class _Reused(Misbehaving):
+    """Every forward's rows written into one buffer, and a view of it returned."""
+
+    def forward(self, tokens):
+        rows = self.inner.forward(tokens)
+        if not hasattr(self, "buffer"):
+            self.buffer = torch.empty(1024, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        out = self.buffer[:rows.shape[0]]
+        out.copy_(rows)
+        return out
+
+
+def aliasing(device, dtype):
+    return _Reused(load_model("tiny-llama", device=device, dtype=dtype), None)
+
+
+def computes_float32(device, dtype):
+    return load_model("tiny-llama", device=device, dtype="float32")  # the dtype asked for is ignored
+
+
+class _Built(Misbehaving):
+    """tiny-llama reporting an engine build of its own (`environment()`), from ``VD_ENGINE_BUILD``."""
+
+    def forward(self, tokens):
+        return self.inner.forward(tokens)
+
+    def environment(self):
+        return {"engine": {"name": "tiny-engine", "build": os.environ.get("VD_ENGINE_BUILD", "1")}}
+
+
+def built(device, dtype):
+    return _Built(load_model("tiny-llama", device=device, dtype=dtype), None)

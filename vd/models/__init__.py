@@ -112,6 +112,10 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
             "of the vd model protocol"
         )
     _guard(model, spec)
+    try:
+        model._vd_plugin = spec  # the spec that named it, for the errors that name the adapter
+    except (AttributeError, TypeError):
+        pass
     return model
 
 
