@@ -481,8 +481,9 @@ def models() -> int:
     for p in PRESETS.values():
         t.add_row(p.name, p.summary)
     out.print(t)
-    out.print("Other SPECs: a local HF checkpoint directory; a .gguf file; a plug-in "
-              "'package.module:factory' or 'path/to/file.py:factory' returning a vd.protocol.VerifyModel.")
+    out.print("Other SPECs: a local HF checkpoint directory; a .gguf file; 'llamacpp:PATH.gguf' (the GGUF run by "
+              "llama.cpp, vd[llamacpp]); a plug-in 'package.module:factory' or 'path/to/file.py:factory' returning a "
+              "vd.protocol.VerifyModel.")
     return EXIT_PASS
 
 

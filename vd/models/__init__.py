@@ -52,7 +52,9 @@ def __getattr__(name: str):
 
 
 def spec_kind(spec: str) -> str:
-    """``plugin``, ``path`` or ``preset``; a ModelSpecError for a spec that names nothing."""
+    """``llamacpp``, ``plugin``, ``path`` or ``preset``; a ModelSpecError for a spec that names nothing."""
+    if spec.startswith("llamacpp:"):
+        return "llamacpp"
     if _PLUGIN.match(spec) and not Path(spec).exists():
         return "plugin"
     if Path(spec).exists():
@@ -68,7 +70,7 @@ def spec_kind(spec: str) -> str:
 def check_forward_names(spec: str, names: list[str]) -> None:
     """A UsageError naming every forward in ``names`` that no built-in model offers, for a ``spec`` that
     names a built-in model (a plug-in's forwards are known only once it is loaded)."""
-    if spec_kind(spec) == "plugin":
+    if spec_kind(spec) in ("plugin", "llamacpp"):
         return
     unknown = [n for n in names if n not in BUILTIN_FORWARDS]
     if unknown:
@@ -166,7 +168,11 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     kind = spec_kind(spec)
     if _split():
         return _tensor_parallel(spec, kind, dev, dt, head)
-    if kind == "plugin":
+    if kind == "llamacpp":
+        from vd.models import llamacpp
+
+        model = llamacpp.load(spec, dev, dt)
+    elif kind == "plugin":
         model = _load_plugin(spec, dev, dt)
     elif kind == "path":
         path = Path(spec)
@@ -210,7 +216,7 @@ def _tensor_parallel(spec: str, kind: str, device: torch.device, dtype: torch.dt
 def forwards_of(spec: str, *, device: str = "cpu", dtype: str = "bfloat16") -> dict[str, str]:
     """The forwards a model offers. HF specs answer without loading weights (pinned SDPA backends
     marked as device-dependent); plug-ins are loaded."""
-    if spec_kind(spec) == "plugin":
+    if spec_kind(spec) in ("plugin", "llamacpp"):
         return dict(load_model(spec, device=device, dtype=dtype).forwards())
     from vd.models.hf import all_forwards
 

@@ -1,0 +1,77 @@
+"""The llama.cpp adapter (`vd.models.llamacpp`) on the real engine and the default model's own GGUF: it passes the
+conformance checks, replays its own golden bit for bit, and judged against the HF golden it fails exact (every
+row differs, argmax flips at near-ties, the control inconclusive) and passes under a KL bound with a stated
+margin allowance. Skipped where llama-cpp-python is not installed (tools/setup_llamacpp.sh installs it)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from vd.models import load_model  # noqa: E402
+from vd.models.presets import smollm2_path  # noqa: E402
+from vd.store import open_golden  # noqa: E402
+from vd.testing import ModelConformance  # noqa: E402
+
+
+def _spec() -> str:
+    return f"llamacpp:{smollm2_path()}"
+
+
+class TestLlamaCppBf16(ModelConformance):
+    @pytest.fixture(scope="class")
+    def model(self):
+        return load_model(_spec())
+
+
+class TestLlamaCppFloat32(ModelConformance):
+    @pytest.fixture(scope="class")
+    def model(self):
+        return load_model(_spec(), dtype="float32")
+
+
+def test_identity_and_environment_name_the_file_and_the_build():
+    m = load_model(_spec())
+    ident = m.identity()
+    assert ident.fingerprint.startswith("sha256:") and "llama.cpp" in ident.name
+    assert ident.details["engine"] == "llama.cpp" and ident.details["gguf"] == smollm2_path().name
+    engine = m.environment()["engine"]
+    assert engine["name"] == "llama.cpp" and engine["llama_cpp_python"] and "AVX" in engine["system_info"]
+    assert set(m.forwards()) >= {"cpu", "cpu-flash"} and m.default_forward() == "cpu"
+
+
+def test_its_own_golden_replays_bit_for_bit(cli, tmp_path):
+    g, report = tmp_path / "lc.zarr", tmp_path / "r.json"
+    code, _, err = cli("record", g, "--model", _spec(), "--k", "2,3", "--steps", "8")
+    assert code == 0, err
+    assert open_golden(g).meta["environment"]["engine"]["name"] == "llama.cpp"
+    code, out, err = cli("replay", g, "--report", report)
+    r = json.loads(report.read_text())
+    assert code == 0 and r["verdict"] == "PASS", out + err
+    assert all(v["detection_control"]["fired"] and v["comparisons"][0]["mismatched_steps"] == 0 for v in r["verify"])
+
+
+@pytest.mark.slow
+def test_the_hf_golden_against_llama_cpp_fails_exact_and_passes_kl_with_a_margin_allowance(cli, tmp_path):
+    """The same GGUF through HF (dequantised, bf16 eager) and through llama.cpp: every row differs; under exact
+    it fails, its flips at near-ties (golden margins of 1-2 bf16 ULPs) and the control inconclusive; under
+    kl:0.05 with decisions=margin:0.5 it passes, each flip listed as allowed with its margin, the control firing."""
+    g = tmp_path / "hf.zarr"
+    code, _, err = cli("record", g, "--k", "2,3,4", "--steps", "8")
+    assert code == 0, err
+    common = ["--model", _spec(), "--allow-model-mismatch", "--forward", "cpu"]
+    code, _, _ = cli("replay", g, *common, "--report", tmp_path / "exact.json")
+    r = json.loads((tmp_path / "exact.json").read_text())
+    assert code == 1 and r["verdict"] == "FAIL"
+    flips = [f for v in r["verify"] for f in v["comparisons"][0]["flips"]]
+    assert flips and all(not f["allowed"] and f["margin"] < 0.5 for f in flips)
+    assert all(v["detection_control"]["inconclusive"] for v in r["verify"])
+    code, out, err = cli("replay", g, *common, "--tolerance", "kl:0.05", "--tolerance", "decisions=margin:0.5",
+                         "--report", tmp_path / "kl.json")
+    r = json.loads((tmp_path / "kl.json").read_text())
+    assert code == 0 and r["verdict"] == "PASS", out + err
+    assert r["policy"] == {"prefill": "kl:0.05", "verify": "kl:0.05", "draft": "kl:0.05", "decisions": "margin:0.5"}
+    allowed = [f for v in r["verify"] for f in v["comparisons"][0]["flips"]]
+    assert allowed and all(f["allowed"] for f in allowed)
+    assert all(v["detection_control"]["fired"] for v in r["verify"])
