@@ -129,6 +129,7 @@ class RecordResult:
     seconds: dict[str, float] = field(default_factory=dict)
     short: list[str] = field(default_factory=list)
     resumed_checked: int = 0  # blocks a resumed recording found equal to its journal
+    left_greedy: dict[int, int] = field(default_factory=dict)  # per K, the step where committed left greedy
 
     @property
     def path(self) -> str | None:
@@ -273,10 +274,24 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
     result.seconds["store"] += time.perf_counter() - t
     accepted = log.accepted.tolist()
     result.accepted[k], result.committed_is_greedy[k] = accepted, same
+    if not same:
+        result.left_greedy[k] = _left_at(run, greedy)
     if (reason := thin_reason(k, accepted)) is not None:
         result.thin.append(reason)
     if settings.require_coverage and (reason := coverage_reason(k, accepted)) is not None:
         result.short.append(reason)
+
+
+def _left_at(run: Run, greedy: list[int]) -> int:
+    """The first step whose committed tokens leave the greedy continuation: there the engine's verify rows
+    chose another token than its own one-token decode did."""
+    at = len(run.committed_before)
+    for s, st in enumerate(run.steps):
+        take = st.tokens[: st.accepted + 1]
+        if list(take) != greedy[at:at + len(take)]:
+            return s
+        at += len(take)
+    return len(run.steps) - 1
 
 
 def _refuse_nonfinite(layout: RowLayout, stats: np.ndarray, k: int) -> None:

@@ -443,15 +443,20 @@ def _control_figure(plots: _Plots, fid: str, k: int, control: Control) -> str:
 
 def _k_table(v: KResult) -> str:
     """Each forward's figures at one K: rows that differ, fail and flip, the largest differences."""
-    out = ["<table><tr><th>forward</th><th>verdict</th><th>rows differ</th><th>rows fail</th><th>argmax flips</th>"
-           "<th>max |Δ|</th><th>max ULP</th><th>max KL</th><th>first failure</th></tr>"]
+    out = ["<table><tr><th>forward</th><th>verdict</th><th>rows differ</th><th>rows fail</th><th>argmax flips "
+           "(allowed)</th><th>max |Δ|</th><th>max ULP</th><th>verify KL mean / median / p99 / max</th><th>same "
+           "top-1</th><th>Δp of the golden's top token p1 / median / p99</th><th>first failure</th></tr>"]
     for j in v.comparisons:
         c = j.comparison
         tot = {key: sum(s[key] for s in c.summary.values()) for key in ("rows_differ", "rows_failed", "argmax_flips")}
         mx = {key: max(s[key] for s in c.summary.values()) for key in ("max_abs", "max_ulp", "max_kl")}
         first = "-" if c.first_failure is None else _where(c.first_failure)
+        a = c.summary["verify"].get("agreement") or {}
+        kl = " / ".join(f"{a[n]:.3g}" for n in ("kl_mean", "kl_median", "kl_p99", "kl_max")) if a else "-"
+        dp = " / ".join(f"{a[n]:+.3g}" for n in ("dp_p1", "dp_p50", "dp_p99")) if a else "-"
+        same = f"{100 * a['same_top1']:.1f} %" if a else "-"
         out.append(f"<tr><td>{html.escape(c.variant)}</td><td>{'pass' if c.passed else 'FAIL'}</td>"
-                   f"<td>{tot['rows_differ']}</td><td>{tot['rows_failed']}</td><td>{tot['argmax_flips']}</td>"
-                   f"<td>{mx['max_abs']:.4g}</td><td>{mx['max_ulp']:.0f}</td><td>{mx['max_kl']:.3g}</td>"
-                   f"<td>{html.escape(first)}</td></tr>")
+                   f"<td>{tot['rows_differ']}</td><td>{tot['rows_failed']}</td><td>{tot['argmax_flips']} "
+                   f"({sum(f.allowed for f in c.flips)})</td><td>{mx['max_abs']:.4g}</td><td>{mx['max_ulp']:.0f}</td>"
+                   f"<td>{kl}</td><td>{same}</td><td>{dp}</td><td>{html.escape(first)}</td></tr>")
     return "".join(out) + "</table>"

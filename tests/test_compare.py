@@ -79,6 +79,8 @@ def test_decisions_margin_allows_a_flip_and_its_accept_change_only_below_the_mar
     assert f.allowed is passed and f.margin == 1 / 64
     assert c.accept_changes == [{"step": 1, "golden": 1, "got": 0, "margin": 1 / 64, "allowed": passed}]
     assert c.to_json()["flips"][0]["allowed"] is passed
+    a = c.summary["verify"]["agreement"]  # llama.cpp's terms: one of four verify rows has another top-1
+    assert a["same_top1"] == 0.75 and a["kl_max"] > 0 and a["kl_median"] == 0 and a["dp_p1"] < 0 == a["dp_p50"]
     clear = gold.clone()
     clear[0, 1, 30] = 5.0  # step 0 row 1: 2.0 -> 5.0 over the top's 4.0 (margin 1.0): a real change
     c = compare_run("x", _side(gold, [1, 1]), _run(clear, [1, 1]), "bfloat16",

@@ -67,6 +67,9 @@ def test_the_hf_golden_against_llama_cpp_fails_exact_and_passes_kl_with_a_margin
     flips = [f for v in r["verify"] for f in v["comparisons"][0]["flips"]]
     assert flips and all(not f["allowed"] and f["margin"] < 0.5 for f in flips)
     assert all(v["detection_control"]["inconclusive"] for v in r["verify"])
+    for v in r["verify"]:  # in llama.cpp's terms: small KL, most top-1 tokens the same
+        a = v["comparisons"][0]["summary"]["verify"]["agreement"]
+        assert 0 < a["kl_mean"] <= a["kl_p99"] <= a["kl_max"] < 0.05 and 0.8 <= a["same_top1"] < 1
     code, out, err = cli("replay", g, *common, "--tolerance", "kl:0.05", "--tolerance", "decisions=margin:0.5",
                          "--report", tmp_path / "kl.json")
     r = json.loads((tmp_path / "kl.json").read_text())

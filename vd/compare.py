@@ -298,7 +298,24 @@ def _summary(kd: _Kind, flips: list[Flip], side: GoldenSide) -> dict:
         figures = {"rows_differ": int(r.differ.sum()), "rows_failed": int((~r.passed).sum()),
                    "argmax_flips": sum(f.kind == kd.name for f in flips), "max_abs": _max(r.max_abs),
                    "max_ulp": _max(r.max_ulp), "max_kl": _max(r.kl), "n_diff": _int(r.n_diff.sum())}
-    return {"rows": int(r.differ.size), **figures, **side.figures(kd.name)}
+    return {"rows": int(r.differ.size), **figures, **side.figures(kd.name), "agreement": agreement(r)}
+
+
+def agreement(r: Rows) -> dict | None:
+    """A kind's rows against the golden's in the terms llama.cpp's ``--kl-divergence`` reports: KL divergence
+    (mean, median, p99, max), the share of rows with the same top-1 token, and Δp, the candidate's probability
+    of the golden's top token minus the golden's (mean and percentiles); equal rows count as 0. None for a
+    slim golden, whose rows are not at hand."""
+    if not r.measured or not r.differ.size:
+        return None
+    kl, dp = np.nan_to_num(r.kl, nan=0.0), np.nan_to_num(r.dp, nan=0.0)
+
+    def pct(a: np.ndarray, q: float) -> float:
+        return float(np.percentile(a, q))
+
+    return {"kl_mean": float(kl.mean()), "kl_median": pct(kl, 50), "kl_p99": pct(kl, 99), "kl_max": float(kl.max()),
+            "same_top1": float((r.golden_argmax == r.got_argmax).mean()),
+            "dp_mean": float(dp.mean()), **{f"dp_p{q}": pct(dp, q) for q in (1, 5, 50, 95, 99)}}
 
 
 def _row_list(kinds: dict[str, _Kind]) -> list[dict]:

@@ -24,7 +24,8 @@ from vd.policy import Policy, Spec
 from vd.store.side import GoldenSide
 
 POSITION_BINS = 64
-MEASURES = ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp", "kl")  # 0 for equal rows
+# 0 for equal rows; ``dp``: the candidate's probability of the golden's top token minus the golden's (llama.cpp's Δp)
+MEASURES = ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp", "kl", "dp")
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class Rows:
     max_abs: np.ndarray
     max_ulp: np.ndarray
     kl: np.ndarray
+    dp: np.ndarray  # the candidate's probability of the golden's top token minus the golden's
     golden_argmax: np.ndarray
     got_argmax: np.ndarray
     margin: np.ndarray  # the golden row's top-1 minus top-2
@@ -183,12 +185,16 @@ def _measure_differing(gb: torch.Tensor, got: torch.Tensor, logical: str, spec: 
     absd = torch.where(dm & nan, torch.inf, absd)
     ulp = (ordered(gb) - ordered(cb)).abs().to(torch.float64)
     ulp = torch.where(dm & nan, torch.inf, ulp)
-    kl = (torch.softmax(gd, 1) * (torch.log_softmax(gd, 1) - torch.log_softmax(cd, 1))).sum(1)
+    pg = torch.softmax(gd, 1)
+    kl = (pg * (torch.log_softmax(gd, 1) - torch.log_softmax(cd, 1))).sum(1)
     kl = torch.nan_to_num(kl.to(torch.float64), nan=torch.inf).clamp_min(0.0)
-    positions = torch.bincount(dm.nonzero()[:, 1] * POSITION_BINS // v, minlength=POSITION_BINS)
     rows_at = torch.arange(gb.shape[0], device=got.device)
+    top = gd.argmax(1)
+    dp = torch.softmax(cd, 1)[rows_at, top] - pg[rows_at, top]
+    positions = torch.bincount(dm.nonzero()[:, 1] * POSITION_BINS // v, minlength=POSITION_BINS)
     vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
-            "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values, "kl": kl}
+            "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values, "kl": kl,
+            "dp": dp}
     ok = _judge(spec, gd, cd, absd, ulp, kl)
     packed = torch.cat([torch.stack([vals[n].to(torch.float64) for n in MEASURES]), ok.double()[None]]).cpu().numpy()
     return {n: packed[i] for i, n in enumerate(MEASURES)}, packed[-1] != 0, positions.cpu().numpy()

@@ -151,7 +151,9 @@ def _resumed(out_path: str) -> int:
 def _recorded(r) -> int:
     """Print what a recording did; its exit code."""
     for kk, acc in r.accepted.items():
-        same = "" if r.committed_is_greedy[kk] else "  (committed sequence left the greedy continuation)"
+        same = "" if r.committed_is_greedy[kk] else (
+            f"  (committed sequence left the greedy continuation at step {r.left_greedy.get(kk)}: there the verify "
+            "rows chose another token than the engine's own one-token decode)")
         out.print(f"K={kk}: accepted {acc}{same}")
     if r.location is None:
         for reason in r.thin + r.short:
@@ -194,9 +196,24 @@ def _summary(report) -> None:
                 cells[4:4] = [f"{c.draft_mismatched_steps}/{c.steps}{'' if c.bootstrap_equal else ' +bootstrap'}"]
             t.add_row(*cells)
     out.print(t)
+    for v in report.verify:
+        for j in v.comparisons:
+            line = _agreement(v.k, j.comparison)
+            if line:
+                out.print(line)
     for reason in report.reasons:
         out.print(f"  - {reason}")
     out.print(report.verdict, style="bold")
+
+
+def _agreement(k: int, c) -> str | None:
+    """One line of a forward's verify rows in llama.cpp's terms (`vd.compare.agreement`), where rows differ."""
+    a = c.summary["verify"].get("agreement")
+    if not a or not c.summary["verify"]["rows_differ"]:
+        return None
+    return (f"  K={k} {c.variant} verify: KL mean {a['kl_mean']:.3g}, median {a['kl_median']:.3g}, p99 "
+            f"{a['kl_p99']:.3g}, max {a['kl_max']:.3g}; same top-1 {100 * a['same_top1']:.1f} %; Δp of the golden's "
+            f"top token p1 {a['dp_p1']:+.3g}, median {a['dp_p50']:+.3g}, p99 {a['dp_p99']:+.3g}")
 
 
 @app.command(cls=Command, epilog=examples(
