@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from vd.layout import KINDS, RowLayout, StepLog
 from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, continuation, hold_bytes, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import keep_artifacts
+from vd.models.specs import golden_dir, portable
 from vd.policy import Policy
 from vd.progress import SILENT, Progress
 from vd.protocol import DraftHead, VerifyModel
@@ -206,7 +208,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
             return result
         t = time.perf_counter()
         progress.phase("writing golden", 0)
-        meta = {**_meta(model, settings, forward, greedy, result.thin),
+        meta = {**_meta(model, settings, forward, greedy, result.thin, golden_dir(location)),
                 **keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)}
         writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
                        reason=reason)
@@ -343,13 +345,18 @@ def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[n
     return log, settled.summary.result(), np.array(run.drafts, dtype=np.int32).reshape(len(run.steps), run.k - 1)
 
 
-def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int], thin: list[str]) -> dict:
+def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int], thin: list[str],
+          where: Path | None = None) -> dict:
+    """The golden's metadata; ``where``: the local folder that holds it (`vd.models.specs`: file specs are
+    stored relative to the project or to it)."""
     ident = model.identity()
     logical = of_torch(model.dtype).name
     graphs = getattr(model, "forward_uses_graphs", lambda name: False)(forward)
+    (spec, spec_base), (head, head_base) = portable(settings.model, where), portable(settings.head, where)
     return {
-        "model": {"spec": settings.model, "head": settings.head, "name": ident.name,
-                  "fingerprint": ident.fingerprint, "details": dict(ident.details)},
+        "model": {"spec": spec, "head": head, "name": ident.name, "fingerprint": ident.fingerprint,
+                  "details": dict(ident.details), **({"spec_base": spec_base} if spec_base else {}),
+                  **({"head_base": head_base} if head_base else {})},
         "forward": forward,
         "forward_description": model.forwards()[forward],
         "graphs": "graphed" if graphs else "eager",

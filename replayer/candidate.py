@@ -67,7 +67,9 @@ class CandidateWriter:
         meta = {key: v for key, v in g.meta.items() if key not in _NOT_INHERITED}
         meta.update(
             model={"spec": spec, "head": g.meta["model"].get("head"), "name": ident.name,
-                   "fingerprint": ident.fingerprint, "details": dict(ident.details)},
+                   "fingerprint": ident.fingerprint, "details": dict(ident.details),
+                   **{k: g.meta["model"][k] for k in ("spec_base", "head_base")
+                      if k in g.meta["model"] and (k != "spec_base" or spec == g.meta["model"]["spec"])}},
             forward=forward, forward_description=model.forwards()[forward],
             graphs="graphed" if getattr(model, "forward_uses_graphs", lambda n: False)(forward) else "eager",
             mtp=dict(model.head_info()) if g.info.drafted else None, device=model.device.type,

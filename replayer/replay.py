@@ -34,6 +34,7 @@ from vd.loop import DrafterFeed, Hold, ReplayFeed, hold_bytes, prepare, run_veri
 from vd.measure import Measurer
 from vd.models import check_device, check_forward_names, load_model, require_forwards
 from vd.models.inductor import compiles, held, load_artifacts
+from vd.models.specs import golden_dir, stored
 from vd.models.static import CUDA_ONLY
 from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
@@ -224,18 +225,19 @@ class _Replay:
 
     def _load_model(self) -> VerifyModel:
         g, s = self.golden, self.settings
-        check_forward_names(s.model or g.meta["model"]["spec"], list(s.forwards))  # before the model loads
+        spec, stored_head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
+        check_forward_names(s.model or spec, list(s.forwards))  # before the model loads
         dev = s.device or g.info.device
         if dev.startswith("cuda") and not torch.cuda.is_available():
             also = (f", with --forward naming a CPU forward (it was recorded with {g.info.forward!r}, which runs "
                     "on CUDA only; `vd forwards` lists them)" if not s.forwards and g.info.forward in CUDA_ONLY else "")
             raise UsageError(f"{g.url} was recorded on {dev} and this machine has no CUDA device; pass --device cpu "
                              f"to replay it on the CPU{also}")
-        head = s.head if s.head is not None or s.model is not None else g.meta["model"].get("head")
+        head = s.head if s.head is not None or s.model is not None else stored_head
         device = check_device(dev)
         self._reader(Prefetcher(g, device, files=True))
         self.prefetcher.start_thread()  # on CUDA the golden is read while the weights load
-        return load_model(s.model or g.meta["model"]["spec"], device=device, dtype=g.logical, head=head)
+        return load_model(s.model or spec, device=device, dtype=g.logical, head=head)
 
     # -- one K -------------------------------------------------------------------------------------------
     def replay_k(self, k: int) -> KResult:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vd.errors import VdError
+from vd.models.specs import golden_dir, stored
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
@@ -128,8 +129,9 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
 
     def one(e: Entry) -> Outcome:
         g = open_golden(e.path)
-        m = model or models.get(settings.model or g.meta["model"]["spec"], settings.device or g.info.device,
-                                g.logical, settings.head if settings.model else g.meta["model"].get("head"), progress)
+        spec, head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
+        m = model or models.get(settings.model or spec, settings.device or g.info.device,
+                                g.logical, settings.head if settings.model else head, progress)
         report = replay(g.location, settings, model=m, progress=progress)
         return Outcome(e.name, e.path, report.verdict, report=report)
 

@@ -1,0 +1,71 @@
+"""Model specs as a golden stores them: portable where they name a file.
+
+A spec naming a file (a plug-in ``path/to/file.py:factory``, ``llamacpp:PATH.gguf``, a checkpoint directory
+or ``.gguf`` file, an MTP head file) is stored with that path relative to the project (the directory vd
+ran in) when the file lies inside it, else relative to the folder holding the golden when it lies there,
+else as typed; the golden notes which (``spec_base``, ``head_base``: ``project`` or ``golden``). A replay
+(or a refresh, or a suite) resolves it back against the same base, so a golden recorded on one machine
+names the same file on another checkout. Presets and ``package.module:factory`` plug-ins are portable as
+they are. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+_FILE_PLUGIN = re.compile(r"^(?P<target>.+\.py):(?P<factory>[A-Za-z_]\w*)$")
+LLAMACPP = "llamacpp:"
+
+
+def _split(spec: str, *, exists: bool) -> tuple[str, str, str] | None:
+    """``spec`` as (prefix, file path, suffix), or None where it names no file (``exists``: a bare path counts
+    only if it exists, as `vd.models.spec_kind` decides)."""
+    if spec.startswith(LLAMACPP):
+        return LLAMACPP, spec[len(LLAMACPP):], ""
+    m = _FILE_PLUGIN.match(spec)
+    if m and not Path(spec).exists():
+        return "", m["target"], f":{m['factory']}"
+    if not exists or Path(spec).exists():
+        return "", spec, ""
+    return None
+
+
+def portable(spec: str | None, golden_dir: Path | None) -> tuple[str | None, str | None]:
+    """The spec to store and its base (None: stored as typed)."""
+    parts = None if spec is None else _split(spec, exists=True)
+    if parts is None:
+        return spec, None
+    prefix, path, suffix = parts
+    absolute = Path(os.path.abspath(path))
+    for base, root in (("project", Path.cwd()), ("golden", golden_dir)):
+        if root is not None and absolute.is_relative_to(os.path.abspath(root)):
+            return prefix + absolute.relative_to(os.path.abspath(root)).as_posix() + suffix, base
+    return spec, None
+
+
+def resolve(spec: str | None, base: str | None, golden_dir: Path | None) -> str | None:
+    """A stored spec back to one naming the file from here (unchanged where it has no base, or where the
+    base is the golden's folder and the golden is not local)."""
+    if spec is None or base not in ("project", "golden"):
+        return spec
+    root = Path.cwd() if base == "project" else golden_dir
+    parts = _split(spec, exists=False)
+    if root is None or parts is None:
+        return spec
+    prefix, path, suffix = parts
+    return prefix + os.path.normpath(os.path.join(root, path)) + suffix
+
+
+def stored(meta_model: Mapping, golden_dir: Path | None) -> tuple[str, str | None]:
+    """A golden's model spec and head file (its metadata's ``model``), resolved from here."""
+    return (resolve(meta_model.get("spec"), meta_model.get("spec_base"), golden_dir),
+            resolve(meta_model.get("head"), meta_model.get("head_base"), golden_dir))
+
+
+def golden_dir(location) -> Path | None:
+    """The local folder holding a golden (a directory or a zip file), None on an object store."""
+    target = getattr(location, "target", None) or getattr(location, "path", None)
+    return None if target is None else Path(os.path.abspath(target)).parent
