@@ -534,6 +534,22 @@ def test_an_engines_own_environment_joins_the_golden_and_its_build_is_compared(c
     assert any(d.startswith("engine: ") and "'build': '2'" in d for d in diffs), diffs
 
 
+def test_an_engine_changing_rows_it_returned_is_refused_naming_it(cli, tmp_path, tiny_golden):
+    """Rows in new tensors each time, but one written into after it was returned: its digest when returned is
+    no longer its digest when the run lets it go, so record and replay refuse (exit 3), naming the step."""
+    out, spec = tmp_path / "g.zarr", f"{MISBEHAVING}:scribbling"
+    code, _, err = cli("record", out, "--model", spec, "--k", "2", "--steps", "4")
+    _one_line_error(code, "", err, f"AdapterError: the model adapter {spec} changed step 1's rows after returning "
+                    "them", exit_code=3)
+    assert not out.exists()
+    _one_line_error(*cli("replay", tiny_golden, "--model", spec), "after returning them", exit_code=3)
+    from vd.models import load_model
+    from vd.testing import ModelConformance
+
+    with pytest.raises(AssertionError, match="rows returned by forward changed"):
+        ModelConformance().test_returned_rows_are_owned(load_model(spec))
+
+
 def test_a_replay_whose_engine_computes_another_dtype_is_refused(cli, tiny_golden):
     code, _, err = cli("replay", tiny_golden, "--model", f"{MISBEHAVING}:computes_float32")
     _one_line_error(code, "", err, "model computes float32 rows", "holds bfloat16 rows")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vd.digest import digest
 from vd.errors import AdapterError, ModelOutputError, UsageError
 from vd.layout import RowLayout, Step
 from vd.protocol import VerifyModel
@@ -76,18 +77,35 @@ class Run:
     settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("prefill", "verify", "draft"), 0))
     prompt: int = 0  # prefill rows (``prefill`` is empty once settled)
     storages: set[int] = field(default_factory=set)  # the memory of the rows held, to refuse a reused buffer
+    # For an adapter that does not vouch for its rows (`owns_rows`): each held step's rows' digests when they were
+    # returned (the prefill's first), checked before the rows are let go or judged (`check_returned`).
+    returned: list[torch.Tensor] | None = None
+    adapter: str = ""  # how errors name the adapter (`_adapter`)
 
     def __post_init__(self):
         self.prompt = self.prefill.shape[0]
         self.storages.add(self.prefill.untyped_storage().data_ptr())
+
+    def check_returned(self) -> None:
+        """Refuse (`vd.errors.AdapterError`) held rows whose digests are no longer those they had when the
+        adapter returned them: it changed them afterwards (a buffer it kept writing to)."""
+        if self.returned is None:
+            return
+        held = [self.prefill, *self.rows] if self.prefill.shape[0] else list(self.rows)
+        for i, (rows, then) in enumerate(zip(held, self.returned)):
+            if not torch.equal(digest(rows), then):
+                step = i - 1 if self.prefill.shape[0] else i + self.settled["verify"] // self.k
+                what = "the prefill's rows" if step < 0 else f"step {step}'s rows"
+                raise AdapterError(f"the model adapter {self.adapter} changed {what} after returning them: vd "
+                                   "keeps every row it is given until the run lets it go, so forward must return a "
+                                   "tensor it does not change afterwards")
 
     def own(self, model, rows: torch.Tensor) -> None:
         """Refuse (`vd.errors.AdapterError`) rows a forward returned in memory the run still holds: the
         adapter reuses its output buffer, so rows held for the golden or the comparison would change."""
         ptr = rows.untyped_storage().data_ptr()
         if ptr in self.storages:
-            adapter = getattr(model, "_vd_plugin", None) or f"{type(model).__module__}.{type(model).__qualname__}"
-            raise AdapterError(f"the model adapter {adapter} returned rows in memory holding rows it returned "
+            raise AdapterError(f"the model adapter {_adapter(model)} returned rows in memory holding rows it returned "
                                "earlier (a reused output buffer): vd keeps every row it is given until the run "
                                "lets it go, so forward must return a tensor it does not reuse (clone it)")
         self.storages.add(ptr)
@@ -124,12 +142,16 @@ class Run:
 
     def settle(self) -> None:
         """Hand every held row to the hold's ``settle`` and let them go."""
+        self.check_returned()
+        held = int(self.prefill.shape[0] > 0) + len(self.rows)
         for kind, start, rows in self.held():
             self.hold.settle(kind, start, rows)
             self.settled[kind] = start + rows.shape[0]
         self.prefill = self.prefill.new_empty((0, self.prefill.shape[1]))  # not a view: its memory goes too
         self.rows.clear()
         self.storages.clear()
+        if self.returned is not None:  # the digests of rows returned but not logged yet stay
+            self.returned = self.returned[held:]
         self.draft_rows.clear()
         if self.bootstrap_row is not None:
             self.bootstrap_row = self.bootstrap_row.new_empty((0, self.bootstrap_row.shape[1]))
@@ -140,6 +162,11 @@ class Run:
         for st in self.steps:
             out.extend(st.tokens[: st.accepted + 1])
         return out
+
+
+def _adapter(model) -> str:
+    """How an error names a model adapter: the plug-in spec that loaded it, else its class."""
+    return getattr(model, "_vd_plugin", None) or f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def accepted(tokens: Sequence[int], argmaxes: Sequence[int]) -> int:
@@ -378,6 +405,8 @@ def run_verify(
     prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
     clock = _IdleClock(idle, prefill.device)
     run = Run(k=k, prefill=prefill, hold=hold)
+    if not getattr(type(model), "owns_rows", False):  # a class that does not vouch for its rows: watched
+        run.returned, run.adapter = [digest(prefill)], _adapter(model)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
     logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)
@@ -388,6 +417,8 @@ def run_verify(
         clock.started()
         rows = checked(model, tokens, model.forward(tokens))  # [K, V]
         run.own(model, rows)
+        if run.returned is not None:
+            run.returned.append(digest(rows))
         clock.issued()
         if logged is not None:
             _log(run, *logged, on_step)
@@ -407,4 +438,5 @@ def run_verify(
         feed.after_commit(model, run, s, na, last)  # a drafter proposes the next step's drafts here
     if logged is not None:
         _log(run, *logged, on_step)
+    run.check_returned()
     return run

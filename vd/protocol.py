@@ -74,8 +74,10 @@ class VerifyModel(Protocol):
       changing the weights; `forwards()` names each and says what it is.
     * The rows `forward` returns are the caller's: vd holds them until its run lets them go (and compares or
       stores them then), so they must not change after a rewind or a later forward. Return a tensor the
-      engine does not reuse (clone an output buffer); rows in memory the run still holds are refused as an
-      internal error naming the adapter (exit 3, `vd.errors.AdapterError`).
+      engine does not reuse (clone an output buffer) and does not change afterwards. Rows in memory the run
+      still holds are refused as an internal error naming the adapter (exit 3, `vd.errors.AdapterError`), and
+      so are rows whose digest when the run lets them go is not their digest when they were returned (an
+      adapter class that sets ``owns_rows = True``, as vd's own do, is not watched so).
     * Threads: the factory is given only ``device`` and ``dtype``. vd sets torch's thread count
       (``--threads``, else the recording's) before it calls the factory; an engine with its own threads
       reads ``torch.get_num_threads()`` there.

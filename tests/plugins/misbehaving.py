@@ -1,6 +1,7 @@
 """Plug-in engines that break the protocol in one way each (tiny-llama's otherwise), for the checks that name
 them: a factory that raises, rows of the wrong width, rank or dtype, logits that are all NaN, rows returned
-in one reused output buffer (as llama-cpp-python's logits array, viewed without a copy), and an engine that
+in one reused output buffer (as llama-cpp-python's logits array, viewed without a copy), rows written into
+after they were returned, and an engine that
 computes float32 whatever dtype it is asked for."""
 
 import os
@@ -46,6 +47,23 @@ class _Reused(Misbehaving):
         out = self.buffer[:rows.shape[0]]
         out.copy_(rows)
         return out
+
+
+class _Scribbling(Misbehaving):
+    """New tensors each forward, but the last one written into when the sequence is rewound."""
+
+    def forward(self, tokens):
+        self.last = self.inner.forward(tokens).clone()
+        return self.last
+
+    def rewind(self, n):
+        if n and getattr(self, "last", None) is not None:
+            self.last[0, 0] += 1
+        self.inner.rewind(n)
+
+
+def scribbling(device, dtype):
+    return _Scribbling(load_model("tiny-llama", device=device, dtype=dtype), None)
 
 
 def aliasing(device, dtype):

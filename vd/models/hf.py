@@ -136,6 +136,8 @@ class _Offered(Mapping):
 class HFModel:
     """A `vd.protocol.VerifyModel` over an HF `*ForCausalLM` and its `DynamicCache`."""
 
+    owns_rows = True  # every forward returns new tensors (`vd.loop.Run.check_returned` need not watch them)
+
     def __init__(
         self,
         model: torch.nn.Module,

@@ -60,6 +60,8 @@ def file_sha256(path: Path) -> str:
 class LlamaCppModel:
     """A `vd.protocol.VerifyModel` over llama-cpp-python (see the module's docstring)."""
 
+    owns_rows = True  # each forward's rows are copied out of llama-cpp-python's reused scores array
+
     def __init__(self, path: str | Path, *, device: torch.device, dtype: torch.dtype):
         self.lib = _llama_cpp()
         self.path = Path(path)
