@@ -34,7 +34,10 @@ def test_cuda_round_trip(cli, tmp_path, spec, feed):
     for v in r["verify"]:
         eager = v["comparisons"][0]
         assert eager["prefill_equal"] and eager["mismatched_steps"] == 0 and not eager["draft_mismatched_steps"]
-        assert v["detection_control"]["fired"]
+        # The control runs under the last forward: it fires, or is inconclusive where that forward already
+        # fails at the changed step (a pinned SDPA backend rounding otherwise than eager attention).
+        dc = v["detection_control"]
+        assert dc["fired"] or (dc["inconclusive"] and dc["changed_step"] in v["comparisons"][-1]["failed_step_list"])
     print(json.dumps({v["k"]: [(c["variant"], c["mismatched_steps"], c["max_abs_diff"]) for c in v["comparisons"]]
                       for v in r["verify"]}))
 
