@@ -4,6 +4,7 @@ row differs, argmax flips at near-ties, the control inconclusive) and passes und
 margin allowance. Skipped where llama-cpp-python is not installed (tools/setup_llamacpp.sh installs it)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,13 @@ def test_identity_and_environment_name_the_file_and_the_build():
     engine = m.environment()["engine"]
     assert engine["name"] == "llama.cpp" and engine["llama_cpp_python"] and "AVX" in engine["system_info"]
     assert set(m.forwards()) >= {"cpu", "cpu-flash"} and m.default_forward() == "cpu"
+
+
+def test_a_missing_or_foreign_file_is_one_line(cli, tmp_path):
+    for spec, needle in ((f"llamacpp:{tmp_path / 'none.gguf'}", "no such file"),
+                         (f"llamacpp:{Path(__file__)}", "not a .gguf file")):
+        code, _, err = cli("record", tmp_path / "g.zarr", "--model", spec, "--steps", "2")
+        assert code == 2 and needle in err.strip().splitlines()[-1], err
 
 
 def test_its_own_golden_replays_bit_for_bit(cli, tmp_path):

@@ -65,7 +65,9 @@ class LlamaCppModel:
     def __init__(self, path: str | Path, *, device: torch.device, dtype: torch.dtype):
         self.lib = _llama_cpp()
         self.path = Path(path)
-        if not self.path.is_file() or self.path.suffix != ".gguf":
+        if not self.path.is_file():
+            raise ModelSpecError(f"{PREFIX}{path}: no such file")
+        if self.path.suffix != ".gguf":
             raise ModelSpecError(f"{PREFIX}{path}: not a .gguf file")
         self.device, self.dtype = torch.device("cpu"), dtype  # rows come back on the host, whatever runs them
         self.threads = torch.get_num_threads()

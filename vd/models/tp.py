@@ -50,6 +50,7 @@ class World:
     size: int
     local_rank: int
     nccl: object | None = None
+    built: int = 0  # models built so far: each rank numbers them alike (builds are broadcast in order)
 
     def broadcast(self, obj=None):
         """Rank 0's ``obj`` on every rank (over the control group)."""
@@ -118,15 +119,17 @@ def finish() -> None:
 def follow() -> None:
     """A rank other than 0: make every call rank 0 broadcasts on this rank's shard, until ``stop``."""
     w = world()
-    model = None
+    models: dict[int, TPModel] = {}  # rank 0 may go back to a model it built earlier (a suite holds them)
     while True:
         op, args = w.broadcast()
         if op == "stop":
             return
         if op == "build":
             model = build(*args)
+            models[model.key] = model
         else:
-            getattr(model, op)(*args)
+            key, *rest = args
+            getattr(models[key], op)(*rest)
 
 
 # -- the split -------------------------------------------------------------------------------------------
@@ -185,15 +188,16 @@ def build(config, seed: int, name: str, device: str | torch.device, dtype: torch
         dev = torch.device("cuda", w.local_rank)
         torch.cuda.set_device(dev)
     model = generate(shard, seed, dev, dtype, "sdpa", lambda n, shape: region(n, shape, config, w.rank, w.size)[0])
-    return TPModel(model, world=w, whole=config, seed=seed, name=name)
+    w.built += 1
+    return TPModel(model, world=w, whole=config, seed=seed, name=name, key=w.built)
 
 
 class TPModel(HFModel):
     """One rank's shard of a tensor-parallel model (see the module's docstring): the static forwards of vd's
     lean step, summing across ranks; on rank 0 each call is broadcast to the other ranks first."""
 
-    def __init__(self, model: torch.nn.Module, *, world: World, whole, seed: int, name: str):
-        self.world, self.whole, self.seed = world, whole, seed
+    def __init__(self, model: torch.nn.Module, *, world: World, whole, seed: int, name: str, key: int = 0):
+        self.world, self.whole, self.seed, self.key = world, whole, seed, key
         self._leading = False  # no broadcasts while every rank builds
         group = world.data_group(next(model.parameters()).device)
 
@@ -209,7 +213,7 @@ class TPModel(HFModel):
 
     def _lead(self, op: str, *args) -> None:
         if self._leading:
-            self.world.broadcast((op, args))
+            self.world.broadcast((op, (self.key, *args)))
 
     def _fingerprint(self, model: torch.nn.Module, config) -> str:
         """The whole model's fingerprint (`vd.models.hf.generated_fingerprint`): each tensor's checksum summed
