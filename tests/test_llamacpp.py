@@ -54,6 +54,7 @@ def test_its_own_golden_replays_bit_for_bit(cli, tmp_path):
     code, _, err = cli("record", g, "--model", _spec(), "--k", "2,3", "--steps", "8")
     assert code == 0, err
     assert open_golden(g).meta["environment"]["engine"]["name"] == "llama.cpp"
+    assert "engine name llama.cpp, llama_cpp_python" in cli("show", g)[1]
     code, out, err = cli("replay", g, "--report", report)
     r = json.loads(report.read_text())
     assert code == 0 and r["verdict"] == "PASS", out + err

@@ -68,6 +68,7 @@ def test_tp2_golden_replays_bit_for_bit_at_tp2_and_as_another_build_at_tp1(tmp_p
     meta = open_golden(g).meta
     assert meta["environment"]["tp"] == 2 and meta["environment"]["collectives"] == "gloo"
     assert meta["forward"] == "static" and "tensor parallel over 2 ranks" in meta["forward_description"]
+    assert "tensor parallel over 2 ranks (gloo)" in _vd("show", g).stdout
     # The fingerprint is the whole model's, whatever the degree.
     cfg, seed, name = PRESETS["tiny-llama-shape"].shape()
     whole = build_generated(cfg, seed=seed, name=name, device=torch.device("cpu"), dtype=torch.bfloat16)

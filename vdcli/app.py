@@ -364,6 +364,10 @@ def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden t
               f"zarr {e.get('zarr')}, python {e.get('python')} on {e.get('host')}")
     gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
     out.print(f"          CPU {e.get('cpu_model')} ({e.get('cpu_capability')}), {e.get('threads')} threads{gpu}")
+    if (e.get("tp") or 1) > 1:
+        out.print(f"          tensor parallel over {e['tp']} ranks ({e.get('collectives')})")
+    if isinstance(e.get("engine"), dict):
+        out.print("          engine " + ", ".join(f"{k} {v}" for k, v in e["engine"].items()))
     out.print(f"storage   {g.location.nbytes() / 1e6:.1f} MB; {_rows_text(g)}")
     d = m.get("digest")
     for k in g.ks:
