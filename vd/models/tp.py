@@ -60,16 +60,21 @@ class World:
 
     def data_group(self, device: torch.device):
         """The group a model on ``device`` sums over: NCCL on CUDA (made collectively on first use), else the
-        control group."""
-        if device.type != "cuda":
+        control group (gloo; on CUDA too with ``VD_TP_COLLECTIVES=gloo``: ranks sharing one GPU, which NCCL
+        refuses, for a functional check without graphs)."""
+        if device.type != "cuda" or self.gloo_on_cuda:
             return None
         if self.nccl is None:
             self.nccl = dist.new_group(backend="nccl")
         return self.nccl
 
+    @property
+    def gloo_on_cuda(self) -> bool:
+        return os.environ.get("VD_TP_COLLECTIVES") == "gloo"
+
     def environment(self, device: torch.device) -> dict:
         """The golden environment's fields for a model split over these ranks."""
-        if device.type == "cuda":
+        if device.type == "cuda" and not self.gloo_on_cuda:
             version = ".".join(map(str, torch.cuda.nccl.version()))
             return {"tp": self.size, "collectives": f"nccl {version}"}
         return {"tp": self.size, "collectives": "gloo"}
@@ -184,8 +189,8 @@ def build(config, seed: int, name: str, device: str | torch.device, dtype: torch
     if w.rank == 0:
         w.broadcast(("build", (config, seed, name, str(device), dtype)))
     dev = torch.device(device)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", w.local_rank)
+    if dev.type == "cuda":  # a GPU a rank (ranks share them where there are fewer: VD_TP_COLLECTIVES=gloo)
+        dev = torch.device("cuda", w.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
     model = generate(shard, seed, dev, dtype, "sdpa", lambda n, shape: region(n, shape, config, w.rank, w.size)[0])
     w.built += 1
@@ -248,8 +253,9 @@ class TPModel(HFModel):
     def forwards(self) -> Mapping[str, str]:
         """The static forwards (graphed and compiled ones on CUDA), each summing across the ranks."""
         split = f"tensor parallel over {self.world.size} ranks ({self.environment()['collectives']}): "
+        graphs = self.device.type == "cuda" and not self.world.gloo_on_cuda  # gloo's sums cannot be captured
         return {n: split + d for n, d in static_forwards(self.model).items()
-                if self.device.type == "cuda" or n not in CUDA_ONLY}
+                if (self.device.type == "cuda" or n not in CUDA_ONLY) and (graphs or "graphed" not in n)}
 
     def default_forward(self) -> str:
         return "static"
