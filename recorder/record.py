@@ -209,6 +209,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         t = time.perf_counter()
         progress.phase("writing golden", 0)
         meta = {**_meta(model, settings, forward, greedy, result.thin, golden_dir(location)),
+                "left_greedy": {str(k): s for k, s in result.left_greedy.items()},
                 **keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)}
         writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
                        reason=reason)
@@ -285,14 +286,15 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
 
 
 def _left_at(run: Run, greedy: list[int]) -> int:
-    """The first step whose committed tokens leave the greedy continuation: there the engine's verify rows
-    chose another token than its own one-token decode did."""
+    """The step whose verify rows first chose another token than the engine's own one-token decode: where the
+    committed sequence first leaves the greedy continuation (a step's first committed token was chosen by the
+    step before it; its accepted drafts by its own rows)."""
     at = len(run.committed_before)
     for s, st in enumerate(run.steps):
-        take = st.tokens[: st.accepted + 1]
-        if list(take) != greedy[at:at + len(take)]:
-            return s
-        at += len(take)
+        for j, t in enumerate(st.tokens[: st.accepted + 1]):
+            if t != greedy[at + j]:
+                return max(s - 1, 0) if j == 0 else s
+        at += st.accepted + 1
     return len(run.steps) - 1
 
 

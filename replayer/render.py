@@ -401,6 +401,9 @@ def _k_block(plots: _Plots, kid: str, v: KResult) -> str:
     out.append(f"<figure id='{kid}-golden'>{_golden_plot(plots, f'{kid}-golden', v)}</figure></div>")
     out.append(_k_table(v))
     out.append(f"<p>coverage (steps accepting 0..{v.k - 1} drafts): {v.histogram}</p>")
+    if v.left_greedy is not None:
+        out.append(f"<p>the recording's committed sequence left its engine's own one-token decode at step "
+                   f"{v.left_greedy}: its verify rows chose another token there</p>")
     return "\n".join(out)
 
 

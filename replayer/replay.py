@@ -257,7 +257,8 @@ class _Replay:
                            ("coverage", coverage_reason(k, accepted) if self.settings.require_coverage else None)):
             if text is not None:
                 self.reasons.append(Reason(what, text, k))
-        return KResult(k, tuple(accepted), tuple(judged), tuple(timings), control)
+        left = (self.golden.meta.get("left_greedy") or {}).get(str(k))
+        return KResult(k, tuple(accepted), tuple(judged), tuple(timings), control, left)
 
     def _feed(self, k: int, steps: list[Step]):
         log = self.golden.log(k)

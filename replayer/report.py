@@ -97,6 +97,9 @@ class KResult:
     comparisons: tuple[Judged, ...]
     timings: tuple[Timing, ...]
     control: Control | None
+    # The step where the recording's committed sequence left its engine's own one-token decode (its verify rows
+    # chose another token there), None where it did not (or the golden predates the field).
+    left_greedy: int | None = None
 
     @property
     def histogram(self) -> list[int]:
@@ -108,7 +111,8 @@ class KResult:
         return {"k": self.k, "accepted": list(self.accepted), "accept_histogram": hist,
                 "coverage": {"accepted_counts": hist, "missing": [i for i, n in enumerate(hist) if n == 0]},
                 "comparisons": [j.to_json() for j in self.comparisons], "timings": [t.to_json() for t in self.timings],
-                "detection_control": None if self.control is None else self.control.to_json()}
+                "detection_control": None if self.control is None else self.control.to_json(),
+                "golden_left_greedy_step": self.left_greedy}
 
 
 @dataclass(frozen=True, slots=True)

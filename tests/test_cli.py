@@ -60,7 +60,7 @@ def test_round_trip_passes_with_report(cli, tiny_golden, tmp_path):
         assert c["variant"] == "eager" and c["prefill_equal"] and c["mismatched_steps"] == 0
         assert c["steps"] == 8 and c["first_mismatch"] is None and c["max_abs_diff"] == 0.0
         assert set(v) == {"k", "accepted", "accept_histogram", "coverage", "comparisons", "timings",
-                          "detection_control"}
+                          "detection_control", "golden_left_greedy_step"}
         # The control changed step 4's last draft: steps before it still match, step 4 differs.
         dc = v["detection_control"]
         assert dc["fired"] and dc["changed_step"] == 4 and dc["mismatched_step_list"][0] == 4
@@ -548,6 +548,21 @@ def test_an_engine_changing_rows_it_returned_is_refused_naming_it(cli, tmp_path,
 
     with pytest.raises(AssertionError, match="rows returned by forward changed"):
         ModelConformance().test_returned_rows_are_owned(load_model(spec))
+
+
+def test_where_verify_rows_leave_the_engines_own_decode_is_named(cli, tmp_path):
+    """An engine whose K=3 verify rows disagree with its one-token decode at step 2: the recording names that
+    step, the golden keeps it, and a replay's report (JSON, CLI) names it for that K."""
+    out, report = tmp_path / "g.zarr", tmp_path / "r.json"
+    spec = f"{MISBEHAVING}:drifting"
+    code, stdout, err = cli("record", out, "--model", spec, "--k", "3", "--steps", "6", "--allow-thin")
+    assert code == 0 and "left the greedy continuation at step 2" in stdout, stdout + err
+    from vd.store import open_golden
+
+    assert open_golden(out).meta["left_greedy"] == {"3": 2}
+    code, stdout, err = cli("replay", out, "--model", spec, "--report", report)
+    assert code == 0 and "left its engine's own one-token decode at step 2" in stdout, stdout + err
+    assert json.loads(report.read_text())["verify"][0]["golden_left_greedy_step"] == 2
 
 
 def test_a_replay_whose_engine_computes_another_dtype_is_refused(cli, tiny_golden):

@@ -201,6 +201,9 @@ def _summary(report) -> None:
             line = _agreement(v.k, j.comparison)
             if line:
                 out.print(line)
+        if v.left_greedy is not None:
+            out.print(f"  K={v.k}: the recording's committed sequence left its engine's own one-token decode at step "
+                      f"{v.left_greedy} (its verify rows chose another token there)")
     for reason in report.reasons:
         out.print(f"  - {reason}")
     out.print(report.verdict, style="bold")

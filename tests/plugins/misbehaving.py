@@ -66,6 +66,28 @@ def scribbling(device, dtype):
     return _Scribbling(load_model("tiny-llama", device=device, dtype=dtype), None)
 
 
+class _Drifting(Misbehaving):
+    """Verify rows (three-token calls) that at the third such call of a sequence put another token on top
+    of their first row: the verify path disagrees with the engine's own one-token decode at step 2."""
+
+    def reset(self):
+        self.calls = 0
+        self.inner.reset()
+
+    def forward(self, tokens):
+        rows = self.inner.forward(tokens)
+        if len(tokens) == 3:
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 3:
+                rows = rows.clone()
+                rows[0, (int(rows[0].argmax()) + 1) % rows.shape[1]] = rows[0].max() + 1
+        return rows
+
+
+def drifting(device, dtype):
+    return _Drifting(load_model("tiny-llama", device=device, dtype=dtype), None)
+
+
 def aliasing(device, dtype):
     return _Reused(load_model("tiny-llama", device=device, dtype=dtype), None)
 
