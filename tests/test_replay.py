@@ -183,12 +183,14 @@ def test_coverage_table_and_require_coverage(tiny_golden, tiny_model):
     assert r.reasons[0].what == "coverage" and r.reasons[0].k == 3
 
 
-def test_drafter_golden_with_static_forward_determinism_and_phases(cli, tmp_path, monkeypatch):
+def test_drafter_golden_with_static_forward_determinism_and_phases(cli, tmp_path, monkeypatch, request):
     # What --deterministic applies is process-wide: undone after the test, so later tests' environments match.
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded as it was (unset: removed again at the end)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
-    for flag in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"):
-        monkeypatch.setattr(torch.backends.cuda.matmul, flag, getattr(torch.backends.cuda.matmul, flag))
+    m = torch.backends.cuda.matmul
+    flags = {f: getattr(m, f) for f in ("allow_bf16_reduced_precision_reduction",
+                                        "allow_fp16_reduced_precision_reduction")}
+    request.addfinalizer(lambda: [setattr(m, f, v) for f, v in flags.items()])
     path = tmp_path / "s.zarr"
     code, out, err = cli("record", path, "--model", "tiny-llama-mtp", "--feed", "mtp", "--forward", "static",
                          "--prompt", FIXTURE_PROMPT, "--deterministic", "--steps", "8", "--allow-thin")
