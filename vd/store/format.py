@@ -161,7 +161,7 @@ def chunk_spans(layout: RowLayout, kind: str, start: int, n: int, vocab: int, it
 
 
 def from_arrays(arrays: Mapping[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:
-    """The inverse of `to_arrays`: row arrays by name as rows ``[R, V]`` by kind."""
+    """Row arrays by name (`row_shapes`) as rows ``[R, V]`` by kind."""
     out = {"prefill": arrays["prefill"], "verify": arrays["logits"].reshape(-1, vocab)}
     if "draft_logits" in arrays:
         out["draft"] = np.concatenate([arrays["bootstrap_logits"], arrays["draft_logits"].reshape(-1, vocab)])
