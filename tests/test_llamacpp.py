@@ -40,6 +40,7 @@ def test_identity_and_environment_name_the_file_and_the_build():
     engine = m.environment()["engine"]
     assert engine["name"] == "llama.cpp" and engine["llama_cpp_python"] and "AVX" in engine["system_info"]
     assert set(m.forwards()) >= {"cpu", "cpu-flash"} and m.default_forward() == "cpu"
+    assert "device" not in m.environment()  # the host's, as captured; only `offload` names the GPU it ran on
 
 
 def test_a_missing_or_foreign_file_is_one_line(cli, tmp_path):

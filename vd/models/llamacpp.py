@@ -20,11 +20,13 @@ llama-cpp-python's own evaluation, as an engine integrator runs it, held to the 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
+from vd import env
 from vd.errors import ModelSpecError
 from vd.protocol import ModelIdentity
 
@@ -46,7 +48,61 @@ def _llama_cpp():
     except ImportError as e:
         raise ModelSpecError("--model llamacpp:PATH needs llama-cpp-python: pip install 'vd[llamacpp]' (built from "
                              "source; tools/setup_llamacpp.sh caches the wheel)") from e
+    bad = libstdcxx_exporters(Path(llama_cpp.__file__).parent / "lib")
+    if bad:
+        raise ModelSpecError(
+            f"this llama-cpp-python build's {', '.join(bad)} carries its own exported copy of libstdc++, which "
+            "crashes a process that also holds PyTorch; rebuild it with CMAKE_ARGS='... "
+            f"-DCMAKE_SHARED_LINKER_FLAGS={HIDE_STATIC}' (tools/setup_llamacpp.sh adds it to CUDA builds)")
     return llama_cpp
+
+
+# A symbol only libstdc++ itself defines: a shared library that exports it has libstdc++ linked in statically
+# and exported, as nvcc's link of llama.cpp's libggml-cuda.so (CUDA 13) did. Such a copy of
+# std::locale and std::regex interposes on the process's libstdc++ in whichever library loads second:
+# llama.cpp crashed in its tokenizer's std::regex under PyTorch, and importing PyTorch after it crashed.
+LIBSTDCXX_MARK = b"_ZNSt6locale5_Impl"
+HIDE_STATIC = "-Wl,--exclude-libs,ALL"  # the linker flag that keeps a static library's symbols private
+_DYNSYM = 11
+
+
+def libstdcxx_exporters(lib_dir: Path) -> list[str]:
+    """The shared libraries in ``lib_dir`` that define and export libstdc++'s own symbols (ELF64 little
+    endian, read from their dynamic symbol tables; other files are skipped)."""
+    out = []
+    for path in sorted({p.resolve() for p in lib_dir.glob("*.so*") if p.is_file()}):
+        try:
+            with open(path, "rb") as f:
+                if _exports(f, LIBSTDCXX_MARK):
+                    out.append(path.name)
+        except (OSError, struct.error, ValueError):
+            continue
+    return out
+
+
+def _exports(f, prefix: bytes) -> bool:
+    """Whether the ELF file ``f`` defines an exported dynamic symbol whose name starts with ``prefix``."""
+    head = f.read(64)
+    if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:  # ELF, 64-bit, little endian
+        return False
+    shoff, = struct.unpack_from("<Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+    f.seek(shoff)
+    table = f.read(shentsize * shnum)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != _DYNSYM or not entsize:
+            continue
+        f.seek(offset)
+        symbols = f.read(size)
+        _, _, _, _, str_offset, str_size, *_ = sections[link]
+        f.seek(str_offset)
+        names = f.read(str_size)
+        for i in range(0, size - entsize + 1, entsize):
+            name, info, _, shndx = struct.unpack_from("<IBBH", symbols, i)
+            if shndx and info >> 4 in (1, 2) and names.startswith(prefix, name):  # defined, global or weak
+                return True
+    return False
 
 
 def file_sha256(path: Path) -> str:
@@ -100,11 +156,17 @@ class LlamaCppModel:
         return self._identity
 
     def environment(self) -> dict:
-        """llama-cpp-python's version and llama.cpp's build flags, for the golden's environment."""
-        return {"engine": {"name": "llama.cpp", "llama_cpp_python": self.lib.__version__,
-                           "system_info": self.lib.llama_print_system_info().decode().strip(),
-                           "gpu_offload": bool(self.lib.llama_supports_gpu_offload()),
-                           "threads": self.threads}}
+        """llama-cpp-python's version and llama.cpp's build flags, for the golden's environment; where the
+        forward in use is ``offload``, the GPU it ran on (device, GPU name, driver) in place of the host that
+        receives the rows (cuDNN stays unset: llama.cpp does not use it)."""
+        fields = {"engine": {"name": "llama.cpp", "llama_cpp_python": self.lib.__version__,
+                             "system_info": self.lib.llama_print_system_info().decode().strip(),
+                             "gpu_offload": bool(self.lib.llama_supports_gpu_offload()),
+                             "threads": self.threads}}
+        if self._forward == "offload" and torch.cuda.is_available():
+            gpu = env.capture(torch.device("cuda"))
+            fields.update({f: gpu[f] for f in ("device", "gpu_name", "driver")})
+        return fields
 
     def forwards(self) -> Mapping[str, str]:
         gpu = bool(self.lib.llama_supports_gpu_offload())
