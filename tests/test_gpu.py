@@ -52,7 +52,8 @@ def test_cpu_golden_on_cuda_names_the_device(cli, tiny_golden, tmp_path):
 
 class TestCudaConformance(ModelConformance, DraftHeadConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model("tiny-llama-mtp", device="cuda")
 
 

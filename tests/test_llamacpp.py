@@ -22,13 +22,15 @@ def _spec() -> str:
 
 class TestLlamaCppBf16(ModelConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model(_spec())
 
 
 class TestLlamaCppFloat32(ModelConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model(_spec(), dtype="float32")
 
 

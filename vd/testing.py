@@ -5,7 +5,8 @@ Subclass `ModelConformance` in a test module and provide a ``model`` fixture ret
 
     class TestMyEngine(ModelConformance):
         @pytest.fixture(scope="class")
-        def model(self):
+        @classmethod
+        def model(cls):
             return my_engine_adapter()
 
 The checks are what the record/replay loop relies on: the protocol's shape, row shapes and dtypes,

@@ -12,24 +12,28 @@ PLUGINS = Path(__file__).parent.parent / "plugins"  # tests/plugins
 
 class TestTinyLlama(ModelConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model("tiny-llama")
 
 
 class TestTinyQwen2Float32(ModelConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model("tiny-qwen2", dtype="float32")
 
 
 class TestPluginFile(ModelConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model(f"{PLUGINS / 'perturb.py'}:factory")
 
 
 @pytest.mark.slow
 class TestSmolLM2(ModelConformance):
     @pytest.fixture(scope="class")
-    def model(self, smollm2):
+    @classmethod
+    def model(cls, smollm2):
         return smollm2

@@ -150,19 +150,22 @@ print("SAME" if same and runs[0].drafts == runs[1].drafts == runs[2].drafts else
 
 class TestAttachedHeadConformance(ModelConformance, DraftHeadConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model("tiny-llama-mtp")
 
 
 class TestNativeDeepSeekConformance(ModelConformance, DraftHeadConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model("tiny-deepseek-mtp")
 
 
 class TestNativeGlm4MoeConformance(ModelConformance, DraftHeadConformance):
     @pytest.fixture(scope="class")
-    def model(self):
+    @classmethod
+    def model(cls):
         return load_model("tiny-glm4moe-mtp", dtype="float32")
 
 
