@@ -14,7 +14,7 @@ import torch
 
 from vd.models.hf import _checksum_on_device, _tensor_seed, build_generated, hash_uniform_
 from vd.models.presets import PRESETS
-from vd.models.tp import region, shard_config
+from vd.models.tp import ranks_sharing, region, shard_config
 from vd.store import open_golden
 
 ARGS = ["--model", "tiny-llama-shape", "--k", "2,3", "--steps", "6"]
@@ -146,6 +146,13 @@ def test_tp2_graphed_on_two_gpus_replays_bit_for_bit(tmp_path):
     r = _vd("replay", g, "--forward", "graphed", "--report", tmp_path / "r1.json")
     report = json.loads((tmp_path / "r1.json").read_text())
     assert "tp: 2 → 1" in report["environment"]["numerics_differences"]
+
+
+@pytest.mark.parametrize("local_size, devices, shares", [(2, 2, [1, 1]), (2, 1, [2, 2]), (3, 2, [2, 1, 2]),
+                                                         (4, 8, [1, 1, 1, 1])])
+def test_ranks_sharing_a_gpu_are_counted_per_gpu(local_size, devices, shares):
+    """Each rank's share of its GPU's memory is one over the ranks on that GPU (rank r on GPU r % devices)."""
+    assert [ranks_sharing(r, local_size, devices) for r in range(local_size)] == shares
 
 
 @pytest.mark.gpu

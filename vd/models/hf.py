@@ -506,14 +506,20 @@ def _tensor_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode()) & _M32
 
 
-def device_checksum(t: torch.Tensor, chunk: int = 1 << 25) -> int:
+# A checksum's chunk: its int64 temporaries (a handful of 64 MiB) stay small beside a model that fills its GPU
+# (a 70B-shape shard on an H200 two ranks share ran out at 2**25). The sums are exact integers, so the chunk
+# never changes a checksum.
+CHECKSUM_CHUNK = 1 << 23
+
+
+def device_checksum(t: torch.Tensor, chunk: int = CHECKSUM_CHUNK) -> int:
     """A position-weighted sum of ``t``'s bit patterns, exact in int64 and computed where ``t`` lives."""
     return int(_checksum_on_device(t, chunk).sum())
 
 
-def _checksum_on_device(t: torch.Tensor, chunk: int = 1 << 25, at: Region | None = None) -> torch.Tensor:
+def _checksum_on_device(t: torch.Tensor, chunk: int = CHECKSUM_CHUNK, at: Region | None = None) -> torch.Tensor:
     """`device_checksum`'s partial sums, one per chunk, int64 on ``t``'s device (nothing read back). Each is
-    below 2**15 * 2**16 * 2**25 = 2**56 in magnitude, so int64 holds it exactly. With ``at``, each element is
+    below 2**15 * 2**16 * 2**23 = 2**54 in magnitude, so int64 holds it exactly. With ``at``, each element is
     weighted by its index in the larger tensor, so the shards' sums add up to the whole tensor's."""
     bits = t.detach().contiguous().view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
     parts = []

@@ -203,8 +203,8 @@ PRESETS: dict[str, Preset] = {
         Preset("llama3-8b-shape", "Llama-3-8B's shape (8.03 B parameters, vocab 128256), generated weights; "
                "needs about 17 GB of GPU memory in bf16", _generated(_llama3_8b_config), _llama3_8b_config),
         Preset("llama3-70b-shape", "Llama-3-70B's shape (70.6 B parameters, vocab 128256), generated weights; "
-               "141 GB in bf16: tensor parallel over 2 or more GPUs (--tp)", _generated(_llama3_70b_config),
-               _llama3_70b_config),
+               "141 GB (131 GiB) in bf16: one H200 holds it with ~8 GiB to spare, else split it over GPUs (--tp)",
+               _generated(_llama3_70b_config), _llama3_70b_config),
         Preset("tiny-llama-shape", "tiny-llama's shape with generated weights, which split over ranks (tests of "
                "--tp)", _generated(_tiny_llama_shape_config), _tiny_llama_shape_config),
     )

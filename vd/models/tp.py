@@ -43,12 +43,13 @@ from vd.protocol import ModelIdentity
 @dataclass(slots=True)
 class World:
     """This process's place among the ranks torchrun started (``WORLD_SIZE`` > 1): its rank, their number,
-    its local rank (its GPU), the control group (gloo, the default group) and, once a model is built on
-    CUDA, the NCCL group its sums run on."""
+    its local rank (its GPU) and the ranks on its host, the control group (gloo, the default group) and, once
+    a model is built on CUDA, the NCCL group its sums run on."""
 
     rank: int
     size: int
     local_rank: int
+    local_size: int = 1  # the ranks on this host (torchrun's LOCAL_WORLD_SIZE)
     nccl: object | None = None
     built: int = 0  # models built so far: each rank numbers them alike (builds are broadcast in order)
 
@@ -95,7 +96,8 @@ def world() -> World | None:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         _WORLD = World(rank=dist.get_rank(), size=dist.get_world_size(),
-                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                       local_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size()))))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     return _WORLD
 
@@ -181,6 +183,18 @@ def region(name: str, shape: tuple[int, ...], config, rank: int, size: int) -> t
     return None, tuple(shape)
 
 
+def ranks_sharing(local_rank: int, local_size: int, devices: int) -> int:
+    """How many of this host's ``local_size`` ranks use ``local_rank``'s GPU (rank ``r`` takes GPU ``r % devices``).
+
+    Where ranks share a GPU, each is held to that fraction of its memory, its segments expandable, and its cache
+    emptied once its shard is built (`build`): PyTorch's caching allocator keeps what a process frees for that
+    process alone (fusing a layer's weights frees the unfused ones into it), split into blocks of the sizes
+    freed, so without all three one rank's cache starved another's build (the 70B shape on one H200:
+    tools/h200/README.md)."""
+    gpu = local_rank % devices
+    return sum(1 for r in range(local_size) if r % devices == gpu)
+
+
 def build(config, seed: int, name: str, device: str | torch.device, dtype: torch.dtype) -> TPModel:
     """This rank's shard of the generated model of ``config`` (`vd.models.hf.build_generated`'s values); on
     rank 0, broadcast first, so every rank builds its own."""
@@ -188,13 +202,20 @@ def build(config, seed: int, name: str, device: str | torch.device, dtype: torch
     shard = shard_config(config, w.size)  # refused on rank 0 before any other rank builds
     if w.rank == 0:
         w.broadcast(("build", (config, seed, name, str(device), dtype)))
-    dev = torch.device(device)
+    dev, sharing = torch.device(device), 1
     if dev.type == "cuda":  # a GPU a rank (ranks share them where there are fewer: VD_TP_COLLECTIVES=gloo)
         dev = torch.device("cuda", w.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
+        sharing = ranks_sharing(w.local_rank, w.local_size, torch.cuda.device_count())
+        if sharing > 1:  # each its share, its freed pages reusable for any size (`ranks_sharing`)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            torch.cuda.set_per_process_memory_fraction(1 / sharing, dev)
     model = generate(shard, seed, dev, dtype, "sdpa", lambda n, shape: region(n, shape, config, w.rank, w.size)[0])
     w.built += 1
-    return TPModel(model, world=w, whole=config, seed=seed, name=name, key=w.built)
+    built = TPModel(model, world=w, whole=config, seed=seed, name=name, key=w.built)  # its weights fused here
+    if sharing > 1:
+        torch.cuda.empty_cache()  # what the build freed goes back: the shares add up to the whole GPU
+    return built
 
 
 class TPModel(HFModel):
