@@ -344,8 +344,10 @@ class _Replay:
         graphed = [uses_graphs(n) for n in self.forwards]
         env_diff = env.numerics_differences(self.recorded_env, replayed_env)
         if env_diff and any(not j.comparison.passed for v in verify for j in v.comparisons):
+            hint = env.same_kernels_hint(self.recorded_env, replayed_env)
             self.reasons.append(Reason("environment", "the replaying environment differs from the recording's in "
-                                       + "; ".join(env_diff) + " — bitwise differences may come from that"))
+                                       + "; ".join(env_diff) + " — bitwise differences may come from that"
+                                       + (f" (the recording's CPU kernels run here under {hint})" if hint else "")))
         m = g.meta["model"]
         source = g.rows_source
         return Report(

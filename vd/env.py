@@ -1,8 +1,8 @@
 """The environment a golden was recorded in, or a replay ran in: versions, CPU, threads, GPU, host.
 
-CPU results can depend on the CPU's vector ISA (torch's dispatch capability) and on the thread count, so
-both are captured; `numerics_differences` names the fields that can move a CPU or GPU result when they
-differ between recording and replaying.
+CPU results can depend on the CPU's vector ISA (torch's own dispatch capability, and the instructions oneDNN's
+matmuls take) and on the thread count, so all three are captured; `numerics_differences` names the fields that
+can move a CPU or GPU result when they differ between recording and replaying.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from vd.errors import UsageError
 
 # Fields whose difference can change the numbers, in the order a reader should see them.
 NUMERIC_FIELDS = (
-    "device", "cpu_capability", "cpu_model", "threads", "torch", "transformers", "gpu_name", "cuda",
+    "device", "cpu_capability", "onednn_isa", "cpu_model", "threads", "torch", "transformers", "gpu_name", "cuda",
     "cudnn", "driver", "determinism", "tp", "collectives", "engine",
 )
 
@@ -45,6 +45,44 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# oneDNN's ISA levels (its ONEDNN_MAX_CPU_ISA names), lowest first, with torch's check of each on this host.
+ONEDNN_LEVELS = (("AVX2", "_is_avx2_supported"), ("AVX512_CORE", "_is_avx512_supported"),
+                 ("AVX512_CORE_VNNI", "_is_vnni_supported"), ("AVX512_CORE_BF16", "_is_avx512_bf16_supported"),
+                 ("AVX512_CORE_AMX", "_is_amx_tile_supported"))
+_ATEN_NAMES = {"DEFAULT": "default", "AVX2": "avx2", "AVX512": "avx512"}
+
+
+def onednn_isa() -> str | None:
+    """The highest oneDNN ISA level this host offers, capped by ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``):
+    the instructions torch's oneDNN matmuls (bf16 among them) take, whatever ``ATEN_CPU_CAPABILITY`` says. On one
+    CPU model a host exposing AVX-512 computed other bf16 rows than one exposing AVX2 only, and limiting oneDNN
+    to AVX2 brought the bits back; limiting ATen alone did not. None off x86-64."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    level = None
+    for name, check in ONEDNN_LEVELS:
+        if not getattr(torch.cpu, check, lambda: False)():
+            break
+        level = name
+    limit = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    names = [n for n, _ in ONEDNN_LEVELS]
+    if limit != "ALL" and level is not None:
+        level = names[min(names.index(level), names.index(limit))] if limit in names else limit
+    return level
+
+
+def same_kernels_hint(recorded: dict, replayed: dict) -> str | None:
+    """The environment variables that make this x86-64 host take the recording's CPU kernels, where it offers
+    more than the recording's host did (a golden without ``onednn_isa`` is known only where ATen ran AVX2)."""
+    names = [n for n, _ in ONEDNN_LEVELS]
+    was = recorded.get("onednn_isa") or ("AVX2" if recorded.get("cpu_capability") == "AVX2" else None)
+    now = replayed.get("onednn_isa")
+    if recorded.get("device") != "cpu" or was not in names or now not in names or names.index(was) >= names.index(now):
+        return None
+    aten = _ATEN_NAMES.get(str(recorded.get("cpu_capability")))
+    return f"ONEDNN_MAX_CPU_ISA={was}" + (f" ATEN_CPU_CAPABILITY={aten}" if aten else "")
 
 
 @functools.cache
@@ -88,6 +126,7 @@ def _fixed(kind: str, index: int | None) -> tuple[dict, dict]:
         "machine": platform.machine(),
         "cpu_model": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_isa": onednn_isa(),
         "cpu_count": os.cpu_count(),
     }
     gpu = {

@@ -366,7 +366,8 @@ def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden t
     out.print(f"recorded  vd {e.get('vd')}, torch {e.get('torch')}, transformers {e.get('transformers')}, "
               f"zarr {e.get('zarr')}, python {e.get('python')} on {e.get('host')}")
     gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
-    out.print(f"          CPU {e.get('cpu_model')} ({e.get('cpu_capability')}), {e.get('threads')} threads{gpu}")
+    isa = e.get("cpu_capability") if not e.get("onednn_isa") else f"{e.get('cpu_capability')}, oneDNN {e['onednn_isa']}"
+    out.print(f"          CPU {e.get('cpu_model')} ({isa}), {e.get('threads')} threads{gpu}")
     if (e.get("tp") or 1) > 1:
         out.print(f"          tensor parallel over {e['tp']} ranks ({e.get('collectives')})")
     if isinstance(e.get("engine"), dict):

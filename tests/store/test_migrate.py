@@ -21,7 +21,10 @@ def test_every_earlier_format_migrates_with_its_numbers_unchanged(tmp_path, name
     assert new.content_digest() == old.content_digest() and new.manifest and new.history[0]["reason"].startswith(
         f"migrated from format {old.info.version}")
     assert cli("verify", tmp_path / "new.zarr")[0] == 0
-    r = replay(tmp_path / "new.zarr", ReplaySettings(ks=(2,)))
-    assert r.verdict == "PASS", [x.text for x in r.reasons]
+    # Replayed as the old one is, here: the same verdict and reasons. On a machine whose numerics match the
+    # recording's both PASS; elsewhere (another CPU vector ISA) both FAIL alike, naming the difference.
+    was, now = (replay(p, ReplaySettings(ks=(2,))) for p in (DATA / name, tmp_path / "new.zarr"))
+    assert (now.verdict, [x.text for x in now.reasons]) == (was.verdict, [x.text for x in was.reasons])
+    assert now.verdict == "PASS" or now.environment["numerics_differences"], [x.text for x in now.reasons]
     with pytest.raises(UsageError, match="in the current format"):
         migrate(tmp_path / "new.zarr", tmp_path / "again.zarr")

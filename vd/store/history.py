@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import vd
 
 # The environment facts an entry keeps (the full environment stays in the metadata).
-_ENV = ("torch", "transformers", "device", "gpu_name", "cuda", "cpu_model", "cpu_capability")
+_ENV = ("torch", "transformers", "device", "gpu_name", "cuda", "cpu_model", "cpu_capability", "onednn_isa")
 
 
 def _user() -> str:
