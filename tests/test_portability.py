@@ -67,7 +67,7 @@ def test_committed_golden_replays_bit_for_bit_under_the_recordings_kernels(tmp_p
                                                    ("ALL", "AVX512_CORE", "AVX512_CORE"),
                                                    ("AVX2_VNNI", "AVX512_CORE", "AVX2_VNNI")])
 def test_onednn_isa_is_the_hosts_level_under_its_limit(monkeypatch, limit, host, expected):
-    levels = [n for n, _ in env.ONEDNN_LEVELS]
+    levels = env.ONEDNN_NAMES
     monkeypatch.setattr(env.platform, "machine", lambda: "x86_64")
     for name, check in env.ONEDNN_LEVELS:
         monkeypatch.setattr(env.torch.cpu, check, lambda name=name: levels.index(name) <= levels.index(host))

@@ -51,6 +51,7 @@ def _cpu_model() -> str:
 ONEDNN_LEVELS = (("AVX2", "_is_avx2_supported"), ("AVX512_CORE", "_is_avx512_supported"),
                  ("AVX512_CORE_VNNI", "_is_vnni_supported"), ("AVX512_CORE_BF16", "_is_avx512_bf16_supported"),
                  ("AVX512_CORE_AMX", "_is_amx_tile_supported"))
+ONEDNN_NAMES = tuple(name for name, _ in ONEDNN_LEVELS)
 _ATEN_NAMES = {"DEFAULT": "default", "AVX2": "avx2", "AVX512": "avx512"}
 
 
@@ -67,7 +68,7 @@ def onednn_isa() -> str | None:
             break
         level = name
     limit = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-    names = [n for n, _ in ONEDNN_LEVELS]
+    names = ONEDNN_NAMES
     if limit != "ALL" and level is not None:
         level = names[min(names.index(level), names.index(limit))] if limit in names else limit
     return level
@@ -76,7 +77,7 @@ def onednn_isa() -> str | None:
 def same_kernels_hint(recorded: dict, replayed: dict) -> str | None:
     """The environment variables that make this x86-64 host take the recording's CPU kernels, where it offers
     more than the recording's host did (a golden without ``onednn_isa`` is known only where ATen ran AVX2)."""
-    names = [n for n, _ in ONEDNN_LEVELS]
+    names = ONEDNN_NAMES
     was = recorded.get("onednn_isa") or ("AVX2" if recorded.get("cpu_capability") == "AVX2" else None)
     now = replayed.get("onednn_isa")
     if recorded.get("device") != "cpu" or was not in names or now not in names or names.index(was) >= names.index(now):
