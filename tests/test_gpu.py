@@ -117,7 +117,7 @@ def test_a_compiled_golden_carries_the_kernels_it_was_recorded_with(cli, tmp_pat
 
     def vd(*args, cache: str):  # a process of its own with an empty Inductor cache, as a machine of its own
         fresh = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}
-        return subprocess.run([sys.executable, "-P", "-m", "vd", *map(str, args)], env=fresh, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], env=fresh, capture_output=True,
                               text=True, timeout=600)
 
     path = tmp_path / "compiled.zarr"

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 from figures import ratios, spread
 

@@ -44,11 +44,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 from figures import ratios, spread
 
-# vd is imported as installed (pip install -e ., or its wheel on a GPU machine): vd.recorder and
-# vd.replayer are the card's top-level folders mapped under vd, which a bare source path does not do.
 from vd import env  # noqa: E402
 from vd.loop import prepare  # noqa: E402
 from vd.models import load_model  # noqa: E402

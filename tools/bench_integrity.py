@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
+
 from vd.store import open_golden
 
 

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 from bench_cpu import bare_verify
 from figures import spread

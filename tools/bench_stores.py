@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the tests use
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import seaweed  # noqa: E402
 
 from vd import env  # noqa: E402

@@ -24,10 +24,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 
-# vd is imported as installed (pip install -e ., or its wheel on a GPU machine): vd.recorder and
-# vd.replayer are the card's top-level folders mapped under vd, which a bare source path does not do.
 from tools.bench_gpu import PROMPT, copy_bandwidth  # noqa: E402
 from vd import env  # noqa: E402
 from vd.models import load_model  # noqa: E402

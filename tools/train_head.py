@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 
 from vd import env

@@ -24,6 +24,7 @@ from pathlib import Path
 
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")  # before torch is imported
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch  # noqa: E402
 
 from vd.models import load_model  # noqa: E402

