@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from vd.compare import compare_run
 from vd.dtypes import to_tensor
 from vd.errors import UsageError
-from vd.layout import Step
 from vd.loop import Run
 from vd.policy import Policy
+from vd.replayer import words
+from vd.replayer.judge import compare_run
+from vd.replayer.report import DiffK, DiffReport
 from vd.store import Golden, open_golden
 
 
@@ -47,7 +48,7 @@ def _same_recording(a: Golden, b: Golden) -> None:
         raise UsageError(f"{b.url} is slim: vd diff judges B's rows, so B must be a full golden")
 
 
-def diff(a_path: str | os.PathLike, b_path: str | os.PathLike, *, tolerances: Sequence[str] = ()) -> dict:
+def diff(a_path: str | os.PathLike, b_path: str | os.PathLike, *, tolerances: Sequence[str] = ()) -> DiffReport:
     """Judge golden B against golden A; the report's ``verdict`` is PASS or FAIL."""
     a, b = open_golden(a_path), open_golden(b_path)
     try:
@@ -57,7 +58,7 @@ def diff(a_path: str | os.PathLike, b_path: str | os.PathLike, *, tolerances: Se
         b.close()
 
 
-def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> dict:
+def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> DiffReport:
     _same_recording(a, b)
     policy = Policy.parse(tolerances, a.meta.get("policy"))
     if a.slim and policy.needs_rows:
@@ -65,28 +66,15 @@ def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> dict:
     verify, reasons = [], []
     for k in a.ks:
         c = compare_run(b.url, a.side(k), _as_run(b, k), a.logical, policy)
-        steps_a, steps_b = a.checked_log(k).steps, b.checked_log(k).steps
-        changed = [i for i, (x, y) in enumerate(zip(steps_a, steps_b)) if x != y]
+        log_a, log_b = a.checked_log(k), b.checked_log(k)
+        changed = [i for i, (x, y) in enumerate(zip(log_a.steps, log_b.steps)) if x != y]
         if changed:
             i = changed[0]
-            reasons.append(f"K={k}: {len(changed)} of {len(steps_a)} steps verified other tokens or accepted "
-                           f"another count (first at step {i}: {_step(steps_a[i])} vs {_step(steps_b[i])})")
-        if b.checked_log(k).bootstrap != a.checked_log(k).bootstrap:
-            reasons.append(f"K={k}: bootstrap token {a.checked_log(k).bootstrap} vs {b.checked_log(k).bootstrap}")
+            reasons.append(words.steps_reason(k, changed, log_a.steps[i], log_b.steps[i], len(log_a.steps)))
+        if log_b.bootstrap != log_a.bootstrap:
+            reasons.append(words.bootstrap_reason(k, log_a.bootstrap, log_b.bootstrap))
         if not c.passed:
-            f = c.first_failure or {}
-            reasons.append(f"K={k}: rows differ under {policy.describe()}: "
-                           + ", ".join(f"{n} {s['rows_failed']}/{s['rows']} rows fail, {s['argmax_flips']} argmax "
-                                       f"flip(s), max |Δ| {s['max_abs']:.4g}" for n, s in c.summary.items())
-                           + (f" (first: {f.get('kind')} step {f.get('step')} row {f.get('row')} index "
-                              f"{f.get('index')})" if f else ""))
-        verify.append({"k": k, "comparison": c.to_json(), "steps_changed": changed})
-    return {
-        "a": a.url, "b": b.url, "policy": policy.to_json(), "dtype": a.logical,
-        "environment": {"a": a.meta.get("environment"), "b": b.meta.get("environment")},
-        "verify": verify, "verdict": "FAIL" if reasons else "PASS", "reasons": reasons,
-    }
-
-
-def _step(s: Step) -> str:
-    return f"{list(s.tokens)} accepting {s.accepted}"
+            reasons.append(words.diff_rows_reason(k, c))
+        verify.append(DiffK(k, c, tuple(changed)))
+    return DiffReport(a.url, b.url, policy, a.logical, (a.meta.get("environment"), b.meta.get("environment")),
+                      tuple(verify), tuple(reasons))

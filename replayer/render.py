@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from vd import __version__
-from vd.compare import Comparison
+from vd.replayer import words
+from vd.replayer.comparison import Comparison, plain
 from vd.replayer.report import Control, Judged, KResult, Report, golden_name
 
 # One golden of a suite: its name, and its report or the error that kept it from being replayed.
@@ -42,40 +43,27 @@ Entry = tuple[str, Report | None, str | None]
 # -- bundle --------------------------------------------------------------------------------------------
 
 
-def reproduce_command(report: Report, args: Mapping, out: Path) -> list[str]:
-    """``vd replay`` of just the first failing K and forward, with the policy spelled out, writing ``out``."""
-    rows = report.failure_rows
-    golden = report.golden if "://" in report.golden else str(Path(report.golden).resolve())
-    cmd = ["vd", "replay", golden, "--k", str(rows.k), "--forward", rows.forward]
-    for flag in ("model", "head", "device", "threads", "rows"):
-        if args.get(flag) is not None:
-            cmd += [f"--{flag}", str(args[flag])]
-    for kind, spec in report.policy.to_json().items():
-        cmd += ["--tolerance", f"{kind}={spec}"]
-    if args.get("allow_model_mismatch"):
-        cmd.append("--allow-model-mismatch")
-    return [*cmd, "--report", str(out)]
-
-
 def write_bundle(directory: Path, report: Report, args: Mapping) -> Path:
     """Write the first-divergence bundle of ``report`` (which has `Report.failure_rows`) into ``directory``
     (created); return the command file's path."""
     rows = report.failure_rows
+    assert rows is not None, "a replay that failed at a step"
     directory.mkdir(parents=True, exist_ok=True)
     arrays = {"candidate": rows.candidate, "tokens": np.asarray(rows.tokens or [], dtype=np.int64)}
     if rows.golden is not None:  # a slim golden replayed without its rows has none to give
         arrays["golden"] = rows.golden
     np.savez(directory / "rows.npz", **arrays)
     failure = {"k": rows.k, "forward": rows.forward, "kind": rows.kind, "step": rows.step, "tokens": rows.tokens,
-               "first_failure": rows.first_failure, "dtype": report.dtype,
+               "first_failure": plain(rows.first_failure) or {"kind": rows.kind, "step": rows.step},
+               "dtype": report.dtype,
                "storage": "bfloat16 rows as uint16 bit patterns" if report.dtype == "bfloat16" else report.dtype,
                "policy": report.policy.to_json(), "golden": report.golden, "verdict": report.verdict,
                "reasons": [r.text for r in report.reasons]}
     if rows.text is not None:
         failure["text"] = rows.text
     (directory / "failure.json").write_text(json.dumps(failure, indent=2, default=str) + "\n")
-    (directory / "environment.json").write_text(json.dumps(report.environment, indent=2, default=str) + "\n")
-    cmd = reproduce_command(report, args, directory / "replay.json")
+    (directory / "environment.json").write_text(json.dumps(plain(report.environment), indent=2, default=str) + "\n")
+    cmd = words.reproduce_command(report, dict(args), str(directory / "replay.json"))
     path = directory / "command.sh"
     path.write_text("#!/bin/sh\n# Replays the first failing K and forward; exits 1 as the original replay did.\n"
                     + " ".join(shlex.quote(c) for c in cmd) + "\n")
@@ -115,9 +103,9 @@ def junit_suite(report: Report, name: str) -> ET.Element:
     own checks (control, thin, coverage)."""
     suite = ET.Element("testsuite", name=f"vd.{name}", time=f"{report.seconds:.3f}")
     props = ET.SubElement(suite, "properties")
-    env_diff = "; ".join(report.environment.get("numerics_differences") or []) or None
-    for key, value in (("golden", report.golden), ("verdict", report.verdict), ("model", report.model.get("spec")),
-                       ("replayed_with", report.model.get("replayed_with")), ("replayed_spec", report.replayed_spec),
+    env_diff = "; ".join(report.environment.numerics_differences) or None
+    for key, value in (("golden", report.golden), ("verdict", report.verdict), ("model", report.model.spec),
+                       ("replayed_with", report.model.replayed_with), ("replayed_spec", report.replayed_spec),
                        ("environment_differences", env_diff), ("vd", __version__)):
         if value is not None:
             ET.SubElement(props, "property", name=key, value=str(value))
@@ -125,8 +113,8 @@ def junit_suite(report: Report, name: str) -> ET.Element:
         classname = f"vd.{name}.K{v.k}"
         for j in v.comparisons:
             ms = sum(sum(t.step_ms) for t in v.timings if t.variant == j.comparison.variant)
-            _junit_case(suite, f"K={v.k} {j.comparison.variant}", classname, ms / 1e3, list(j.reasons))
-        _junit_case(suite, f"K={v.k} golden checks (control, thin, coverage)", classname, 0.0,
+            _junit_case(suite, words.junit_case(v.k, j.comparison.variant), classname, ms / 1e3, list(j.reasons))
+        _junit_case(suite, words.junit_checks_case(v.k), classname, 0.0,
                     report.reasons_of(("control", "thin", "coverage"), v.k))
     _tally(suite)
     return suite
@@ -135,14 +123,15 @@ def junit_suite(report: Report, name: str) -> ET.Element:
 def _junit_case(suite: ET.Element, name: str, classname: str, seconds: float, reasons: list) -> None:
     case = ET.SubElement(suite, "testcase", classname=classname, name=name, time=f"{seconds:.3f}")
     if reasons:
-        ET.SubElement(case, "failure", message=str(reasons[0])).text = "\n".join(map(str, reasons))
+        message, text = words.junit_message(reasons)
+        ET.SubElement(case, "failure", message=message).text = text
 
 
 def _junit_error(name: str, error: str | None) -> ET.Element:
     suite = ET.Element("testsuite", name=f"vd.{name}", time="0.000")
     case = ET.SubElement(suite, "testcase", classname=f"vd.{name}", name="replay", time="0.000")
-    text = error or "the replay did not complete"
-    ET.SubElement(case, "error", message=text.strip().splitlines()[0] if text.strip() else text).text = text
+    message, text = words.error_message(error)
+    ET.SubElement(case, "error", message=message).text = text
     _tally(suite)
     return suite
 
@@ -204,11 +193,11 @@ def _step_plot(plots: _Plots, fid: str, title: str, c: Comparison, color: str, m
     """One forward's largest |Δ logit| per verify step on a linear axis of its own, the steps in
     ``c.failed_step_list`` marked in red (labelled ``marked``); the SVG and the axis' top."""
     fig, ax = plots.new()
-    per = {p["step"]: p for p in c.per_step}
+    per = {p.step: p for p in c.per_step}
     steps = sorted(per)
-    ys = [per[s]["max_abs"] for s in steps]
+    ys = [per[s].max_abs for s in steps]
     ax.plot(steps, ys, marker="o", ms=3, lw=1.5, color=color, label="verify rows")
-    drafts = [per[s]["draft_max_abs"] for s in steps if "draft_max_abs" in per[s]]
+    drafts = [d for s in steps if (d := per[s].draft_max_abs) is not None]
     if drafts:  # a drafter golden: the head's draft rows too
         ax.plot(steps, drafts, marker="s", ms=3, lw=1, ls="--", color=color, alpha=0.6, label="draft rows")
     failed = set(c.failed_step_list)
@@ -216,7 +205,7 @@ def _step_plot(plots: _Plots, fid: str, title: str, c: Comparison, color: str, m
     for s in bad:
         ax.axvspan(s - 0.4, s + 0.4, color=_RED, alpha=0.12, lw=0)
     if bad:  # on the value where it is known, else on the axis: a failure is shown whatever its size
-        ax.plot(bad, [y if math.isfinite(y) else 0.0 for y in (per[s]["max_abs"] for s in bad)], ls="none",
+        ax.plot(bad, [y if math.isfinite(y) else 0.0 for y in (per[s].max_abs for s in bad)], ls="none",
                 marker="o", ms=9, mfc="none", mec=_RED, mew=2, gid="failing", label=marked)
     if changed is not None:
         ax.axvline(changed, ls=":", lw=1.5, color="black", label=f"draft changed (step {changed})")
@@ -237,9 +226,9 @@ def _golden_plot(plots: _Plots, fid: str, v: KResult) -> str:
     left.bar(range(len(v.accepted)), v.accepted, color=_GREEN)
     left.set(title=f"K={v.k}: drafts accepted per step (golden)", xlabel="verify step", ylabel="drafts accepted",
              ylim=(0, max(v.k - 1, 1) + 0.3), yticks=range(v.k))
-    positions = [j.comparison.positions for j in v.comparisons if j.comparison.positions]
-    counts = np.sum([p["counts"] for p in positions], axis=0) if positions else np.zeros(0)
-    vocab = positions[0]["vocab"] if positions else 0
+    positions = [j.comparison.positions for j in v.comparisons]
+    counts = np.sum([p.counts for p in positions], axis=0) if positions else np.zeros(0)
+    vocab = positions[0].vocab if positions else 0
     right.stairs(counts, np.linspace(0, vocab, len(counts) + 1), fill=True, color=_RED)
     right.set(title=f"K={v.k}: where the differing elements sit (every forward)", xlabel="vocabulary index",
               ylabel="differing elements (linear scale)", xlim=(0, max(vocab, 1)))
@@ -263,7 +252,7 @@ def write_html(path: Path, report: Report, command: str | Sequence[str] | None =
     """One offline page for one replay: the header (``command``, the replay's time, vd's version) and the
     golden's section (see the module's docstring)."""
     name = golden_name(report.golden)
-    replayed = (report.environment.get("replayed") or {}).get("time")
+    replayed = report.environment.replayed.get("time")
     with _Plots() as plots:
         body = [f"<h1>vd replay: <span class='{report.verdict}'>{report.verdict}</span></h1>",
                 _header(command, "replayed at", replayed or _now()), _section(plots, name, report)]
@@ -277,9 +266,8 @@ def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequen
     rows = []
     for name, report, error in entries:
         what = report.verdict if report is not None else "ERROR"
-        first = (error or "").strip().splitlines()[:1] if report is None else [str(r) for r in report.reasons[:1]]
         rows.append(f"<tr><td><a href='#golden-{_slug(name)}'>{html.escape(name)}</a></td>"
-                    f"<td class='{what}'>{what}</td><td>{html.escape(first[0] if first else '')}</td></tr>")
+                    f"<td class='{what}'>{what}</td><td>{html.escape(words.first_reason(report, error))}</td></tr>")
     with _Plots() as plots:
         body = [f"<h1>vd replay: {len(entries)} goldens, <span class='{verdict}'>{verdict}</span></h1>",
                 _header(command, "written at", _now()),
@@ -323,12 +311,12 @@ def _section(plots: _Plots, name: str, report: Report) -> str:
     out = [f"<section id='golden-{_slug(name)}'><h2>{e(name)}: <span class='{v}'>{v}</span></h2>", _facts(report)]
     if report.reasons:
         out.append("<h3>Reasons</h3><ul>" + "".join(f"<li>{e(str(r))}</li>" for r in report.reasons) + "</ul>")
-    diffs = report.environment.get("numerics_differences") or []
+    diffs = report.environment.numerics_differences
     out.append("<div class='env'><b>Environment differences</b> (recorded → replayed): "
                + ("none" if not diffs else "<ul>" + "".join(f"<li>{e(d)}</li>" for d in diffs) + "</ul>") + "</div>")
     out.append(_next_step(report, name))
     out.append("<h3>Policy</h3><table><tr><th>rows</th><th>policy</th><th>smallest change it is guaranteed to "
-               "catch</th></tr>" + "".join(f"<tr><td>{e(kind)}</td><td>{e(s['policy'])}</td><td>{e(s['catches'])}"
+               "catch</th></tr>" + "".join(f"<tr><td>{e(kind)}</td><td>{e(s.policy)}</td><td>{e(s.catches)}"
                                            "</td></tr>" for kind, s in report.sensitivity.items()) + "</table>")
     out += [_k_block(plots, f"{_slug(name)}-k{k.k}", k) for k in report.verify]
     out.append("</section>")
@@ -336,59 +324,28 @@ def _section(plots: _Plots, name: str, report: Report) -> str:
 
 
 def _facts(report: Report) -> str:
-    """The golden, the model (and the SPEC that ran, where it is not the golden's) and the run's settings."""
-    m, recorded = report.model, (report.environment.get("recorded") or {}).get("time")
-    facts = [("golden", report.golden), ("recorded at", recorded), ("model", f"{m.get('name')} ({m.get('spec')})"),
-             ("replayed with", m.get("replayed_with")), ("replayed spec", report.replayed_spec),
-             ("feed", f"{report.feed}{' (MTP draft head)' if report.mtp else ''}"), ("steps", report.steps),
-             ("dtype", report.dtype), ("golden's forward", report.golden_forward),
-             ("forwards replayed", ", ".join(str(x["name"]) for x in report.variants)), ("graphs", report.graphs),
-             ("rows", "slim golden" if report.rows.get("slim") else "full golden"),
-             ("notes", "; ".join(report.notes) or None)]
-    return "<table>" + "".join(f"<tr><th>{k}</th><td>{html.escape(str(x))}</td></tr>" for k, x in facts
-                               if x is not None) + "</table>"
+    """The golden, the model and the run's settings (`vd.replayer.words.facts`), as a table."""
+    return "<table>" + "".join(f"<tr><th>{k}</th><td>{html.escape(x)}</td></tr>" for k, x in words.facts(report)) \
+        + "</table>"
 
 
 def _next_step(report: Report, name: str) -> str:
-    """What to do about the verdict: nothing on a PASS; on a FAIL how to look at the first divergence and
-    how to accept the change, and what the golden's own failures or a changed environment call for."""
+    """What to do about the verdict (`vd.replayer.words.next_steps`): a paragraph on a PASS, a list on a FAIL,
+    each command as code."""
+    steps = [_html_step(step) for step in words.next_steps(report, name)]
     if report.verdict == "PASS":
-        return ("<p class='next'><b>Next step:</b> nothing needed: every forward matches the golden under its "
-                "policy, and the golden's own checks passed.</p>")
-    e, items, rows = html.escape, [], report.failure_rows
-    # failure_rows may be the control's (which always fails); a forward's failure is what to look at
-    if rows is not None and any(r.variant == rows.forward for r in report.reasons_of(("rows", "draft"))):
-        cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec}, Path("replay.json")))
-        tokens = "" if rows.tokens is None else f"; the step verified tokens {rows.tokens}" + (
-            "" if rows.text is None else f" ({rows.text!r})")
-        items.append(f"Look at the first divergence (K={rows.k}, {e(rows.forward)}, {e(_where(rows.first_failure))}"
-                     f"{e(tokens)}): <code>{e(cmd)}</code> replays just that and writes its first-divergence bundle "
-                     "to <code>replay.json.bundle/</code> (both rows in <code>rows.npz</code>, "
-                     "<code>failure.json</code>, <code>command.sh</code>).")
-    if report.reasons_of(("rows", "draft")):
-        items.append(f"If the change is intended, accept it: <code>vd refresh {e(shlex.quote(name))} --reason TEXT"
-                     f"</code>, or record the golden again on the trusted build: <code>vd record "
-                     f"{e(shlex.quote(report.golden))} --refresh</code>.")
-    if report.reasons_of(("control", "thin", "coverage")):
-        items.append("The golden's own checks failed (see the reasons): a blind control means the policy is too "
-                     "loose to see a changed draft; a thin or uncovered golden needs recording again with more "
-                     "steps (<code>vd record GOLDEN --refresh --steps N</code>).")
-    if report.reasons_of(("environment",)):
-        items.append("The environment differs from the recording's (above): replay on a machine like the "
-                     "recording's to tell a change in the code from a change of machine.")
-    return "<div class='next'><b>Next step</b><ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul></div>"
+        return f"<p class='next'><b>Next step:</b> {steps[0]}</p>"
+    return "<div class='next'><b>Next step</b><ul>" + "".join(f"<li>{i}</li>" for i in steps) + "</ul></div>"
 
 
-def _where(f: Mapping) -> str:
-    """Where a first failure sits, in words."""
-    kind = f.get("kind", "verify")
-    if f.get("step") is None:
-        place = "prefill" if kind == "prefill" else "draft bootstrap"
-    else:
-        place = f"{kind} step {f['step']}"
-    row = "" if f.get("row") is None else f" row {f['row']}"
-    index = "" if f.get("index") is None else f" index {f['index']}"
-    return f"{place}{row}{index}"
+def _html_step(step: words.NextStep) -> str:
+    return "".join(f"<code>{html.escape(p.text)}</code>" if isinstance(p, words.Code) else html.escape(p)
+                   for p in step)
+
+
+def _emphasize(text: str, word: str) -> str:
+    """``text`` escaped, its first ``word`` in bold red (a failing state: FAILS, BLIND)."""
+    return html.escape(text).replace(word, f"<b class='FAIL'>{word}</b>", 1)
 
 
 def _k_block(plots: _Plots, kid: str, v: KResult) -> str:
@@ -400,10 +357,10 @@ def _k_block(plots: _Plots, kid: str, v: KResult) -> str:
         out.append(_control_figure(plots, f"{kid}-control", v.k, v.control))
     out.append(f"<figure id='{kid}-golden'>{_golden_plot(plots, f'{kid}-golden', v)}</figure></div>")
     out.append(_k_table(v))
-    out.append(f"<p>coverage (steps accepting 0..{v.k - 1} drafts): {v.histogram}</p>")
-    if v.left_greedy is not None:
-        out.append(f"<p>the recording's committed sequence left its engine's own one-token decode at step "
-                   f"{v.left_greedy}: its verify rows chose another token there</p>")
+    out.append(f"<p>{html.escape(words.coverage_text(v))}</p>")
+    left = words.left_greedy_text(v)
+    if left is not None:
+        out.append(f"<p>{html.escape(left)}</p>")
     return "\n".join(out)
 
 
@@ -416,50 +373,21 @@ def _figure(fid: str, svg: str, top: float, caption: str, failing: bool, kind: s
 def _forward_figure(plots: _Plots, fid: str, k: int, j: Judged, color: str) -> str:
     c = j.comparison
     svg, top = _step_plot(plots, fid, f"K={k} {c.variant}: largest |Δ logit| per step", c, color, "fails the policy")
-    failed = c.failed_step_list
-    if failed:
-        caption = (f"<b class='FAIL'>FAILS</b> at step{'s' if len(failed) > 1 else ''} "
-                   f"{', '.join(map(str, failed))} ({len(failed)} of {c.steps}), marked in red; first failure: "
-                   f"{html.escape(_where(c.first_failure) if c.first_failure else 'a changed accept count')}")
-    elif c.equal:
-        caption = "equal to the golden bit for bit at every step"
-    else:
-        caption = f"passes its policy ({html.escape(', '.join(sorted(set(c.policy.values()))))}) where rows differ"
-    if not c.measured:
-        caption += ("; the golden is slim, so |Δ| is unknown where rows differ (name the full golden with --rows "
-                    "to measure them)")
-    return _figure(fid, svg, top, f"{html.escape(c.variant)}: {caption}", bool(failed), "forward")
+    failing = bool(c.failed_step_list)
+    return _figure(fid, svg, top, _emphasize(words.forward_caption(c), "FAILS"), failing, "forward")
 
 
 def _control_figure(plots: _Plots, fid: str, k: int, control: Control) -> str:
     c, at = control.comparison, control.changed_step
     svg, top = _step_plot(plots, fid, f"K={k} detection control ({c.variant})", c, _GREY, "fails the policy",
                           changed=at)
-    verdict = ("fired: it fails at that step, as it must" if control.fired
-               else "inconclusive: the forward's own run fails at that step already, so the control shows nothing"
-               if control.inconclusive
-               else "<b class='FAIL'>BLIND</b>: no failure at that step, so this policy cannot see such a change")
-    caption = (f"detection control, drawn apart from the forwards on its own axes: the last draft of step {at} "
-               f"changed; {verdict}")
-    return _figure(fid, svg, top, caption, not control.fired and not control.inconclusive, "control")
+    return _figure(fid, svg, top, _emphasize(words.control_caption(control), "BLIND"),
+                   not control.fired and not control.inconclusive, "control")
 
 
 def _k_table(v: KResult) -> str:
-    """Each forward's figures at one K: rows that differ, fail and flip, the largest differences."""
-    out = ["<table><tr><th>forward</th><th>verdict</th><th>rows differ</th><th>rows fail</th><th>argmax flips "
-           "(allowed)</th><th>max |Δ|</th><th>max ULP</th><th>verify KL mean / median / p99 / max</th><th>same "
-           "top-1</th><th>Δp of the golden's top token p1 / median / p99</th><th>first failure</th></tr>"]
-    for j in v.comparisons:
-        c = j.comparison
-        tot = {key: sum(s[key] for s in c.summary.values()) for key in ("rows_differ", "rows_failed", "argmax_flips")}
-        mx = {key: max(s[key] for s in c.summary.values()) for key in ("max_abs", "max_ulp", "max_kl")}
-        first = "-" if c.first_failure is None else _where(c.first_failure)
-        a = c.summary["verify"].get("agreement") or {}
-        kl = " / ".join(f"{a[n]:.3g}" for n in ("kl_mean", "kl_median", "kl_p99", "kl_max")) if a else "-"
-        dp = " / ".join(f"{a[n]:+.3g}" for n in ("dp_p1", "dp_p50", "dp_p99")) if a else "-"
-        same = f"{100 * a['same_top1']:.1f} %" if a else "-"
-        out.append(f"<tr><td>{html.escape(c.variant)}</td><td>{'pass' if c.passed else 'FAIL'}</td>"
-                   f"<td>{tot['rows_differ']}</td><td>{tot['rows_failed']}</td><td>{tot['argmax_flips']} "
-                   f"({sum(f.allowed for f in c.flips)})</td><td>{mx['max_abs']:.4g}</td><td>{mx['max_ulp']:.0f}</td>"
-                   f"<td>{kl}</td><td>{same}</td><td>{dp}</td><td>{html.escape(first)}</td></tr>")
-    return "".join(out) + "</table>"
+    """Each forward's figures at one K (`vd.replayer.words.k_table_row`)."""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in words.K_TABLE_COLUMNS)
+    rows = ["<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in words.k_table_row(j.comparison)) + "</tr>"
+            for j in v.comparisons]
+    return f"<table><tr>{head}</tr>" + "".join(rows) + "</table>"

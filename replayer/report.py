@@ -1,25 +1,28 @@
-"""What a replay concludes, as typed values (`Report` and its parts) that become JSON only at the edge
-(`Report.to_json`).
+"""What a replay or a golden-against-golden diff concludes, as typed values (`Report`, `DiffReport` and their
+parts) that become JSON only at the edge (``to_json``), worded by `vd.replayer.words`.
 
 The JSON keeps the seed's fields (``graphs``, ``mtp``, ``steps``, ``variants``, ``verify[k, accepted,
 comparisons, timings, detection_control]``, ``verdict``, ``reasons``) and adds the golden, model, policy
 and its sensitivity, coverage, determinism, both environments and where the replay's time went. Every
 reason is a `Reason` that says what it is about (``rows``, ``draft``, ``control``, ``thin``,
-``coverage``, ``environment``) and which K and forward, so renderers need not parse its text.
+``coverage``, ``environment``; a diff's also ``steps``) and which K and forward, so renderers need not
+parse its text. Mappings left untyped are metadata passed through as the golden or the machine wrote them
+(an environment, an MTP head's description, the reader's counters).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
+from typing import Any
 
 import numpy as np
 
-from vd.compare import Comparison
 from vd.coverage import histogram
 from vd.policy import Policy
+from vd.replayer.comparison import Comparison, Failure, plain
 
 REPORT_VERSION = 1
 
@@ -34,7 +37,7 @@ def golden_name(golden: str) -> str:
 class Reason:
     """One reason a replay fails: ``what`` it is about, the K and forward it concerns, and its text."""
 
-    what: str  # rows, draft, control, thin, coverage, environment
+    what: str  # rows, draft, control, thin, coverage, environment; a diff's steps
     text: str
     k: int | None = None
     variant: str | None = None
@@ -50,9 +53,13 @@ class Timing:
     variant: str
     step_ms: tuple[float, ...]
 
+    @property
+    def median_ms(self) -> float | None:
+        return statistics.median(self.step_ms) if self.step_ms else None
+
     def to_json(self) -> dict:
         ms = self.step_ms
-        return {"variant": self.variant, "steps": len(ms), "step_ms_median": statistics.median(ms) if ms else None,
+        return {"variant": self.variant, "steps": len(ms), "step_ms_median": self.median_ms,
                 "step_ms_max": max(ms) if ms else None, "total_ms": sum(ms)}
 
 
@@ -119,7 +126,8 @@ class KResult:
 class FailureRows:
     """The golden's and the candidate's rows of the first failing step, as stored (a first-divergence
     bundle's ``rows.npz``); ``golden`` is None for a slim golden replayed without its rows; ``text`` is
-    the step's tokens decoded, where the model can decode (`vd.protocol.TokenDecoder`)."""
+    the step's tokens decoded, where the model can decode (`vd.protocol.TokenDecoder`). ``first_failure``:
+    the first failing row, or for a changed accept count alone the step (``row`` 0, no element)."""
 
     k: int
     forward: str
@@ -128,45 +136,116 @@ class FailureRows:
     golden: np.ndarray | None
     candidate: np.ndarray
     tokens: list[int] | None
-    first_failure: dict
+    first_failure: Failure | None
     text: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Report:
-    """A replay's verdict and everything behind it (see the module's docstring).
+class ModelFacts:
+    """The golden's model (its SPEC, name and fingerprint), the identity it was ``replayed_with`` and
+    ``replayed_spec``: the model SPEC that ran when it was not the golden's own (a plug-in wrapping the
+    golden's model, say), else None."""
 
-    ``model`` holds the golden's ``spec``, ``name`` and ``fingerprint``, the identity it was
-    ``replayed_with`` and ``replayed_spec``: the model SPEC that ran when it was not the golden's own (a
-    plug-in wrapping the golden's model, say), else None.
-    """
+    spec: str
+    name: str | None
+    fingerprint: str
+    replayed_with: str
+    replayed_spec: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A forward replayed: its name, what it runs, whether it is the golden's own, graphed or eager."""
+
+    name: str
+    description: str
+    golden: bool
+    graphs: str
+
+
+@dataclass(frozen=True, slots=True)
+class Determinism:
+    """The determinism settings the recording ``recorded``, those this replay ``applied`` from it, and those
+    in force while it ``replayed``."""
+
+    recorded: Mapping[str, Any] | None
+    applied: Mapping[str, Any] | None
+    replayed: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Sensitivity:
+    """One kind's policy and the smallest change it is guaranteed to catch (``catches``), from the golden's
+    rows' largest |logit|, smallest margin and median top-1 probability."""
+
+    policy: str
+    catches: str
+    max_abs: float
+    min_margin: float
+    median_top1_p: float
+
+
+@dataclass(frozen=True, slots=True)
+class Environments:
+    """The recording's and the replay's environments (`vd.env`) and the numerics fields that differ."""
+
+    recorded: Mapping[str, Any]
+    replayed: Mapping[str, Any]
+    numerics_differences: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RowsSource:
+    """Whether the golden is slim, and the full golden whose rows measured it (None: none named)."""
+
+    slim: bool
+    source: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Seconds:
+    """Where a replay's time went, by phase, and ``first_step``: from the process's start to its first
+    forward of a verify run (start-up, as a user waits for it; None where unknown)."""
+
+    first_step: float | None
+    open: float
+    load: float
+    setup: float
+    prepare: float
+    run: float
+    control: float
+    compare: float
+    write: float
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A replay's verdict and everything behind it (see the module's docstring)."""
 
     golden: str
-    model: dict
+    model: ModelFacts
     graphs: str  # graphed, eager or mixed
     mtp: bool
-    head: dict | None
+    head: Mapping[str, Any] | None  # the golden's MTP head, as it describes itself
     feed: str
     steps: int
     dtype: str
-    variants: tuple[dict, ...]
-    determinism: dict
+    variants: tuple[Variant, ...]
+    determinism: Determinism
     golden_forward: str
     policy: Policy
-    sensitivity: dict
+    sensitivity: Mapping[str, Sensitivity]  # by kind
     require_coverage: bool
     verify: tuple[KResult, ...]
     reasons: tuple[Reason, ...]
     notes: tuple[str, ...]
-    environment: dict
-    rows: dict  # the golden's rows: stored, or a slim golden's source (None when none was named)
+    environment: Environments
+    rows: RowsSource
     seconds: float
-    phases: dict
-    reader: dict | None
+    phases: Mapping[str, float]  # seconds by phase (`vd.replayer.replay.PHASES`)
+    reader: Mapping[str, Any] | None  # the golden reader's work by who did it, and the file check's seconds
     failure_rows: FailureRows | None = field(default=None, compare=False)
-    # Seconds by phase (load, setup, prepare, run, control, compare, write), and ``first_step``: from the
-    # process's start to its first forward of a verify run (start-up, as a user waits for it).
-    timing: dict = field(default_factory=dict, compare=False)
+    timing: Seconds | None = field(default=None, compare=False)
 
     @property
     def verdict(self) -> str:
@@ -174,21 +253,58 @@ class Report:
 
     @property
     def replayed_spec(self) -> str | None:
-        """The model SPEC that ran, where it is not the golden's own (see ``model``)."""
-        return self.model.get("replayed_spec")
+        """The model SPEC that ran, where it is not the golden's own (see `ModelFacts`)."""
+        return self.model.replayed_spec
 
     def reasons_of(self, what: Sequence[str], k: int | None = None) -> list[Reason]:
         return [r for r in self.reasons if r.what in what and (k is None or r.k == k)]
 
     def to_json(self) -> dict:
-        return {"report_version": REPORT_VERSION, "golden": self.golden,
-                "model": {**self.model, "replayed_spec": self.replayed_spec}, "graphs": self.graphs,
-                "mtp": self.mtp, "head": self.head,
+        return {"report_version": REPORT_VERSION, "golden": self.golden, "model": plain(self.model),
+                "graphs": self.graphs, "mtp": self.mtp, "head": self.head,
                 "warmup": False,  # a process's first propose equals every later one: no discarded warm-up run
-                "feed": self.feed, "steps": self.steps, "dtype": self.dtype, "variants": list(self.variants),
-                "determinism": self.determinism, "golden_forward": self.golden_forward,
-                "policy": self.policy.to_json(), "sensitivity": self.sensitivity,
+                "feed": self.feed, "steps": self.steps, "dtype": self.dtype,
+                "variants": [plain(v) for v in self.variants], "determinism": plain(self.determinism),
+                "golden_forward": self.golden_forward, "policy": self.policy.to_json(),
+                "sensitivity": {kind: plain(s) for kind, s in self.sensitivity.items()},
                 "require_coverage": self.require_coverage, "verify": [v.to_json() for v in self.verify],
                 "verdict": self.verdict, "reasons": [r.text for r in self.reasons], "notes": list(self.notes),
-                "environment": self.environment, "rows": self.rows, "seconds": self.seconds, "phases": self.phases,
-                "timing": self.timing, "reader": self.reader}
+                "environment": {**plain(self.environment),
+                                "numerics_differences": list(self.environment.numerics_differences)},
+                "rows": plain(self.rows), "seconds": self.seconds, "phases": dict(self.phases),
+                "timing": plain(self.timing) or {}, "reader": self.reader}
+
+
+@dataclass(frozen=True, slots=True)
+class DiffK:
+    """One K of a diff: B's rows judged against A's, and the steps whose tokens or accept counts differ."""
+
+    k: int
+    comparison: Comparison
+    steps_changed: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"k": self.k, "comparison": self.comparison.to_json(), "steps_changed": list(self.steps_changed)}
+
+
+@dataclass(frozen=True, slots=True)
+class DiffReport:
+    """Golden B judged against golden A (`vd.replayer.diff`): per K a comparison, and the reasons."""
+
+    a: str
+    b: str
+    policy: Policy
+    dtype: str
+    environments: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None]  # A's and B's
+    verify: tuple[DiffK, ...]
+    reasons: tuple[Reason, ...]
+
+    @property
+    def verdict(self) -> str:
+        return "FAIL" if self.reasons else "PASS"
+
+    def to_json(self) -> dict:
+        return {"a": self.a, "b": self.b, "policy": self.policy.to_json(), "dtype": self.dtype,
+                "environment": {"a": self.environments[0], "b": self.environments[1]},
+                "verify": [v.to_json() for v in self.verify], "verdict": self.verdict,
+                "reasons": [r.text for r in self.reasons]}

@@ -216,13 +216,13 @@ def test_a_run_hands_its_idle_time_over_until_told_nothing_is_left():
 
 
 def test_comparison_queued_during_the_last_step_is_the_comparison_after_the_run(tmp_path):
-    """`vd.compare.Queued` (which rows differ, asked of the GPU on a side stream while it runs the last
+    """`vd.replayer.judge.Queued` (which rows differ, asked of the GPU on a side stream while it runs the last
     step) gives the comparison made after the run, for the golden's forward (equal) and for eager (rows
     that differ, measured from the queued rows)."""
-    from vd.compare import Queued, compare_run
     from vd.loop import ReplayFeed, run_verify
     from vd.policy import Policy
     from vd.recorder import RecordSettings, record
+    from vd.replayer.judge import Queued, compare_run
 
     m = load_model("tiny-qwen2", device="cuda")
     m.set_forward("graphed")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vd.errors import UsageError
-from vd.measure import measure_rows
 from vd.policy import Policy, parse_spec
+from vd.replayer.measure import measure_rows
 
 V = 64
 

@@ -173,7 +173,7 @@ def test_html_header_says_what_ran_and_what_to_do_next(perturbed, passing, tmp_p
     text = failing.read_text()
     assert f"<th>vd version</th><td>{vd.__version__}</td>" in text
     assert f"<code>vd replay tiny.zarr --model {PERTURB}</code>" in text
-    assert f"<td>{perturbed.environment['replayed']['time']}</td>" in text
+    assert f"<td>{perturbed.environment.replayed['time']}</td>" in text
     assert "<b>Environment differences</b> (recorded → replayed): none" in text
     assert "Look at the first divergence (K=2, eager, verify step 3 row 1 index 7" in text
     assert "--k 2 --forward eager" in text and "vd refresh tiny --reason TEXT" in text and "--refresh</code>" in text
@@ -182,7 +182,7 @@ def test_html_header_says_what_ran_and_what_to_do_next(perturbed, passing, tmp_p
 
 
 def test_html_lists_the_environment_differences(perturbed, tmp_path):
-    env = {**perturbed.environment, "numerics_differences": ["cpu_capability: AVX2 → DEFAULT"]}
+    env = dataclasses.replace(perturbed.environment, numerics_differences=("cpu_capability: AVX2 → DEFAULT",))
     render.write_html(tmp_path / "r.html", dataclasses.replace(perturbed, environment=env))
     assert "<li>cpu_capability: AVX2 → DEFAULT</li>" in (tmp_path / "r.html").read_text()
 
@@ -205,9 +205,9 @@ def test_suite_html_has_a_section_per_golden_and_shows_errors(perturbed, passing
 
 
 def test_replayed_spec_is_shown_and_kept(perturbed, tmp_path):
-    bare = dataclasses.replace(perturbed, model={k: v for k, v in perturbed.model.items() if k != "replayed_spec"})
+    bare = dataclasses.replace(perturbed, model=dataclasses.replace(perturbed.model, replayed_spec=None))
     assert bare.to_json()["model"]["replayed_spec"] is None  # the key is always there
-    report = dataclasses.replace(perturbed, model={**perturbed.model, "replayed_spec": PERTURB})
+    report = dataclasses.replace(perturbed, model=dataclasses.replace(perturbed.model, replayed_spec=PERTURB))
     assert report.to_json()["model"]["replayed_spec"] == PERTURB
     render.write_html(tmp_path / "r.html", report)
     render.write_junit(tmp_path / "j.xml", report)

@@ -47,12 +47,12 @@ def test_replay_reads_rows_only_where_digests_differ(tiny_copy, tiny_model, read
     # The differing row to measure it, then step 1's rows for the first-divergence bundle.
     assert r.verdict == "FAIL" and reads == [(2, "verify", [2]), (2, "verify", [2, 3])]
     c = r.verify[0].comparisons[0].comparison
-    assert c.mismatched_step_list == [1] and c.first_mismatch.index == 7
+    assert c.mismatched_step_list == (1,) and c.first_mismatch.index == 7
     reads.clear()
     r = replay(tiny_copy, ReplaySettings(ks=(3,)), model=tiny_model)
     control = r.verify[0].control
     assert control.fired and reads and {(k, kind) for k, kind, _ in reads} == {(3, "verify")}
-    assert sorted({i // 3 for _, _, idx in reads for i in idx}) == control.comparison.mismatched_step_list
+    assert sorted({i // 3 for _, _, idx in reads for i in idx}) == list(control.comparison.mismatched_step_list)
 
 
 def test_one_edited_element_is_the_first_mismatch(cli, tiny_copy, tmp_path):
@@ -86,8 +86,8 @@ def test_eager_and_sdpa_reported_as_they_really_compare(tiny_golden, tiny_model)
         assert (eager.variant, sdpa.variant) == ("eager", "sdpa")
         assert eager.passed and eager.prefill_equal and eager.mismatched_steps == 0
         assert sdpa.prefill_equal == really_equal and not sdpa.passed
-    assert r.verdict == "FAIL" and [x["name"] for x in r.variants] == ["eager", "sdpa"]
-    assert all(x["description"] for x in r.variants)
+    assert r.verdict == "FAIL" and [x.name for x in r.variants] == ["eager", "sdpa"]
+    assert all(x.description for x in r.variants)
 
 
 def test_pinned_sdpa_backends_compared_as_they_are(tiny_golden, tiny_model):
@@ -105,7 +105,7 @@ def test_pinned_sdpa_backends_compared_as_they_are(tiny_golden, tiny_model):
     for j in r.verify[0].comparisons:
         c = j.comparison
         assert c.prefill_equal == torch.equal(rows[c.variant], rows["eager"]), c.variant
-    assert {v["name"] for v in r.variants} == {"sdpa", *pinned}
+    assert {v.name for v in r.variants} == {"sdpa", *pinned}
 
 
 def test_perturbed_plugin_fails_at_that_step(tiny_golden, monkeypatch):
@@ -114,7 +114,7 @@ def test_perturbed_plugin_fails_at_that_step(tiny_golden, monkeypatch):
     assert r.verdict == "FAIL"
     for v in r.verify:
         c = v.comparisons[0].comparison
-        assert c.prefill_equal and c.mismatched_step_list == [3]
+        assert c.prefill_equal and c.mismatched_step_list == (3,)
         assert (c.first_mismatch.step, c.first_mismatch.row, c.first_mismatch.index) == (3, 1, 7)
         assert [x.what for x in v.comparisons[0].reasons] == ["rows"]
 
@@ -126,7 +126,7 @@ def test_a_control_on_a_step_the_forward_already_fails_is_inconclusive(tiny_gold
     r = replay(tiny_golden, ReplaySettings(model=f"{PLUGINS / 'perturb.py'}:factory"))
     assert r.verdict == "FAIL" and {x.what for x in r.reasons} == {"rows"}
     for v in r.verify:
-        assert v.comparisons[0].comparison.failed_step_list == [4]
+        assert v.comparisons[0].comparison.failed_step_list == (4,)
         assert v.control.changed_step == 4 and v.control.inconclusive and not v.control.fired
         assert v.control.state == "inconclusive" and v.control.to_json()["inconclusive"] is True
 
@@ -265,8 +265,8 @@ def test_a_slim_golden_passes_and_fails_as_its_full_golden_does(tiny_golden, tin
     assert _verdicts(full) == _verdicts(thin) and full.verdict == thin.verdict == "FAIL"
     assert [x.what for x in full.reasons] == [x.what for x in thin.reasons]
     c = thin.verify[0].comparisons[1].comparison  # sdpa: its rows differ, and say how by their statistics
-    assert not c.measured and c.rows and all(np.isnan(row["max_abs"]) for row in c.rows)
-    assert all(row["golden_stats"]["top1"] == row["golden_stats"]["top1"] for row in c.rows)
+    assert not c.measured and c.rows and all(np.isnan(row.max_abs) for row in c.rows)
+    assert all(row.golden_stats.top1 == row.golden_stats.top1 for row in c.rows)
     assert thin.to_json()["rows"] == {"slim": True, "source": None}
     monkeypatch.setenv("VD_PERTURB_STEP", "3")
     spec = f"{PLUGINS / 'perturb.py'}:factory"
@@ -310,6 +310,6 @@ def test_a_replay_probes_no_pinned_backend_it_does_not_run(tiny_golden, monkeypa
     m = load_model("tiny-llama")
     assert replay(tiny_golden, ReplaySettings(control=False), model=m).verdict == "PASS" and probed == []
     r = replay(tiny_golden, ReplaySettings(forwards=("sdpa-math",), control=False), model=m)
-    assert r.variants[0]["name"] == "sdpa-math" and probed == ["sdpa-math"]
+    assert r.variants[0].name == "sdpa-math" and probed == ["sdpa-math"]
     assert "sdpa-math" in list(m.forwards()) and "sdpa-cudnn" not in m.forwards()  # listing probes the rest, once
     assert sorted(probed) == sorted(["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"])

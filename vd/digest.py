@@ -18,7 +18,7 @@ any one weight where the rows differ, so over weights drawn at random the chance
 ``2**-(bits * LANES)`` (2**-120 for vocabularies up to 2**18 words). The weights here are fixed, not
 drawn per golden: that bound holds for changes that do not depend on them (a kernel, a build, a
 machine), not for rows crafted to collide. A replay compares digests first and reads, measures and
-judges the golden's rows only where the digests differ (`vd.compare`); "byte for byte" means: equal
+judges the golden's rows only where the digests differ (`vd.replayer.judge`); "byte for byte" means: equal
 digests, and for rows whose digests differ, their bytes.
 
 On the GPU a digest is one conversion and one float64 matrix multiply per block of rows.
@@ -107,7 +107,7 @@ def stats_tensor(rows: torch.Tensor) -> torch.Tensor:
     """Per row of logits ``[R, V]`` (any float dtype): argmax, top-1 value, top-1/top-2 margin, largest
     |logit| and top-1 probability, as one float64 tensor ``[len(STATS), R]`` on the rows' device. A
     golden stores them for its rows (a replay's report and decision checks use them without reading the
-    rows: `vd.compare`)."""
+    rows: `vd.replayer.judge`)."""
     g = rows.float()
     top = g.topk(min(2, g.shape[1]), dim=1).values
     return torch.stack([g.argmax(1).double(), top[:, 0].double(), (top[:, 0] - top[:, -1]).double(),

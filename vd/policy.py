@@ -16,7 +16,7 @@ bootstrap row) to a SPEC:
 ``kl:X``           KL(golden || candidate) of the rows' softmax at most X nats
 =================  =====================================================================================
 
-Whatever the policy, decisions are checked as well (`vd.compare`): a row whose argmax differs from the
+Whatever the policy, decisions are checked as well (`vd.replayer.judge`): a row whose argmax differs from the
 golden's fails even when its values are within tolerance, because it changes which draft a scheduler
 accepts or which token it emits. The one exception is stated, not implied: ``decisions=margin:X`` allows
 an argmax flip, and the accept-count change it causes, only at a row whose golden top-1/top-2 margin is

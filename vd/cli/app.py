@@ -170,53 +170,14 @@ def _recorded(r) -> int:
 
 
 
-def _flips(c) -> str:
-    """The flips column: how many, and how many of them the policy's decisions=margin:X allowed."""
-    allowed = sum(f.allowed for f in c.flips)
-    return f"{len(c.flips)}" + (f" ({allowed} allowed)" if allowed else "")
-
-
-def _summary(report) -> None:
-    t = Table(title=f"vd replay {report.golden}  (policy: {report.policy.describe()})", title_justify="left")
-    cols = ["K", "forward", "prefill", "steps differ", "first mismatch", "max |Δ|", "flips", "judged", "step ms",
-            "control"]
-    if report.mtp:
-        cols[4:4] = ["drafts differ"]
-    for col in cols:
+def print_table(table) -> None:
+    """A `vd.replayer.words.TextTable` on stdout."""
+    t = Table(title=table.title, title_justify="left")
+    for col in table.columns:
         t.add_column(col)
-    for v in report.verify:
-        control = "-" if v.control is None else v.control.state
-        for j, tm in zip(v.comparisons, v.timings[1:]):
-            c, m = j.comparison, j.comparison.first_mismatch
-            first = "-" if m is None else f"step {m.step} row {m.row}" + ("" if m.index is None else f" [{m.index}]")
-            cells = [str(v.k), c.variant, "equal" if c.prefill_equal else "DIFFERS", f"{c.mismatched_steps}/{c.steps}",
-                     first, f"{c.max_abs_diff:.4g}", _flips(c), "pass" if c.passed else "FAIL",
-                     f"{tm.to_json()['step_ms_median']:.2f}", control]
-            if report.mtp:
-                cells[4:4] = [f"{c.draft_mismatched_steps}/{c.steps}{'' if c.bootstrap_equal else ' +bootstrap'}"]
-            t.add_row(*cells)
+    for row in table.rows:
+        t.add_row(*row)
     out.print(t)
-    for v in report.verify:
-        for j in v.comparisons:
-            line = _agreement(v.k, j.comparison)
-            if line:
-                out.print(line)
-        if v.left_greedy is not None:
-            out.print(f"  K={v.k}: the recording's committed sequence left its engine's own one-token decode at step "
-                      f"{v.left_greedy} (its verify rows chose another token there)")
-    for reason in report.reasons:
-        out.print(f"  - {reason}")
-    out.print(report.verdict, style="bold")
-
-
-def _agreement(k: int, c) -> str | None:
-    """One line of a forward's verify rows in llama.cpp's terms (`vd.compare.agreement`), where rows differ."""
-    a = c.summary["verify"].get("agreement")
-    if not a or not c.summary["verify"]["rows_differ"]:
-        return None
-    return (f"  K={k} {c.variant} verify: KL mean {a['kl_mean']:.3g}, median {a['kl_median']:.3g}, p99 "
-            f"{a['kl_p99']:.3g}, max {a['kl_max']:.3g}; same top-1 {100 * a['same_top1']:.1f} %; Δp of the golden's "
-            f"top token p1 {a['dp_p1']:+.3g}, median {a['dp_p50']:+.3g}, p99 {a['dp_p99']:+.3g}")
 
 
 @app.command(cls=Command, epilog=examples(
@@ -303,10 +264,15 @@ def _check_replay(targets, suite: bool, rows, model, forward, tolerance, outputs
 
 
 def _replayed(result, data: dict) -> int:
-    """Print a replay's summary; its exit code."""
-    _summary(result)
+    """Print a replay's summary (`vd.replayer.words`); its exit code."""
+    from vd.replayer import words
+
+    print_table(words.replay_table(result))
+    for line in words.replay_lines(result):
+        out.print(line)
+    out.print(result.verdict, style="bold")
     if data.get("bundle"):
-        out.print(f"first-divergence bundle: {data['bundle']} (command.sh reproduces it)")
+        out.print(words.bundle_line(data["bundle"]))
     return EXIT_PASS if result.verdict == "PASS" else EXIT_FAIL
 
 
@@ -334,60 +300,10 @@ def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden t
          ) -> int:
     """Print a golden's model, environment, settings, steps and accept counts; check every row's digest."""
     check_golden(golden)
-    from vd.coverage import histogram
-    from vd.store import open_golden
+    from vd.describe import describe
 
-    g = open_golden(golden)
-    g.check_files()  # every file against the manifest (format 6), before anything is shown as the golden's
-    m = g.meta
-    e = m.get("environment") or {}
-    out.print(f"{g.url}  (format {m['format_version']}, created {m.get('created')})")
-    if g.manifest is not None:
-        out.print(f"golden ID {m['golden_id']}  ({len(g.manifest)} files, each checked against the manifest)")
-    out.print(f"content   {g.content_digest()}  (history: {len(g.history)} version(s); vd history)")
-    out.print(f"model     {m['model'].get('name')}  [{m['model']['spec']}]")
-    out.print(f"          {m['model']['fingerprint']}")
-    out.print(f"forward   {m['forward']}: {m.get('forward_description', '')}")
-    if m.get("compiled"):
-        c = m["compiled"]
-        out.print(f"compiled  Inductor artifacts {c['bytes'] / 1e6:.1f} MB (torch {c.get('torch')}), loaded by a "
-                  "compiled forward's replay before it compiles")
-    if m.get("mtp"):
-        h = m["mtp"]
-        out.print(f"MTP head  {h.get('name')} ({h.get('source')}, {h.get('block')})  {h['fingerprint']}")
-        out.print(f"          hidden: {h.get('hidden')}")
-        out.print(f"          trim: {h.get('trim')}")
-    out.print(f"settings  feed {g.info.feed}, dtype {g.logical}, device {g.info.device}, K {g.ks}, "
-              f"{g.info.steps} steps, vocab {g.info.vocab}, prompt {len(g.prompt)} tokens")
-    out.print(f"prompt    {m.get('prompt_text', '')!r}")
-    from vd.policy import Policy
-
-    out.print(f"policy    {Policy.parse((), m.get('policy')).describe()}")
-    out.print(f"recorded  vd {e.get('vd')}, torch {e.get('torch')}, transformers {e.get('transformers')}, "
-              f"zarr {e.get('zarr')}, python {e.get('python')} on {e.get('host')}")
-    gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
-    isa = e.get("cpu_capability") if not e.get("onednn_isa") else f"{e.get('cpu_capability')}, oneDNN {e['onednn_isa']}"
-    out.print(f"          CPU {e.get('cpu_model')} ({isa}), {e.get('threads')} threads{gpu}")
-    if (e.get("tp") or 1) > 1:
-        out.print(f"          tensor parallel over {e['tp']} ranks ({e.get('collectives')})")
-    if isinstance(e.get("engine"), dict):
-        out.print("          engine " + ", ".join(f"{k} {v}" for k, v in e["engine"].items()))
-    out.print(f"storage   {g.location.nbytes() / 1e6:.1f} MB; {_rows_text(g)}")
-    d = m.get("digest")
-    for k in g.ks:
-        if not g.slim:
-            g.verify_rows(k)  # every row against its digest, every chunk against its checksum
-        acc = g.checked_log(k).accepted.tolist()
-        hist = ", ".join(f"{i}:{n}" for i, n in enumerate(histogram(k, acc)))
-        flag = "" if g.checked_log(k).committed_is_greedy in (True, None) else "  (left the greedy continuation)"
-        rate = sum(acc) / (len(acc) * (k - 1))
-        out.print(f"K={k}  accepted {acc}  histogram {{{hist}}}  acceptance {rate:.0%}  "
-                  f"bootstrap {g.checked_log(k).bootstrap}{flag}")
-    if g.info.digested:
-        checked = "" if g.slim else ", each checked against its row's bytes"
-        out.print(f"digests   {d['lanes']} x {d['bits']}-bit per row ({d['scheme']}){checked}")
-    else:
-        out.print("digests   none stored (written before format 3): computed from the rows when replayed")
+    for line in describe(golden):
+        out.print(line)
     return EXIT_PASS
 
 
@@ -411,18 +327,6 @@ def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden
     out.print(f"intact: {g.url} ({files}; {sum(g.layout(k).total for k in g.ks)} rows"
               f"{'' if g.slim else ' match their digests'})")
     return EXIT_PASS
-
-
-def _rows_text(g) -> str:
-    if g.slim:
-        src = (g.meta.get("rows") or {}).get("slim_of") or {}
-        return f"slim: no rows (made from {src.get('golden')}, created {src.get('created')})"
-    if g.info.version >= 4:
-        return "rows as byte planes: high byte zstd-1 + crc32c, other bytes + crc32c"
-    from vd.store.chunks import node
-
-    codecs = node(g.location, f"k{g.ks[0]}/logits", f"{g.url}/k{g.ks[0]}/logits")["codecs"]
-    return f"logits rows {' + '.join(c['name'] for c in codecs)}"
 
 
 @app.command(cls=Command, epilog=examples("vd slim goldens/smollm2.zarr goldens/smollm2-slim.zarr",
@@ -480,19 +384,16 @@ def diff(
     for where in (a, b):
         check_golden(where)
     check_tolerances(tolerance)
+    from vd.replayer import words
     from vd.replayer.diff import diff as do_diff
 
     result = do_diff(a, b, tolerances=tolerance or ())
     if report is not None:
-        write_json(report, result)
-    for v in result["verify"]:
-        sm = v["comparison"]["summary"]
-        out.print(f"K={v['k']}: " + "; ".join(f"{n} {s['rows_differ']}/{s['rows']} rows differ, {s['rows_failed']} "
-                                              f"fail, max |Δ| {s['max_abs']:.4g}" for n, s in sm.items()))
-    for reason in result["reasons"]:
-        out.print(f"  - {reason}")
-    out.print(result["verdict"], style="bold")
-    return EXIT_PASS if result["verdict"] == "PASS" else EXIT_FAIL
+        write_json(report, result.to_json())
+    for line in words.diff_lines(result):
+        out.print(line)
+    out.print(result.verdict, style="bold")
+    return EXIT_PASS if result.verdict == "PASS" else EXIT_FAIL
 
 
 @app.command(cls=Command, epilog=examples("vd models"))

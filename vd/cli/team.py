@@ -55,6 +55,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     """Record the named (or all) goldens of the suite: missing ones, and with ``refresh`` existing ones."""
     if refresh and not reason:
         raise UsageError("--refresh of a suite needs --reason TEXT: it goes into each golden's history")
+    from vd.replayer import words
     from vd.workflow.suite import exit_code
     from vd.workflow.suite import record_suite as do_record
 
@@ -63,14 +64,13 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     with reporting() as progress:
         outcomes = do_record(entries, refresh_existing=refresh, reason=reason or "first recording", progress=progress)
     for o in outcomes:
-        out.print(f"{o.name:<24} {o.verdict:<9} {o.path}  ({o.seconds:.1f} s)")
-        for line in o.reasons or ([o.error] if o.error else []):
-            out.print(f"    {line}")
+        for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, o.reasons or ([o.error] if o.error
+                                                                                              else [])):
+            out.print(line)
     if summary is not None:
-        text = "\n".join(f"## {o.name}: {o.verdict}\n\n" + "".join(f"- {x}\n" for x in o.reasons or [o.error or ""])
-                         for o in outcomes)
         summary.parent.mkdir(parents=True, exist_ok=True)
-        summary.write_text(f"**Reason:** {reason}\n\n{text}" if reason else text)
+        summary.write_text(words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""])
+                                                         for o in outcomes]))
     return exit_code(outcomes)
 
 
@@ -79,8 +79,8 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
     """Replay the named (or all) goldens of the suite, or shard I/N of them; one verdict for all."""
     import time
 
-    from vd.replayer import render
-    from vd.workflow.suite import Models, exit_code
+    from vd.replayer import render, words
+    from vd.workflow.suite import Models, SuiteReport, for_entry
     from vd.workflow.suite import replay_suite as do_replay
     from vd.workflow.suite import shard as take
 
@@ -90,16 +90,11 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
         check_writable(flag, path, [e.path for e in entries])
     models, outcomes, t = Models(), [], time.perf_counter()
     with reporting() as progress:
-        for e in entries:  # a candidate each, where asked: DIR/NAME.zarr
-            s = settings if settings.save_candidate is None else dataclasses.replace(
-                settings, save_candidate=str(Path(settings.save_candidate) / f"{e.name}.zarr"))
-            outcomes += do_replay([e], s, models=models, progress=progress)
-    code = exit_code(outcomes)
-    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[code]
+        for e in entries:
+            outcomes += do_replay([e], for_entry(settings, e), models=models, progress=progress)
+    done = SuiteReport(str(suite.file), shard, models.loads, time.perf_counter() - t, tuple(outcomes))
     if report is not None:
-        write_json(report, {"verdict": verdict, "suite": str(suite.file), "shard": shard,
-                            "models_loaded": models.loads, "seconds": time.perf_counter() - t,
-                            "goldens": [o.to_json() for o in outcomes]})
+        write_json(report, done.to_json())
     listed = [(o.name, o.report, o.error) for o in outcomes]
     if junit is not None:
         render.write_suite_junit(junit, listed)
@@ -108,13 +103,10 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
     for o in outcomes:
         if bundle is not None and o.report is not None and o.report.failure_rows is not None:
             render.write_bundle(bundle / o.name, o.report, {})
-        out.print(f"{o.name:<24} {o.verdict:<6} {o.path}  ({o.seconds:.1f} s)")
-        for line in [o.error] if o.error else [r.text for r in o.report.reasons]:
-            out.print(f"    - {line}")
-    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("PASS", "FAIL", "ERROR")}
-    out.print(f"{verdict}: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" of {len(outcomes)} "
-              f"golden(s); {models.loads} model load(s)", style="bold")
-    return code
+        for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, done.details(o), bullet="- "):
+            out.print(line)
+    out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads), style="bold")
+    return done.code
 
 
 # -- refresh, history, status -------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from vd.errors import GoldenError, UsageError
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.recorder import RecordSettings, record
-from vd.replayer import ReplaySettings, replay
+from vd.replayer import ReplaySettings, replay, words
 from vd.replayer.diff import diff
 from vd.store import Golden, Location, check_target, locate, open_golden
 from vd.store import history as H
@@ -180,8 +180,10 @@ def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: l
     """The new version against the old: its headline lines and a Markdown summary for a pull request."""
     if old is None:
         head = [f"previous version unreadable ({unreadable}); its history is lost" if unreadable else "new golden"]
-        return head, _markdown(title, reason, head, [], [])
-    lines, rows, decisions = [], [], []
+        return head, words.refresh_markdown(title, reason, head, [], [])
+    lines: list[str] = []
+    rows: list[tuple[int, str, int, int, float, int, str]] = []
+    decisions: list[str] = []
     if old.content_digest() == new.content_digest():
         lines.append("no logit, step or decision moved (content digest unchanged)")
     lines += asked
@@ -198,20 +200,9 @@ def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: l
     except UsageError as e:
         lines.append(f"rows not compared: {e}")
     else:
-        rows, decisions = _row_changes(d), _decision_changes(old, new)
-        lines += _headline(rows, decisions)
-    return lines, _markdown(title, reason, lines, rows, decisions)
-
-
-def _row_changes(d: dict) -> list[list]:
-    out = []
-    for v in d["verify"]:
-        c = v["comparison"]
-        for kind, s in c["summary"].items():
-            steps = c.get("mismatched_step_list") if kind == "verify" else None
-            out.append([v["k"], kind, s["rows_differ"], s["rows"], s["max_abs"], s["argmax_flips"],
-                        "" if not steps else ", ".join(map(str, steps[:12])) + (" ..." if len(steps) > 12 else "")])
-    return out
+        rows, decisions = words.row_changes(d), _decision_changes(old, new)
+        lines += words.rows_headline(rows) + decisions
+    return lines, words.refresh_markdown(title, reason, lines, rows, decisions)
 
 
 def _decision_changes(old: Golden, new: Golden) -> list[str]:
@@ -228,26 +219,3 @@ def _decision_changes(old: Golden, new: Golden) -> list[str]:
         if a.bootstrap != b.bootstrap:
             out.append(f"K={k}: bootstrap token {a.bootstrap} -> {b.bootstrap}")
     return out
-
-
-def _headline(rows: list[list], decisions: list[str]) -> list[str]:
-    moved = [r for r in rows if r[2]]
-    if not moved:
-        return decisions
-    ks = sorted({r[0] for r in moved})
-    worst = max(r[4] for r in moved)
-    flips = sum(r[5] for r in moved)
-    return [f"rows moved at K={ks}: {sum(r[2] for r in moved)} of {sum(r[3] for r in rows)} rows, max |delta| "
-            f"{worst:.4g}, {flips} argmax flip(s)", *decisions]
-
-
-def _markdown(title: str, reason: str, lines: list[str], rows: list[list], decisions: list[str]) -> str:
-    md = [f"## vd refresh: {title}", "", f"**Reason:** {reason}", ""]
-    md += [f"- {x}" for x in lines] or ["- nothing changed"]
-    if rows:
-        md += ["", "| K | rows | moved | of | max abs delta | argmax flips | verify steps that moved |",
-               "|---|---|---|---|---|---|---|"]
-        md += [f"| {k} | {kind} | {n} | {of} | {mx:.4g} | {fl} | {steps} |" for k, kind, n, of, mx, fl, steps in rows]
-    if decisions:
-        md += ["", "**Decisions**", ""] + [f"- {x}" for x in decisions]
-    return "\n".join(md) + "\n"

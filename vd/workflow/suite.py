@@ -8,9 +8,11 @@ golden could not be judged, else 1 where any FAILed, else 0.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from vd.errors import VdError
 from vd.models.specs import golden_dir, stored
@@ -161,3 +163,40 @@ def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, re
         return Outcome(e.name, e.path, "RECORDED", reasons=[f"K={k}: accepted {a}" for k, a in r.accepted.items()])
 
     return [_timed(e, lambda e=e: one(e)) for e in entries]
+
+
+def for_entry(settings: ReplaySettings, entry: Entry) -> ReplaySettings:
+    """The settings one golden of a suite replays under: a candidate, where asked, as ``DIR/NAME.zarr``."""
+    if settings.save_candidate is None:
+        return settings
+    return dataclasses.replace(settings, save_candidate=str(Path(settings.save_candidate) / f"{entry.name}.zarr"))
+
+
+@dataclass(frozen=True, slots=True)
+class SuiteReport:
+    """A suite replay's one verdict over its goldens' outcomes (``vd replay --suite --report``'s JSON)."""
+
+    suite: str
+    shard: str | None
+    models_loaded: int
+    seconds: float
+    outcomes: tuple[Outcome, ...]
+
+    @property
+    def code(self) -> int:
+        return exit_code(self.outcomes)
+
+    @property
+    def verdict(self) -> str:
+        return {0: "PASS", 1: "FAIL", 2: "ERROR"}[self.code]
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict, "suite": self.suite, "shard": self.shard,
+                "models_loaded": self.models_loaded, "seconds": self.seconds,
+                "goldens": [o.to_json() for o in self.outcomes]}
+
+    def details(self, o: Outcome) -> list[str]:
+        """What one golden's line says below it: its error, or its report's reasons."""
+        if o.error:
+            return [o.error]
+        return [] if o.report is None else [r.text for r in o.report.reasons]

@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from vd.compare import compare_run
 from vd.digest import summarise
 from vd.dtypes import to_storage
 from vd.layout import RowLayout, Step, StepLog
 from vd.loop import Run
 from vd.policy import Policy
+from vd.replayer.comparison import AcceptChange
+from vd.replayer.judge import compare_run
 from vd.store.side import GoldenSide
 
 V = 64
@@ -53,13 +54,13 @@ def test_a_flipped_decision_fails_inside_tolerance_and_names_the_margin():
     cand[1, 0, 20] = 4.0 + 1 / 32  # now above: the argmax flips, |Δ| 0.047
     policy = Policy.parse(["atol:0.1,rtol:0"])
     c = compare_run("x", _side(gold, [1, 1]), _run(cand, [1, 0]), "bfloat16", policy)
-    assert c.summary["verify"]["rows_failed"] == 0  # inside the tolerance ...
-    assert not c.passed and c.failed_step_list == [1]  # ... and still a failure
+    assert c.summary["verify"].rows_failed == 0  # inside the tolerance ...
+    assert not c.passed and c.failed_step_list == (1,)  # ... and still a failure
     (f,) = c.flips
     assert (f.step, f.row, f.golden_argmax, f.got_argmax) == (1, 0, 10, 20)
     # 1/64 is one step below 4.0 in bf16, half a ULP of 4.0 itself (the top-1 value the margin is counted in)
     assert f.margin == pytest.approx(1 / 64) and f.margin_ulps == pytest.approx(0.5) and f.near_tie
-    assert c.accept_changes == [{"step": 1, "golden": 1, "got": 0, "margin": pytest.approx(1 / 64), "allowed": False}]
+    assert c.accept_changes == (AcceptChange(step=1, golden=1, got=0, margin=pytest.approx(1 / 64), allowed=False),)
     ok = compare_run("x", _side(gold, [1, 1]), _run(gold.clone(), [1, 1]), "bfloat16", policy)
     assert ok.passed and not ok.flips and ok.equal
 
@@ -74,18 +75,18 @@ def test_decisions_margin_allows_a_flip_and_its_accept_change_only_below_the_mar
     cand[1, 0, 20] = 4.0 + 1 / 32
     policy = Policy.parse(["atol:0.1,rtol:0", f"decisions={decisions}"])
     c = compare_run("x", _side(gold, [1, 1]), _run(cand, [1, 0]), "bfloat16", policy)
-    assert c.passed is passed and c.failed_step_list == ([] if passed else [1])
+    assert c.passed is passed and c.failed_step_list == (() if passed else (1,))
     (f,) = c.flips
     assert f.allowed is passed and f.margin == 1 / 64
-    assert c.accept_changes == [{"step": 1, "golden": 1, "got": 0, "margin": 1 / 64, "allowed": passed}]
+    assert c.accept_changes == (AcceptChange(step=1, golden=1, got=0, margin=1 / 64, allowed=passed),)
     assert c.to_json()["flips"][0]["allowed"] is passed
-    a = c.summary["verify"]["agreement"]  # llama.cpp's terms: one of four verify rows has another top-1
-    assert a["same_top1"] == 0.75 and a["kl_max"] > 0 and a["kl_median"] == 0 and a["dp_p1"] < 0 == a["dp_p50"]
+    a = c.summary["verify"].agreement  # llama.cpp's terms: one of four verify rows has another top-1
+    assert a.same_top1 == 0.75 and a.kl_max > 0 and a.kl_median == 0 and a.dp_p1 < 0 == a.dp_p50
     clear = gold.clone()
     clear[0, 1, 30] = 5.0  # step 0 row 1: 2.0 -> 5.0 over the top's 4.0 (margin 1.0): a real change
     c = compare_run("x", _side(gold, [1, 1]), _run(clear, [1, 1]), "bfloat16",
                     Policy.parse(["kl:100", "decisions=margin:0.25"]))
-    assert not c.passed and [f.allowed for f in c.flips] == [False] and c.failed_step_list == [0]
+    assert not c.passed and [f.allowed for f in c.flips] == [False] and c.failed_step_list == (0,)
 
 
 def test_decisions_term_parses_stores_and_refuses():
@@ -107,16 +108,16 @@ def test_a_slim_side_judges_exact_and_argmax_from_its_statistics():
     for policy in ("exact", "argmax"):
         a = compare_run("x", full, _run(cand, [1, 1]), "bfloat16", Policy.parse([policy]))
         b = compare_run("x", slim, _run(cand, [1, 1]), "bfloat16", Policy.parse([policy]))
-        assert a.passed == b.passed == (policy == "argmax") and a.mismatched_step_list == b.mismatched_step_list == [0]
+        assert a.passed == b.passed == (policy == "argmax") and a.mismatched_step_list == b.mismatched_step_list == (0,)
         assert a.measured and not b.measured and np.isnan(b.max_abs_diff) and b.first_mismatch.index is None
         assert a.first_mismatch.index == 3 and a.max_abs_diff > 0
         (row,) = b.rows
-        assert row["got_stats"]["argmax"] == row["golden_stats"]["argmax"] == 10
-        assert row["got_stats"]["absmax"] == row["golden_stats"]["absmax"] == 4.0  # the top value is untouched
+        assert row.got_stats.argmax == row.golden_stats.argmax == 10
+        assert row.got_stats.absmax == row.golden_stats.absmax == 4.0  # the top value is untouched
     flipped = gold.clone()
     flipped[0, 1, 20] = 8.0
     b = compare_run("x", slim, _run(flipped, [1, 1]), "bfloat16", Policy.parse(["argmax"]))
-    assert not b.passed and [f.got_argmax for f in b.flips] == [20] and b.rows[0]["got_stats"]["top1"] == 8.0
+    assert not b.passed and [f.got_argmax for f in b.flips] == [20] and b.rows[0].got_stats.top1 == 8.0
 
 
 def test_rows_measured_a_block_at_a_time_judge_as_all_at_once(monkeypatch):

@@ -1,7 +1,7 @@
 """One forward's run of one K judged against the golden (`compare_run`): every row under the policy, and
 every decision.
 
-Rows are measured by `vd.measure` (digests first, the golden's rows read only where they differ). A
+Rows are measured by `vd.replayer.measure` (digests first, the golden's rows read only where they differ). A
 row's argmax is a decision where generation acts on it (every verify and draft row, and the prefill's
 last row); a flipped decision fails even inside a tolerance, labelled with the golden's top-1/top-2 margin
 so a near-tie can be told from a real change; a step whose candidate rows would accept another number of
@@ -13,100 +13,32 @@ becomes JSON only in a report.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-
 import numpy as np
 import torch
 
 from vd.layout import RowLayout
 from vd.loop import Run
-from vd.measure import POSITION_BINS, Measurer, Rows, ulp_of
 from vd.policy import Policy
+from vd.replayer.comparison import (
+    AcceptChange,
+    Agreement,
+    Comparison,
+    Failure,
+    Flip,
+    KindSummary,
+    Mismatch,
+    Positions,
+    RowDiff,
+    RowStats,
+    StepFigures,
+)
+from vd.replayer.measure import POSITION_BINS, Measurer, Rows, ulp_of
 from vd.store.side import GoldenSide
 from vd.streams import Behind
 
 NEAR_TIE_ULPS = 4
 MAX_ROWS = 2000  # rows listed one by one in a comparison; the summaries cover them all
 _ORDER = {"prefill": 0, "verify": 2, "draft": 3}  # rows of one step in the order they were computed
-
-
-@dataclass(frozen=True, slots=True)
-class Mismatch:
-    """Where two sets of rows first differ: step (None for the prefill), row, vocab index, both values."""
-
-    step: int | None
-    row: int
-    index: int | None  # None where the golden's rows were not at hand
-    golden: float
-    got: float
-
-
-@dataclass(frozen=True, slots=True)
-class Flip:
-    """A row whose argmax (the decision it drives) differs from the golden's."""
-
-    kind: str
-    step: int | None
-    row: int
-    golden_argmax: int
-    got_argmax: int
-    margin: float  # the golden's top-1 minus top-2 logit at that row
-    margin_ulps: float  # the same in units in the last place of the golden's top-1 value
-    near_tie: bool  # margin within NEAR_TIE_ULPS: a tie at the dtype's resolution
-    row_max_abs: float  # the candidate row's largest absolute difference
-    allowed: bool = False  # below the policy's decisions=margin:X
-
-
-@dataclass(frozen=True, slots=True)
-class Comparison:
-    """One forward's rows against the golden's, for one K, under a policy.
-
-    The bit-level fields (``prefill_equal``, ``mismatched_*``, ``first_mismatch``, ``max_abs_diff``) say
-    where bits differ; ``passed`` is the verdict under ``policy`` with decisions checked; ``per_step``,
-    ``summary``, ``flips``, ``accept_changes`` and ``positions`` say how. The ``draft_*`` fields and
-    ``bootstrap_equal`` compare the MTP head's outputs and are None for a reference golden. ``measured``
-    is False when the golden's rows were not at hand (a slim golden): the element measures are unknown.
-    """
-
-    variant: str
-    prefill_equal: bool
-    mismatched_steps: int
-    steps: int
-    first_mismatch: Mismatch | None
-    max_abs_diff: float
-    prefill_first_mismatch: Mismatch | None = None
-    mismatched_step_list: list[int] = field(default_factory=list)
-    decision_changes: int = 0  # steps where this run's own argmaxes would have accepted another count
-    bootstrap_equal: bool | None = None
-    draft_mismatched_steps: int | None = None
-    draft_first_mismatch: Mismatch | None = None
-    draft_max_abs_diff: float | None = None
-    draft_mismatched_step_list: list[int] | None = None
-    policy: dict = field(default_factory=dict)
-    passed: bool = True
-    failed_step_list: list[int] = field(default_factory=list)  # verify or draft rows failing, or a flip
-    first_failure: dict | None = None
-    flips: list[Flip] = field(default_factory=list)
-    accept_changes: list[dict] = field(default_factory=list)
-    per_step: list[dict] = field(default_factory=list)
-    rows: list[dict] = field(default_factory=list)  # every row that differs or flips, measured (first MAX_ROWS)
-    summary: dict = field(default_factory=dict)
-    positions: dict = field(default_factory=dict)
-    measured: bool = True
-
-    @property
-    def equal(self) -> bool:
-        return (self.prefill_equal and self.mismatched_steps == 0 and self.bootstrap_equal is not False
-                and not self.draft_mismatched_steps)
-
-    def to_json(self) -> dict:
-        """As `dataclasses.asdict` without its deep copy of lists and dicts that are this comparison's own."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        for n in ("first_mismatch", "prefill_first_mismatch", "draft_first_mismatch"):
-            if out[n] is not None:
-                out[n] = asdict(out[n])
-        out["flips"] = [asdict(f) for f in self.flips]
-        return out
 
 
 class _Kind:
@@ -168,7 +100,8 @@ def compare_run(variant: str, side: GoldenSide, run: Run, logical: str, policy: 
     """Measure every row of ``run`` (its prefill, each step's K rows and, for a drafter golden, the bootstrap
     row and the head's draft rows) against ``side`` under ``policy``, and check every decision: each row's
     argmax, and each step's accept count. ``queued``: which held rows differ, asked during the run
-    (`Queued`); ``measurer``: the `vd.measure.Measurer` the run's settled rows went to (a run with a hold)."""
+    (`Queued`); ``measurer``: the `vd.replayer.measure.Measurer` the run's settled rows went to (a run with a
+    hold)."""
     assert run.layout == side.layout, "the replay ran the golden's steps"
     measurer = measurer or Measurer(side, logical, policy)
     if queued is not None:
@@ -178,38 +111,37 @@ def compare_run(variant: str, side: GoldenSide, run: Run, logical: str, policy: 
         for kind, start, rows in run.held():
             measurer.add(kind, start, rows[:side.counts[kind] - start])
     kinds = {name: _Kind(name, rows, side.layout) for name, rows in measurer.result().items()}
+    return _judged(variant, side, run, kinds, logical, policy)
+
+
+def _judged(variant: str, side: GoldenSide, run: Run, kinds: dict[str, _Kind], logical: str,
+            policy: Policy) -> Comparison:
+    """The comparison of ``run``'s measured rows (``kinds``) under ``policy``."""
     flips, failures, failed = _decisions(kinds, logical, policy)
     accept_changes = _accept_changes(side, run, flips)
-    failed |= {c["step"] for c in accept_changes if not c["allowed"]}
+    failed |= {c.step for c in accept_changes if not c.allowed}
     verify, prefill = kinds["verify"], kinds["prefill"]
     bad = verify.bad_steps()
+    quiet = all(kd.quiet for kd in kinds.values())
     return Comparison(
-        variant=variant,
-        prefill_equal=prefill.quiet,
-        mismatched_steps=len(bad),
-        steps=side.steps,
+        variant=variant, prefill_equal=prefill.quiet, mismatched_steps=len(bad), steps=side.steps,
         first_mismatch=verify.first_mismatch(),
-        max_abs_diff=0.0 if all(kd.quiet for kd in kinds.values()) else _max(np.concatenate(
+        max_abs_diff=0.0 if quiet else _max(np.concatenate(
             [prefill.rows.max_abs, verify.rows.max_abs, kinds["draft"].rows.max_abs[:1] if "draft" in kinds else []])),
-        prefill_first_mismatch=prefill.first_mismatch(),
-        mismatched_step_list=bad,
+        policy=policy, positions=_positions(kinds, side.vocab, quiet),
+        prefill_first_mismatch=prefill.first_mismatch(), mismatched_step_list=tuple(bad),
         decision_changes=len(accept_changes),
-        policy=policy.to_json(),
-        passed=(not any(not f.allowed for f in flips) and not any(not c["allowed"] for c in accept_changes)
+        passed=(not any(not f.allowed for f in flips) and not any(not c.allowed for c in accept_changes)
                 and all(kd.quiet or kd.rows.passed.all() for kd in kinds.values())),
-        failed_step_list=sorted(failed),
-        first_failure=failures[0][2] if failures else None,
-        flips=flips,
-        accept_changes=accept_changes,
-        per_step=_per_step(kinds, side.layout, failed),
-        rows=_row_list(kinds),
-        summary={kd.name: _summary(kd, flips, side) for kd in kinds.values()},
-        positions={"bins": POSITION_BINS, "vocab": int(side.vocab),
-                   "counts": [0] * POSITION_BINS if all(kd.quiet for kd in kinds.values())
-                   else [int(x) for x in sum(kd.rows.positions for kd in kinds.values())]},
-        measured=all(kd.rows.measured for kd in kinds.values()),
-        **_draft_fields(kinds),
-    )
+        failed_step_list=tuple(sorted(failed)), first_failure=failures[0][2] if failures else None,
+        flips=tuple(flips), accept_changes=tuple(accept_changes), per_step=_per_step(kinds, side.layout, failed),
+        rows=_row_list(kinds), summary={kd.name: _summary(kd, flips, side) for kd in kinds.values()},
+        measured=all(kd.rows.measured for kd in kinds.values()), **_draft_fields(kinds))
+
+
+def _positions(kinds: dict[str, _Kind], vocab: int, quiet: bool) -> Positions:
+    counts = [0] * POSITION_BINS if quiet else [int(x) for x in sum(kd.rows.positions for kd in kinds.values())]
+    return Positions(POSITION_BINS, int(vocab), tuple(counts))
 
 
 def _max(a: np.ndarray) -> float:
@@ -217,10 +149,13 @@ def _max(a: np.ndarray) -> float:
     return float(np.max(a, initial=0.0))
 
 
-def _decisions(kinds: dict[str, _Kind], logical: str, policy: Policy) -> tuple[list[Flip], list, set[int]]:
+def _decisions(kinds: dict[str, _Kind], logical: str, policy: Policy
+               ) -> tuple[list[Flip], list[tuple[tuple[int, int], int, Failure]], set[int]]:
     """Every flipped decision, every failing row (sortable in the order rows were computed, with its
     description) and the steps either touches."""
-    flips, failures, failed = [], [], set()
+    flips: list[Flip] = []
+    failures: list[tuple[tuple[int, int], int, Failure]] = []
+    failed: set[int] = set()
     for kd in kinds.values():
         if kd.quiet:
             continue
@@ -231,25 +166,30 @@ def _decisions(kinds: dict[str, _Kind], logical: str, policy: Policy) -> tuple[l
         flipped_rows = (r.golden_argmax != r.got_argmax) & decides
         for f in np.flatnonzero(~r.passed | flipped_rows):
             step, row = kd.where(int(f))
-            flipped, allowed = bool(flipped_rows[f]), False
-            if flipped:
-                units = float(r.margin[f]) / ulp_of(float(r.top1[f]), logical)
-                allowed = policy.allows_flip(float(r.margin[f]))
-                flips.append(Flip(kd.name, step, row, int(r.golden_argmax[f]), int(r.got_argmax[f]),
-                                  float(r.margin[f]), units, units <= NEAR_TIE_ULPS, float(r.max_abs[f]), allowed))
-            if r.passed[f] and (not flipped or allowed):
+            flip = _flip(kd, int(f), logical, policy) if flipped_rows[f] else None
+            if flip is not None:
+                flips.append(flip)
+            if r.passed[f] and (flip is None or flip.allowed):
                 continue  # an allowed flip in a row within its tolerance: listed, not a failure
             if step is not None:
                 failed.add(step)
             order = (-1 if step is None else step, _ORDER[kd.name] if step is not None else int(kd.name == "draft"))
-            failures.append((order, row, {"kind": kd.name, "step": step, "row": row, "index": _int(r.first_index[f]),
-                                          "golden": float(r.first_golden[f]), "got": float(r.first_got[f]),
-                                          "policy": policy[kd.name].text, "argmax_flipped": flipped}))
+            failures.append((order, row, Failure(kd.name, step, row, _int(r.first_index[f]), float(r.first_golden[f]),
+                                                 float(r.first_got[f]), policy[kd.name].text, flip is not None)))
     failures.sort(key=lambda x: (x[0], x[1]))
     return flips, failures, failed
 
 
-def _accept_changes(side: GoldenSide, run: Run, flips: list[Flip]) -> list[dict]:
+def _flip(kd: _Kind, f: int, logical: str, policy: Policy) -> Flip:
+    """Row ``f`` of ``kd``, whose argmax differs from the golden's, as a flip."""
+    r = kd.rows
+    step, row = kd.where(f)
+    units = float(r.margin[f]) / ulp_of(float(r.top1[f]), logical)
+    return Flip(kd.name, step, row, int(r.golden_argmax[f]), int(r.got_argmax[f]), float(r.margin[f]), units,
+                units <= NEAR_TIE_ULPS, float(r.max_abs[f]), policy.allows_flip(float(r.margin[f])))
+
+
+def _accept_changes(side: GoldenSide, run: Run, flips: list[Flip]) -> list[AcceptChange]:
     """Each step whose candidate's own argmaxes would accept another number of drafts: the two counts, the
     golden's margin at the row where they part (row min(golden, got) of the step: there one argmax took the
     draft and the other did not) and whether that row's flip is allowed."""
@@ -258,8 +198,7 @@ def _accept_changes(side: GoldenSide, run: Run, flips: list[Flip]) -> list[dict]
     for i, (a, b) in enumerate(zip(side.accepted.tolist(), run.computed)):
         if a != b:
             f = at.get((i, min(a, b)))
-            out.append({"step": i, "golden": int(a), "got": int(b), "margin": None if f is None else f.margin,
-                        "allowed": f is not None and f.allowed})
+            out.append(AcceptChange(i, int(a), int(b), None if f is None else f.margin, f is not None and f.allowed))
     return out
 
 
@@ -267,12 +206,12 @@ def _int(x: float) -> int | None:
     return None if np.isnan(x) else int(x)
 
 
-def _per_step(kinds: dict[str, _Kind], layout: RowLayout, failed: set[int]) -> list[dict]:
+def _per_step(kinds: dict[str, _Kind], layout: RowLayout, failed: set[int]) -> tuple[StepFigures, ...]:
     """Each step's largest absolute and ULP difference, differing elements, largest KL and argmax agreement
     (and the draft rows' for a drafter golden)."""
     s, v = layout.steps, kinds["verify"]
-    cols = {"max_abs": [0.0] * s, "max_ulp": [0.0] * s, "n_diff": [0] * s, "max_kl": [0.0] * s,
-            "argmax_agree": [True] * s}
+    cols: dict[str, list] = {"max_abs": [0.0] * s, "max_ulp": [0.0] * s, "n_diff": [0] * s, "max_kl": [0.0] * s,
+                             "argmax_agree": [True] * s}
     if not v.quiet:
         r, by = v.rows, (lambda a: layout.by_step("verify", a))
         cols = {"max_abs": by(r.max_abs).max(1).tolist(), "max_ulp": by(r.max_ulp).max(1).tolist(),
@@ -284,28 +223,24 @@ def _per_step(kinds: dict[str, _Kind], layout: RowLayout, failed: set[int]) -> l
         if not d.quiet:
             cols.update(draft_max_abs=layout.by_step("draft", d.rows.max_abs).max(1, initial=0.0).tolist(),
                         draft_n_diff=[_int(x) for x in layout.by_step("draft", d.rows.n_diff).sum(1)])
-    return [{"step": i, **{n: cols[n][i] for n in ("max_abs", "max_ulp", "n_diff", "max_kl", "argmax_agree")},
-             "passed": i not in failed, **{n: cols[n][i] for n in ("draft_max_abs", "draft_n_diff") if n in cols}}
-            for i in range(s)]
+    return tuple(StepFigures(step=i, passed=i not in failed, **{n: c[i] for n, c in cols.items()}) for i in range(s))
 
 
-def _summary(kd: _Kind, flips: list[Flip], side: GoldenSide) -> dict:
+def _summary(kd: _Kind, flips: list[Flip], side: GoldenSide) -> KindSummary:
     """One kind's figures: rows that differ, fail and flip, and the largest differences."""
     r = kd.rows
-    figures = {"rows_differ": 0, "rows_failed": 0, "argmax_flips": 0, "max_abs": 0.0, "max_ulp": 0.0,
-               "max_kl": 0.0, "n_diff": 0}
+    figures: dict = {"rows_differ": 0, "rows_failed": 0, "argmax_flips": 0, "max_abs": 0.0, "max_ulp": 0.0,
+                     "max_kl": 0.0, "n_diff": 0}
     if not kd.quiet:
         figures = {"rows_differ": int(r.differ.sum()), "rows_failed": int((~r.passed).sum()),
                    "argmax_flips": sum(f.kind == kd.name for f in flips), "max_abs": _max(r.max_abs),
                    "max_ulp": _max(r.max_ulp), "max_kl": _max(r.kl), "n_diff": _int(r.n_diff.sum())}
-    return {"rows": int(r.differ.size), **figures, **side.figures(kd.name), "agreement": agreement(r)}
+    return KindSummary(rows=int(r.differ.size), **figures, **side.figures(kd.name), agreement=agreement(r))
 
 
-def agreement(r: Rows) -> dict | None:
-    """A kind's rows against the golden's in the terms llama.cpp's ``--kl-divergence`` reports: KL divergence
-    (mean, median, p99, max), the share of rows with the same top-1 token, and Δp, the candidate's probability
-    of the golden's top token minus the golden's (mean and percentiles); equal rows count as 0. None for a
-    slim golden, whose rows are not at hand."""
+def agreement(r: Rows) -> Agreement | None:
+    """A kind's rows against the golden's in the terms llama.cpp's ``--kl-divergence`` reports
+    (`vd.replayer.comparison.Agreement`); None for a slim golden, whose rows are not at hand."""
     if not r.measured or not r.differ.size:
         return None
     kl, dp = np.nan_to_num(r.kl, nan=0.0), np.nan_to_num(r.dp, nan=0.0)
@@ -313,31 +248,34 @@ def agreement(r: Rows) -> dict | None:
     def pct(a: np.ndarray, q: float) -> float:
         return float(np.percentile(a, q))
 
-    return {"kl_mean": float(kl.mean()), "kl_median": pct(kl, 50), "kl_p99": pct(kl, 99), "kl_max": float(kl.max()),
-            "same_top1": float((r.golden_argmax == r.got_argmax).mean()),
-            "dp_mean": float(dp.mean()), **{f"dp_p{q}": pct(dp, q) for q in (1, 5, 50, 95, 99)}}
+    return Agreement(kl_mean=float(kl.mean()), kl_median=pct(kl, 50), kl_p99=pct(kl, 99), kl_max=float(kl.max()),
+                     same_top1=float((r.golden_argmax == r.got_argmax).mean()), dp_mean=float(dp.mean()),
+                     dp_p1=pct(dp, 1), dp_p5=pct(dp, 5), dp_p50=pct(dp, 50), dp_p95=pct(dp, 95), dp_p99=pct(dp, 99))
 
 
-def _row_list(kinds: dict[str, _Kind]) -> list[dict]:
+def _row_list(kinds: dict[str, _Kind]) -> tuple[RowDiff, ...]:
     """Every row that differs, measured, with the golden's and the candidate's statistics (first MAX_ROWS)."""
-    out = []
+    out: list[RowDiff] = []
     for kd in kinds.values():
         if kd.quiet:
             continue
         r = kd.rows
         for f in np.flatnonzero(r.differ)[:MAX_ROWS - len(out)]:
             step, row = kd.where(int(f))
-            out.append({"kind": kd.name, "step": step, "row": row, "passed": bool(r.passed[f]),
-                        "n_diff": _int(r.n_diff[f]), "first_index": _int(r.first_index[f]),
-                        "max_abs": float(r.max_abs[f]), "max_ulp": float(r.max_ulp[f]), "kl": float(r.kl[f]),
-                        "argmax_agree": bool(r.golden_argmax[f] == r.got_argmax[f]),
-                        "golden_stats": {"argmax": int(r.golden_argmax[f]), "top1": float(r.top1[f]),
-                                         "margin": float(r.margin[f]), "absmax": float(r.golden_absmax[f]),
-                                         "top1_p": float(r.top1_p[f])},
-                        "got_stats": {"argmax": int(r.got_argmax[f]), "top1": float(r.got_stats[f, 1]),
-                                      "margin": float(r.got_stats[f, 2]), "absmax": float(r.got_stats[f, 3]),
-                                      "top1_p": float(r.got_stats[f, 4])}})
-    return out
+            out.append(RowDiff(kind=kd.name, step=step, row=row, passed=bool(r.passed[f]), n_diff=_int(r.n_diff[f]),
+                               first_index=_int(r.first_index[f]), max_abs=float(r.max_abs[f]),
+                               max_ulp=float(r.max_ulp[f]), kl=float(r.kl[f]),
+                               argmax_agree=bool(r.golden_argmax[f] == r.got_argmax[f]),
+                               golden_stats=RowStats(int(r.golden_argmax[f]), float(r.top1[f]), float(r.margin[f]),
+                                                     float(r.golden_absmax[f]), float(r.top1_p[f])),
+                               got_stats=_got_stats(r, int(f))))
+    return tuple(out)
+
+
+def _got_stats(r: Rows, f: int) -> RowStats:
+    assert r.got_stats is not None, "a differing row has the candidate's statistics"
+    return RowStats(int(r.got_argmax[f]), float(r.got_stats[f, 1]), float(r.got_stats[f, 2]),
+                    float(r.got_stats[f, 3]), float(r.got_stats[f, 4]))
 
 
 def _draft_fields(kinds: dict[str, _Kind]) -> dict:
@@ -348,4 +286,4 @@ def _draft_fields(kinds: dict[str, _Kind]) -> dict:
     bad = d.bad_steps(skip=1)
     return dict(bootstrap_equal=not bool(d.rows.differ[0]), draft_mismatched_steps=len(bad),
                 draft_first_mismatch=d.first_mismatch(skip=1),
-                draft_max_abs_diff=0.0 if d.quiet else _max(d.rows.max_abs), draft_mismatched_step_list=bad)
+                draft_max_abs_diff=0.0 if d.quiet else _max(d.rows.max_abs), draft_mismatched_step_list=tuple(bad))

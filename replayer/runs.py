@@ -1,0 +1,161 @@
+"""One K of a replay (`replay_k`): every forward asked for runs the golden's steps through the shared loop and
+is judged (`vd.replayer.judge`), then, under the last forward, the detection control, then the golden's own
+checks at that K (thin, coverage). Each returns its values; nothing is kept between K's but the session.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vd import env
+from vd.coverage import coverage_reason, thin_reason
+from vd.dtypes import to_storage
+from vd.layout import Step
+from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, run_verify
+from vd.replayer import words
+from vd.replayer.comparison import Comparison
+from vd.replayer.judge import Queued, compare_run
+from vd.replayer.measure import Measurer
+from vd.replayer.report import Control, FailureRows, Judged, KResult, Reason, Timing
+from vd.replayer.session import Clock, Session
+from vd.store.side import GoldenSide
+
+
+@dataclass(frozen=True, slots=True)
+class KOutcome:
+    """One K replayed: its result, the reasons it fails (in order: each forward's, the control's, the golden's
+    own) and the rows of its first failing step, if a forward failed."""
+
+    result: KResult
+    reasons: tuple[Reason, ...]
+    failure: FailureRows | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Ran:
+    """One run of a K's steps under the selected forward: its comparison, the run, the golden's side of that
+    K and the candidate's rows of each kind's first failing step (`vd.replayer.measure.Measurer.kept`)."""
+
+    comparison: Comparison
+    run: Run
+    side: GoldenSide
+    kept: dict
+
+
+def control_steps(steps: Sequence[Step], vocab: int) -> list[Step]:
+    """The detection control's input: the last draft of step ``len(steps) // 2`` bumped by one."""
+    changed = list(steps)
+    at = len(steps) // 2
+    tokens = list(changed[at].tokens)
+    tokens[-1] = (tokens[-1] + 1) % vocab
+    changed[at] = Step(tuple(tokens), changed[at].accepted)
+    return changed
+
+
+def replay_k(s: Session, k: int) -> KOutcome:
+    """Every forward at ``k``, then the control, then the golden's own checks at ``k``."""
+    g = s.golden
+    log = g.log(k)  # the metadata's copy; the arrays are read and checked beside the run
+    judged, timings, reasons = [], [Timing(f"{g.info.forward} (golden)", tuple(log.step_ms.tolist()))], []
+    failure: FailureRows | None = None
+    for name in s.forwards:
+        s.progress.phase(f"K={k} {name}", g.info.steps)
+        ran = _forward(s, k, name, log.steps)
+        why = tuple(words.comparison_reasons(k, name, ran.comparison))
+        reasons += why
+        judged.append(Judged(ran.comparison, why))
+        timings.append(Timing(name, tuple(ran.run.step_ms)))
+        if failure is None and not ran.comparison.passed:
+            failure = failure_rows(k, name, ran, getattr(s.model, "decode", None))
+        if s.candidate is not None:
+            s.candidate.keep(k, ran.run)
+    control = _control(s, k, log.steps, judged[-1].comparison) if s.settings.control else None
+    if control is not None and not control.fired and not control.inconclusive:
+        reasons.append(words.control_reason(k, control.changed_step, s.policy))
+    reasons += _own_checks(s, k, log.accepted.tolist())
+    left = (g.meta.get("left_greedy") or {}).get(str(k))
+    return KOutcome(KResult(k, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), control, left),
+                    tuple(reasons), failure)
+
+
+def _own_checks(s: Session, k: int, accepted: list[int]) -> list[Reason]:
+    """The golden's own checks at ``k``: too thin, and (when asked) an accept count missing."""
+    found = [("thin", thin_reason(k, accepted)),
+             ("coverage", coverage_reason(k, accepted) if s.settings.require_coverage else None)]
+    return [Reason(what, text, k) for what, text in found if text is not None]
+
+
+def _forward(s: Session, k: int, name: str, steps: list[Step]) -> _Ran:
+    """Forward ``name`` selected and prepared (graphs captured, caches sized), then its run at ``k``."""
+    t = time.perf_counter()
+    s.model.set_forward(name)
+    s.reader.pause()  # no reader work beside a graph capture
+    g = s.golden
+    prepare(s.model, len(g.prompt), g.info.steps, g.ks, decode=g.info.drafted)  # a reference replay decodes nothing
+    s.clock.phases["prepare"] += time.perf_counter() - t
+    return _execute(s, k, steps, name, s.clock, keep=s.candidate is not None)
+
+
+def _execute(s: Session, k: int, steps: list[Step], variant: str, clock: Clock, keep: bool = False) -> _Ran:
+    """One run of ``steps`` under the selected forward and its comparison, timed into ``clock``. Rows are
+    measured as the run lets them go (`vd.loop.Hold`), so its memory stays flat in steps (a run whose
+    candidate is kept, ``keep``, holds them all); on CUDA the comparison of the rows still held is queued
+    behind the last step while it runs."""
+    g, reader = s.golden, s.reader
+    queued: list[Queued] = []
+    on_last = ((lambda run, rows: queued.append(Queued(reader.side(k), run, rows)))
+               if s.model.device.type == "cuda" else None)
+    measurer = Measurer(lambda: reader.side(k), g.logical, s.policy)
+    hold = None if keep else Hold(hold_bytes(s.model.device), measurer.add)
+    if s.clock.first_step is None:
+        s.clock.first_step = env.process_age()
+    t1 = time.perf_counter()
+    log = g.log(k)
+    feed = ReplayFeed(steps, log.bootstrap, log.decoded)
+    run = run_verify(s.model, g.prompt, k, g.info.steps, DrafterFeed(k, g.info.steps, feed) if g.info.drafted else feed,
+                     on_step=s.progress.step, idle=reader.idle, on_last=on_last, hold=hold)
+    t2 = time.perf_counter()
+    side = reader.side(k)  # made in the run's idle time on CUDA
+    t3 = time.perf_counter()
+    c = compare_run(variant, side, run, g.logical, s.policy, queued[0] if queued else None, measurer)
+    for name, dt in (("run", t2 - t1), ("wait_golden", t3 - t2), ("compare", time.perf_counter() - t3)):
+        clock.phases[name] += dt
+    return _Ran(c, run, side, measurer.kept)
+
+
+def _control(s: Session, k: int, steps: list[Step], own: Comparison) -> Control:
+    """The detection control under the last forward (still selected; ``own``: its comparison): it must fail at
+    the very step whose draft changed, under the active policy or by a changed decision, where that forward's
+    own run did not. Where its own run fails there already, it is inconclusive: a replay that differs
+    everywhere does not show it would see a change (and fails anyway)."""
+    t = time.perf_counter()
+    s.progress.phase(f"K={k} control", s.golden.info.steps)
+    ran = _execute(s, k, control_steps(steps, s.model.vocab_size), f"{s.forwards[-1]}, one draft changed",
+                   Clock())  # counted as the control's time alone
+    at = s.golden.info.steps // 2
+    inconclusive = at in own.failed_step_list
+    fired = at in ran.comparison.failed_step_list and not inconclusive
+    s.clock.phases["control"] += time.perf_counter() - t
+    return Control(ran.comparison, at, fired, inconclusive)
+
+
+def failure_rows(k: int, name: str, ran: _Ran, decode=None) -> FailureRows | None:
+    """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle)."""
+    c, side = ran.comparison, ran.side
+    f = c.first_failure
+    if f is not None:
+        kind, step = f.kind, f.step
+    elif c.changed_accepts:  # a changed accept count alone: keep its step's verify rows
+        kind, step = "verify", c.changed_accepts[0].step
+    else:
+        return None
+    if kind not in ran.kept or ran.kept[kind][0] != step:
+        return None
+    idx = side.layout.step_rows(kind, step)
+    tokens = side.tokens[step].tolist() if step is not None else None
+    return FailureRows(k=k, forward=name, kind=kind, step=step,
+                       golden=side.host_rows(kind, idx) if side.has_rows else None,
+                       candidate=to_storage(ran.kept[kind][1]), tokens=tokens, first_failure=f,
+                       text=None if decode is None or tokens is None else decode(tokens))

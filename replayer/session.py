@@ -1,0 +1,272 @@
+"""What a replay sets up before its first run (`open_golden_for`, `set_up`): the golden opened and checked
+against what the settings ask, the model loaded (or given) and checked against the golden, the golden's
+reader and its files' check started, the forwards to replay and a candidate writer where one is asked for.
+The result, a `Session`, is what every run of the replay shares; `Clock` times the phases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from vd import env
+from vd.dtypes import of_torch
+from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
+from vd.models import check_device, check_forward_names, load_model, require_forwards
+from vd.models.inductor import compiles, held, load_artifacts
+from vd.models.specs import golden_dir, stored
+from vd.models.static import CUDA_ONLY
+from vd.policy import Policy
+from vd.progress import Progress
+from vd.protocol import DraftHead, VerifyModel
+from vd.replayer.candidate import CandidateWriter
+from vd.store import Golden, Prefetcher, open_golden
+
+PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "write", "finish")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySettings:
+    """What a replay asks for; every field left at its default means: as the golden recorded it.
+
+    ``ks`` limits the replay to some of the golden's verify widths; ``tolerances`` (``[KIND=]SPEC`` items)
+    override the golden's policy; ``require_coverage`` fails a golden missing an accept count;
+    ``rows`` names the full golden a slim one was made from, to measure its rows; ``save_candidate`` a
+    path to keep the replayed forward's rows at, as a golden (`vd.replayer.candidate`; one forward only).
+    """
+
+    model: str | None = None
+    head: str | None = None
+    forwards: tuple[str, ...] = ()
+    ks: tuple[int, ...] = ()
+    device: str | None = None
+    threads: int | None = None
+    allow_model_mismatch: bool = False
+    control: bool = True
+    tolerances: tuple[str, ...] = ()
+    require_coverage: bool = False
+    rows: str | None = None
+    save_candidate: str | None = None
+
+
+@dataclass(slots=True)
+class Clock:
+    """Seconds by phase (`PHASES`), and ``first_step``: from the process's start to its first verify run."""
+
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    first_step: float | None = None
+
+    def timed(self, phase: str, work: Callable[[], T]) -> T:
+        """``work()``, its seconds added to ``phase``."""
+        t = time.perf_counter()
+        try:
+            return work()
+        finally:
+            self.phases[phase] += time.perf_counter() - t
+
+
+class FilesCheck(Protocol):
+    """What checks every file of a golden against its manifest, off the step's path (`check_files` waits
+    for it and raises what it found)."""
+
+    def check_files(self) -> None: ...
+
+
+class _FileCheck:
+    """Every file of the golden checked (`vd.store.read.Golden.check_files`) on a thread of its own, off the
+    step's path: while the model loads, or beside the run when the model is given. (On CUDA, where the
+    golden is read ahead, the `vd.store.prefetch.Prefetcher` hashes the files instead, a unit a file, in the
+    time the GPU leaves idle.)"""
+
+    def __init__(self, golden: Golden):
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, args=(golden,), name="vd-file-check", daemon=True)
+        self.thread.start()
+
+    def _run(self, golden: Golden) -> None:
+        t = time.perf_counter()
+        try:
+            golden.check_files()
+        except BaseException as e:  # handed to the replay's thread by `check_files`
+            self.error = e
+        self.seconds = time.perf_counter() - t
+
+    def check_files(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """The golden (its metadata read and checked), the verify widths to replay and the policy to judge by."""
+
+    golden: Golden
+    ks: tuple[int, ...]
+    policy: Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """Everything a replay's runs share: the golden, what was asked, the model and its forwards, the golden's
+    reader and its files' check, the candidate writer (None unless asked for), progress and the clock; and
+    what the report says of the setup (``notes``, the recording's environment and determinism)."""
+
+    golden: Golden
+    settings: ReplaySettings
+    policy: Policy
+    ks: tuple[int, ...]
+    model: VerifyModel
+    forwards: tuple[str, ...]
+    offered: Mapping[str, str]
+    reader: Prefetcher
+    files: FilesCheck
+    candidate: CandidateWriter | None
+    progress: Progress
+    clock: Clock
+    notes: tuple[str, ...]
+    recorded_env: Mapping[str, Any]
+    determinism: Mapping[str, Any] | None
+
+
+def open_golden_for(where: str | os.PathLike, s: ReplaySettings) -> Opened:
+    """Open the golden (its metadata only) and check what the settings ask of it."""
+    g = open_golden(where, rows=s.rows)
+    env.check_threads(s.threads)
+    ks = tuple(s.ks) or tuple(g.ks)
+    absent = [k for k in ks if k not in g.ks]
+    if absent:
+        raise UsageError(f"{g.url} has no verify width {absent}; it holds K = {g.ks}")
+    policy = Policy.parse(s.tolerances, g.meta.get("policy"))
+    needs = policy.needs_rows
+    if g.rows_source is None and needs:
+        raise UsageError(f"{g.url} is slim: judging {', '.join(needs)} rows under "
+                         f"{', '.join(sorted({policy[k].text for k in needs}))} needs its rows; "
+                         "name the full golden with --rows, or judge exact or argmax")
+    return Opened(g, ks, policy)
+
+
+def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progress: Progress,
+           clock: Clock) -> Session:
+    """The model (loaded unless given), checked against the golden; the forwards to replay; the reader."""
+    t = time.perf_counter()
+    g = opened.golden
+    recorded_env = g.meta.get("environment") or {}
+    determinism = (g.meta.get("determinism") or {}).get("applied")
+    env.apply_determinism(determinism)  # what the recording applied, before the model is loaded
+    # CPU kernels can split work by thread count: replay with the recording's unless told otherwise
+    # (the recorded count, bounded by this machine's cores: more threads than cores only slows it down).
+    torch.set_num_threads(s.threads or min(recorded_env.get("threads") or torch.get_num_threads(),
+                                           os.cpu_count() or 1))
+    artifacts = _artifacts(g, s)  # before anything compiles
+    if model is None:
+        progress.phase("loading model", 0)
+        reader, model = clock.timed("load", lambda: _load_model(g, s))
+    else:
+        reader = Prefetcher(g, model.device, files=True)
+    files = reader if reader.hashing else _FileCheck(g)
+    try:
+        forwards, offered, notes = _forwards(g, model, s)
+        candidate = CandidateWriter(s.save_candidate, g) if s.save_candidate is not None else None
+    except GoldenError:
+        files.check_files()  # a damaged file, named, before whatever it broke
+        raise
+    clock.phases["setup"] = time.perf_counter() - t - clock.phases["load"]
+    return Session(g, s, opened.policy, opened.ks, model, forwards, offered, reader, files, candidate, progress,
+                   clock, tuple(notes + artifacts), recorded_env, determinism)
+
+
+def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings) -> tuple[tuple[str, ...], Mapping[str, str],
+                                                                          list[str]]:
+    """The forwards to replay, those the model offers, and the notes the model's check leaves."""
+    offered = model.forwards()
+    lacks = None if s.forwards or g.info.forward in offered else (  # e.g. a CUDA golden on a CPU
+        f"--forward NAME: the golden was recorded with forward {g.info.forward!r}, which this model on "
+        f"{model.device.type} does not offer (it offers {', '.join(offered)})")
+    notes = check_model(g, model, s.allow_model_mismatch, lacks)
+    if lacks is not None:
+        raise UsageError(f"pass {lacks}")
+    forwards = tuple(s.forwards) or (g.info.forward,)
+    require_forwards(model, list(forwards))
+    if s.save_candidate is not None and len(forwards) > 1:
+        raise UsageError("--save-candidate keeps one forward's rows; replay one --forward")
+    return forwards, offered, notes
+
+
+def _artifacts(g: Golden, s: ReplaySettings) -> list[str]:
+    """Load the Inductor artifacts a compiled golden's recording stored, when a compiled forward is to run,
+    so that it compiles to the recording's kernels (`vd.models.inductor`); what happened, as a note."""
+    about = g.meta.get("compiled")
+    if about is None or not any(compiles(f) for f in (s.forwards or [g.info.forward])):
+        return []
+    if held(about["sha256"]):  # this process saved or loaded them already (its file is checked with the rest)
+        return [f"compiled forwards reuse the recording's Inductor artifacts ({about['bytes'] / 1e6:.1f} MB, "
+                f"{about.get('torch')}; held by this process already)"]
+    data = g.location.get(about["artifacts"])
+    if data is None or hashlib.sha256(data).hexdigest() != about["sha256"]:
+        raise GoldenCorruptError(f"{g.url}/{about['artifacts']} is missing or does not match its hash")
+    why = load_artifacts(data, about["sha256"])
+    if why is not None:
+        return [f"the recording's Inductor artifacts ({about.get('torch')}) could not be loaded ({why}): compiled "
+                "forwards compiled afresh and may run other kernels than the recording's"]
+    return [f"compiled forwards reuse the recording's Inductor artifacts ({len(data) / 1e6:.1f} MB, "
+            f"{about.get('torch')})"]
+
+
+def _load_model(g: Golden, s: ReplaySettings) -> tuple[Prefetcher, VerifyModel]:
+    """The golden's reader, started (on CUDA the golden is read while the weights load), and the model."""
+    spec, stored_head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
+    check_forward_names(s.model or spec, list(s.forwards))  # before the model loads
+    dev = s.device or g.info.device
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        also = (f", with --forward naming a CPU forward (it was recorded with {g.info.forward!r}, which runs "
+                "on CUDA only; `vd forwards` lists them)" if not s.forwards and g.info.forward in CUDA_ONLY else "")
+        raise UsageError(f"{g.url} was recorded on {dev} and this machine has no CUDA device; pass --device cpu "
+                         f"to replay it on the CPU{also}")
+    head = s.head if s.head is not None or s.model is not None else stored_head
+    device = check_device(dev)
+    reader = Prefetcher(g, device, files=True)
+    reader.start_thread()
+    return reader, load_model(s.model or spec, device=device, dtype=g.logical, head=head)
+
+
+def check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool, lacks: str | None = None) -> list[str]:
+    """Refuse a model that cannot be compared; a different fingerprint only with ``allow_mismatch``. ``lacks``:
+    the other flag the replay needs (a forward), named in the same error so one attempt learns both."""
+    if model.vocab_size != golden.info.vocab:
+        raise ModelMismatchError(f"model has vocab {model.vocab_size}, golden {golden.url} has {golden.info.vocab}")
+    computes = of_torch(model.dtype).name
+    if computes != golden.logical:
+        raise ModelMismatchError(f"model computes {computes} rows, golden {golden.url} holds {golden.logical} rows: "
+                                 "a replay compares rows of the golden's dtype (load the model in it, or replay a "
+                                 f"golden recorded in {computes})")
+    notes = []
+    for what, got, want in _fingerprints(golden, model):
+        if got == want:
+            continue
+        if not allow_mismatch:
+            also = "" if lacks is None else f", and {lacks}"
+            raise ModelMismatchError(f"{what} fingerprint {got[:19]}… differs from golden's {want[:19]}… "
+                                     f"(pass --allow-model-mismatch to compare anyway{also})")
+        notes.append(f"{what} fingerprint differs from the golden's ({got} vs {want}); allowed by the user")
+    return notes
+
+
+def _fingerprints(golden: Golden, model: VerifyModel) -> list[tuple[str, str, str]]:
+    """(what, the model's, the golden's) fingerprints: the model's, and its MTP head's for a drafter golden."""
+    meta = golden.meta
+    pairs = [("model", model.identity().fingerprint, meta["model"]["fingerprint"])]
+    if golden.info.drafted:
+        if not isinstance(model, DraftHead):
+            raise ModelMismatchError(f"{golden.url} was recorded with an MTP draft head and this model has none")
+        pairs.append(("MTP head", model.head_info()["fingerprint"], meta["mtp"]["fingerprint"]))
+    return pairs

@@ -1,0 +1,451 @@
+"""Every verdict in words: the reasons a replay or a diff gives, the command line's table and lines, the
+suite's lines and Markdown summary, a refresh's change summary, JUnit's messages and the HTML page's text.
+
+Everything here reads the typed values of `vd.replayer.comparison` and `vd.replayer.report` and returns
+plain text (or rows of cells); it prints nothing, escapes nothing and draws nothing: the command line
+prints, `vd.replayer.render` lays the text out as HTML and JUnit. A new fact about a verdict is a field of
+those values, a function here, and its test.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vd.policy import Policy
+from vd.replayer.comparison import Comparison, Failure, Flip, KindSummary, Mismatch
+from vd.replayer.report import Control, DiffReport, KResult, Reason, Report
+
+
+@dataclass(frozen=True, slots=True)
+class TextTable:
+    """A table to print: its title, column headings and rows of cells."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Code:
+    """A command or a path inside a sentence (HTML shows it as code)."""
+
+    text: str
+
+
+# One thing to do about a verdict: sentences and the commands (or files) they name, in order.
+NextStep = tuple[str | Code, ...]
+
+
+def plain_text(step: NextStep) -> str:
+    """A next step as one line of text."""
+    return "".join(part.text if isinstance(part, Code) else part for part in step)
+
+
+# -- places --------------------------------------------------------------------------------------------------
+
+
+def mismatch_place(m: Mismatch | None) -> str:
+    """Where two sets of rows first differ, with both values where the golden's rows were at hand."""
+    if m is None:
+        return "-"
+    step = "prefill" if m.step is None else f"step {m.step}"
+    if m.index is None:
+        return f"{step} row {m.row}"
+    return f"{step} row {m.row} index {m.index}: golden {m.golden!r}, got {m.got!r}"
+
+
+def failure_place(f: Failure) -> str:
+    """Where a first failure sits: ``verify step 3 row 1 index 57``."""
+    if f.step is None:
+        place = "prefill" if f.kind == "prefill" else "draft bootstrap"
+    else:
+        place = f"{f.kind} step {f.step}"
+    return f"{place} row {f.row}" + ("" if f.index is None else f" index {f.index}")
+
+
+def failure_text(f: Failure | None) -> str:
+    """A first failure with both values."""
+    if f is None:
+        return "-"
+    if f.step is None:
+        where = f"prefill row {f.row}" if f.kind == "prefill" else "draft bootstrap row"
+    else:
+        where = f"{f.kind} step {f.step} row {f.row}"
+    return f"{where} index {f.index}: golden {f.golden!r}, got {f.got!r}"
+
+
+# -- reasons ---------------------------------------------------------------------------------------------------
+
+
+def comparison_reasons(k: int, name: str, c: Comparison) -> list[Reason]:
+    """One reason per kind of row that fails (its policy, or a changed decision)."""
+    out, sm = [], c.summary
+    flips = {kind: [f for f in c.unallowed_flips if f.kind == kind] for kind in ("prefill", "verify", "draft")}
+    slim = "" if c.measured else " (the golden is slim: name its full golden with --rows to measure the rows)"
+    if (sm["verify"].rows_failed or sm["prefill"].rows_failed or flips["verify"] or flips["prefill"]
+            or c.changed_accepts):
+        out.append(Reason("rows", _rows_head(k, name, c) + _flip_text(flips["prefill"]) + _flip_text(flips["verify"])
+                          + _accept_text(c) + slim, k, name))
+    if "draft" in sm and (sm["draft"].rows_failed or flips["draft"]):
+        out.append(Reason("draft", _draft_head(k, name, c) + _flip_text(flips["draft"]) + slim, k, name))
+    return out
+
+
+def _rows_head(k: int, name: str, c: Comparison) -> str:
+    if c.policy.prefill.text == c.policy.verify.text == "exact":
+        return (f"verify K={k}, {name}: prefill equal {c.prefill_equal}, {c.mismatched_steps} of {c.steps} "
+                f"steps differ (first at {mismatch_place(c.first_mismatch or c.prefill_first_mismatch)})")
+    v, p = c.summary["verify"], c.summary["prefill"]
+    return (f"verify K={k}, {name}: {v.rows_failed} of {v.rows} verify rows fail {c.policy.verify.text}, "
+            f"{p.rows_failed} of {p.rows} prefill rows fail {c.policy.prefill.text} (largest |Δ| "
+            f"{max(v.max_abs, p.max_abs):.4g}, {max(v.max_ulp, p.max_ulp):.0f} ULP, KL "
+            f"{max(v.max_kl, p.max_kl):.3g}; first failure {failure_text(c.first_failure)})")
+
+
+def _draft_head(k: int, name: str, c: Comparison) -> str:
+    if c.policy.draft.text == "exact":
+        return (f"draft head K={k}, {name}: bootstrap row equal {c.bootstrap_equal}, {c.draft_mismatched_steps} "
+                f"of {c.steps} steps' draft rows differ (first at {mismatch_place(c.draft_first_mismatch)})")
+    d = c.summary["draft"]
+    return (f"draft head K={k}, {name}: {d.rows_failed} of {d.rows} draft rows fail {c.policy.draft.text} "
+            f"(largest |Δ| {d.max_abs:.4g}, {d.max_ulp:.0f} ULP, KL {d.max_kl:.3g})")
+
+
+def _flip_text(flips: Sequence[Flip]) -> str:
+    if not flips:
+        return ""
+    f = flips[0]
+    where = "bootstrap row" if f.kind == "draft" and f.step is None else (
+        "prefill" if f.step is None else f"step {f.step}") + f" row {f.row}"
+    return (f"; {len(flips)} argmax flip(s), first at {where}: {f.golden_argmax} → {f.got_argmax}, golden "
+            f"top-1/top-2 margin {f.margin:.4g} ({f.margin_ulps:.1f} ULP{', a near-tie' if f.near_tie else ''})")
+
+
+def _accept_text(c: Comparison) -> str:
+    changed = c.changed_accepts
+    if not changed:
+        return ""
+    a = changed[0]
+    return (f"; {len(changed)} step(s) would accept a different number of drafts (first: step {a.step}, "
+            f"{a.golden} → {a.got})")
+
+
+def control_reason(k: int, at: int, policy: Policy) -> Reason:
+    """A blind detection control."""
+    return Reason("control", f"verify K={k}: the detection control saw no difference at step {at} after changing "
+                  f"its last draft (policy: {policy.describe()})", k)
+
+
+def environment_reason(differences: Sequence[str], hint: str | None) -> Reason:
+    """The replaying environment differs where bits differ."""
+    return Reason("environment", "the replaying environment differs from the recording's in "
+                  + "; ".join(differences) + " — bitwise differences may come from that"
+                  + (f" (the recording's CPU kernels run here under {hint})" if hint else ""))
+
+
+def steps_reason(k: int, changed: Sequence[int], a: Any, b: Any, total: int) -> Reason:
+    """A diff's K whose recordings verified other tokens or accepted other counts (``a``, ``b``: the first
+    changed step's `vd.layout.Step` of each)."""
+    return Reason("steps", f"K={k}: {len(changed)} of {total} steps verified other tokens or accepted another count "
+                  f"(first at step {changed[0]}: {_step(a)} vs {_step(b)})", k)
+
+
+def _step(s: Any) -> str:
+    return f"{list(s.tokens)} accepting {s.accepted}"
+
+
+def bootstrap_reason(k: int, a: int | None, b: int | None) -> Reason:
+    return Reason("steps", f"K={k}: bootstrap token {a} vs {b}", k)
+
+
+def diff_rows_reason(k: int, c: Comparison) -> Reason:
+    """A diff's K whose rows fail the policy."""
+    f = c.first_failure
+    return Reason("rows", f"K={k}: rows differ under {c.policy.describe()}: "
+                  + ", ".join(f"{n} {s.rows_failed}/{s.rows} rows fail, {s.argmax_flips} argmax flip(s), max |Δ| "
+                              f"{s.max_abs:.4g}" for n, s in c.summary.items())
+                  + (f" (first: {f.kind} step {f.step} row {f.row} index {f.index})" if f else ""), k)
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+
+
+def replay_table(report: Report) -> TextTable:
+    """A replay's table: a row per K and forward."""
+    cols = ["K", "forward", "prefill", "steps differ", "first mismatch", "max |Δ|", "flips", "judged", "step ms",
+            "control"]
+    if report.mtp:
+        cols[4:4] = ["drafts differ"]
+    rows = []
+    for v in report.verify:
+        control = "-" if v.control is None else v.control.state
+        for j, tm in zip(v.comparisons, v.timings[1:]):
+            c, m = j.comparison, j.comparison.first_mismatch
+            first = "-" if m is None else f"step {m.step} row {m.row}" + ("" if m.index is None else f" [{m.index}]")
+            cells = [str(v.k), c.variant, "equal" if c.prefill_equal else "DIFFERS", f"{c.mismatched_steps}/{c.steps}",
+                     first, f"{c.max_abs_diff:.4g}", _flips(c), "pass" if c.passed else "FAIL",
+                     f"{tm.median_ms:.2f}", control]
+            if report.mtp:
+                cells[4:4] = [f"{c.draft_mismatched_steps}/{c.steps}{'' if c.bootstrap_equal else ' +bootstrap'}"]
+            rows.append(tuple(cells))
+    return TextTable(f"vd replay {report.golden}  (policy: {report.policy.describe()})", tuple(cols), tuple(rows))
+
+
+def _flips(c: Comparison) -> str:
+    """The flips column: how many, and how many of them the policy's decisions=margin:X allowed."""
+    allowed = sum(f.allowed for f in c.flips)
+    return f"{len(c.flips)}" + (f" ({allowed} allowed)" if allowed else "")
+
+
+def replay_lines(report: Report) -> list[str]:
+    """The lines below a replay's table: agreement where rows differ, where a recording left greedy, the
+    reasons (the verdict itself is printed apart)."""
+    out = []
+    for v in report.verify:
+        out += [line for j in v.comparisons if (line := agreement_line(v.k, j.comparison))]
+        if v.left_greedy is not None:
+            out.append(f"  K={v.k}: the recording's committed sequence left its engine's own one-token decode at "
+                       f"step {v.left_greedy} (its verify rows chose another token there)")
+    return out + [f"  - {reason}" for reason in report.reasons]
+
+
+def agreement_line(k: int, c: Comparison) -> str | None:
+    """One line of a forward's verify rows in llama.cpp's terms, where rows differ."""
+    a = c.summary["verify"].agreement
+    if not a or not c.summary["verify"].rows_differ:
+        return None
+    return (f"  K={k} {c.variant} verify: KL mean {a.kl_mean:.3g}, median {a.kl_median:.3g}, p99 "
+            f"{a.kl_p99:.3g}, max {a.kl_max:.3g}; same top-1 {100 * a.same_top1:.1f} %; Δp of the golden's "
+            f"top token p1 {a.dp_p1:+.3g}, median {a.dp_p50:+.3g}, p99 {a.dp_p99:+.3g}")
+
+
+def bundle_line(path: str) -> str:
+    return f"first-divergence bundle: {path} (command.sh reproduces it)"
+
+
+def diff_lines(d: DiffReport) -> list[str]:
+    """A diff's lines: per K each kind's rows that differ and fail, then the reasons."""
+    out = [f"K={v.k}: " + "; ".join(f"{n} {s.rows_differ}/{s.rows} rows differ, {s.rows_failed} fail, max |Δ| "
+                                    f"{s.max_abs:.4g}" for n, s in v.comparison.summary.items()) for v in d.verify]
+    return out + [f"  - {reason}" for reason in d.reasons]
+
+
+# -- a refresh's change summary ----------------------------------------------------------------------------
+
+
+def row_changes(d: DiffReport) -> list[tuple[int, str, int, int, float, int, str]]:
+    """Per K and kind of row: K, kind, rows that moved, of how many, the largest |Δ|, argmax flips, and the
+    first verify steps that moved."""
+    out = []
+    for v in d.verify:
+        c = v.comparison
+        for kind, s in c.summary.items():
+            steps = c.mismatched_step_list if kind == "verify" else ()
+            shown = "" if not steps else ", ".join(map(str, steps[:12])) + (" ..." if len(steps) > 12 else "")
+            out.append((v.k, kind, s.rows_differ, s.rows, s.max_abs, s.argmax_flips, shown))
+    return out
+
+
+def rows_headline(rows: Sequence[tuple[int, str, int, int, float, int, str]]) -> list[str]:
+    """One line for the rows that moved, if any."""
+    moved = [r for r in rows if r[2]]
+    if not moved:
+        return []
+    ks = sorted({r[0] for r in moved})
+    return [f"rows moved at K={ks}: {sum(r[2] for r in moved)} of {sum(r[3] for r in rows)} rows, max |delta| "
+            f"{max(r[4] for r in moved):.4g}, {sum(r[5] for r in moved)} argmax flip(s)"]
+
+
+def refresh_markdown(title: str, reason: str, lines: Sequence[str],
+                     rows: Sequence[tuple[int, str, int, int, float, int, str]], decisions: Sequence[str]) -> str:
+    """A refresh's change summary for a pull request."""
+    md = [f"## vd refresh: {title}", "", f"**Reason:** {reason}", ""]
+    md += [f"- {x}" for x in lines] or ["- nothing changed"]
+    if rows:
+        md += ["", "| K | rows | moved | of | max abs delta | argmax flips | verify steps that moved |",
+               "|---|---|---|---|---|---|---|"]
+        md += [f"| {k} | {kind} | {n} | {of} | {mx:.4g} | {fl} | {steps} |" for k, kind, n, of, mx, fl, steps in rows]
+    if decisions:
+        md += ["", "**Decisions**", ""] + [f"- {x}" for x in decisions]
+    return "\n".join(md) + "\n"
+
+
+# -- JUnit --------------------------------------------------------------------------------------------------------
+
+
+def junit_case(k: int, variant: str) -> str:
+    return f"K={k} {variant}"
+
+
+def junit_checks_case(k: int) -> str:
+    return f"K={k} golden checks (control, thin, coverage)"
+
+
+def junit_message(reasons: Sequence[Reason]) -> tuple[str, str]:
+    """A failing case's message (its first reason) and text (every reason, a line each)."""
+    return str(reasons[0]), "\n".join(map(str, reasons))
+
+
+def error_message(error: str | None) -> tuple[str, str]:
+    """A golden that could not be replayed: the message (the error's first line) and its whole text."""
+    text = error or "the replay did not complete"
+    return (text.strip().splitlines()[0] if text.strip() else text), text
+
+
+# -- the HTML page ------------------------------------------------------------------------------------------------
+
+
+def facts(report: Report) -> list[tuple[str, str]]:
+    """The golden, the model (and the SPEC that ran, where it is not the golden's) and the run's settings."""
+    m, recorded = report.model, report.environment.recorded.get("time")
+    pairs: list[tuple[str, Any]] = [
+        ("golden", report.golden), ("recorded at", recorded), ("model", f"{m.name} ({m.spec})"),
+        ("replayed with", m.replayed_with), ("replayed spec", report.replayed_spec),
+        ("feed", f"{report.feed}{' (MTP draft head)' if report.mtp else ''}"), ("steps", report.steps),
+        ("dtype", report.dtype), ("golden's forward", report.golden_forward),
+        ("forwards replayed", ", ".join(v.name for v in report.variants)), ("graphs", report.graphs),
+        ("rows", "slim golden" if report.rows.slim else "full golden"), ("notes", "; ".join(report.notes) or None)]
+    return [(label, str(x)) for label, x in pairs if x is not None]
+
+
+def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
+    """``vd replay`` of just the first failing K and forward, with the policy spelled out, writing ``out``."""
+    from pathlib import Path
+
+    rows = report.failure_rows
+    assert rows is not None, "a replay that failed at a step"
+    golden = report.golden if "://" in report.golden else str(Path(report.golden).resolve())
+    cmd = ["vd", "replay", golden, "--k", str(rows.k), "--forward", rows.forward]
+    for flag in ("model", "head", "device", "threads", "rows"):
+        if args.get(flag) is not None:
+            cmd += [f"--{flag}", str(args[flag])]
+    for kind, spec in report.policy.to_json().items():
+        cmd += ["--tolerance", f"{kind}={spec}"]
+    if args.get("allow_model_mismatch"):
+        cmd.append("--allow-model-mismatch")
+    return [*cmd, "--report", out]
+
+
+def next_steps(report: Report, name: str) -> list[NextStep]:
+    """What to do about the verdict: nothing on a PASS; on a FAIL how to look at the first divergence and
+    how to accept the change, and what the golden's own failures or a changed environment call for."""
+    if report.verdict == "PASS":
+        return [("nothing needed: every forward matches the golden under its policy, and the golden's own checks "
+                 "passed.",)]
+    out: list[NextStep] = []
+    rows = report.failure_rows
+    # failure_rows may be the control's (which always fails); a forward's failure is what to look at
+    if rows is not None and any(r.variant == rows.forward for r in report.reasons_of(("rows", "draft"))):
+        cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec}, "replay.json"))
+        where = failure_place(rows.first_failure) if rows.first_failure else f"{rows.kind} step {rows.step}"
+        tokens = "" if rows.tokens is None else f"; the step verified tokens {rows.tokens}" + (
+            "" if rows.text is None else f" ({rows.text!r})")
+        out.append((f"Look at the first divergence (K={rows.k}, {rows.forward}, {where}{tokens}): ", Code(cmd),
+                    " replays just that and writes its first-divergence bundle to ", Code("replay.json.bundle/"),
+                    " (both rows in ", Code("rows.npz"), ", ", Code("failure.json"), ", ", Code("command.sh"), ")."))
+    if report.reasons_of(("rows", "draft")):
+        out.append(("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(name)} --reason TEXT"),
+                    ", or record the golden again on the trusted build: ",
+                    Code(f"vd record {shlex.quote(report.golden)} --refresh"), "."))
+    if report.reasons_of(("control", "thin", "coverage")):
+        out.append(("The golden's own checks failed (see the reasons): a blind control means the policy is too loose "
+                    "to see a changed draft; a thin or uncovered golden needs recording again with more steps (",
+                    Code("vd record GOLDEN --refresh --steps N"), ")."))
+    if report.reasons_of(("environment",)):
+        out.append(("The environment differs from the recording's (above): replay on a machine like the recording's "
+                    "to tell a change in the code from a change of machine.",))
+    return out
+
+
+def forward_caption(c: Comparison) -> str:
+    """What a forward's plot shows: where it fails, or that it is equal or passes."""
+    failed = c.failed_step_list
+    if failed:
+        first = failure_place(c.first_failure) if c.first_failure else "a changed accept count"
+        caption = (f"FAILS at step{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} ({len(failed)} of "
+                   f"{c.steps}), marked in red; first failure: {first}")
+    elif c.equal:
+        caption = "equal to the golden bit for bit at every step"
+    else:
+        caption = f"passes its policy ({', '.join(sorted(set(c.policy.to_json().values())))}) where rows differ"
+    if not c.measured:
+        caption += ("; the golden is slim, so |Δ| is unknown where rows differ (name the full golden with --rows "
+                    "to measure them)")
+    return f"{c.variant}: {caption}"
+
+
+def control_caption(control: Control) -> str:
+    verdict = ("fired: it fails at that step, as it must" if control.fired
+               else "inconclusive: the forward's own run fails at that step already, so the control shows nothing"
+               if control.inconclusive
+               else "BLIND: no failure at that step, so this policy cannot see such a change")
+    return (f"detection control, drawn apart from the forwards on its own axes: the last draft of step "
+            f"{control.changed_step} changed; {verdict}")
+
+
+K_TABLE_COLUMNS = ("forward", "verdict", "rows differ", "rows fail", "argmax flips (allowed)", "max |Δ|", "max ULP",
+                   "verify KL mean / median / p99 / max", "same top-1",
+                   "Δp of the golden's top token p1 / median / p99", "first failure")
+
+
+def k_table_row(c: Comparison) -> tuple[str, ...]:
+    """A forward's figures at one K (`K_TABLE_COLUMNS`)."""
+    kinds: list[KindSummary] = list(c.summary.values())
+    first = "-" if c.first_failure is None else failure_place(c.first_failure)
+    a = c.summary["verify"].agreement
+    kl = " / ".join(f"{x:.3g}" for x in (a.kl_mean, a.kl_median, a.kl_p99, a.kl_max)) if a else "-"
+    dp = " / ".join(f"{x:+.3g}" for x in (a.dp_p1, a.dp_p50, a.dp_p99)) if a else "-"
+    same = f"{100 * a.same_top1:.1f} %" if a else "-"
+    return (c.variant, "pass" if c.passed else "FAIL", str(sum(s.rows_differ for s in kinds)),
+            str(sum(s.rows_failed for s in kinds)),
+            f"{sum(s.argmax_flips for s in kinds)} ({sum(f.allowed for f in c.flips)})",
+            f"{max(s.max_abs for s in kinds):.4g}", f"{max(s.max_ulp for s in kinds):.0f}", kl, same, dp, first)
+
+
+def coverage_text(v: KResult) -> str:
+    return f"coverage (steps accepting 0..{v.k - 1} drafts): {v.histogram}"
+
+
+def left_greedy_text(v: KResult) -> str | None:
+    if v.left_greedy is None:
+        return None
+    return (f"the recording's committed sequence left its engine's own one-token decode at step {v.left_greedy}: "
+            "its verify rows chose another token there")
+
+
+def first_reason(report: Report | None, error: str | None) -> str:
+    """A suite page's one line for a golden: its first reason, or its error's first line."""
+    if report is None:
+        lines = (error or "").strip().splitlines()
+    else:
+        lines = [str(r) for r in report.reasons[:1]]
+    return lines[0] if lines else ""
+
+
+
+# -- suites ------------------------------------------------------------------------------------------------------
+
+
+def outcome_lines(name: str, verdict: str, path: str, seconds: float, details: Sequence[str],
+                  bullet: str = "") -> list[str]:
+    """A suite golden's line (``bullet``: how its details are marked) and its details, one a line."""
+    width = 9 if not bullet else 6
+    return [f"{name:<24} {verdict:<{width}} {path}  ({seconds:.1f} s)"] + [f"    {bullet}{x}" for x in details]
+
+
+def suite_total(verdict: str, verdicts: Sequence[str], loads: int) -> str:
+    """A suite replay's last line: its verdict, how many goldens passed, failed or errored, model loads."""
+    counts = {v: sum(x == v for x in verdicts) for v in ("PASS", "FAIL", "ERROR")}
+    return (f"{verdict}: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" of {len(verdicts)} "
+            f"golden(s); {loads} model load(s)")
+
+
+def record_summary(reason: str | None, outcomes: Sequence[tuple[str, str, Sequence[str]]]) -> str:
+    """A suite recording's Markdown summary: per golden its verdict and what it says (``(name, verdict,
+    lines)`` each), after the reason."""
+    text = "\n".join(f"## {name}: {verdict}\n\n" + "".join(f"- {x}\n" for x in lines or [""])
+                     for name, verdict, lines in outcomes)
+    return f"**Reason:** {reason}\n\n{text}" if reason else text

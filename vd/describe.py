@@ -1,0 +1,101 @@
+"""A golden described in lines (`describe`, what ``vd show`` prints): where it is and its format, its ID and
+content digest, the model and its fingerprint, the forward, the MTP head, the settings and policy, the
+environment that recorded it, its storage, and each K's accept counts; every file is checked against the
+manifest first and every row against its digest as its K is described.
+
+It leaves out verdicts (`vd.replayer.words` words those) and printing: the lines are yielded one at a time,
+so a caller shows each as soon as it is known.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from vd.coverage import histogram
+from vd.policy import Policy
+from vd.store import Golden, open_golden
+
+
+def describe(where: str | os.PathLike) -> Iterator[str]:
+    """The lines of ``vd show`` for the golden at ``where`` (a damaged golden raises before its first line)."""
+    g = open_golden(where)
+    g.check_files()  # every file against the manifest (format 6), before anything is shown as the golden's
+    yield from _identity(g)
+    yield from _model(g.meta)
+    yield (f"settings  feed {g.info.feed}, dtype {g.logical}, device {g.info.device}, K {g.ks}, "
+           f"{g.info.steps} steps, vocab {g.info.vocab}, prompt {len(g.prompt)} tokens")
+    yield f"prompt    {g.meta.get('prompt_text', '')!r}"
+    yield f"policy    {Policy.parse((), g.meta.get('policy')).describe()}"
+    yield from _environment(g.meta.get("environment") or {})
+    yield f"storage   {g.location.nbytes() / 1e6:.1f} MB; {_rows_text(g)}"
+    yield from (_k_line(g, k) for k in g.ks)
+    yield _digests_line(g)
+
+
+def _identity(g: Golden) -> Iterator[str]:
+    m = g.meta
+    yield f"{g.url}  (format {m['format_version']}, created {m.get('created')})"
+    if g.manifest is not None:
+        yield f"golden ID {m['golden_id']}  ({len(g.manifest)} files, each checked against the manifest)"
+    yield f"content   {g.content_digest()}  (history: {len(g.history)} version(s); vd history)"
+
+
+def _model(m: Mapping[str, Any]) -> Iterator[str]:
+    yield f"model     {m['model'].get('name')}  [{m['model']['spec']}]"
+    yield f"          {m['model']['fingerprint']}"
+    yield f"forward   {m['forward']}: {m.get('forward_description', '')}"
+    if m.get("compiled"):
+        c = m["compiled"]
+        yield (f"compiled  Inductor artifacts {c['bytes'] / 1e6:.1f} MB (torch {c.get('torch')}), loaded by a "
+               "compiled forward's replay before it compiles")
+    if m.get("mtp"):
+        h = m["mtp"]
+        yield f"MTP head  {h.get('name')} ({h.get('source')}, {h.get('block')})  {h['fingerprint']}"
+        yield f"          hidden: {h.get('hidden')}"
+        yield f"          trim: {h.get('trim')}"
+
+
+def _environment(e: Mapping[str, Any]) -> Iterator[str]:
+    yield (f"recorded  vd {e.get('vd')}, torch {e.get('torch')}, transformers {e.get('transformers')}, "
+           f"zarr {e.get('zarr')}, python {e.get('python')} on {e.get('host')}")
+    gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
+    isa = e.get("cpu_capability") if not e.get("onednn_isa") else f"{e.get('cpu_capability')}, oneDNN {e['onednn_isa']}"
+    yield f"          CPU {e.get('cpu_model')} ({isa}), {e.get('threads')} threads{gpu}"
+    if (e.get("tp") or 1) > 1:
+        yield f"          tensor parallel over {e['tp']} ranks ({e.get('collectives')})"
+    if isinstance(e.get("engine"), dict):
+        yield "          engine " + ", ".join(f"{k} {v}" for k, v in e["engine"].items())
+
+
+def _k_line(g: Golden, k: int) -> str:
+    """K's accept counts, histogram, acceptance and bootstrap token, its rows checked against their digests."""
+    if not g.slim:
+        g.verify_rows(k)  # every row against its digest, every chunk against its checksum
+    log = g.checked_log(k)
+    acc = log.accepted.tolist()
+    hist = ", ".join(f"{i}:{n}" for i, n in enumerate(histogram(k, acc)))
+    flag = "" if log.committed_is_greedy in (True, None) else "  (left the greedy continuation)"
+    rate = sum(acc) / (len(acc) * (k - 1))
+    return f"K={k}  accepted {acc}  histogram {{{hist}}}  acceptance {rate:.0%}  bootstrap {log.bootstrap}{flag}"
+
+
+def _digests_line(g: Golden) -> str:
+    if not g.info.digested:
+        return "digests   none stored (written before format 3): computed from the rows when replayed"
+    d = g.meta["digest"]
+    checked = "" if g.slim else ", each checked against its row's bytes"
+    return f"digests   {d['lanes']} x {d['bits']}-bit per row ({d['scheme']}){checked}"
+
+
+def _rows_text(g: Golden) -> str:
+    if g.slim:
+        src = (g.meta.get("rows") or {}).get("slim_of") or {}
+        return f"slim: no rows (made from {src.get('golden')}, created {src.get('created')})"
+    if g.info.version >= 4:
+        return "rows as byte planes: high byte zstd-1 + crc32c, other bytes + crc32c"
+    from vd.store.chunks import node
+
+    codecs = node(g.location, f"k{g.ks[0]}/logits", f"{g.url}/k{g.ks[0]}/logits")["codecs"]
+    return f"logits rows {' + '.join(c['name'] for c in codecs)}"
