@@ -137,6 +137,33 @@ class RecordResult:
     def path(self) -> str | None:
         return None if self.location is None else self.location.url
 
+    def accept_lines(self) -> list[str]:
+        """Each K's accept counts, and where its committed sequence left the greedy continuation."""
+        out = []
+        for k, acc in self.accepted.items():
+            same = "" if self.committed_is_greedy[k] else (
+                f"  (committed sequence left the greedy continuation at step {self.left_greedy.get(k)}: there the "
+                "verify rows chose another token than the engine's own one-token decode)")
+            out.append(f"K={k}: accepted {acc}{same}")
+        return out
+
+    def stored_line(self) -> str | None:
+        """Where the golden went, its size and the recording's time (None: nothing was stored)."""
+        if self.location is None:
+            return None
+        resumed = (f"; resumed: {self.resumed_checked} journaled blocks computed again and equal"
+                   if self.resumed_checked else "")
+        return (f"recorded {self.location.url} ({self.location.nbytes() / 1e6:.1f} MB) in "
+                f"{sum(self.seconds.values()):.1f} s{resumed}")
+
+    def problems(self) -> list[str]:
+        """Why the reference is too thin or short of coverage, for stderr: warnings where it was stored anyway,
+        else the refusal."""
+        if self.location is not None:
+            return [f"warning: {reason}" for reason in self.thin]
+        return [*self.thin, *self.short, "reference too thin or short of coverage; nothing written"
+                + ("" if self.short else " (pass --allow-thin to store it anyway)")]
+
 
 def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), *, refresh: bool = False,
            model: VerifyModel | None = None, progress: Progress = SILENT,

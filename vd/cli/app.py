@@ -13,26 +13,15 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from vd.cli import options as o
 from vd.cli import ranks
 from vd.cli.common import (
-    DEVICE_METAVAR,
     EXIT_FAIL,
     EXIT_PASS,
     GOLDEN_HELP,
-    AllowNonfinite,
-    AllowThin,
     Command,
-    Config,
-    Deterministic,
     Dtype,
     Feed,
-    Reason,
-    Resume,
-    Suite,
-    Summary,
-    Tolerances,
-    Tp,
-    Widths,
     app,
     check_golden,
     check_model,
@@ -42,8 +31,6 @@ from vd.cli.common import (
     err,
     examples,
     out,
-    parse_device,
-    parse_widths,
     reporting,
     write_json,
 )
@@ -57,51 +44,51 @@ from vd.errors import UsageError
 @ranks.tensor_parallel
 def record(
     ctx: typer.Context,
-    targets: Annotated[list[str] | None, typer.Argument(metavar="OUT|NAME", help=f"Golden to write "
-                                                        f"({GOLDEN_HELP}); with --suite, declared goldens "
-                                                        "(default: all).")] = None,
-    model: Annotated[str, typer.Option(metavar="SPEC", help="Model: preset, checkpoint dir, .gguf, module:factory "
-                                       "(`vd models`).")] = "smollm2",
-    prompt: Annotated[str | None, typer.Option(metavar="TEXT", help="Prompt (default: vd's own).")] = None,
-    k: Annotated[Widths, typer.Option("--k", metavar="K,K,...", parser=parse_widths, help="Verify widths.")] = "2,3,4",
-    steps: Annotated[int, typer.Option(metavar="N", min=1, help="Verify steps per K.")] = 16,
-    forward: Annotated[str | None, typer.Option(metavar="NAME", help="Forward to record with (default: the "
-                                                "model's; `vd forwards`).")] = None,
-    feed: Annotated[Feed, typer.Option(help="reference: greedy drafts, one corrupted on odd steps; mtp: drafts "
-                                       "from the model's MTP head.")] = Feed.reference,
-    head: Annotated[str | None, typer.Option(metavar="FILE", help="Attach this MTP head (.safetensors) to an HF "
-                                             "model.")] = None,
-    device: Annotated[str, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device, help="Device.")] = "cpu",
-    dtype: Annotated[Dtype, typer.Option(help="Dtype the model computes in.")] = Dtype.bfloat16,
-    threads: Annotated[int | None, typer.Option(metavar="N", min=1, help="CPU threads (default: torch's).")] = None,
-    tp: Tp = None,
-    refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden.")] = False,
-    allow_nonfinite: AllowNonfinite = False,
-    allow_thin: AllowThin = False,
-    deterministic: Deterministic = False,
-    tolerance: Tolerances = None,
-    require_coverage: Annotated[bool, typer.Option("--require-coverage", help="Refuse to store a golden unless "
-                                                   "every K has steps accepting each of 0..K-1 drafts.")] = False,
-    reason: Reason = None,
-    summary: Summary = None,
-    suite: Suite = False,
-    config: Config = None,
-    resume: Resume = False,
+    targets: o.RecordTargets = None,
+    model: o.RecordModel = "smollm2",
+    prompt: o.Prompt = None,
+    k: o.RecordWidths = "2,3,4",  # type: ignore[assignment]  # typer parses the default as it parses --k
+    steps: o.Steps = 16,
+    forward: o.RecordForward = None,
+    feed: o.FeedOpt = Feed.reference,
+    head: o.RecordHead = None,
+    device: o.RecordDevice = "cpu",
+    dtype: o.DtypeOpt = Dtype.bfloat16,
+    threads: o.RecordThreads = None,
+    tp: o.Tp = None,
+    refresh: o.Refresh = False,
+    allow_nonfinite: o.AllowNonfinite = False,
+    allow_thin: o.AllowThin = False,
+    deterministic: o.Deterministic = False,
+    tolerance: o.Tolerances = None,
+    require_coverage: o.RecordCoverage = False,
+    reason: o.Reason = None,
+    summary: o.Summary = None,
+    suite: o.Suite = False,
+    config: o.Config = None,
+    resume: o.Resume = False,
 ) -> int:
     """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store.
 
     With --refresh over an existing golden it re-records what the golden (or its declaration) says, changed
     only by the flags given, and prints what changed (as vd refresh does). With --suite it records the
     declared goldens that are missing (and with --refresh the rest); --tolerance sets the default policy."""
-    from vd.cli import team
-
     if suite:
+        from vd.cli import team
+
         return team.record_suite(targets or [], config, refresh, reason, summary)
     out_path = _one(targets, "OUT")
     if resume:
         return _resumed(out_path)
     check_model(model, [forward] if forward else [])
     check_tolerances(tolerance)
+    return _record_one(ctx, out_path, refresh, reason, summary, config)
+
+
+def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | None, summary: Path | None,
+                config: Path | None) -> int:
+    """Record one golden from the flags given (``ctx``), or refresh the golden at ``out_path``."""
+    from vd.cli import team
     from vd.store import locate
 
     if refresh and locate(out_path).state() == "golden":
@@ -149,24 +136,15 @@ def _resumed(out_path: str) -> int:
 
 
 def _recorded(r) -> int:
-    """Print what a recording did; its exit code."""
-    for kk, acc in r.accepted.items():
-        same = "" if r.committed_is_greedy[kk] else (
-            f"  (committed sequence left the greedy continuation at step {r.left_greedy.get(kk)}: there the verify "
-            "rows chose another token than the engine's own one-token decode)")
-        out.print(f"K={kk}: accepted {acc}{same}")
-    if r.location is None:
-        for reason in r.thin + r.short:
-            err.print(f"vd: {reason}")
-        err.print("vd: reference too thin or short of coverage; nothing written" +
-                  ("" if r.short else " (pass --allow-thin to store it anyway)"))
-        return EXIT_FAIL
-    for reason in r.thin:
-        err.print(f"vd: warning: {reason}")
-    resumed = f"; resumed: {r.resumed_checked} journaled blocks computed again and equal" if r.resumed_checked else ""
-    out.print(f"recorded {r.location.url} ({r.location.nbytes() / 1e6:.1f} MB) in {sum(r.seconds.values()):.1f} s"
-              f"{resumed}")
-    return EXIT_PASS
+    """Print what a recording did (`vd.recorder.RecordResult`'s lines); its exit code."""
+    for line in r.accept_lines():
+        out.print(line)
+    for line in r.problems():
+        err.print(f"vd: {line}")
+    stored = r.stored_line()
+    if stored is not None:
+        out.print(stored)
+    return EXIT_PASS if stored is not None else EXIT_FAIL
 
 
 
@@ -186,40 +164,26 @@ def print_table(table) -> None:
     "vd replay --suite --shard 1/2 --junit vd.xml --html vd.html"))
 @ranks.tensor_parallel
 def replay(
-    targets: Annotated[list[str] | None, typer.Argument(metavar="GOLDEN|NAME", help=f"Golden to replay "
-                                                        f"({GOLDEN_HELP}); with --suite, declared goldens "
-                                                        "(default: all).")] = None,
-    model: Annotated[str | None, typer.Option(metavar="SPEC", help="Model (default: the golden's).")] = None,
-    head: Annotated[str | None, typer.Option(metavar="FILE", help="MTP head file to attach (default: the "
-                                             "golden's).")] = None,
-    forward: Annotated[list[str] | None, typer.Option(metavar="NAME", help="Forward to replay; repeat for several "
-                                                      "(default: the golden's).")] = None,
-    report: Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")] = None,
-    k: Annotated[Widths | None, typer.Option("--k", metavar="K,K,...", parser=parse_widths,
-                                             help="Replay only these verify widths (default: all).")] = None,
-    device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device,
-                                               help="Device (default: the golden's).")] = None,
-    threads: Annotated[int | None, typer.Option(metavar="N", min=1, help="CPU threads (default: recorded).")] = None,
-    tp: Tp = None,
-    allow_model_mismatch: Annotated[bool, typer.Option("--allow-model-mismatch", help="Compare even if the model's "
-                                                       "fingerprint differs.")] = False,
-    tolerance: Tolerances = None,
-    require_coverage: Annotated[bool, typer.Option("--require-coverage", help="Fail unless every K has steps "
-                                                   "accepting each of 0..K-1 drafts.")] = False,
-    rows: Annotated[str | None, typer.Option(metavar="FULL", help="For a slim golden: the full golden it was made "
-                                             "from, whose rows measure the rows that differ.")] = None,
-    bundle: Annotated[Path | None, typer.Option(metavar="DIR", help="On failure, write the first-divergence bundle "
-                                                "here (default: REPORT's name + .bundle, when --report is given).")]
-    = None,
-    junit: Annotated[Path | None, typer.Option(metavar="PATH", help="Write JUnit XML here.")] = None,
-    html: Annotated[Path | None, typer.Option(metavar="PATH", help="Write a self-contained HTML page here.")] = None,
-    save_candidate: Annotated[str | None, typer.Option(metavar="PATH", help="Keep the replayed forward's rows as a "
-                                                       "golden here (with --suite, a folder: PATH/NAME.zarr); review "
-                                                       "with vd diff, promote with vd refresh --from.")] = None,
-    suite: Suite = False,
-    shard: Annotated[str | None, typer.Option(metavar="I/N", help="With --suite: replay every N-th golden by name, "
-                                              "from the I-th (1..N).")] = None,
-    config: Config = None,
+    targets: o.ReplayTargets = None,
+    model: o.ReplayModel = None,
+    head: o.ReplayHead = None,
+    forward: o.ReplayForwards = None,
+    report: o.ReportPath = None,
+    k: o.ReplayWidths = None,
+    device: o.ReplayDevice = None,
+    threads: o.ReplayThreads = None,
+    tp: o.Tp = None,
+    allow_model_mismatch: o.AllowModelMismatch = False,
+    tolerance: o.Tolerances = None,
+    require_coverage: o.ReplayCoverage = False,
+    rows: o.Rows = None,
+    bundle: o.Bundle = None,
+    junit: o.Junit = None,
+    html: o.Html = None,
+    save_candidate: o.SaveCandidate = None,
+    suite: o.Suite = False,
+    shard: o.Shard = None,
+    config: o.Config = None,
 ) -> int:
     """Replay a golden's steps through a forward and diff every row: PASS (0) or FAIL (1).
 
@@ -376,8 +340,8 @@ def diff(
     a: Annotated[str, typer.Argument(metavar="A", help=f"The reference golden ({GOLDEN_HELP}).")],
     b: Annotated[str, typer.Argument(metavar="B", help="The golden to judge against it (the same recording, "
                                      "elsewhere).")],
-    tolerance: Tolerances = None,
-    report: Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")] = None,
+    tolerance: o.Tolerances = None,
+    report: o.ReportPath = None,
 ) -> int:
     """Compare two goldens of the same recording without a model: PASS (0) or FAIL (1) (default policy: A's)."""
     check_writable("--report", report, (a, b))
@@ -416,8 +380,7 @@ def models() -> int:
 @app.command(cls=Command, epilog=examples("vd forwards", "vd forwards --model tiny-llama --device cpu"))
 def forwards(
     model: Annotated[str, typer.Option(metavar="SPEC", help="Model.")] = "smollm2",
-    device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device, help="Device (default: "
-                                               "cuda where this machine has it, else cpu).")] = None,
+    device: o.ForwardsDevice = None,
 ) -> int:
     """List the forwards a model offers on this machine and what each runs."""
     check_model(model, [])

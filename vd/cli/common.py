@@ -269,28 +269,3 @@ def _finite(obj):
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_finite(data), indent=2, default=_json_default) + "\n")
-
-
-# Options several commands share, declared once.
-Config = Annotated[Path | None, typer.Option(metavar="FILE", help=CONFIG_HELP)]
-Reason = Annotated[str | None, typer.Option(metavar="TEXT", help="Why: kept in the golden's history (a refresh of a "
-                                            "suite needs one).")]
-Summary = Annotated[Path | None, typer.Option(metavar="PATH", help="With --refresh: write the change summary "
-                                              "(Markdown) here.")]
-Tp = Annotated[int | None, typer.Option("--tp", metavar="N", min=1, help="Split the model over N ranks (tensor "
-                                       "parallel, launched with torchrun; generated shapes).")]
-Suite = Annotated[bool, typer.Option("--suite", help="Work on the declared goldens (vd.toml, or the tool.vd table "
-                                     "of pyproject.toml): those named, else all.")]
-Tolerances = Annotated[list[str] | None, typer.Option("--tolerance", metavar=TOLERANCE_METAVAR, help="Repeatable: "
-                                                      "KIND prefill, verify or draft; SPEC exact, ulp:N, "
-                                                      "atol:X,rtol:Y, argmax, topk:N, kl:X; or decisions=margin:X "
-                                                      "(argmax flips allowed below golden margin X).")]
-AllowNonfinite = Annotated[bool, typer.Option("--allow-nonfinite", help="Store logits holding NaN or Inf "
-                                              "(refused otherwise).")]
-AllowThin = Annotated[bool, typer.Option("--allow-thin", help="Store a reference without both full and partial "
-                                         "accepts (replay will fail it).")]
-Deterministic = Annotated[bool, typer.Option("--deterministic", help="Use deterministic algorithms, a fixed cuBLAS "
-                                             "workspace and no reduced-precision reductions (stored; replay "
-                                             "applies them too).")]
-Resume = Annotated[bool, typer.Option("--resume", help="Continue the recording of OUT a crash cut short, from its "
-                                      "journal (its settings; every step computed again is checked).")]
