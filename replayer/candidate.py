@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class CandidateWriter:
             raise UsageError(f"--save-candidate {location.url} is the golden being replayed; name another path")
         check_target(location, refresh=True)  # an earlier candidate is replaced; anything else refused
         self.golden = golden
-        self._lock = location.writer()
+        self._lock: AbstractContextManager | None = location.writer()
         self._lock.__enter__()  # one writer at a time, until `abort`
         try:
             self.writer = GoldenWriter(location, refresh=True, background=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from vd.dtypes import to_tensor
 from vd.errors import UsageError
@@ -37,7 +38,7 @@ def _as_run(golden: Golden, k: int) -> Run:
 
 
 def _same_recording(a: Golden, b: Golden) -> None:
-    checks = [("prompt tokens", a.prompt, b.prompt)] + [
+    checks: list[tuple[str, Any, Any]] = [("prompt tokens", a.prompt, b.prompt)] + [
         (key, a.meta.get(key), b.meta.get(key)) for key in ("k", "steps", "vocab_size", "dtype", "feed")]
     for what, x, y in checks:
         if x != y:

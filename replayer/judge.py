@@ -65,9 +65,11 @@ class _Kind:
         return Mismatch(step, row, _int(r.first_index[f]), float(r.first_golden[f]), float(r.first_got[f]))
 
     def bad_steps(self, skip: int = 0) -> list[int]:
+        """The steps holding a differing row past the first ``skip`` rows (those rows sit in steps)."""
         if self.quiet:
             return []
-        return sorted({self.where(int(f))[0] for f in np.flatnonzero(self.rows.differ[skip:]) + skip})
+        steps = {self.where(int(f))[0] for f in np.flatnonzero(self.rows.differ[skip:]) + skip}
+        return sorted(s for s in steps if s is not None)
 
 
 class Queued:
@@ -140,7 +142,8 @@ def _judged(variant: str, side: GoldenSide, run: Run, kinds: dict[str, _Kind], l
 
 
 def _positions(kinds: dict[str, _Kind], vocab: int, quiet: bool) -> Positions:
-    counts = [0] * POSITION_BINS if quiet else [int(x) for x in sum(kd.rows.positions for kd in kinds.values())]
+    counts = [0] * POSITION_BINS if quiet else [int(x) for x in np.sum([kd.rows.positions for kd in kinds.values()],
+                                                                      axis=0)]
     return Positions(POSITION_BINS, int(vocab), tuple(counts))
 
 
@@ -235,7 +238,10 @@ def _summary(kd: _Kind, flips: list[Flip], side: GoldenSide) -> KindSummary:
         figures = {"rows_differ": int(r.differ.sum()), "rows_failed": int((~r.passed).sum()),
                    "argmax_flips": sum(f.kind == kd.name for f in flips), "max_abs": _max(r.max_abs),
                    "max_ulp": _max(r.max_ulp), "max_kl": _max(r.kl), "n_diff": _int(r.n_diff.sum())}
-    return KindSummary(rows=int(r.differ.size), **figures, **side.figures(kd.name), agreement=agreement(r))
+    golden = side.figures(kd.name)
+    return KindSummary(rows=int(r.differ.size), **figures, golden_max_abs=golden["golden_max_abs"],
+                       golden_min_margin=golden["golden_min_margin"],
+                       golden_median_top1_p=golden["golden_median_top1_p"], agreement=agreement(r))
 
 
 def agreement(r: Rows) -> Agreement | None:

@@ -138,15 +138,16 @@ class _Tally:
             self.host = {m: np.zeros(n, dtype=np.float64) for m in MEASURES}
             self.got_argmax = self.got_argmax.copy()
             self.got_stats = np.full((n, len(STATS)), np.nan)
-        side, host, golden = self.side, self.host, self.golden
+        side, host, golden, got_stats = self.side, self.host, self.golden, self.got_stats
+        assert got_stats is not None
         local = np.flatnonzero(differ)
         self.measured = side.has_rows
         per_block = max(1, block_bytes(got.device) // (16 * got.shape[1]))  # float copies stay bounded
         for part in np.array_split(local, -(-local.size // per_block)):
             cand = got[torch.from_numpy(part).to(got.device)]
             at = part + start
-            self.got_stats[at] = stats_tensor(cand).T.cpu().numpy()
-            self.got_argmax[at] = self.got_stats[at, 0].astype(np.int64)
+            got_stats[at] = stats_tensor(cand).T.cpu().numpy()
+            self.got_argmax[at] = got_stats[at, 0].astype(np.int64)
             if self.measured:
                 vals, ok, pos = _measure_differing(side.rows(self.kind, at, got.device), cand, self.logical, self.spec)
                 self.positions += pos

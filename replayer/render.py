@@ -49,10 +49,11 @@ def write_bundle(directory: Path, report: Report, args: Mapping) -> Path:
     rows = report.failure_rows
     assert rows is not None, "a replay that failed at a step"
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = {"candidate": rows.candidate, "tokens": np.asarray(rows.tokens or [], dtype=np.int64)}
+    arrays: dict[str, np.ndarray] = {"candidate": rows.candidate,
+                                     "tokens": np.asarray(rows.tokens or [], dtype=np.int64)}
     if rows.golden is not None:  # a slim golden replayed without its rows has none to give
         arrays["golden"] = rows.golden
-    np.savez(directory / "rows.npz", **arrays)
+    np.savez(directory / "rows.npz", **arrays)  # type: ignore[arg-type]  # numpy's stub types the first kwarg
     failure = {"k": rows.k, "forward": rows.forward, "kind": rows.kind, "step": rows.step, "tokens": rows.tokens,
                "first_failure": plain(rows.first_failure) or {"kind": rows.kind, "step": rows.step},
                "dtype": report.dtype,
@@ -88,7 +89,7 @@ def write_suite_junit(path: Path, entries: Sequence[Entry]) -> None:
     for name, report, error in entries:
         root.append(junit_suite(report, name) if report is not None else _junit_error(name, error))
     for key in ("tests", "failures", "errors"):
-        root.set(key, str(sum(int(s.get(key)) for s in root)))
+        root.set(key, str(sum(int(s.get(key, 0)) for s in root)))
     _write_xml(path, root)
 
 
@@ -164,7 +165,7 @@ class _Plots:
         from matplotlib.figure import Figure
 
         self._rc, self._figure, self._canvas = matplotlib.rc_context, Figure, FigureCanvasAgg
-        self._style = self._rc({**_STYLE, "svg.hashsalt": "vd"})
+        self._style = self._rc({**_STYLE, "svg.hashsalt": "vd"})  # type: ignore[dict-item]  # rc keys as str
         self._style.__enter__()
         return self
 

@@ -41,11 +41,12 @@ from vd.replayer.report import (
 )
 from vd.replayer.runs import KOutcome, control_steps, replay_k
 from vd.replayer.session import PHASES, Clock, ReplaySettings, Session, open_golden_for, set_up
+from vd.store import Location
 
 __all__ = ["PHASES", "ReplaySettings", "control_steps", "replay"]
 
 
-def replay(golden: str | os.PathLike, settings: ReplaySettings = ReplaySettings(), *,
+def replay(golden: str | os.PathLike | Location, settings: ReplaySettings = ReplaySettings(), *,
            model: VerifyModel | None = None, progress: Progress = SILENT) -> Report:
     """Replay the golden at ``golden`` (a directory, a ``.zip`` file or an ``s3://`` URL) and judge it.
 

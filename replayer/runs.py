@@ -58,7 +58,9 @@ def replay_k(s: Session, k: int) -> KOutcome:
     """Every forward at ``k``, then the control, then the golden's own checks at ``k``."""
     g = s.golden
     log = g.log(k)  # the metadata's copy; the arrays are read and checked beside the run
-    judged, timings, reasons = [], [Timing(f"{g.info.forward} (golden)", tuple(log.step_ms.tolist()))], []
+    judged: list[Judged] = []
+    timings = [Timing(f"{g.info.forward} (golden)", tuple(log.step_ms.tolist()))]
+    reasons: list[Reason] = []
     failure: FailureRows | None = None
     for name in s.forwards:
         s.progress.phase(f"K={k} {name}", g.info.steps)

@@ -27,7 +27,7 @@ from vd.policy import Policy
 from vd.progress import Progress
 from vd.protocol import DraftHead, VerifyModel
 from vd.replayer.candidate import CandidateWriter
-from vd.store import Golden, Prefetcher, open_golden
+from vd.store import Golden, Location, Prefetcher, open_golden
 
 PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "write", "finish")
 T = TypeVar("T")
@@ -138,7 +138,7 @@ class Session:
     determinism: Mapping[str, Any] | None
 
 
-def open_golden_for(where: str | os.PathLike, s: ReplaySettings) -> Opened:
+def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> Opened:
     """Open the golden (its metadata only) and check what the settings ask of it."""
     g = open_golden(where, rows=s.rows)
     env.check_threads(s.threads)

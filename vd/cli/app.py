@@ -204,6 +204,7 @@ def replay(
         from vd.cli import team
 
         return team.replay_suite(targets or [], config, settings, shard, report, junit, html, bundle)
+    assert golden is not None  # one golden without --suite (_check_replay)
     with reporting() as progress:
         result = do_replay(golden, settings, progress=progress)
     args = {"model": model, "head": head, "device": device, "threads": threads, "rows": rows,

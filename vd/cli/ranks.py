@@ -50,6 +50,7 @@ def launch(tp: int | None) -> int | None:
         with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                f"--nproc-per-node={tp}", "-m", "vd", *argv], env=env, stderr=subprocess.PIPE,
                               text=True, bufsize=1) as proc:
+            assert proc.stderr is not None  # stderr=PIPE
             for line in proc.stderr:  # the ranks' own lines; torchrun's logging and failure reports left out
                 if line.startswith("vd:"):
                     sys.stderr.write(line)
@@ -90,6 +91,7 @@ def ranked(app) -> None:
     from vd.models import tp
 
     w = tp.world()
+    assert w is not None, "started by torchrun (WORLD_SIZE > 1)"
     if w.rank != 0:
         try:
             tp.follow()

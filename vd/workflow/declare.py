@@ -167,7 +167,8 @@ def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
     goldens = table.get("goldens")
     if not isinstance(goldens, Mapping) or not goldens:
         raise DeclarationError(f"{file}: no goldens declared (add a [{prefix}goldens.NAME] table with a path)")
-    entries, paths = {}, {}
+    entries: dict[str, Entry] = {}
+    paths: dict[str, str] = {}
     for name, body in goldens.items():
         at = f"{prefix}goldens.{name}"
         values = {**defaults, **_table(file, body, at)}

@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from vd.errors import VdError
+
+if TYPE_CHECKING:
+    from vd.workflow.refresh import Refreshed
 
 _KEY = pytest.StashKey["_Session"]()
 
@@ -56,7 +60,7 @@ class _Session:
         from vd.workflow.suite import Models
 
         self.models = Models()
-        self.refreshed: list[tuple[str, object]] = []
+        self.refreshed: list[tuple[str, Refreshed]] = []
 
     @property
     def suite(self):
@@ -95,8 +99,9 @@ class _Session:
                                        model=model)[0]
                 if outcome.verdict == "PASS":
                     return outcome.report
-                problems = [outcome.error] if outcome.error else [r.text for r in outcome.report.reasons]
-                if self.update and outcome.report is not None:
+                problems = ([r.text for r in outcome.report.reasons] if outcome.report is not None
+                            else [outcome.error or "the replay did not complete"])
+                if self.update and outcome.report is not None and keep is not None:
                     return self._promote(entry, who, keep, "; ".join(problems)[:200])
         raise GoldenFailure(f"vd golden {name!r} ({entry.path}) FAILED:\n" + "\n".join(f"  - {p}" for p in problems)
                             + "\n  (accept an intended change: pytest --vd-update, or vd refresh "

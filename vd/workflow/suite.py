@@ -12,6 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from vd.errors import VdError
@@ -137,7 +138,7 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
         report = replay(g.location, settings, model=m, progress=progress)
         return Outcome(e.name, e.path, report.verdict, report=report)
 
-    return [_timed(e, lambda e=e: one(e)) for e in entries]
+    return [_timed(e, partial(one, e)) for e in entries]
 
 
 def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, reason: str = "first recording",
@@ -155,14 +156,15 @@ def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, re
             return Outcome(e.name, e.path, "PRESENT")
         m = models.get(s.model, s.device, s.dtype, s.head, progress)
         if present:
-            r = refresh(e.path, s, reason=reason, name=e.name, model=m, progress=progress)
-            return Outcome(e.name, e.path, "REFUSED" if r.refused else "REFRESHED", reasons=r.refused or r.changes)
+            done = refresh(e.path, s, reason=reason, name=e.name, model=m, progress=progress)
+            return Outcome(e.name, e.path, "REFUSED" if done.refused else "REFRESHED",
+                           reasons=done.refused or done.changes)
         r = record(e.path, s, model=m, progress=progress, reason=reason)
         if r.location is None:
             return Outcome(e.name, e.path, "REFUSED", reasons=[*r.thin, *r.short])
         return Outcome(e.name, e.path, "RECORDED", reasons=[f"K={k}: accepted {a}" for k, a in r.accepted.items()])
 
-    return [_timed(e, lambda e=e: one(e)) for e in entries]
+    return [_timed(e, partial(one, e)) for e in entries]
 
 
 def for_entry(settings: ReplaySettings, entry: Entry) -> ReplaySettings:
