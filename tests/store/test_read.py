@@ -155,11 +155,13 @@ def test_not_goldens(tmp_path):
     ("tiny-llama-mtp-v2.zarr", 2, "mtp", "zstd"),
     ("tiny-llama-mtp-v3.zarr", 3, "mtp", None),
     ("tiny-llama-mtp-v4.zarr", 4, "mtp", "zstd"),
+    ("tiny-llama-mtp-v5.zarr", 5, "mtp", "zstd"),
+    ("tiny-llama-v6.zarr", 6, "reference", "zstd"),
 ])
 def test_committed_goldens_of_every_format_read_back(name, version, feed, codec):
-    """Goldens written by earlier vds (rows as one uint16 array with the codecs of their day, then as byte
-planes; timings in the root metadata) read whole;
-    formats before 3 have their digests and statistics computed from the rows."""
+    """Goldens of every format (rows as one uint16 array with the codecs of their day, then as byte planes;
+    timings in the root metadata, then in the run group) read whole; formats before 3 have their digests and
+    statistics computed from the rows."""
     g = open_golden(DATA / name)
     assert g.info.version == version and g.info.feed == feed and g.info.digested == (version >= 3)
     rows = "k2/logits.hi" if version >= 4 else "k2/logits"  # format 4: the high byte plane
