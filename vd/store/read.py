@@ -248,8 +248,11 @@ class Golden:
                 self.verify_rows(k)
 
     def check_file(self, key: str) -> None:
-        """One file of the manifest read and checked against its size and hash."""
-        manifest.check_hashes(self.location.get, {key: self.manifest[key]}, self.url)
+        """One file of the manifest read and checked against its size and hash (one it does not list: refused)."""
+        listed = None if self.manifest is None else self.manifest.get(key)
+        if listed is None:  # a file the metadata names (``compiled``) that no manifest lists
+            raise GoldenCorruptError(f"{self.url}/{key} is not in the golden's manifest")
+        manifest.check_hashes(self.location.get, {key: listed}, self.url)
 
     def close(self) -> None:
         """Let go of the golden's files (and its rows' source's): a refresh may then remove this version."""
