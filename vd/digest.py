@@ -134,7 +134,7 @@ def summarise(rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> tupl
 def _on_device(rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> torch.Tensor | None:
     """`summarise`'s digests and statistics side by side, ``[R, LANES + len(STATS)]`` float64 on the rows'
     device (None for no rows)."""
-    parts = [t for v in rows.values() for t in (v if isinstance(v, (list, tuple)) else [v]) if t.shape[0]]
+    parts = [t for v in rows.values() for t in ([v] if isinstance(v, torch.Tensor) else v) if t.shape[0]]
     if not parts:
         return None
     per_block = max(1, block_bytes(parts[0].device) // (8 * words(parts[0].shape[1], parts[0].element_size())))
@@ -196,7 +196,8 @@ class Summary:
 
 def _blocks(parts: Sequence[torch.Tensor], n: int) -> Iterator[torch.Tensor]:
     """The rows of ``parts`` in order, in blocks of at most ``n`` rows (small parts joined, large ones cut)."""
-    pending, count = [], 0
+    pending: list[torch.Tensor] = []
+    count = 0
     for t in parts:
         for i in range(0, t.shape[0], n):
             piece = t[i:i + n]

@@ -2,10 +2,12 @@
 golden is under exact and argmax, and measured against the full golden when it is named."""
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
-from golden_edit import edit_rows
+from golden_edit import edit_meta, edit_rows
 
 from vd.errors import GoldenCorruptError, GoldenError, UsageError
 from vd.store import FORMAT_VERSION, locate, open_golden, slim
@@ -67,3 +69,18 @@ def test_a_slim_golden_of_an_old_format_gets_digests(tmp_path):
     assert s.info.version == FORMAT_VERSION and s.info.digested and s.slim
     assert json.loads((out / "zarr.json").read_text())["attributes"]["vd"]["rows"]["slim_of"]["format_version"] == 1
     assert np.array_equal(s.summary(2)[0], open_golden(v1).summary(2)[0])
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_compiled_artifacts_missing_from_the_manifest_are_named(tiny_copy, tmp_path, old):
+    """A golden whose metadata names Inductor artifacts its manifest does not list (format 6), or that has no
+    manifest at all (an earlier format, edited), is refused in one line when rewritten, not with a traceback."""
+    source = tiny_copy
+    if old:
+        source = tmp_path / "v1.zarr"
+        shutil.copytree(Path(__file__).parent.parent / "data" / "tiny-llama-v1.zarr", source)
+    edit_meta(source, lambda m: m.update(compiled={"artifacts": "inductor/artifacts.bin", "bytes": 3,
+                                                   "sha256": "0" * 64}))
+    with pytest.raises(GoldenCorruptError, match="inductor/artifacts.bin is not in the golden's manifest"):
+        slim(source, tmp_path / "s.zarr")
+    assert not (tmp_path / "s.zarr").exists()

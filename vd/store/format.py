@@ -132,8 +132,9 @@ def small_shapes(layout: RowLayout) -> dict[str, tuple[int, ...]]:
     return out
 
 
-SMALL_DTYPES = {"tokens": np.dtype("<i4"), "accepted": np.dtype("<i4"), "step_ms": np.dtype("<f8"),
-                "drafts": np.dtype("<i4"), "digests": np.dtype("<i8"), "stats": np.dtype("<f8")}
+SMALL_DTYPES: dict[str, np.dtype] = {
+    "tokens": np.dtype("<i4"), "accepted": np.dtype("<i4"), "step_ms": np.dtype("<f8"),
+    "drafts": np.dtype("<i4"), "digests": np.dtype("<i8"), "stats": np.dtype("<f8")}
 
 
 def chunk_spans(layout: RowLayout, kind: str, start: int, n: int, vocab: int, itemsize: int

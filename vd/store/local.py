@@ -23,6 +23,8 @@ from vd.store.format import FORMAT
 
 
 def _is_golden(doc: bytes | None) -> bool:
+    if doc is None:
+        return False
     try:
         meta = json.loads(doc)["attributes"]["vd"]
     except (TypeError, ValueError, KeyError):

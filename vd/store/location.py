@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-import zarr
+from zarr.abc.store import Store
 
 from vd.errors import UsageError
 from vd.store.local import Directory, ZipFile
@@ -41,7 +41,7 @@ class Location(Protocol):
     def get(self, key: str) -> bytes | None:
         """One key's bytes; None when it does not exist."""
 
-    def store(self) -> zarr.abc.store.Store:
+    def store(self) -> Store:
         """A read-only zarr store over the golden."""
 
     def state(self) -> str:

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import zarr
+from zarr.abc.store import Store
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
@@ -50,6 +51,8 @@ def _holder() -> dict:
 
 
 def _attributes(doc: bytes | None) -> dict:
+    if doc is None:
+        return {}
     try:
         attrs = json.loads(doc)["attributes"]
     except (TypeError, ValueError, KeyError):
@@ -91,7 +94,7 @@ class ObjectPrefix:
         bucket, _, prefix = self.url[len("s3://"):].partition("/")
         if not bucket or not prefix:
             raise UsageError(f"{url}: an S3 golden needs a bucket and a prefix (s3://bucket/path/name.zarr)")
-        self._stores: dict[bool, zarr.abc.store.Store] = {}
+        self._stores: dict[bool, Store] = {}
 
     # -- the live prefix ------------------------------------------------------------------------------------
 

@@ -23,10 +23,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 
+from vd.layout import StepLog
 from vd.store import format as F
 from vd.store.read import Golden
 from vd.store.side import GoldenSide
@@ -43,13 +45,14 @@ _EXPECT: dict[str, float] = {}  # seconds a unit of each kind took: a running me
 class _Unit:
     kind: str  # "read", "check", "side", "hash": how long it takes is learnt per kind
     k: int
-    fn: Callable[[], None]
+    fn: Callable[[], object]  # what it returns is not kept
     nbytes: int = 0  # a hash unit's file size: its time is learnt per byte (files range from 100 B to 40 MB)
 
 
 @dataclass
 class _K:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    log: StepLog | None = None  # the step log read from ``arrays``, checked
     side: GoldenSide | None = None
     error: BaseException | None = None
 
@@ -65,15 +68,16 @@ class Prefetcher:
         self.ks = {k: _K() for k in (*golden.ks, FILES)}
         self.ahead = ahead = (device.type == "cuda" if ahead is None else ahead) and golden.info.digested
         self.units: deque[_Unit] = deque(u for k in golden.ks for u in self._plan(k)) if ahead else deque()
-        self.hashing = ahead and files and golden.manifest is not None
+        listed = golden.manifest if ahead and files else None
+        self.hashing = listed is not None
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
         self.hasher: threading.Thread | None = None
-        if self.hashing:
-            big = [key for key, (size, _) in golden.manifest.items() if size >= BIG_FILE]
-            self.units.extend(_Unit("hash", FILES, lambda key=key: golden.check_file(key), size)
-                              for key, (size, _) in golden.manifest.items() if size < BIG_FILE)
+        if listed is not None:
+            big = [key for key, (size, _) in listed.items() if size >= BIG_FILE]
+            self.units.extend(_Unit("hash", FILES, partial(golden.check_file, key), size)
+                              for key, (size, _) in listed.items() if size < BIG_FILE)
             if big:
                 self.hasher = threading.Thread(target=self._hash, args=(big,), name="vd-hash", daemon=True)
                 self.hasher.start()
@@ -84,7 +88,7 @@ class Prefetcher:
 
     def _plan(self, k: int) -> list[_Unit]:
         names = [*F.step_log_arrays(self.golden.info.version), *F.SUMMARY]
-        return ([_Unit("read", k, lambda n=n: self._read(k, n)) for n in names]
+        return ([_Unit("read", k, partial(self._read, k, n)) for n in names]
                 + [_Unit("read", k, self.golden.stored_prompt), _Unit("check", k, lambda: self._check(k)),
                    _Unit("side", k, lambda: self._side(k))])
 
@@ -92,11 +96,11 @@ class Prefetcher:
         self.ks[k].arrays[name] = self.golden.small(k, name)
 
     def _check(self, k: int) -> None:
-        self.ks[k].arrays["log"] = self.golden.log_from(k, self.ks[k].arrays)
+        self.ks[k].log = self.golden.log_from(k, self.ks[k].arrays)
 
     def _side(self, k: int) -> None:
-        a = self.ks[k].arrays
-        side = self.golden.side(k, a["log"], (a["digests"], a["stats"]))
+        kk = self.ks[k]
+        side = self.golden.side(k, kk.log, (kk.arrays["digests"], kk.arrays["stats"]))
         side.prepare(self.device, side_stream(self.device) if self.device.type == "cuda" else None)
         self.ks[k].side = side
 
@@ -154,8 +158,9 @@ class Prefetcher:
         self.side_units(FILES)
         if self.hasher is not None:
             self.hasher.join()
-        if self.ks[FILES].error is not None:
-            raise self.ks[FILES].error
+        error = self.ks[FILES].error
+        if error is not None:
+            raise error
 
     def side_units(self, k: int) -> None:
         """K's remaining units, run now."""

@@ -188,7 +188,7 @@ class Golden:
         """Entry ``a0`` along row array ``name``'s first axis, as stored."""
         arrays = self._row_arrays(k, name)
         parts = [a.read(a0, a0 + 1)[0] for a in arrays]
-        return parts[0] if len(parts) == 1 else F.join_planes(*parts, self.info.dtype.storage)
+        return parts[0] if len(parts) == 1 else F.join_planes(parts[0], parts[1], self.info.dtype.storage)
 
     def all_rows(self, k: int) -> dict[str, np.ndarray]:
         """Every row of K by kind, as stored, read whole (not checked against digests: `verify_rows`)."""
@@ -198,7 +198,7 @@ class Golden:
         for name in F.row_array_names(self.info.drafted):
             arrays = self._row_arrays(k, name)
             parts = [a.read() for a in arrays]
-            whole[name] = parts[0] if len(parts) == 1 else F.join_planes(*parts, self.info.dtype.storage)
+            whole[name] = parts[0] if len(parts) == 1 else F.join_planes(parts[0], parts[1], self.info.dtype.storage)
         return F.from_arrays(whole, self.info.vocab)
 
     def verify_rows(self, k: int) -> dict[str, np.ndarray]:
@@ -248,8 +248,11 @@ class Golden:
                 self.verify_rows(k)
 
     def check_file(self, key: str) -> None:
-        """One file of the manifest read and checked against its size and hash."""
-        manifest.check_hashes(self.location.get, {key: self.manifest[key]}, self.url)
+        """One file of the manifest read and checked against its size and hash (one it does not list: refused)."""
+        listed = None if self.manifest is None else self.manifest.get(key)
+        if listed is None:  # a file the metadata names (``compiled``) that no manifest lists
+            raise GoldenCorruptError(f"{self.url}/{key} is not in the golden's manifest")
+        manifest.check_hashes(self.location.get, {key: listed}, self.url)
 
     def close(self) -> None:
         """Let go of the golden's files (and its rows' source's): a refresh may then remove this version."""

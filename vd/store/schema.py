@@ -10,8 +10,9 @@ they copy are checked against them when read (`vd.store.read.Golden.log_from`).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeGuard, TypeVar
 
 from vd.dtypes import DTYPES, LogitsDtype
 from vd.errors import GoldenCorruptError, GoldenError, UsageError
@@ -47,14 +48,18 @@ class Info:
         return self.feed == "mtp"
 
 
-def _field(meta: Mapping, key: str, kind, where: str, test=lambda v: True, want: str = ""):
+_T = TypeVar("_T")
+
+
+def _field(meta: Mapping, key: str, kind: type[_T], where: str, test: Callable[[_T], object] = lambda v: True,
+           want: str = "") -> _T:
     v = meta.get(key)
     if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or not test(v):
         raise GoldenCorruptError(f"{where}: metadata field {key!r} is {v!r}, expected {want or kind.__name__}")
     return v
 
 
-def _ints(v, low: int, high: int) -> bool:
+def _ints(v: object, low: int, high: int) -> TypeGuard[list[int]]:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and low <= x < high for x in v)
 
 
@@ -63,7 +68,7 @@ def check_meta(meta: Mapping, where: str) -> Info:
     version = meta.get("format_version")
     if isinstance(version, int) and not isinstance(version, bool) and version > F.FORMAT_VERSION:
         raise GoldenError(f"{where} has golden format {version}; this vd reads formats 1 to {F.FORMAT_VERSION}")
-    _field(meta, "format_version", int, where, lambda v: v >= 1, f"1 to {F.FORMAT_VERSION}")
+    version = _field(meta, "format_version", int, where, lambda v: v >= 1, f"1 to {F.FORMAT_VERSION}")
     if meta.get("complete") is not True:
         raise GoldenCorruptError(f"{where} is incomplete (its recording never finished)")
     logits = meta.get("logits")

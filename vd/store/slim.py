@@ -47,6 +47,8 @@ def rewrite(g: Golden, out: str | os.PathLike, *, refresh: bool, rows: bool, upd
         meta.update(logits=F.logits_meta(g.logical), **updates)
         if g.meta.get("compiled"):  # the kernels a compiled forward's replay needs stay with the golden
             g.check_file(F.INDUCTOR_ARTIFACTS)
-            w.add_file(F.INDUCTOR_ARTIFACTS, g.location.get(F.INDUCTOR_ARTIFACTS))
+            artifacts = g.location.get(F.INDUCTOR_ARTIFACTS)
+            assert artifacts is not None  # check_file read it from the version this golden holds
+            w.add_file(F.INDUCTOR_ARTIFACTS, artifacts)
         w.publish(meta, g.prompt, reason=reason)
     return w.location

@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ from vd.layout import RowLayout, StepLog
 from vd.store import format as F
 from vd.store import history, manifest, nodes
 from vd.store.chunks import chunk_key, encode_chunk
+from vd.store.journal import Journal
 from vd.store.location import Location, locate
 
 # Threads encoding and writing chunks (never beside a run: `KRows.write` waits for them).
@@ -101,10 +102,10 @@ class GoldenWriter:
         self.refresh, self.background = refresh, background
         self.staged = self.location.staging()
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="vd-writer")
-        self._futures = []
+        self._futures: list[Future[None]] = []
         self.logs: list[StepLog] = []
         self.digests: dict[int, np.ndarray] = {}
-        self.journal = None  # a `vd.store.journal.Journal` the recorder sets: every block written goes into it
+        self.journal: Journal | None = None  # the recorder sets it: every block written goes into it
         self.stored_rows = True
         self.known: dict[str, list] = {}  # files written whole by this writer: [size, SHA-256] for the manifest
         try:
@@ -130,6 +131,7 @@ class GoldenWriter:
         their digests and statistics (computed from ``rows`` when None) and, for the drafter feed, the
         head's drafts."""
         if summary is None:
+            assert rows is not None, "a K without rows comes with their summary"
             summary = _digest.summarise({kind: to_tensor(a) for kind, a in rows.items()})
         if rows is None:
             self.stored_rows = False
@@ -269,7 +271,8 @@ class KRows:
         whole = journal.digest if journal is not None and kind == "prefill" else None  # one block, all slices
         h, spans = None, F.chunk_spans(self.layout, kind, start, rows.shape[0], self.vocab, self.itemsize)
         while spans:
-            take, size = [], 0
+            take: list[tuple[str, int, int, int]] = []
+            size = 0
             while spans and (not take or size + (spans[0][3] - spans[0][2]) * self.vocab * self.itemsize
                              <= SLICE_BYTES):
                 take.append(spans.pop(0))
@@ -282,7 +285,7 @@ class KRows:
             if whole is not None:
                 h = whole(stored, h)
             self.writer._drain()
-        if h is not None:
+        if journal is not None and h is not None:  # (h is hashed only with a journal)
             journal.block(self.layout.k, None, h.hexdigest())
         self.written[kind] += rows.shape[0]
 
