@@ -256,7 +256,7 @@ def write_html(path: Path, report: Report, command: str | Sequence[str] | None =
     replayed = report.environment.replayed.get("time")
     with _Plots() as plots:
         body = [f"<h1>vd replay: <span class='{report.verdict}'>{report.verdict}</span></h1>",
-                _header(command, "replayed at", replayed or _now()), _section(plots, name, report)]
+                _header(command, "replayed at", replayed or _now()), _section(plots, name, report, None)]
     _write_page(path, f"vd replay {name}: {report.verdict}", body)
 
 
@@ -273,7 +273,7 @@ def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequen
         body = [f"<h1>vd replay: {len(entries)} goldens, <span class='{verdict}'>{verdict}</span></h1>",
                 _header(command, "written at", _now()),
                 "<table><tr><th>golden</th><th>verdict</th><th>first reason</th></tr>" + "".join(rows) + "</table>"]
-        body += [_section(plots, name, report) if report is not None else _error_section(name, error)
+        body += [_section(plots, name, report, name) if report is not None else _error_section(name, error)
                  for name, report, error in entries]
     _write_page(path, f"vd replay: {len(entries)} goldens, {verdict}", body)
 
@@ -306,8 +306,9 @@ def _error_section(name: str, error: str | None) -> str:
             f"<p>The replay did not complete:</p><pre>{html.escape(error or 'no error text')}</pre></section>")
 
 
-def _section(plots: _Plots, name: str, report: Report) -> str:
-    """One golden's verdict, facts, reasons, environment differences, next step, policy and plots per K."""
+def _section(plots: _Plots, name: str, report: Report, declared: str | None) -> str:
+    """One golden's verdict, facts, reasons, environment differences, next step, policy and plots per K;
+    ``declared``: the golden's name in its suite's declaration (None for a golden replayed by its path)."""
     e, v = html.escape, report.verdict
     out = [f"<section id='golden-{_slug(name)}'><h2>{e(name)}: <span class='{v}'>{v}</span></h2>", _facts(report)]
     if report.reasons:
@@ -315,7 +316,7 @@ def _section(plots: _Plots, name: str, report: Report) -> str:
     diffs = report.environment.numerics_differences
     out.append("<div class='env'><b>Environment differences</b> (recorded → replayed): "
                + ("none" if not diffs else "<ul>" + "".join(f"<li>{e(d)}</li>" for d in diffs) + "</ul>") + "</div>")
-    out.append(_next_step(report, name))
+    out.append(_next_step(report, declared))
     out.append("<h3>Policy</h3><table><tr><th>rows</th><th>policy</th><th>smallest change it is guaranteed to "
                "catch</th></tr>" + "".join(f"<tr><td>{e(kind)}</td><td>{e(s.policy)}</td><td>{e(s.catches)}"
                                            "</td></tr>" for kind, s in report.sensitivity.items()) + "</table>")
@@ -330,10 +331,10 @@ def _facts(report: Report) -> str:
         + "</table>"
 
 
-def _next_step(report: Report, name: str) -> str:
+def _next_step(report: Report, declared: str | None) -> str:
     """What to do about the verdict (`vd.replayer.words.next_steps`): a paragraph on a PASS, a list on a FAIL,
     each command as code."""
-    steps = [_html_step(step) for step in words.next_steps(report, name)]
+    steps = [_html_step(step) for step in words.next_steps(report, declared)]
     if report.verdict == "PASS":
         return f"<p class='next'><b>Next step:</b> {steps[0]}</p>"
     return "<div class='next'><b>Next step</b><ul>" + "".join(f"<li>{i}</li>" for i in steps) + "</ul></div>"

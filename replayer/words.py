@@ -329,9 +329,11 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
     return [*cmd, "--report", out]
 
 
-def next_steps(report: Report, name: str) -> list[NextStep]:
+def next_steps(report: Report, declared: str | None) -> list[NextStep]:
     """What to do about the verdict: nothing on a PASS; on a FAIL how to look at the first divergence and
-    how to accept the change, and what the golden's own failures or a changed environment call for."""
+    how to accept the change, and what the golden's own failures or a changed environment call for. Every
+    command works as written: ``declared`` is the golden's name in its suite's declaration, which `vd refresh`
+    takes; a golden replayed by its path (``declared`` None) is refreshed by that path."""
     if report.verdict == "PASS":
         return [("nothing needed: every forward matches the golden under its policy, and the golden's own checks "
                  "passed.",)]
@@ -347,7 +349,8 @@ def next_steps(report: Report, name: str) -> list[NextStep]:
                     " replays just that and writes its first-divergence bundle to ", Code("replay.json.bundle/"),
                     " (both rows in ", Code("rows.npz"), ", ", Code("failure.json"), ", ", Code("command.sh"), ")."))
     if report.reasons_of(("rows", "draft")):
-        out.append(("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(name)} --reason TEXT"),
+        target = declared if declared is not None else report.golden
+        out.append(("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
                     ", or record the golden again on the trusted build: ",
                     Code(f"vd record {shlex.quote(report.golden)} --refresh"), "."))
     if report.reasons_of(("control", "thin", "coverage")):

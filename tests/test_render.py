@@ -4,6 +4,7 @@ golden and a suite), and offline HTML pages, read as text and rendered in a real
 import dataclasses
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -176,7 +177,11 @@ def test_html_header_says_what_ran_and_what_to_do_next(perturbed, passing, tmp_p
     assert f"<td>{perturbed.environment.replayed['time']}</td>" in text
     assert "<b>Environment differences</b> (recorded → replayed): none" in text
     assert "Look at the first divergence (K=2, eager, verify step 3 row 1 index 7" in text
-    assert "--k 2 --forward eager" in text and "vd refresh tiny --reason TEXT" in text and "--refresh</code>" in text
+    # Every suggested command works as written: a golden replayed by its path is refreshed by that path (a name
+    # is suggested only where a suite declares it: test_suite_html_has_a_section_per_golden_and_shows_errors).
+    assert "--k 2 --forward eager" in text and "--refresh</code>" in text
+    assert f"<code>vd refresh {shlex.quote(perturbed.golden)} --reason TEXT</code>" in text
+    assert "vd refresh tiny " not in text
     assert "<h1>vd replay: <span class='PASS'>PASS</span></h1>" in ok.read_text()
     assert "nothing needed" in ok.read_text() and "vd refresh" not in ok.read_text()
 
@@ -197,6 +202,7 @@ def test_suite_html_has_a_section_per_golden_and_shows_errors(perturbed, passing
     for name, verdict in (("tiny", "FAIL"), ("tiny-pass", "PASS"), ("missing", "ERROR")):
         assert f"<section id='golden-{name}'><h2>{name}: <span class='{verdict}'>{verdict}</span></h2>" in text
     assert "<pre>vd: error: missing.zarr is not a vd golden</pre>" in text
+    assert "<code>vd refresh tiny --reason TEXT</code>" in text  # a suite's golden by its declared name
     ids = re.findall(r" id=['\"]([^'\"]+)['\"]", text)
     figures = re.findall(r"<figure id='([^']+)'", text)
     assert len(figures) == 18 and len(set(figures)) == 18 and "tiny-pass-k2-eager" in figures  # 3 per K

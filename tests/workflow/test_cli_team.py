@@ -115,3 +115,21 @@ def test_usage_of_targets(cli, tmp_path, monkeypatch):
         assert code == 2 and "give one" in err
     code, out, err = cli("replay", "--suite")
     assert code == 2 and "no suite declared" in err
+
+
+def test_refresh_of_an_unknown_name_records_nothing(tmp_path, monkeypatch, cli):
+    """A mistyped or undeclared NAME is exit 2 naming the declared goldens, and nothing is written: a refresh
+    replaces a golden, recording a new one is vd record's; a declared golden not yet recorded says how."""
+    (tmp_path / "vd.toml").write_text(SUITE)
+    monkeypatch.chdir(tmp_path)
+    for target in ("aa", "smollm2", "goldens/c.zarr"):
+        code, out, err = cli("refresh", target, "--reason", "typo")
+        assert code == 2 and "neither a declared golden nor a golden on disk" in err and "declares a, b" in err, err
+    code, out, err = cli("refresh", "a", "--reason", "not recorded yet")
+    assert code == 2 and "declared but not recorded yet" in err and "vd record --suite a" in err
+    code, out, err = cli("refresh", "a", "--from", "cands/a.zarr", "--reason", "no golden to promote into")
+    assert code == 2 and "declared but not recorded yet" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vd.toml"]
+    monkeypatch.chdir(tmp_path / "..")
+    code, out, err = cli("refresh", "nowhere.zarr", "--reason", "no suite here")
+    assert code == 2 and "neither a declared golden nor a golden on disk" in err and "declares" not in err

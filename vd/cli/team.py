@@ -117,7 +117,7 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     from vd.workflow import refresh as R
 
     entry = _entry_for(target, config)
-    path = entry.path if entry is not None else target
+    path = _existing(target, entry, config)
     check_writable("--summary", summary, (path, candidate))
     name = entry.name if entry is not None else None
     if candidate is not None:
@@ -136,6 +136,26 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
         summary.write_text(done.summary)
     out.print(f"refreshed {done.url} to version {done.version}")
     return EXIT_PASS
+
+
+def _existing(target: str, entry, config: Path | None) -> str:
+    """The golden ``target`` names (a declared golden, else a path or URL), which must exist: a refresh never
+    records a new golden (`vd record` does); else a usage error naming the declared goldens."""
+    from vd.store import locate
+    from vd.workflow.declare import find, load_suite
+
+    path = entry.path if entry is not None else target
+    if locate(path).state() != "absent":
+        return path
+    if entry is not None:
+        raise UsageError(f"vd refresh: {entry.name!r} is declared but not recorded yet ({path} does not exist); "
+                         f"record it with vd record --suite {entry.name}")
+    declared = ""
+    if config is not None or find() is not None:
+        suite = load_suite(config)
+        declared = f"; {suite.file} declares {', '.join(suite.entries) or 'none'}"
+    raise UsageError(f"vd refresh: {target!r} is neither a declared golden nor a golden on disk{declared} "
+                     "(a new golden is recorded with vd record)")
 
 
 def _settings(path: str, entry, overrides: dict):
