@@ -80,6 +80,20 @@ def test_python_m_vd_is_the_command_line():
     assert done.returncode == 0 and "record" in done.stdout and "replay" in done.stdout and "slim" in done.stdout
 
 
+def test_another_distribution_named_vd_is_refused_in_one_line(tmp_path):
+    """PyPI's `vd` (a vector-database facade) installs a `vd` package and a `vd` command too: beside it vd
+    (distributed as vd-goldens) would run on overwritten files, so it refuses in one line, exit 2."""
+    info = tmp_path / "vd-0.2.20.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vd\nVersion: 0.2.20\n"
+                                   "Summary: A facade over vector databases\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "vd", "--help"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.splitlines()
+    assert "'vd' 0.2.20 (A facade over vector databases)" in line and "pip uninstall vd vd-goldens" in line
+
+
 def test_refused_overwrite_leaves_golden_intact(cli, tiny_golden):
     before = _tree_hash(tiny_golden)
     _one_line_error(*cli("record", tiny_golden, "--model", "tiny-qwen2", "--steps", "8"), "already holds a golden",

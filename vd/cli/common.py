@@ -111,6 +111,22 @@ DEVICE_METAVAR = "cpu|cuda|cuda:N"
 TOLERANCE_METAVAR = "[KIND=]SPEC"
 
 
+def foreign_vd() -> str | None:
+    """Why vd cannot run here, where another distribution owning the import name ``vd`` is installed (PyPI's
+    ``vd``, a vector-database facade, also installs a ``vd`` package and a ``vd`` command): the two overwrite
+    each other's files. vd's own distribution is ``vd-goldens``; None where no other claims the name."""
+    import importlib.metadata as md
+
+    try:
+        other = md.distribution("vd")
+    except md.PackageNotFoundError:
+        return None
+    return (f"the distribution 'vd' {other.version} ({other.metadata.get('Summary') or 'another project'}) is "
+            "installed in this environment and owns the same import name and command as vd-goldens, so their "
+            "files overwrite each other; uninstall both (pip uninstall vd vd-goldens) and install vd-goldens "
+            "alone, or use another environment")
+
+
 def examples(*lines: str) -> str:
     """A command's help epilog: example command lines, one a line."""
     return "Examples:\n" + "\n".join(f"  {line}" for line in lines)

@@ -103,7 +103,7 @@ class ObjectPrefix:
             try:
                 import s3fs  # noqa: F401  (zarr's FsspecStore needs it for s3://)
             except ImportError as e:
-                raise UsageError(f"{self.url}: S3 goldens need s3fs (pip install 'vd[s3]')") from e
+                raise UsageError(f"{self.url}: S3 goldens need s3fs (pip install 'vd-goldens[s3]')") from e
             self._stores[read_only] = zarr.storage.FsspecStore.from_url(self.url, read_only=read_only)
         return self._stores[read_only]
 
