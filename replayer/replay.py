@@ -60,13 +60,14 @@ def replay(golden: str | os.PathLike | Location, settings: ReplaySettings = Repl
         outcomes = [replay_k(s, k) for k in s.ks]
         s.files.check_files()  # no damaged golden reaches a verdict
         notes = _save_candidate(s, outcomes)
+        return report_of(s, outcomes, notes)
     except GoldenError:
         s.files.check_files()  # a damaged file, named, before whatever it broke
         raise
     finally:
         if s.candidate is not None:
             s.candidate.abort()
-    return report_of(s, outcomes, notes)
+        s.golden.close()  # a refresh in this process may then remove the version replayed
 
 
 def _save_candidate(s: Session, outcomes: Sequence[KOutcome]) -> list[str]:

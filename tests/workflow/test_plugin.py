@@ -75,6 +75,8 @@ def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):
     r = project.runpytest("test_engine.py", "--vd-update")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["tiny: v2 *", "*rows moved at K=[[]2, 3[]]: 2 of *"])
+    # Nothing beside the golden once the update returns: no replaced version, staging folder or lock.
+    assert sorted(p.name for p in (project.path / "goldens").iterdir()) == ["tiny.zarr"]
     g = open_golden(project.path / "goldens" / "tiny.zarr")
     assert g.history[-1]["reason"].startswith("pytest --vd-update (test_engine.py::test_engine): verify K=2")
     project.runpytest("test_engine.py").assert_outcomes(passed=1)  # the golden now holds the engine's numbers
@@ -90,6 +92,7 @@ def test_stale_declarations_fail_and_orphans_are_listed(project):
                             "*vd: orphan goldens*", "*forgotten.zarr"])
     project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
     assert open_golden(project.path / "goldens" / "tiny.zarr").info.steps == 6
+    assert sorted(p.name for p in (project.path / "goldens").iterdir()) == ["forgotten.zarr", "tiny.zarr"]
 
 
 def test_a_bad_declaration_fails_the_items_with_one_line(project):

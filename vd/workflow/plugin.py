@@ -114,9 +114,13 @@ class _Session:
         if locate(entry.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
             return [f"golden missing (record it: vd record --suite {entry.name}, or pytest --vd-update)"]
         try:
-            stale = stale_reasons(entry, open_golden(entry.path))
+            g = open_golden(entry.path)
         except VdError as e:
             return [str(e)]
+        try:
+            stale = stale_reasons(entry, g)
+        finally:
+            g.close()
         return [f"stale, the declaration changed since it was recorded: {r}" for r in stale]
 
     def _promote(self, entry, who: str, candidate: str, why: str):

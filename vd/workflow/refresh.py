@@ -30,6 +30,7 @@ from vd.replayer import ReplaySettings, replay, words
 from vd.replayer.diff import diff
 from vd.store import Golden, Location, check_target, locate, open_golden
 from vd.store import history as H
+from vd.store.local import finish_removals
 from vd.store.location import Directory, ZipFile
 from vd.store.write import reseal
 
@@ -77,7 +78,9 @@ def refresh(where: str | os.PathLike, settings: RecordSettings, *, reason: str, 
     settings.check()
     location = locate(where)
     with location.writer():
-        return _refresh(location, settings, reason, name, model, progress)
+        done = _refresh(location, settings, reason, name, model, progress)
+    finish_removals()  # nothing left beside the golden once a refresh returns
+    return done
 
 
 def _refresh(location: Location, settings: RecordSettings, reason: str, name: str | None,
@@ -116,7 +119,9 @@ def promote(candidate: str | os.PathLike, where: str | os.PathLike, *, reason: s
     _check_reason(reason)
     location = locate(where)
     with location.writer():
-        return _promote(location, open_golden(candidate), reason, name)
+        done = _promote(location, open_golden(candidate), reason, name)
+    finish_removals()
+    return done
 
 
 def _promote(location: Location, cand: Golden, reason: str, name: str | None) -> Refreshed:

@@ -132,10 +132,13 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
 
     def one(e: Entry) -> Outcome:
         g = open_golden(e.path)
-        spec, head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
-        m = model or models.get(settings.model or spec, settings.device or g.info.device,
-                                g.logical, settings.head if settings.model else head, progress)
-        report = replay(g.location, settings, model=m, progress=progress)
+        try:
+            spec, head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
+            m = model or models.get(settings.model or spec, settings.device or g.info.device,
+                                    g.logical, settings.head if settings.model else head, progress)
+            report = replay(g.location, settings, model=m, progress=progress)
+        finally:
+            g.close()  # a refresh in this process (pytest --vd-update) may then remove this version
         return Outcome(e.name, e.path, report.verdict, report=report)
 
     return [_timed(e, partial(one, e)) for e in entries]
