@@ -104,11 +104,12 @@ class RecordSettings:
                    require_coverage=bool(meta.get("require_coverage")), allow_thin=bool(meta.get("thin")))
 
     def changes_from(self, other: RecordSettings) -> list[str]:
-        """What these settings change from ``other``, one ``field: old -> new`` line each."""
+        """What these settings change from ``other``, one ``field: old -> new`` line each. A setting left
+        unset here (None: the model's forward, torch's threads, no head) asks for no change and is not listed."""
         out = []
         for f in fields(self):
             a, b = getattr(other, f.name), getattr(self, f.name)
-            if a != b:
+            if b is not None and a != b:
                 out.append(f"{f.name}: {_short(a)} -> {_short(b)}")
         return out
 

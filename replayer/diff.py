@@ -37,14 +37,23 @@ def _as_run(golden: Golden, k: int) -> Run:
     return run
 
 
-def _same_recording(a: Golden, b: Golden) -> None:
+def recording_difference(a: Golden, b: Golden) -> str | None:
+    """What two goldens' recordings asked differently (``steps (4 vs 5)``), None where they asked the same:
+    the prompt's tokens, the verify widths, the steps, the vocabulary, the dtype and the feed."""
     checks: list[tuple[str, Any, Any]] = [("prompt tokens", a.prompt, b.prompt)] + [
         (key, a.meta.get(key), b.meta.get(key)) for key in ("k", "steps", "vocab_size", "dtype", "feed")]
     for what, x, y in checks:
         if x != y:
             shown = (f"{len(x)} vs {len(y)} tokens" if what == "prompt tokens" and len(x) != len(y)
                      else "they differ" if what == "prompt tokens" else f"{x} vs {y}")
-            raise UsageError(f"{a.url} and {b.url} are not recordings of the same thing: {what} ({shown})")
+            return f"{what} ({shown})"
+    return None
+
+
+def _same_recording(a: Golden, b: Golden) -> None:
+    differ = recording_difference(a, b)
+    if differ is not None:
+        raise UsageError(f"{a.url} and {b.url} are not recordings of the same thing: {differ}")
     if b.slim:
         raise UsageError(f"{b.url} is slim: vd diff judges B's rows, so B must be a full golden")
 

@@ -228,6 +228,9 @@ def _load_model(g: Golden, s: ReplaySettings) -> tuple[Prefetcher, VerifyModel]:
     check_forward_names(s.model or spec, list(s.forwards))  # before the model loads
     dev = s.device or g.info.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
+        if s.device is not None:  # asked for, not the recording's
+            raise UsageError(f"--device {dev}: this machine has no CUDA device ({g.url} was recorded on "
+                             f"{g.info.device})")
         also = (f", with --forward naming a CPU forward (it was recorded with {g.info.forward!r}, which runs "
                 "on CUDA only; `vd forwards` lists them)" if not s.forwards and g.info.forward in CUDA_ONLY else "")
         raise UsageError(f"{g.url} was recorded on {dev} and this machine has no CUDA device; pass --device cpu "

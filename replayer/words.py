@@ -181,8 +181,9 @@ def replay_table(report: Report) -> TextTable:
         cols[4:4] = ["drafts differ"]
     rows = []
     for v in report.verify:
-        control = "-" if v.control is None else v.control.state
-        for j, tm in zip(v.comparisons, v.timings[1:]):
+        last = len(v.comparisons) - 1  # the control runs under the last forward: its row shows it
+        for i, (j, tm) in enumerate(zip(v.comparisons, v.timings[1:])):
+            control = "-" if v.control is None or i != last else v.control.state
             c, m = j.comparison, j.comparison.first_mismatch
             first = "-" if m is None else f"step {m.step} row {m.row}" + ("" if m.index is None else f" [{m.index}]")
             cells = [str(v.k), c.variant, "equal" if c.prefill_equal else "DIFFERS", f"{c.mismatched_steps}/{c.steps}",

@@ -200,6 +200,12 @@ def test_cuda_golden_on_a_cpu_machine_says_what_to_pass(cli, tiny_copy):
     assert code == 0, err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_on_a_cpu_machine_blames_the_flag_not_the_golden(cli, tiny_golden):
+    _one_line_error(*cli("replay", tiny_golden, "--device", "cuda"), "--device cuda: this machine has no CUDA "
+                    "device", "recorded on cpu")
+
+
 def test_show_models_forwards(cli, tiny_golden):
     code, out, err = cli("show", tiny_golden)
     assert code == 0, err
@@ -435,6 +441,34 @@ def test_progress_off_a_terminal_is_plain_lines(cli, tiny_golden, tmp_path):
     assert code == 0, err
     assert [line.split(":")[1].split(" (")[0].strip() for line in err.splitlines()[::2]] == [
         "loading model", "greedy continuation", "recording K=2", "writing golden"]
+
+
+def test_the_control_shows_on_the_row_of_the_forward_it_ran_under(cli, tiny_golden):
+    """With several forwards the control runs under the last: only its row says how the control went (the
+    passing eager row read "inconclusive", which was sdpa's)."""
+    code, out, err = cli("replay", tiny_golden, "--forward", "eager", "--forward", "sdpa", "--k", "2")
+    rows = {cells[2]: cells for line in out.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")]) > 3 and cells[1] == "2"}
+    assert rows["eager"][-2] == "-" and rows["sdpa"][-2] in ("fired", "inconclusive"), out
+
+
+def test_a_terminal_bar_stops_each_phase_timer_when_the_next_begins():
+    """On a terminal each phase is a task; a phase of unknown length (loading the model) is finished, its
+    timer stopped, when the next phase begins, rather than running on for the whole replay."""
+    from rich.console import Console
+
+    from vd.cli.common import _Bar
+
+    with _Bar(Console(file=io.StringIO(), force_terminal=True)) as bar:
+        bar.phase("loading model", 0)
+        bar.phase("K=2 eager", 3)
+        for s in range(3):
+            bar.step(s)
+        loading, run = bar.progress.tasks
+        assert loading.finished and loading.stop_time is not None and loading.total == loading.completed == 1
+        elapsed = loading.elapsed
+        assert run.completed == 3 and not run.stop_time
+        assert bar.progress.tasks[0].elapsed == elapsed  # stopped: no longer counting
 
 
 def test_progress_lines_count_steps_and_seconds():

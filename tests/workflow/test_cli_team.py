@@ -75,7 +75,12 @@ def test_refresh_history_and_status(project, cli, request):
     (project / "goldens" / "old.zarr").rmdir()
     code, out, err = cli("refresh", "a", "--reason", "5 steps now")
     assert code == 0 and "asked: steps: 4 -> 5" in out
-    assert open_golden(project / "goldens" / "a.zarr").info.steps == 5
+    # Settings the declaration leaves out ask for nothing, and the history keeps no temporary path.
+    assert "-> None" not in out and "rows not compared: the new version records another thing: steps (4 vs 5)" in out
+    g = open_golden(project / "goldens" / "a.zarr")
+    assert g.info.steps == 5
+    history = json.dumps(g.history)
+    assert ".partial-" not in history and "/tmp" not in history and "candidate.zarr" not in history, history
 
 
 def test_record_refresh_re_records_what_the_golden_says(tmp_path, cli, monkeypatch):
@@ -133,3 +138,20 @@ def test_refresh_of_an_unknown_name_records_nothing(tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path / "..")
     code, out, err = cli("refresh", "nowhere.zarr", "--reason", "no suite here")
     assert code == 2 and "neither a declared golden nor a golden on disk" in err and "declares" not in err
+
+
+def test_status_ties_the_last_replay_to_the_version_it_judged(project, cli):
+    """`vd status --report` shows a suite report's verdict for the version that report judged: not for a
+    golden that is missing, and marked for one refreshed since."""
+    assert cli("replay", "--suite", "--report", "r.json")[0] == 0
+    assert json.loads((project / "r.json").read_text())["goldens"][0]["content_digest"].startswith("sha256:")
+
+    def last() -> dict:
+        code, out, err = cli("status", "--no-models", "--report", "r.json", "--json", "s.json")
+        return {g["name"]: g["last"] for g in json.loads((project / "s.json").read_text())["goldens"]}
+
+    assert last() == {"a": "PASS", "b": "PASS"}
+    (project / "vd.toml").write_text(SUITE.replace("steps = 4", "steps = 5"))
+    assert cli("refresh", "a", "--reason", "5 steps now")[0] == 0
+    (project / "goldens" / "b.zip").unlink()
+    assert last() == {"a": "PASS (of another version)", "b": None}

@@ -78,7 +78,10 @@ def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):
     # Nothing beside the golden once the update returns: no replaced version, staging folder or lock.
     assert sorted(p.name for p in (project.path / "goldens").iterdir()) == ["tiny.zarr"]
     g = open_golden(project.path / "goldens" / "tiny.zarr")
-    assert g.history[-1]["reason"].startswith("pytest --vd-update (test_engine.py::test_engine): verify K=2")
+    reason = g.history[-1]["reason"]
+    assert reason.startswith("pytest --vd-update (test_engine.py::test_engine): verify K=2")
+    assert reason.endswith(" …") and len(reason) < 260  # shortened at a word (textwrap), not cut mid-word
+    g.close()
     project.runpytest("test_engine.py").assert_outcomes(passed=1)  # the golden now holds the engine's numbers
 
 

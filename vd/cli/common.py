@@ -26,7 +26,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from typer.core import TyperCommand, TyperGroup
 
 import vd
@@ -243,20 +243,24 @@ def reporting():
 class _Bar:
     """A progress bar on stderr (a terminal), one task per phase."""
 
-    def __init__(self):
+    def __init__(self, console: Console = err):
         self.progress = Progress(
             TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=err, transient=True,
+            console=console, transient=True,
         )
-        self.task = None
+        self.task: TaskID | None = None
 
     def phase(self, name: str, total: int) -> None:
+        """A new phase: the last one finished (its timer stopped, a phase of unknown length included)."""
         if self.task is not None:
-            self.progress.update(self.task, completed=self.progress.tasks[self.task].total or 1)
+            done = self.progress.tasks[self.task].total or 1
+            self.progress.update(self.task, total=done, completed=done)
+            self.progress.stop_task(self.task)
         self.task = self.progress.add_task(name, total=total or None)
 
     def step(self, _s: int) -> None:
-        self.progress.advance(self.task)
+        if self.task is not None:
+            self.progress.advance(self.task)
 
     def __enter__(self):
         self.progress.__enter__()

@@ -22,6 +22,7 @@ lists orphan goldens, those on disk no declaration names, as syrupy lists unused
 from __future__ import annotations
 
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,7 +103,8 @@ class _Session:
                 problems = ([r.text for r in outcome.report.reasons] if outcome.report is not None
                             else [outcome.error or "the replay did not complete"])
                 if self.update and outcome.report is not None and keep is not None:
-                    return self._promote(entry, who, keep, "; ".join(problems)[:200])
+                    return self._promote(entry, who, keep, textwrap.shorten("; ".join(problems), 200,
+                                                                             placeholder=" …"))
         raise GoldenFailure(f"vd golden {name!r} ({entry.path}) FAILED:\n" + "\n".join(f"  - {p}" for p in problems)
                             + "\n  (accept an intended change: pytest --vd-update, or vd refresh "
                             f"{name} --reason TEXT)")

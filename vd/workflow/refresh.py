@@ -27,7 +27,7 @@ from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.recorder import RecordSettings, record
 from vd.replayer import ReplaySettings, replay, words
-from vd.replayer.diff import diff
+from vd.replayer.diff import diff, recording_difference
 from vd.store import Golden, Location, check_target, locate, open_golden
 from vd.store import history as H
 from vd.store.local import finish_removals
@@ -141,7 +141,9 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None) ->
     try:
         new_path = staging / "new.zarr"
         _copy_golden(cand, new_path)
-        ran = [f"rows from a replay with {cand.meta['model']['spec']} ({cand.info.forward}), candidate {cand.url}"]
+        # (the candidate's path is left out: often a temporary folder, gone once it is promoted)
+        ran = [f"rows from a replay with {cand.meta['model']['spec']} ({cand.info.forward}), promoted from a "
+               "saved candidate"]
         if old is not None:  # the golden stays of the model it names; the numbers are the candidate's
             reseal(new_path, {"model": {**cand.meta["model"], "spec": old.meta["model"]["spec"],
                                                "head": old.meta["model"].get("head")}})
@@ -200,6 +202,10 @@ def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: l
             lines.append(f"{what}: {a} -> {b}")
     env = numerics_differences(old.meta.get("environment") or {}, new.meta.get("environment") or {})
     lines += [f"environment: {d}" for d in env]
+    differ = recording_difference(old, new)
+    if differ is not None:  # (worded without the staging folder's path: the history keeps this line)
+        lines.append(f"rows not compared: the new version records another thing: {differ}")
+        return lines, words.refresh_markdown(title, reason, lines, rows, decisions)
     try:
         d = diff(old.url, new.url, tolerances=("exact",))
     except UsageError as e:

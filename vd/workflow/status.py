@@ -50,16 +50,18 @@ def status(suite: Suite, entries: Sequence[Entry], *, check_models: bool = True,
     return [_one(e, check_models, models, last.get(e.name), progress) for e in entries]
 
 
-def _one(e: Entry, check_models: bool, models: Models, last: str | None, progress: Progress) -> GoldenStatus:
-    s = GoldenStatus(e.name, e.path, "current", last=last)
+def _one(e: Entry, check_models: bool, models: Models, last: tuple[str, str | None] | None,
+         progress: Progress) -> GoldenStatus:
+    s = GoldenStatus(e.name, e.path, "current")
     if locate(e.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
-        s.state = "missing"
+        s.state = "missing"  # and no last result: it was of a golden that is not there
         return s
     try:
         g = open_golden(e.path)
     except GoldenError as err:
         s.state, s.reasons = "unreadable", [str(err)]
         return s
+    s.last = _last_of(last, g.content_digest())
     m, env = g.meta["model"], g.meta.get("environment") or {}
     history = g.history
     s.recorded = {"version": len(history) or None, "fingerprint": m["fingerprint"], "forward": g.info.forward,
@@ -98,12 +100,24 @@ def _fingerprint(g, models: Models, progress: Progress) -> list[str]:
     return out
 
 
-def _last_verdicts(report: str | None) -> dict[str, str]:
+def _last_of(last: tuple[str, str | None] | None, content: str) -> str | None:
+    """The last suite replay's verdict for the golden whose content digest is ``content``: as it is for this
+    version, marked for another one, and marked where the report predates content digests."""
+    if last is None:
+        return None
+    verdict, replayed = last
+    if replayed is None:
+        return f"{verdict} (version not recorded)"
+    return verdict if replayed == content else f"{verdict} (of another version)"
+
+
+def _last_verdicts(report: str | None) -> dict[str, tuple[str, str | None]]:
+    """Each golden's verdict in a suite report, and the content digest of the version it judged."""
     if report is None:
         return {}
     try:
         data = json.loads(Path(report).read_text())
-        return {g["name"]: g["verdict"] for g in data["goldens"]}
+        return {g["name"]: (g["verdict"], g.get("content_digest")) for g in data["goldens"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise GoldenError(f"--report {report} is not a suite report (vd replay --suite --report): {e}") from e
 

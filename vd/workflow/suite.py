@@ -76,7 +76,8 @@ def stale_reasons(entry: Entry, golden: Golden) -> list[str]:
 @dataclass(slots=True)
 class Outcome:
     """One golden's result in a suite run: ``verdict`` PASS, FAIL, ERROR (could not be judged: ``error``),
-    RECORDED, REFRESHED, PRESENT (left as it was) or REFUSED (a recording not stored: ``reasons``)."""
+    RECORDED, REFRESHED, PRESENT (left as it was) or REFUSED (a recording not stored: ``reasons``);
+    ``content``: the content digest of the golden version a replay judged (`vd status` ties the verdict to it)."""
 
     name: str
     path: str
@@ -85,9 +86,11 @@ class Outcome:
     error: str | None = None
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    content: str | None = None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "path": self.path, "verdict": self.verdict, "error": self.error,
+        return {"name": self.name, "path": self.path, "verdict": self.verdict, "content_digest": self.content,
+                "error": self.error,
                 "reasons": self.reasons or ([r.text for r in self.report.reasons] if self.report else []),
                 "seconds": self.seconds, "report": None if self.report is None else self.report.to_json()}
 
@@ -137,9 +140,10 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
             m = model or models.get(settings.model or spec, settings.device or g.info.device,
                                     g.logical, settings.head if settings.model else head, progress)
             report = replay(g.location, settings, model=m, progress=progress)
+            content = g.content_digest()
         finally:
             g.close()  # a refresh in this process (pytest --vd-update) may then remove this version
-        return Outcome(e.name, e.path, report.verdict, report=report)
+        return Outcome(e.name, e.path, report.verdict, report=report, content=content)
 
     return [_timed(e, partial(one, e)) for e in entries]
 
