@@ -82,6 +82,11 @@ def write_junit(path: Path, report: Report, name: str | None = None) -> None:
     _write_xml(path, suite)
 
 
+def write_error_junit(path: Path, name: str, error: str) -> None:
+    """JUnit XML of a replay that ended before a verdict: one test case with an ``<error>``."""
+    _write_xml(path, _junit_error(name, error))
+
+
 def write_suite_junit(path: Path, entries: Sequence[Entry]) -> None:
     """JUnit XML of several goldens, ``(name, report, error)`` each: one ``<testsuite>`` per golden in one
     ``<testsuites>``; a golden whose replay errored is one test case with an ``<error>``."""
@@ -258,6 +263,13 @@ def write_html(path: Path, report: Report, command: str | Sequence[str] | None =
         body = [f"<h1>vd replay: <span class='{report.verdict}'>{report.verdict}</span></h1>",
                 _header(command, "replayed at", replayed or _now()), _section(plots, name, report, None)]
     _write_page(path, f"vd replay {name}: {report.verdict}", body)
+
+
+def write_error_html(path: Path, name: str, error: str, command: str | Sequence[str] | None = None) -> None:
+    """One offline page for a replay that ended before a verdict: the header and the error."""
+    body = ["<h1>vd replay: <span class='ERROR'>ERROR</span></h1>", _header(command, "written at", _now()),
+            _error_section(name, error)]
+    _write_page(path, f"vd replay {name}: ERROR", body)
 
 
 def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequence[str] | None = None) -> None:

@@ -276,6 +276,24 @@ class Report:
 
 
 @dataclass(frozen=True, slots=True)
+class Unjudged:
+    """A replay that ended before a verdict: the golden, the one-line error and the exit code it ends with
+    (2 bad input, 3 an internal error), so ``--report``, ``--junit`` and ``--html`` still say what happened."""
+
+    golden: str
+    error: str
+    exit_code: int
+
+    @property
+    def verdict(self) -> str:
+        return "ERROR"
+
+    def to_json(self) -> dict:
+        return {"report_version": REPORT_VERSION, "golden": self.golden, "verdict": self.verdict,
+                "exit_code": self.exit_code, "error": self.error, "reasons": [self.error]}
+
+
+@dataclass(frozen=True, slots=True)
 class DiffK:
     """One K of a diff: B's rows judged against A's, and the steps whose tokens or accept counts differ."""
 

@@ -96,8 +96,9 @@ def comparison_reasons(k: int, name: str, c: Comparison) -> list[Reason]:
 
 def _rows_head(k: int, name: str, c: Comparison) -> str:
     if c.policy.prefill.text == c.policy.verify.text == "exact":
-        return (f"verify K={k}, {name}: prefill equal {c.prefill_equal}, {c.mismatched_steps} of {c.steps} "
-                f"steps differ (first at {mismatch_place(c.first_mismatch or c.prefill_first_mismatch)})")
+        prefill = "equal" if c.prefill_equal else "differs"
+        return (f"verify K={k}, {name}: prefill {prefill}, {c.mismatched_steps} of {c.steps} steps differ (first "
+                f"at {mismatch_place(c.first_mismatch or c.prefill_first_mismatch)})")
     v, p = c.summary["verify"], c.summary["prefill"]
     return (f"verify K={k}, {name}: {v.rows_failed} of {v.rows} verify rows fail {c.policy.verify.text}, "
             f"{p.rows_failed} of {p.rows} prefill rows fail {c.policy.prefill.text} (largest |Δ| "
@@ -107,8 +108,9 @@ def _rows_head(k: int, name: str, c: Comparison) -> str:
 
 def _draft_head(k: int, name: str, c: Comparison) -> str:
     if c.policy.draft.text == "exact":
-        return (f"draft head K={k}, {name}: bootstrap row equal {c.bootstrap_equal}, {c.draft_mismatched_steps} "
-                f"of {c.steps} steps' draft rows differ (first at {mismatch_place(c.draft_first_mismatch)})")
+        bootstrap = "equal" if c.bootstrap_equal else "differs"
+        return (f"draft head K={k}, {name}: bootstrap row {bootstrap}, {c.draft_mismatched_steps} of {c.steps} "
+                f"steps' draft rows differ (first at {mismatch_place(c.draft_first_mismatch)})")
     d = c.summary["draft"]
     return (f"draft head K={k}, {name}: {d.rows_failed} of {d.rows} draft rows fail {c.policy.draft.text} "
             f"(largest |Δ| {d.max_abs:.4g}, {d.max_ulp:.0f} ULP, KL {d.max_kl:.3g})")
@@ -203,14 +205,22 @@ def _flips(c: Comparison) -> str:
 
 def replay_lines(report: Report) -> list[str]:
     """The lines below a replay's table: agreement where rows differ, where a recording left greedy, the
-    reasons (the verdict itself is printed apart)."""
+    notes (a candidate saved, the artifacts a compiled forward loaded), the reasons (the verdict itself is
+    printed apart, then `next_lines`)."""
     out = []
     for v in report.verify:
         out += [line for j in v.comparisons if (line := agreement_line(v.k, j.comparison))]
         if v.left_greedy is not None:
             out.append(f"  K={v.k}: the recording's committed sequence left its engine's own one-token decode at "
                        f"step {v.left_greedy} (its verify rows chose another token there)")
-    return out + [f"  - {reason}" for reason in report.reasons]
+    return out + [f"  note: {note}" for note in report.notes] + [f"  - {reason}" for reason in report.reasons]
+
+
+def next_lines(report: Report, declared: str | None = None) -> list[str]:
+    """What to do about a FAIL, in lines for a terminal (`next_steps`); none on a PASS."""
+    if report.verdict == "PASS":
+        return []
+    return ["next step:"] + [f"  - {plain_text(step)}" for step in next_steps(report, declared)]
 
 
 def agreement_line(k: int, c: Comparison) -> str | None:

@@ -3,12 +3,14 @@ golden kept in a directory, a zip file or on S3; usage errors answered before to
 progress in a log, and tools/setup.sh."""
 
 import hashlib
+import importlib
 import io
 import json
 import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,44 @@ def test_round_trip_passes_with_report(cli, tiny_golden, tmp_path):
         # The control changed step 4's last draft: steps before it still match, step 4 differs.
         dc = v["detection_control"]
         assert dc["fired"] and dc["changed_step"] == 4 and dc["mismatched_step_list"][0] == 4
+
+
+def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path):
+    """After FAIL: the command replaying the first divergence and how to accept the change (with the
+    golden's path, which is what refresh takes for an undeclared golden); a saved candidate is named."""
+    spec = f"{PLUGINS / 'perturb.py'}:factory"
+    code, out, err = cli("replay", tiny_golden, "--model", spec, "--k", "2", "--save-candidate", tmp_path / "c.zarr")
+    assert code == 1, err
+    lines = out.splitlines()
+    at = lines.index("next step:")
+    assert lines[at - 1] == "FAIL" and lines[at + 1].startswith("  - Look at the first divergence (K=2, eager,")
+    assert f"vd replay {tiny_golden} --k 2 --forward eager" in lines[at + 1]
+    assert f"vd refresh {tiny_golden} --reason TEXT" in lines[at + 2]
+    assert f"  note: candidate saved: {tmp_path / 'c.zarr'} (review with vd diff" in out
+    code, out, err = cli("replay", tiny_golden, "--k", "2")
+    assert code == 0 and "next step" not in out
+
+
+@pytest.mark.parametrize("case, exit_code", [("missing", 2), ("plugin", 2), ("internal", 3)])
+def test_a_replay_that_ends_before_a_verdict_still_writes_its_reports(cli, tiny_golden, tmp_path, monkeypatch, case,
+                                                                      exit_code):
+    """A CI dashboard shows why there is no verdict: --report, --junit and --html hold the error and its exit
+    code, for bad input (a missing golden, a plug-in that raises: exit 2) and for vd's own crash (exit 3)."""
+    golden = tmp_path / "nowhere.zarr" if case == "missing" else tiny_golden
+    extra = ["--model", f"{PLUGINS / 'crashing.py'}:factory"] if case == "plugin" else []
+    if case == "internal":
+        def boom(*args, **kwargs):
+            raise RuntimeError("a bug of vd's")
+
+        monkeypatch.setattr(importlib.import_module("vd.replayer.replay"), "replay_k", boom)
+    outputs = ["--report", tmp_path / "r.json", "--junit", tmp_path / "j.xml", "--html", tmp_path / "r.html"]
+    code, out, err = cli("replay", golden, "--k", "2", *extra, *outputs)
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert code == r["exit_code"] == exit_code and r["verdict"] == "ERROR" and r["error"] == r["reasons"][0], (code, r)
+    assert r["error"] in err and r["golden"] == str(golden)
+    suite = ET.parse(tmp_path / "j.xml").getroot()
+    assert suite.get("errors") == "1" and suite.find("testcase/error").get("message") == r["error"]
+    assert "<span class='ERROR'>ERROR</span>" in (tmp_path / "r.html").read_text()
 
 
 def test_decisions_margin_from_the_command_line(cli, tiny_golden, tmp_path):

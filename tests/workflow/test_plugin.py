@@ -69,7 +69,7 @@ def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):
     r = project.runpytest("test_engine.py")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["*GoldenFailure: vd golden 'tiny' (*tiny.zarr) FAILED:*",
-                            "*verify K=2, eager: prefill equal True, 1 of 4 steps differ (first at step 3 row 1*",
+                            "*verify K=2, eager: prefill equal, 1 of 4 steps differ (first at step 3 row 1*",
                             "*accept an intended change: pytest --vd-update*"])
     project.runpytest("test_engine.py", "--vd-tolerance", "argmax").assert_outcomes(passed=1)
     r = project.runpytest("test_engine.py", "--vd-update")

@@ -18,6 +18,7 @@ from vd.cli import ranks
 from vd.cli.common import (
     EXIT_BAD,
     EXIT_FAIL,
+    EXIT_INTERNAL,
     EXIT_PASS,
     GOLDEN_HELP,
     Command,
@@ -192,11 +193,9 @@ def replay(
     Replay defaults to everything the golden recorded (its model, forward, device, threads and policy,
     which --tolerance overrides). With --suite, every declared golden (or those named), each model loaded
     once: one verdict, report, JUnit file and HTML page, and exit 2 where a golden could not be judged."""
-    golden = _check_replay(targets, suite, rows, model, forward, tolerance,
-                           {"--report": report, "--junit": junit, "--html": html, "--bundle": bundle})
-    check_outside("--save-candidate", save_candidate, (golden, rows))
+    golden = _check_outputs(targets, suite, rows, {"--report": report, "--junit": junit, "--html": html,
+                                                   "--bundle": bundle, "--save-candidate": save_candidate})
     from vd.replayer import ReplaySettings
-    from vd.replayer import replay as do_replay
 
     settings = ReplaySettings(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()),
                               device=device, threads=threads, allow_model_mismatch=allow_model_mismatch,
@@ -205,29 +204,66 @@ def replay(
     if suite:
         from vd.cli import team
 
+        _check_inputs(None, rows, model, forward, tolerance)
         return team.replay_suite(targets or [], config, settings, shard, report, junit, html, bundle)
-    assert golden is not None  # one golden without --suite (_check_replay)
-    with reporting() as progress:
-        result = do_replay(golden, settings, progress=progress)
+    assert golden is not None  # one golden without --suite (_check_outputs)
+    try:
+        _check_inputs(golden, rows, model, forward, tolerance)
+        result = _replay_one(golden, settings)
+    except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
+        _error_outputs(golden, e, report, junit, html)
+        raise
     args = {"model": model, "head": head, "device": device, "threads": threads, "rows": rows,
             "allow_model_mismatch": allow_model_mismatch}  # what the bundle's command.sh passes again
     return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
 
 
-def _check_replay(targets, suite: bool, rows, model, forward, tolerance, outputs: dict) -> str | None:
-    """A replay's arguments checked before anything heavy; the golden (None with --suite)."""
+def _replay_one(golden: str, settings):
+    from vd.replayer import replay as do_replay
+
+    with reporting() as progress:
+        return do_replay(golden, settings, progress=progress)
+
+
+def _error_outputs(golden: str, e: Exception, report: Path | None, junit: Path | None, html: Path | None) -> None:
+    """``--report``, ``--junit`` and ``--html`` of a replay that ended before a verdict: the error, its exit code."""
+    from vd.errors import VdError
+    from vd.replayer import render
+    from vd.replayer.report import Unjudged, golden_name
+
+    bad_input = isinstance(e, VdError | OSError)
+    first = str(e).splitlines()[0] if str(e) else ""
+    done = Unjudged(golden, first if bad_input else f"internal error: {type(e).__name__}: {first}",
+                    EXIT_BAD if bad_input else EXIT_INTERNAL)
+    if report is not None:
+        write_json(report, done.to_json())
+    if junit is not None:
+        render.write_error_junit(junit, golden_name(golden), done.error)
+    if html is not None:
+        render.write_error_html(html, golden_name(golden), done.error, command=["vd", *sys.argv[1:]])
+
+
+def _check_outputs(targets, suite: bool, rows, outputs: dict) -> str | None:
+    """A replay's targets and output paths checked first (before the replay, not after it); the golden (None
+    with --suite)."""
     if suite and rows is not None:
         raise UsageError("--rows names one slim golden's rows; it does not go with --suite")
     golden = None if suite else _one(targets, "GOLDEN")
+    candidate = outputs.pop("--save-candidate")
     for flag, path in outputs.items():
-        check_writable(flag, path, (golden, rows))  # before the replay, not after it
+        check_writable(flag, path, (golden, rows))
+    check_outside("--save-candidate", candidate, (golden, rows))
+    return golden
+
+
+def _check_inputs(golden: str | None, rows, model, forward, tolerance) -> None:
+    """The goldens, model SPEC, forwards and tolerances checked before anything heavy is imported."""
     for where in (golden, rows):
         if where is not None:
             check_golden(where)
     if model is not None:  # the golden's own model is known once the golden is open
         check_model(model, forward or [])
     check_tolerances(tolerance)
-    return golden
 
 
 def _replayed(result, data: dict) -> int:
@@ -240,6 +276,8 @@ def _replayed(result, data: dict) -> int:
     out.print(result.verdict, style="bold")
     if data.get("bundle"):
         out.print(words.bundle_line(data["bundle"]))
+    for line in words.next_lines(result):
+        out.print(line)
     return EXIT_PASS if result.verdict == "PASS" else EXIT_FAIL
 
 

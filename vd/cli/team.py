@@ -106,6 +106,9 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
         for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, done.details(o), bullet="- "):
             out.print(line)
     out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads), style="bold")
+    for o in outcomes:  # what to do about each golden that failed
+        for line in words.next_lines(o.report, declared=o.name) if o.report is not None else []:
+            out.print(f"{o.name}: {line}" if line == "next step:" else line)
     return done.code
 
 
