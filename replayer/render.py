@@ -43,9 +43,10 @@ Entry = tuple[str, Report | None, str | None]
 # -- bundle --------------------------------------------------------------------------------------------
 
 
-def write_bundle(directory: Path, report: Report, args: Mapping) -> Path:
+def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mapping[str, str] | None = None) -> Path:
     """Write the first-divergence bundle of ``report`` (which has `Report.failure_rows`) into ``directory``
-    (created); return the command file's path."""
+    (created); return the command file's path. ``environ``: environment variables the replay read, which
+    ``command.sh`` sets again (an engine switched by a variable fails the same way)."""
     rows = report.failure_rows
     assert rows is not None, "a replay that failed at a step"
     directory.mkdir(parents=True, exist_ok=True)
@@ -64,9 +65,12 @@ def write_bundle(directory: Path, report: Report, args: Mapping) -> Path:
         failure["text"] = rows.text
     (directory / "failure.json").write_text(json.dumps(failure, indent=2, default=str) + "\n")
     (directory / "environment.json").write_text(json.dumps(plain(report.environment), indent=2, default=str) + "\n")
-    cmd = words.reproduce_command(report, dict(args), str(directory / "replay.json"))
+    cmd = words.reproduce_command(report, dict(args), "replay.json")
+    exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted((environ or {}).items()))
     path = directory / "command.sh"
-    path.write_text("#!/bin/sh\n# Replays the first failing K and forward; exits 1 as the original replay did.\n"
+    path.write_text("#!/bin/sh\n# Replays the first failing K and forward; exits 1 as the original replay did. It runs "
+                    "from any directory\n# (writing replay.json here), with the environment variables the replay "
+                    "read (secrets left out).\n" + exports + 'cd "$(dirname "$0")" || exit 2\n'
                     + " ".join(shlex.quote(c) for c in cmd) + "\n")
     path.chmod(0o755)
     return path

@@ -9,6 +9,7 @@ those values, a function here, and its test.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -323,21 +324,37 @@ def facts(report: Report) -> list[tuple[str, str]]:
 
 
 def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
-    """``vd replay`` of just the first failing K and forward, with the policy spelled out, writing ``out``."""
-    from pathlib import Path
-
+    """``vd replay`` of just the first failing K and forward, with the policy spelled out, writing ``out``;
+    the golden, a plug-in's file and the other local paths absolute, so it runs from any directory."""
     rows = report.failure_rows
     assert rows is not None, "a replay that failed at a step"
-    golden = report.golden if "://" in report.golden else str(Path(report.golden).resolve())
-    cmd = ["vd", "replay", golden, "--k", str(rows.k), "--forward", rows.forward]
+    cmd = ["vd", "replay", _absolute(report.golden), "--k", str(rows.k), "--forward", rows.forward]
     for flag in ("model", "head", "device", "threads", "rows"):
         if args.get(flag) is not None:
-            cmd += [f"--{flag}", str(args[flag])]
+            value = str(args[flag])
+            cmd += [f"--{flag}", _portable_spec(value) if flag == "model" else
+                    _absolute(value) if flag in ("head", "rows") else value]
     for kind, spec in report.policy.to_json().items():
         cmd += ["--tolerance", f"{kind}={spec}"]
     if args.get("allow_model_mismatch"):
         cmd.append("--allow-model-mismatch")
     return [*cmd, "--report", out]
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute; a URL as it is."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def _portable_spec(spec: str) -> str:
+    """A model SPEC with its local file made absolute (``path/engine.py:factory``, ``llamacpp:PATH``, a
+    checkpoint folder or a .gguf file); a preset or ``package.module:factory`` as it is."""
+    if spec.startswith("llamacpp:"):
+        return "llamacpp:" + _absolute(spec.removeprefix("llamacpp:"))
+    head, sep, factory = spec.rpartition(":")
+    if sep and (head.endswith(".py") or os.sep in head) and os.path.exists(head):
+        return f"{_absolute(head)}:{factory}"
+    return _absolute(spec) if os.path.exists(spec) else spec
 
 
 def next_steps(report: Report, declared: str | None) -> list[NextStep]:

@@ -3,6 +3,7 @@ golden and a suite), and offline HTML pages, read as text and rendered in a real
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
@@ -42,8 +43,13 @@ def _ymax(figure: str) -> float:
     return float(re.search(r"data-ymax='([^']+)'", figure).group(1))
 
 
-def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path):
-    spec = f"{PLUGINS / 'perturb.py'}:factory"
+def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path, monkeypatch):
+    """command.sh replays the first failing K and forward and fails the same way from any directory: the
+    golden and a plug-in file given by a relative path made absolute, and the environment variables the
+    replay read set again (here the variable that chose the failing step, unset where command.sh runs)."""
+    monkeypatch.chdir(PLUGINS.parent.parent)  # the repository root: the plug-in by a relative path
+    monkeypatch.setenv("VD_PERTURB_STEP", "5")
+    spec = "tests/plugins/perturb.py:factory"
     report = tmp_path / "r.json"
     code, out, err = cli("replay", tiny_golden, "--model", spec, "--report", report, "--junit", tmp_path / "j.xml",
                          "--html", tmp_path / "r.html")
@@ -52,15 +58,21 @@ def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path):
     bundle = Path(r["bundle"])
     assert bundle == tmp_path / "r.json.bundle" and r["report_version"] == 1
     failure = json.loads((bundle / "failure.json").read_text())
-    assert failure["k"] == 2 and failure["step"] == 3 and failure["kind"] == "verify"
+    assert failure["k"] == 2 and failure["step"] == 5 and failure["kind"] == "verify"
     rows = np.load(bundle / "rows.npz")
     assert rows["golden"].shape == rows["candidate"].shape == (2, 512)
     assert (rows["golden"] != rows["candidate"]).sum() == 1  # the one ULP the plug-in moved
     assert json.loads((bundle / "environment.json").read_text())["recorded"]["device"] == "cpu"
-    done = subprocess.run(["sh", str(bundle / "command.sh")], capture_output=True, text=True, timeout=300)
+    command = (bundle / "command.sh").read_text()
+    assert "export VD_PERTURB_STEP=5\n" in command and f"{PLUGINS / 'perturb.py'}:factory" in command
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "VD_PERTURB_STEP"}
+    done = subprocess.run(["sh", str(bundle / "command.sh")], capture_output=True, text=True, timeout=300,
+                          cwd=elsewhere, env=env)
     assert done.returncode == 1, done.stderr
     again = json.loads((bundle / "replay.json").read_text())
-    assert [v["k"] for v in again["verify"]] == [2]
+    assert [v["k"] for v in again["verify"]] == [2] and not list(elsewhere.iterdir())
     assert again["verify"][0]["comparisons"][0]["first_failure"] == r["verify"][0]["comparisons"][0]["first_failure"]
     # JUnit: one case per K x forward and one per K for the golden's checks; the perturbed ones fail.
     suite = ET.parse(tmp_path / "j.xml").getroot()

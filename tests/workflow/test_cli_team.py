@@ -3,6 +3,7 @@ its reports, refreshed with a reason and a summary, its history and status; a re
 the golden says; bad declarations refused with one line."""
 
 import json
+import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -46,7 +47,11 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     assert r["goldens"][0]["report"]["model"]["replayed_spec"] == plugin
     classes = {c.get("classname") for c in ET.parse(project / "j.xml").getroot().iter("testcase")}
     assert {"vd.a.K2", "vd.a.K3", "vd.b.K2"} <= classes
-    assert (project / "bundles" / "a" / "command.sh").is_file()
+    command = (project / "bundles" / "a" / "command.sh").read_text()
+    assert f"--model {plugin}" in command  # the suite's --model, so the command replays the engine that failed
+    done = subprocess.run(["sh", str(project / "bundles" / "a" / "command.sh")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stderr
     code, out, err = cli("replay", "--suite", "b", "--shard", "2/2")
     assert code == 0 and "0 PASS" not in out and "of 0 golden(s)" in out  # b sorts into shard 1 of 2
     (project / "goldens" / "b.zip").unlink()

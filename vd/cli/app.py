@@ -34,6 +34,7 @@ from vd.cli.common import (
     examples,
     foreign_vd,
     out,
+    reading_environment,
     reporting,
     write_json,
 )
@@ -209,12 +210,13 @@ def replay(
     assert golden is not None  # one golden without --suite (_check_outputs)
     try:
         _check_inputs(golden, rows, model, forward, tolerance)
-        result = _replay_one(golden, settings)
+        with reading_environment() as environ:  # what the bundle's command.sh sets again
+            result = _replay_one(golden, settings)
     except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
         _error_outputs(golden, e, report, junit, html)
         raise
     args = {"model": model, "head": head, "device": device, "threads": threads, "rows": rows,
-            "allow_model_mismatch": allow_model_mismatch}  # what the bundle's command.sh passes again
+            "allow_model_mismatch": allow_model_mismatch, "environ": environ}  # what command.sh passes again
     return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
 
 
@@ -290,7 +292,7 @@ def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None,
     if bundle is None and report is not None:
         bundle = report.with_name(report.name + ".bundle")
     if result.verdict == "FAIL" and result.failure_rows is not None and bundle is not None:
-        data["bundle"] = str(render.write_bundle(bundle, result, args).parent)
+        data["bundle"] = str(render.write_bundle(bundle, result, args, args.get("environ")).parent)
     if report is not None:
         write_json(report, data)
     if junit is not None:

@@ -227,6 +227,37 @@ def check_tolerances(items: list[str] | None) -> None:
         Policy.parse(items)
 
 
+# Variables a bundle's command.sh never sets: the shell's own, and anything that looks like a secret.
+_NOT_EXPORTED = re.compile(r"(HOME|PATH|USER|LOGNAME|SHELL|PWD|OLDPWD|TERM|LANG|LC_\w+|TMPDIR|TZ|DISPLAY|COLUMNS|LINES|"
+                           r"HOSTNAME|SHLVL|_)$|KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+class _Reading(os._Environ):  # type: ignore[name-defined]  # os._Environ is os.environ's class
+    """``os.environ`` while `reading_environment` watches it: every name looked up is noted."""
+
+    read: set[str] = set()
+
+    def __getitem__(self, key):
+        if isinstance(key, str):  # (os.get_exec_path tries a bytes key too)
+            _Reading.read.add(key)
+        return super().__getitem__(key)
+
+
+@contextlib.contextmanager
+def reading_environment():
+    """Note the environment variables Python code looks up meanwhile (a plug-in's switch, torch's settings);
+    yields the mapping of those that were set, secrets and the shell's own left out, filled when it ends."""
+    found: dict[str, str] = {}
+    before, _Reading.read = os.environ.__class__, set()
+    os.environ.__class__ = _Reading
+    try:
+        yield found
+    finally:
+        os.environ.__class__ = before
+        found.update({name: os.environ[name] for name in sorted(_Reading.read)
+                      if name in os.environ and not _NOT_EXPORTED.search(name)})
+
+
 @contextlib.contextmanager
 def reporting():
     """A bar on a terminal; plain lines (`vd.progress.Lines`) on a pipe or a CI log (asked of the stream

@@ -24,6 +24,7 @@ from vd.cli.common import (
     err,
     examples,
     out,
+    reading_environment,
     reporting,
     write_json,
 )
@@ -89,7 +90,7 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
     for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
         check_writable(flag, path, [e.path for e in entries])
     models, outcomes, t = Models(), [], time.perf_counter()
-    with reporting() as progress:
+    with reporting() as progress, reading_environment() as environ:  # (what bundles' command.sh sets again)
         for e in entries:
             outcomes += do_replay([e], for_entry(settings, e), models=models, progress=progress)
     done = SuiteReport(str(suite.file), shard, models.loads, time.perf_counter() - t, tuple(outcomes))
@@ -102,7 +103,7 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
         render.write_suite_html(html, listed, command=["vd", *sys.argv[1:]])
     for o in outcomes:
         if bundle is not None and o.report is not None and o.report.failure_rows is not None:
-            render.write_bundle(bundle / o.name, o.report, {})
+            render.write_bundle(bundle / o.name, o.report, _bundle_args(settings), environ)
         for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, done.details(o), bullet="- "):
             out.print(line)
     out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads), style="bold")
@@ -110,6 +111,12 @@ def replay_suite(names: list[str], config: Path | None, settings, shard: str | N
         for line in words.next_lines(o.report, declared=o.name) if o.report is not None else []:
             out.print(f"{o.name}: {line}" if line == "next step:" else line)
     return done.code
+
+
+def _bundle_args(settings) -> dict:
+    """What a suite golden's command.sh passes again: the model, head, device and threads the suite asked for."""
+    return {"model": settings.model, "head": settings.head, "device": settings.device, "threads": settings.threads,
+            "allow_model_mismatch": settings.allow_model_mismatch}
 
 
 # -- refresh, history, status -------------------------------------------------------------------------------
