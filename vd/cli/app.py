@@ -357,6 +357,27 @@ def slim(
     return EXIT_PASS
 
 
+@app.command(cls=Command, epilog=examples("vd pack goldens/smollm2.zarr smollm2.zip",
+                                            "vd pack s3://bucket/smollm2.zarr goldens/smollm2.zarr --refresh"))
+def pack(
+    golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"The golden to copy ({GOLDEN_HELP}).")],
+    out_path: Annotated[str, typer.Argument(metavar="OUT", help="Where to copy it: a directory, a .zip file or "
+                                            "s3://bucket/prefix.")],
+    refresh: o.Refresh = False,
+) -> int:
+    """Copy a golden into another store (a directory into a .zip, and back), every file checked; the same golden."""
+    check_golden(golden)
+    check_outside("OUT", out_path, (golden,))
+    from vd.store import open_golden
+    from vd.store.pack import pack as do_pack
+
+    where = do_pack(golden, out_path, refresh=refresh)
+    g = open_golden(where)
+    out.print(f"wrote {where.url} ({where.nbytes() / 1e6:.1f} MB, {len(g.manifest or {})} files checked); golden ID "
+              f"{g.meta['golden_id']}, the source's")
+    return EXIT_PASS
+
+
 @app.command(cls=Command, epilog=examples("vd migrate tests/data/tiny-llama-v1.zarr tiny-v6.zarr"))
 def migrate(
     golden: Annotated[str, typer.Argument(metavar="OLD", help=f"A golden of an earlier format ({GOLDEN_HELP}).")],

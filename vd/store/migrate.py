@@ -23,7 +23,8 @@ def migrate(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool 
     """Write the golden at ``source`` again at ``out``, in the current format."""
     g = open_golden(source)
     if g.info.version == F.FORMAT_VERSION:
-        raise UsageError(f"{g.url} is in the current format ({F.FORMAT_VERSION}) already")
+        raise UsageError(f"{g.url} is in the current format ({F.FORMAT_VERSION}) already; to copy it into another "
+                         f"store: vd pack {g.url} {out}")
     reason = f"migrated from format {g.info.version} ({g.url})"
     updates: dict = {"rows": g.meta.get("rows") or {"stored": True}}
     if g.history:  # the same numbers: a version whose content digest is the last one's
