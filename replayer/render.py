@@ -236,15 +236,28 @@ def _golden_plot(plots: _Plots, fid: str, v: KResult) -> str:
     left.bar(range(len(v.accepted)), v.accepted, color=_GREEN)
     left.set(title=f"K={v.k}: drafts accepted per step (golden)", xlabel="verify step", ylabel="drafts accepted",
              ylim=(0, max(v.k - 1, 1) + 0.3), yticks=range(v.k))
-    positions = [j.comparison.positions for j in v.comparisons]
-    counts = np.sum([p.counts for p in positions], axis=0) if positions else np.zeros(0)
-    vocab = positions[0].vocab if positions else 0
-    right.stairs(counts, np.linspace(0, vocab, len(counts) + 1), fill=True, color=_RED)
+    share, vocab = _differing_share(v)
+    right.stairs(100 * share, np.linspace(0, vocab, len(share) + 1), fill=True, color=_RED)
     right.set(title=f"K={v.k}: where the differing elements sit (every forward)", xlabel="vocabulary index",
-              ylabel="differing elements (linear scale)", xlim=(0, max(vocab, 1)))
-    if not counts.any():
-        right.set_ylim(0, 1)
+              ylabel="elements that differ, % (linear scale)", xlim=(0, max(vocab, 1)), ylim=(0, 105))
+    note = words.positions_note(share.tolist(), all(j.comparison.measured for j in v.comparisons))
+    if note is not None:  # no element differs, or every one does: said, not left to an empty or solid box
+        right.text(0.5, 0.5, note, transform=right.transAxes, ha="center", va="center", fontsize=9,
+                   bbox={"facecolor": "white", "edgecolor": _GREY})
     return plots.svg(fig, fid)
+
+
+def _differing_share(v: KResult) -> tuple[np.ndarray, int]:
+    """Per vocabulary bin, the share of the elements compared (every row of every forward at this K) that
+    differ from the golden's, and the vocabulary's size."""
+    positions = [j.comparison.positions for j in v.comparisons]
+    if not positions:
+        return np.zeros(0), 0
+    bins, vocab = positions[0].bins, positions[0].vocab
+    rows = sum(s.rows for j in v.comparisons for s in j.comparison.summary.values())
+    width = np.bincount(np.arange(vocab) * bins // vocab, minlength=bins)  # indices per bin, as measured
+    counts = np.sum([p.counts for p in positions], axis=0)
+    return counts / np.maximum(rows * width, 1), vocab
 
 
 # -- HTML: the page --------------------------------------------------------------------------------------

@@ -437,7 +437,26 @@ def k_table_row(c: Comparison) -> tuple[str, ...]:
 
 
 def coverage_text(v: KResult) -> str:
-    return f"coverage (steps accepting 0..{v.k - 1} drafts): {v.histogram}"
+    """How many of the golden's steps accepted each number of drafts (``1 step accepted 0 drafts, 2 accepted 1,
+    none accepted 2``), an uncovered count said so."""
+    def steps(n: int) -> str:
+        return "no step" if n == 0 else f"{n} step{'s' if n != 1 else ''}"
+
+    parts = [f"{steps(n)} accepted {i} draft{'s' if i != 1 else ''}" for i, n in enumerate(v.histogram)]
+    return f"coverage over {len(v.accepted)} steps: " + ", ".join(parts)
+
+
+def positions_note(share: Sequence[float], measured: bool = True) -> str | None:
+    """What the plot of where differing elements sit says in words at its extremes (``share``: per vocabulary
+    bin, the share of elements that differ): none differ, or every one does; None between. A slim golden's
+    rows were not at hand (``measured`` False): where elements differ is unknown."""
+    if not measured:
+        return "unknown: the golden is slim (name its full golden with --rows)"
+    if not any(share):
+        return "no element differs from the golden"
+    if all(x >= 1.0 for x in share):
+        return "every element of every row differs"
+    return None
 
 
 def left_greedy_text(v: KResult) -> str | None:

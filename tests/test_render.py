@@ -241,3 +241,19 @@ def test_bundle_carries_the_decoded_tokens(perturbed, tmp_path):
     assert json.loads((tmp_path / "b" / "failure.json").read_text())["text"] == "fox"
     render.write_bundle(tmp_path / "c", perturbed, {})
     assert "text" not in json.loads((tmp_path / "c" / "failure.json").read_text())
+
+
+def test_where_elements_differ_is_said_in_words_at_the_extremes(perturbed, passing, tmp_path):
+    """The positions plot shows the share of elements that differ; on a PASS it says no element differs (not an
+    empty box), where every element differs it says so (not a solid block), for a slim golden it is unknown."""
+    from vd.replayer import words
+
+    render.write_html(tmp_path / "pass.html", passing)
+    assert "no element differs from the golden" in _figure((tmp_path / "pass.html").read_text(), "tiny-k2-golden")
+    render.write_html(tmp_path / "fail.html", perturbed)
+    fail = _figure((tmp_path / "fail.html").read_text(), "tiny-k2-golden")
+    assert "no element differs" not in fail and "every element" not in fail and "elements that differ, %" in fail
+    assert words.positions_note([1.0, 1.0]) == "every element of every row differs"
+    assert words.positions_note([0.0, 0.5]) is None and "slim" in words.positions_note([0.0], measured=False)
+    v = perturbed.verify[0]
+    assert words.coverage_text(v).startswith(f"coverage over {len(v.accepted)} steps: ")

@@ -160,3 +160,17 @@ def test_status_ties_the_last_replay_to_the_version_it_judged(project, cli):
     assert cli("refresh", "a", "--reason", "5 steps now")[0] == 0
     (project / "goldens" / "b.zip").unlink()
     assert last() == {"a": "PASS (of another version)", "b": None}
+
+
+def test_status_names_a_golden_whose_files_git_ignores(project, cli):
+    """A `*.json` line in .gitignore drops every zarr.json of a committed golden without a word from git:
+    `vd status` names the golden and its ignored files, and exits 1."""
+    if subprocess.run(["git", "init", "-q", str(project)], capture_output=True).returncode != 0:
+        pytest.skip("no git")
+    code, out, err = cli("status", "--no-models")
+    assert code == 0 and "ignored" not in out, out
+    (project / ".gitignore").write_text("*.json\n")
+    code, out, err = cli("status", "--no-models", "--json", "s.json")
+    states = {g["name"]: g for g in json.loads((project / "s.json").read_text())["goldens"]}
+    assert code == 1 and states["a"]["state"] == "ignored" and "a: git ignores" in out, out
+    assert "(a.zarr/zarr.json, " in states["a"]["reasons"][0] and states["b"]["state"] == "current"

@@ -11,7 +11,9 @@ fingerprint it was recorded with (checked by loading each model once, unless ``c
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,8 @@ from vd.workflow.suite import Models, stale_reasons
 @dataclass(slots=True)
 class GoldenStatus:
     """One declared golden's state: ``missing``, ``unreadable`` (``reasons``: why), ``stale`` (``reasons``:
-    what changed) or ``current``; ``recorded``: what made it; ``last``: its last suite replay's verdict."""
+    what changed), ``ignored`` (git ignores some of its files, which a commit would drop) or ``current``;
+    ``recorded``: what made it; ``last``: its last suite replay's verdict."""
 
     name: str
     path: str
@@ -73,7 +76,30 @@ def _one(e: Entry, check_models: bool, models: Models, last: tuple[str, str | No
         s.reasons += _fingerprint(g, models, progress)
     if s.reasons:
         s.state = "stale"
+    ignored = git_ignored(e.path, ["zarr.json", *(g.manifest or {})])
+    if ignored:
+        s.state = "ignored" if s.state == "current" else s.state
+        s.reasons.append(f"git ignores {len(ignored)} of its files ({', '.join(ignored[:3])}"
+                         f"{', ...' if len(ignored) > 3 else ''}): a commit would leave them out; un-ignore them "
+                         f"in .gitignore (a `*.json` line drops every zarr.json)")
     return s
+
+
+def git_ignored(golden: str, keys: Sequence[str]) -> list[str]:
+    """The files of the local golden at ``golden`` (a directory or a .zip, its keys ``keys``) that git ignores
+    where it sits in a git work tree; none elsewhere, or where git cannot say."""
+    path = Path(golden)
+    if "://" in golden or not path.exists():
+        return []
+    files = [str(path / k) for k in keys] if path.is_dir() else [str(path)]
+    try:
+        done = subprocess.run(["git", "-C", str(path.parent), "check-ignore", "--stdin"], input="\n".join(files),
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode not in (0, 1):  # 1: nothing ignored; 128: not a work tree
+        return []
+    return [os.path.relpath(line, path.parent) for line in done.stdout.splitlines() if line]
 
 
 def _fingerprint(g, models: Models, progress: Progress) -> list[str]:
