@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vd import protocol
 from vd.digest import digest
 from vd.errors import AdapterError, ModelOutputError, UsageError
 from vd.layout import RowLayout, Step
@@ -77,8 +78,8 @@ class Run:
     settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("prefill", "verify", "draft"), 0))
     prompt: int = 0  # prefill rows (``prefill`` is empty once settled)
     storages: set[int] = field(default_factory=set)  # the memory of the rows held, to refuse a reused buffer
-    # For an adapter that does not vouch for its rows (`owns_rows`): each held step's rows' digests when they were
-    # returned (the prefill's first), checked before the rows are let go or judged (`check_returned`).
+    # For an adapter that does not vouch for its rows (`vd.protocol.owns_rows`): each held step's rows' digests when
+    # they were returned (the prefill's first), checked before the rows are let go or judged (`check_returned`).
     returned: list[torch.Tensor] | None = None
     adapter: str = ""  # how errors name the adapter (`_adapter`)
 
@@ -291,19 +292,17 @@ class DrafterFeed(Feed):
 
 
 def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int], decode: bool = True) -> None:
-    """Refuse runs longer than the model's context (``model.context_length``, optional in the protocol), before
-    any step; let a model that can (``model.prepare``, optional too) size its static cache for the longest
-    sequence these runs build and capture its step graphs (the prefill's, each K's and, with ``decode``, the
-    one-token decode's, which a greedy continuation and a drafter's bootstrap run), largest first, before any
-    timing."""
+    """Refuse runs longer than the model's context (`vd.protocol.context_length`, optional in the protocol),
+    before any step; let a model that can (`vd.protocol.prepare`, optional too) size its static cache for the
+    longest sequence these runs build and capture its step graphs (the prefill's, each K's and, with
+    ``decode``, the one-token decode's, which a greedy continuation and a drafter's bootstrap run), largest
+    first, before any timing."""
     longest = prompt_len + steps * max(ks) + max(ks) + 2
-    context = getattr(model, "context_length", None)
-    if isinstance(context, int) and longest > context:
+    context = protocol.context_length(model)
+    if context is not None and longest > context:
         raise UsageError(f"{prompt_len} prompt tokens and {steps} steps at K={max(ks)} need {longest} positions; "
                          f"the model's context holds {context} (fewer --steps, or a shorter prompt)")
-    fn = getattr(model, "prepare", None)
-    if fn is not None:
-        fn(longest, sorted({prompt_len, *ks, *([1] if decode else [])}, reverse=True))
+    protocol.prepare(model, longest, sorted({prompt_len, *ks, *([1] if decode else [])}, reverse=True))
 
 
 def checked(model: VerifyModel, tokens: Sequence[int], rows) -> torch.Tensor:
@@ -405,7 +404,7 @@ def run_verify(
     prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
     clock = _IdleClock(idle, prefill.device)
     run = Run(k=k, prefill=prefill, hold=hold)
-    if not getattr(type(model), "owns_rows", False):  # a class that does not vouch for its rows: watched
+    if not protocol.owns_rows(model):  # a class that does not vouch for its rows: watched
         run.returned, run.adapter = [digest(prefill)], _adapter(model)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far

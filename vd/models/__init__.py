@@ -161,7 +161,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     from vd.dtypes import parse_dtype
     from vd.models.hf import HFModel, check_device, load_checkpoint
     from vd.models.mtp import attach_head, native_layer
-    from vd.protocol import DraftHead
+    from vd.protocol import draft_head
 
     dev = check_device(device)
     dt = parse_dtype(dtype).torch if isinstance(dtype, str) else dtype
@@ -186,7 +186,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     else:
         model = PRESETS[spec].build(dev, dt)
     if head is not None:
-        if not isinstance(model, HFModel) or isinstance(model, DraftHead):
+        if not isinstance(model, HFModel) or draft_head(model) is not None:
             raise ModelSpecError(f"--head attaches to an HF model without a draft head; {spec} is not one")
         model = attach_head(model, Path(head))
     return model
