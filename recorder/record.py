@@ -354,7 +354,7 @@ def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: li
     ident = model.identity()
     logical = of_torch(model.dtype).name
     graphs = protocol.uses_graphs(model, forward)
-    head = protocol.draft_head(model) if settings.feed == "mtp" else None
+    drafter = protocol.draft_head(model) if settings.feed == "mtp" else None
     (spec, spec_base), (head, head_base) = portable(settings.model, where), portable(settings.head, where)
     return {
         "model": {"spec": spec, "head": head, "name": ident.name, "fingerprint": ident.fingerprint,
@@ -364,7 +364,7 @@ def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: li
         "forward_description": model.forwards()[forward],
         "graphs": "graphed" if graphs else "eager",
         "feed": settings.feed,
-        "mtp": dict(head.head_info()) if head is not None else None,
+        "mtp": dict(drafter.head_info()) if drafter is not None else None,
         "dtype": logical,
         "device": model.device.type,
         "k": list(settings.ks),
