@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vd.errors import ModelSpecError, PluginError, UsageError, VdError, write_traceback
+from vd.models.device import check_device
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 
     from vd.protocol import VerifyModel
 
-__all__ = ["BUILTIN_FORWARDS", "DEFAULT_MODEL", "PRESETS", "check_forward_names", "forwards_of", "load_model",
-           "require_forwards", "spec_kind"]
+__all__ = ["BUILTIN_FORWARDS", "DEFAULT_MODEL", "PRESETS", "check_device", "check_forward_names", "forwards_of",
+           "load_model", "require_forwards", "spec_kind"]
 
 _PLUGIN = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w.]*):(?P<factory>[A-Za-z_]\w*)$")
 
@@ -41,14 +42,6 @@ _PLUGIN = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w.]*):(?P<factory>[A-Za-z_]
 # checked without importing torch. Which of them a model offers depends on its device.
 BUILTIN_FORWARDS = ("eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "static", "graphed",
                     "compiled", "compiled-graphed")
-
-
-def __getattr__(name: str):
-    if name == "check_device":  # the HF adapter's, re-exported without importing torch for every caller
-        from vd.models.hf import check_device
-
-        return check_device
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def spec_kind(spec: str) -> str:
@@ -159,7 +152,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     """Load the model a SPEC names, on ``device``, computing in ``dtype``; with ``head``, attach the
     MTP draft head that safetensors file holds (`vd.models.mtp.save_head` format)."""
     from vd.dtypes import parse_dtype
-    from vd.models.hf import HFModel, check_device, load_checkpoint
+    from vd.models.checkpoints import load_checkpoint
+    from vd.models.hf import HFModel
     from vd.models.mtp import attach_head, native_layer
     from vd.protocol import draft_head
 

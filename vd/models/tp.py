@@ -18,7 +18,7 @@ every rank computes the same logits. The static KV cache holds each rank's key/v
 differs from one GPU's, so a TP=N golden replayed at another degree is another build (its environment's
 ``tp``), with the numbers as they are.
 
-**Weights and identity.** `vd.models.hf.hash_uniform_` gives every element a value from its index in the
+**Weights and identity.** `vd.models.generated.hash_uniform_` gives every element a value from its index in the
 whole tensor, so a rank fills its slice alone (`Region`) and the model is the one `build_generated` makes
 whole; its fingerprint is the whole model's (each rank's checksums of its slices, weighted by their indices
 in the whole tensors, summed across ranks), the same at every degree.
@@ -35,8 +35,10 @@ import torch
 import torch.distributed as dist
 
 from vd.errors import UsageError
-from vd.models.hf import GENERATOR, ByteCodec, HFModel, Region, _checksum_on_device, fingerprint_of, generate
+from vd.models.generated import GENERATOR, Region, checksum_on_device, fingerprint_of, generate
+from vd.models.hf import HFModel
 from vd.models.static import CUDA_ONLY, StaticRunner, static_forwards
+from vd.models.text import ByteCodec
 from vd.protocol import ModelIdentity
 
 
@@ -196,7 +198,7 @@ def ranks_sharing(local_rank: int, local_size: int, devices: int) -> int:
 
 
 def build(config, seed: int, name: str, device: str | torch.device, dtype: torch.dtype) -> TPModel:
-    """This rank's shard of the generated model of ``config`` (`vd.models.hf.build_generated`'s values); on
+    """This rank's shard of the generated model of ``config`` (`vd.models.generated.build_generated`'s values); on
     rank 0, broadcast first, so every rank builds its own."""
     w = world()
     shard = shard_config(config, w.size)  # refused on rank 0 before any other rank builds
@@ -242,7 +244,7 @@ class TPModel(HFModel):
             self.world.broadcast((op, (self.key, *args)))
 
     def _fingerprint(self, model: torch.nn.Module, config) -> str:
-        """The whole model's fingerprint (`vd.models.hf.generated_fingerprint`): each tensor's checksum summed
+        """The whole model's fingerprint (`vd.models.generated.generated_fingerprint`): each tensor's checksum summed
         across ranks (a tensor every rank holds whole counted once, rank 0's)."""
         w = self.world
         tensors, parts, shapes = sorted(model.state_dict().items()), [], []
@@ -252,7 +254,7 @@ class TPModel(HFModel):
             if at is None and w.rank != 0:
                 parts.append(torch.zeros((), dtype=torch.int64, device=t.device))
             else:
-                parts.append(_checksum_on_device(t, at=at).sum())
+                parts.append(checksum_on_device(t, at=at).sum())
         totals = torch.stack(parts)
         dist.all_reduce(totals, group=w.data_group(totals.device))
         return fingerprint_of(self.whole, self.seed, [(pname, t.dtype, shape, total) for (pname, t), shape, total
