@@ -22,7 +22,8 @@ from vd.store import atomic
 from vd.store.format import FORMAT
 
 
-def _is_golden(doc: bytes | None) -> bool:
+def is_golden(doc: bytes | None) -> bool:
+    """Whether ``doc`` (a root ``zarr.json``'s bytes, None where there is none) is a golden's of this format."""
     try:
         meta = json.loads(doc)["attributes"]["vd"]
     except (TypeError, ValueError, KeyError):
@@ -30,7 +31,7 @@ def _is_golden(doc: bytes | None) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
-def _keys(staged: Path) -> Iterator[str]:
+def staged_keys(staged: Path) -> Iterator[str]:
     """The keys of a golden staged in a directory, its root ``zarr.json`` last."""
     keys = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
     yield from (k for k in keys if k != "zarr.json")
@@ -100,7 +101,7 @@ class Directory:
     def state(self):
         if not self.path.exists() and not self.path.is_symlink():
             return "absent"
-        return "golden" if self.path.is_dir() and _is_golden(_read(self.path / "zarr.json")) else "other"
+        return "golden" if self.path.is_dir() and is_golden(_read(self.path / "zarr.json")) else "other"
 
     def staging(self):
         target = self.target
@@ -174,7 +175,7 @@ class ZipFile:
         if not self.path.is_file():
             return "other"
         try:
-            return "golden" if _is_golden(self.get("zarr.json")) else "other"
+            return "golden" if is_golden(self.get("zarr.json")) else "other"
         except GoldenError:
             return "other"
 
@@ -187,7 +188,7 @@ class ZipFile:
         tmp = self.path.parent / f".{self.path.name}.partial-{uuid.uuid4().hex[:8]}.zip"
         try:
             out = sync(zarr.storage.ZipStore.open(tmp, mode="w"))
-            for key in _keys(staged):
+            for key in staged_keys(staged):
                 sync(out.set(key, Buffer.from_bytes((staged / key).read_bytes())))
             out.close()
             if self._store is not None:

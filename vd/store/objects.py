@@ -38,7 +38,7 @@ from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 
 from vd.errors import GoldenError, NotAGoldenError, UsageError
-from vd.store.local import Directory, _is_golden, _keys
+from vd.store.local import Directory, is_golden, staged_keys
 
 WAIT_ENV, PARTIAL = "VD_S3_WAIT_S", "vd_partial"
 _PARALLEL = 16  # requests in flight while copying or uploading a golden
@@ -139,7 +139,7 @@ class ObjectPrefix:
                 return None  # nothing there, or not a golden: `state` says which
             holder = _attributes(root).get(PARTIAL)
             if not isinstance(holder, dict):
-                copy = self._take(root) if _is_golden(root) else self._only_root(root)  # the reader says what it is
+                copy = self._take(root) if is_golden(root) else self._only_root(root)  # the reader says what it is
                 if copy is not None:
                     self._copy = copy
                     return copy
@@ -221,7 +221,7 @@ class ObjectPrefix:
             return "other" if self._list() else "absent"
         if isinstance(_attributes(root).get(PARTIAL), dict):
             return "partial"  # a publish under way or interrupted: no golden to lose, a writer may replace it
-        return "golden" if _is_golden(root) else "other"
+        return "golden" if is_golden(root) else "other"
 
     def staging(self):
         return Path(tempfile.mkdtemp(prefix="vd-golden-"))
@@ -239,7 +239,7 @@ class ObjectPrefix:
             old = set(self._list())
             # From here on the prefix opens as no golden until the new root is written.
             self._call("write", store.set("zarr.json", Buffer.from_bytes(json.dumps(placeholder).encode())))
-            keys = list(_keys(staged))
+            keys = list(staged_keys(staged))
 
             async def upload():
                 await asyncio.gather(*(put(k) for k in keys[:-1]))
