@@ -81,7 +81,7 @@ class Run:
     # For an adapter that does not vouch for its rows (`vd.protocol.owns_rows`): each held step's rows' digests when
     # they were returned (the prefill's first), checked before the rows are let go or judged (`check_returned`).
     returned: list[torch.Tensor] | None = None
-    adapter: str = ""  # how errors name the adapter (`_adapter`)
+    adapter: str = ""  # how errors name the adapter (`vd.protocol.adapter_name`)
 
     def __post_init__(self):
         self.prompt = self.prefill.shape[0]
@@ -106,9 +106,9 @@ class Run:
         adapter reuses its output buffer, so rows held for the golden or the comparison would change."""
         ptr = rows.untyped_storage().data_ptr()
         if ptr in self.storages:
-            raise AdapterError(f"the model adapter {_adapter(model)} returned rows in memory holding rows it returned "
-                               "earlier (a reused output buffer): vd keeps every row it is given until the run "
-                               "lets it go, so forward must return a tensor it does not reuse (clone it)")
+            raise AdapterError(f"the model adapter {protocol.adapter_name(model)} returned rows in memory holding rows "
+                               "it returned earlier (a reused output buffer): vd keeps every row it is given until "
+                               "the run lets it go, so forward must return a tensor it does not reuse (clone it)")
         self.storages.add(ptr)
 
     @property
@@ -143,6 +143,7 @@ class Run:
 
     def settle(self) -> None:
         """Hand every held row to the hold's ``settle`` and let them go."""
+        assert self.hold is not None, "a run without a hold keeps every row"
         self.check_returned()
         held = int(self.prefill.shape[0] > 0) + len(self.rows)
         for kind, start, rows in self.held():
@@ -163,11 +164,6 @@ class Run:
         for st in self.steps:
             out.extend(st.tokens[: st.accepted + 1])
         return out
-
-
-def _adapter(model) -> str:
-    """How an error names a model adapter: the plug-in spec that loaded it, else its class."""
-    return getattr(model, "_vd_plugin", None) or f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def accepted(tokens: Sequence[int], argmaxes: Sequence[int]) -> int:
@@ -265,8 +261,8 @@ class DrafterFeed(Feed):
 
     def start(self, model, run: Run, first: Callable[[], int]) -> int:
         # Bootstrap decode: commit the prefill's rows and its greedy token, then the first propose.
-        forced = self.forced is not None and self.forced.decoded is not None
-        last = self.forced.decoded if forced else first()
+        decoded = self.forced.decoded if self.forced is not None else None
+        last = decoded if decoded is not None else first()
         model.save_hidden(run.prefill.shape[0] - 1)
         row = checked(model, [last], model.forward([last]))  # [1, V]
         run.bootstrap_row, run.committed_before = row, [last]
@@ -369,7 +365,7 @@ class _IdleClock:
 
     def hand_over(self, t0: float) -> None:
         """Offer what is left of the GPU's time for the step issued at ``t0``."""
-        if self.on:
+        if self.on and self.idle is not None:  # on: there is an idle
             self.more = self.idle(IDLE_SHARE * max(0.0, self.gpu_s - (time.perf_counter() - t0)))
 
     def finished(self) -> None:
@@ -405,7 +401,7 @@ def run_verify(
     clock = _IdleClock(idle, prefill.device)
     run = Run(k=k, prefill=prefill, hold=hold)
     if not protocol.owns_rows(model):  # a class that does not vouch for its rows: watched
-        run.returned, run.adapter = [digest(prefill)], _adapter(model)
+        run.returned, run.adapter = [digest(prefill)], protocol.adapter_name(model)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
     logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)

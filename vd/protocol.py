@@ -30,6 +30,7 @@ one an adapter declares.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -292,6 +293,23 @@ def owns_rows(model: object) -> bool:
     instance: a wrapper that hands attribute lookups to an adapter (``__getattr__``) makes rows of its own, and
     the adapter's word does not cover them."""
     return bool(getattr(type(model), "owns_rows", False))
+
+
+# -- how vd names an adapter in its errors -----------------------------------------------------------------
+
+_PLUGIN_SPEC = "_vd_plugin"  # the attribute `mark_plugin` sets on a plug-in's model
+
+
+def mark_plugin(model: object, spec: str) -> None:
+    """Note on a plug-in's model the spec that loaded it, for the errors that name it (`adapter_name`); a model
+    that takes no new attributes (``__slots__``) is named by its class."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(model, _PLUGIN_SPEC, spec)
+
+
+def adapter_name(model: object) -> str:
+    """How errors name a model adapter: the plug-in spec that loaded it (`mark_plugin`), else its class."""
+    return getattr(model, _PLUGIN_SPEC, None) or f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def protocol_members(proto: type = VerifyModel) -> list[str]:

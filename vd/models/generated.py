@@ -14,7 +14,7 @@ import json
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from vd.models.checkpoints import quiet_transformers
 from vd.models.fingerprint import Fingerprinter, identity_fields
 from vd.models.hf import HFModel
 from vd.models.text import ByteCodec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GENERATOR = "vd-hash-uniform/1"
 _M32 = 0xFFFFFFFF
@@ -129,7 +132,7 @@ def generated_fingerprint(seed: int) -> Fingerprinter:
 
 
 def generate(config: Any, seed: int, device: torch.device, dtype: torch.dtype, attention: str = "eager",
-             at: Callable[[str, tuple[int, ...]], Region | None] | None = None) -> torch.nn.Module:
+             at: Callable[[str, tuple[int, ...]], Region | None] | None = None) -> PreTrainedModel:
     """The model of ``config`` built directly on ``device`` in ``dtype`` with `hash_uniform_` weights (norm
     weights one); ``at(name, shape)``: where each tensor sits in the whole model's, for a shard that
     generates only its slices (`vd.models.tp`)."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +23,10 @@ from vd.models.fingerprint import Fingerprinter, fingerprint
 from vd.models.static import CUDA_ONLY, STATIC_FORWARDS, StaticRunner, static_forwards
 from vd.models.text import Codec
 from vd.protocol import ModelIdentity
+
+if TYPE_CHECKING:
+    from torch.nn.attention import SDPBackend
+    from transformers import DynamicCache, PreTrainedModel
 
 # What each forward runs, for the report's `variants`.
 HF_FORWARDS: dict[str, str] = {
@@ -74,7 +79,7 @@ class _Offered(Mapping):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._offers(name)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         yield from self._first
         yield from (n for n in PINNED_SDPA if self._offers(n))
         yield from self._last
@@ -90,11 +95,11 @@ class HFModel:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         name: str,
         encode: Codec,
-        details: Mapping | None = None,
+        details: Mapping[str, Any] | None = None,
         fingerprinter: Fingerprinter | None = None,
     ):
         self.model = model.eval()
@@ -107,10 +112,10 @@ class HFModel:
         self._details = dict(details or {})
         self._fingerprinter = fingerprinter or fingerprint
         self._identity: ModelIdentity | None = None
-        self._cache = None
+        self._cache: DynamicCache | None = None  # the dynamic forwards' (`reset` makes it)
         self._runners: dict[str, StaticRunner] = {}  # one per static forward used, kept across switches
         self._runner: StaticRunner | None = None  # the selected static forward's, else None
-        self._backend = None  # an SDPBackend while a pinned SDPA forward is selected
+        self._backend: SDPBackend | None = None  # while a pinned SDPA forward is selected
         self._forwards: _Offered | None = None  # see `forwards`
         self._forward: str | None = None
         self.set_forward(self.default_forward())
@@ -238,7 +243,11 @@ class HFModel:
 
     def length(self) -> int:
         """Positions in the current sequence."""
-        return self._runner.length if self._runner is not None else self._cache.get_seq_length()
+        return self._runner.length if self._runner is not None else self._dynamic_cache().get_seq_length()
+
+    def _dynamic_cache(self) -> DynamicCache:
+        assert self._cache is not None, "reset starts a sequence before the first forward"
+        return self._cache
 
     def _call(self, tokens: Sequence[int], *, hidden: bool = False):
         """One model call appending ``tokens`` to the cache; the HF output (with hidden states if asked)."""
@@ -265,4 +274,4 @@ class HFModel:
         if self._runner is not None:
             self._runner.rewind(n)
         elif n:
-            self._cache.crop(-n)
+            self._dynamic_cache().crop(-n)

@@ -11,7 +11,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vd.errors import ModelSpecError
 
@@ -107,10 +107,11 @@ def _native(cfg, seed: int, name: str, device: torch.device, dtype: torch.dtype)
                        head_source="native")
 
 
-_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-            topk_group=1, first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=512,
-            initializer_range=0.1, tie_word_embeddings=False)
+_MOE: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+    first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=512, initializer_range=0.1,
+    tie_word_embeddings=False)
 
 
 def _tiny_deepseek_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
@@ -124,7 +125,8 @@ def _tiny_deepseek_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
 def _tiny_glm4moe_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import Glm4MoeConfig
 
-    cfg = Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=16)
+    # huggingface_hub's strict configs keep a field their signature lacks (head_dim) as an attribute.
+    cfg = Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=16)  # type: ignore[call-arg]
     return _native(cfg, 4, "tiny-glm4moe-mtp (GLM-4.5 style, random weights, seed 4)", device, dtype)
 
 

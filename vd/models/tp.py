@@ -30,6 +30,7 @@ import copy
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from vd.models.hf import HFModel
 from vd.models.static import CUDA_ONLY, StaticRunner, static_forwards
 from vd.models.text import ByteCodec
 from vd.protocol import ModelIdentity
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(slots=True)
@@ -104,6 +108,13 @@ def world() -> World | None:
     return _WORLD
 
 
+def _joined() -> World:
+    """The ranks this process runs among: a follower or a split model exists only under torchrun."""
+    w = world()
+    assert w is not None, "this process runs alone (WORLD_SIZE 1): there are no ranks to split over"
+    return w
+
+
 def is_follower() -> bool:
     """Whether this process is a rank other than 0 (it serves rank 0's calls: `follow`)."""
     w = world()
@@ -127,7 +138,7 @@ def finish() -> None:
 
 def follow() -> None:
     """A rank other than 0: make every call rank 0 broadcasts on this rank's shard, until ``stop``."""
-    w = world()
+    w = _joined()
     models: dict[int, TPModel] = {}  # rank 0 may go back to a model it built earlier (a suite holds them)
     while True:
         op, args = w.broadcast()
@@ -200,7 +211,7 @@ def ranks_sharing(local_rank: int, local_size: int, devices: int) -> int:
 def build(config, seed: int, name: str, device: str | torch.device, dtype: torch.dtype) -> TPModel:
     """This rank's shard of the generated model of ``config`` (`vd.models.generated.build_generated`'s values); on
     rank 0, broadcast first, so every rank builds its own."""
-    w = world()
+    w = _joined()
     shard = shard_config(config, w.size)  # refused on rank 0 before any other rank builds
     if w.rank == 0:
         w.broadcast(("build", (config, seed, name, str(device), dtype)))
@@ -224,7 +235,7 @@ class TPModel(HFModel):
     """One rank's shard of a tensor-parallel model (see the module's docstring): the static forwards of vd's
     lean step, summing across ranks; on rank 0 each call is broadcast to the other ranks first."""
 
-    def __init__(self, model: torch.nn.Module, *, world: World, whole, seed: int, name: str, key: int = 0):
+    def __init__(self, model: PreTrainedModel, *, world: World, whole: Any, seed: int, name: str, key: int = 0):
         self.world, self.whole, self.seed, self.key = world, whole, seed, key
         self._leading = False  # no broadcasts while every rank builds
         group = world.data_group(next(model.parameters()).device)
