@@ -375,6 +375,38 @@ class _IdleClock:
             self.on = self.more is not False
 
 
+def _prefill(model: VerifyModel, prompt: Sequence[int], k: int, hold: Hold | None) -> tuple[torch.Tensor, Run]:
+    """Start a sequence with ``prompt``: its rows ``[P, V]`` and the run holding them, which watches the rows
+    of an adapter whose class does not vouch for them (`vd.protocol.owns_rows`)."""
+    model.reset()
+    prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
+    run = Run(k=k, prefill=prefill, hold=hold)
+    if not protocol.owns_rows(model):
+        run.returned, run.adapter = [digest(prefill)], protocol.adapter_name(model)
+    return prefill, run
+
+
+def _issue(model: VerifyModel, run: Run, clock: _IdleClock, tokens: Sequence[int]) -> torch.Tensor:
+    """Issue one verify forward: its rows ``[K, V]``, refused unless the protocol's and in memory of their own."""
+    clock.started()
+    rows = checked(model, tokens, model.forward(tokens))  # [K, V]
+    run.own(model, rows)
+    if run.returned is not None:
+        run.returned.append(digest(rows))
+    clock.issued()
+    return rows
+
+
+def _read_back(run: Run, clock: _IdleClock, rows: torch.Tensor, t0: float) -> list[int]:
+    """The argmax of each of a step's rows, read back to the host once the GPU's idle time is handed over; the
+    step's time since ``t0`` (its forward's issue) is logged."""
+    clock.hand_over(t0)
+    outs = _argmax(rows)  # reads back to the host, so the forward has finished
+    run.step_ms.append((time.perf_counter() - t0) * 1e3)
+    clock.finished()
+    return outs
+
+
 @torch.inference_mode()
 def run_verify(
     model: VerifyModel,
@@ -396,12 +428,8 @@ def run_verify(
     ``on_step(s)`` ticks once step ``s`` is logged. ``hold``: how many rows the run holds before it lets
     them go (`Hold`; None: it keeps every row).
     """
-    model.reset()
-    prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
+    prefill, run = _prefill(model, prompt, k, hold)
     clock = _IdleClock(idle, prefill.device)
-    run = Run(k=k, prefill=prefill, hold=hold)
-    if not protocol.owns_rows(model):  # a class that does not vouch for its rows: watched
-        run.returned, run.adapter = [digest(prefill)], protocol.adapter_name(model)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
     logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)
@@ -409,21 +437,13 @@ def run_verify(
         tokens = feed.tokens(s, last, p, k, model.vocab_size)
         assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
         t0 = time.perf_counter()
-        clock.started()
-        rows = checked(model, tokens, model.forward(tokens))  # [K, V]
-        run.own(model, rows)
-        if run.returned is not None:
-            run.returned.append(digest(rows))
-        clock.issued()
+        rows = _issue(model, run, clock, tokens)  # [K, V]
         if logged is not None:
             _log(run, *logged, on_step)
         if on_last is not None and s == steps - 1:
             on_last(run, rows)
             run.hold = None  # what is held now is on_last's: nothing more is let go
-        clock.hand_over(t0)
-        outs = _argmax(rows)  # reads back to the host, so the forward has finished
-        run.step_ms.append((time.perf_counter() - t0) * 1e3)
-        clock.finished()
+        outs = _read_back(run, clock, rows, t0)
         computed = accepted(tokens, outs)
         na = feed.accept(s, computed)
         model.rewind(k - 1 - na)  # as a scheduler does: the rejected rows go, [last, accepted drafts] stay
