@@ -10,18 +10,18 @@ naming what came back.
 Optional members. An adapter may offer more; each optional member is described here, with what vd assumes
 where it is absent, and vd reads it only through the accessor beside it (never ``getattr`` at a call site):
 
-==============================  =========================  ===================================================
-member                          accessor                   where absent
-==============================  =========================  ===================================================
-``decode(ids)``                 `decoder`                  reports show bare token ids
-``head_info``, ``save_hidden``, `draft_head`               no MTP draft head: ``--feed mtp`` is refused
+================================  ======================  ===================================================
+member                            accessor                where absent
+================================  ======================  ===================================================
+``decode(ids)``                   `decoder`               reports show bare token ids
+``head_info``, ``save_hidden``,   `draft_head`            no MTP draft head: ``--feed mtp`` is refused
 ``trim_proposer``, ``propose``
-``forward_uses_graphs(name)``   `uses_graphs`              every forward runs its kernels one by one (eager)
-``context_length``              `context_length`           no run is refused for its length before it starts
-``prepare(capacity, lengths)``  `prepare`                  nothing is sized ahead: the first steps allocate
-``environment()``               `environment`              the golden's environment gets no engine fields
-``owns_rows`` (on the class)    `owns_rows`                vd watches the rows (`vd.loop.Run.check_returned`)
-==============================  =========================  ===================================================
+``forward_uses_graphs(name)``     `uses_graphs`           every forward runs its kernels one by one (eager)
+``context_length``                `context_length`        no run is refused for its length before it starts
+``prepare(capacity, lengths)``    `prepare`               nothing is sized ahead: the first steps allocate
+``environment()``                 `environment`           the golden's environment gets no engine fields
+``owns_rows`` (on the class)      `owns_rows`             vd watches the rows (`vd.loop.Run.check_returned`)
+================================  ======================  ===================================================
 
 The methods among them are runtime-checkable protocols (`TokenDecoder`, `DraftHead`, `GraphedForwards`,
 `Preparable`, `EngineEnvironment`) that hold each one's contract; `vd.testing.ModelConformance` checks every
