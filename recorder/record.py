@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vd import env
+from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
 from vd.digest import Summary
 from vd.dtypes import of_torch
@@ -33,7 +33,7 @@ from vd.models.inductor import keep_artifacts
 from vd.models.specs import golden_dir, portable
 from vd.policy import Policy
 from vd.progress import SILENT, Progress
-from vd.protocol import DraftHead, VerifyModel
+from vd.protocol import VerifyModel
 from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
 from vd.store.write import KRows
@@ -274,7 +274,7 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
     if model is None:
         progress.phase("loading model", 0)
         model = load_model(settings.model, device=settings.device, dtype=settings.dtype, head=settings.head)
-    if settings.feed == "mtp" and not isinstance(model, DraftHead):
+    if settings.feed == "mtp" and protocol.draft_head(model) is None:
         raise UsageError(f"model {settings.model} has no MTP draft head: use an -mtp preset, a checkpoint with MTP "
                          "layers, or --head FILE")
     return model
@@ -381,7 +381,8 @@ def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: li
     stored relative to the project or to it)."""
     ident = model.identity()
     logical = of_torch(model.dtype).name
-    graphs = getattr(model, "forward_uses_graphs", lambda name: False)(forward)
+    graphs = protocol.uses_graphs(model, forward)
+    drafter = protocol.draft_head(model) if settings.feed == "mtp" else None
     (spec, spec_base), (head, head_base) = portable(settings.model, where), portable(settings.head, where)
     return {
         "model": {"spec": spec, "head": head, "name": ident.name, "fingerprint": ident.fingerprint,
@@ -391,7 +392,7 @@ def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: li
         "forward_description": model.forwards()[forward],
         "graphs": "graphed" if graphs else "eager",
         "feed": settings.feed,
-        "mtp": dict(model.head_info()) if settings.feed == "mtp" else None,
+        "mtp": dict(drafter.head_info()) if drafter is not None else None,
         "dtype": logical,
         "device": model.device.type,
         "k": list(settings.ks),

@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
-from vd import env
+from vd import env, protocol
 from vd.dtypes import to_storage
 from vd.errors import UsageError
 from vd.layout import StepLog
@@ -72,8 +72,8 @@ class CandidateWriter:
                    **{k: g.meta["model"][k] for k in ("spec_base", "head_base")
                       if k in g.meta["model"] and (k != "spec_base" or spec == g.meta["model"]["spec"])}},
             forward=forward, forward_description=model.forwards()[forward],
-            graphs="graphed" if getattr(model, "forward_uses_graphs", lambda n: False)(forward) else "eager",
-            mtp=dict(model.head_info()) if g.info.drafted else None, device=model.device.type,
+            graphs="graphed" if protocol.uses_graphs(model, forward) else "eager",
+            mtp=_head_info(model) if g.info.drafted else None, device=model.device.type,
             logits=F.logits_meta(g.logical), environment=env.of_model(model),
             determinism={"applied": (g.meta.get("determinism") or {}).get("applied"), "settings": env.determinism()},
             candidate={"of": g.url, "of_content": g.content_digest(), "verdict": verdict,
@@ -89,3 +89,10 @@ class CandidateWriter:
             if self._lock is not None:
                 self._lock.__exit__(None, None, None)
                 self._lock = None
+
+
+def _head_info(model: VerifyModel) -> dict:
+    """The draft head's description, from a model the drafter golden's replay ran (it has one)."""
+    head = protocol.draft_head(model)
+    assert head is not None, "a drafter golden replays only with a draft head (vd.replayer.session.check_model)"
+    return dict(head.head_info())

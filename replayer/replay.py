@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from vd import env
+from vd import env, protocol
 from vd.errors import GoldenError
 from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
@@ -88,8 +88,7 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str]) ->
     t = time.perf_counter()
     g, model, verify = s.golden, s.model, [o.result for o in outcomes]
     replayed_env = env.of_model(model)
-    uses_graphs = getattr(model, "forward_uses_graphs", lambda name: False)
-    graphed = [bool(uses_graphs(n)) for n in s.forwards]
+    graphed = [protocol.uses_graphs(model, n) for n in s.forwards]
     reasons = [r for o in outcomes for r in o.reasons] + _environment_reasons(s, replayed_env, verify)
     m = g.meta["model"]
     source = g.rows_source

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vd import env
+from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
 from vd.dtypes import to_storage
 from vd.layout import Step
@@ -70,7 +70,7 @@ def replay_k(s: Session, k: int) -> KOutcome:
         judged.append(Judged(ran.comparison, why))
         timings.append(Timing(name, tuple(ran.run.step_ms)))
         if failure is None and not ran.comparison.passed:
-            failure = failure_rows(k, name, ran, getattr(s.model, "decode", None))
+            failure = failure_rows(k, name, ran, protocol.decoder(s.model))
         if s.candidate is not None:
             s.candidate.keep(k, ran.run)
     control = _control(s, k, log.steps, judged[-1].comparison) if s.settings.control else None
@@ -143,7 +143,7 @@ def _control(s: Session, k: int, steps: list[Step], own: Comparison) -> Control:
     return Control(ran.comparison, at, fired, inconclusive)
 
 
-def failure_rows(k: int, name: str, ran: _Ran, decode=None) -> FailureRows | None:
+def failure_rows(k: int, name: str, ran: _Ran, decoder: protocol.TokenDecoder | None = None) -> FailureRows | None:
     """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle)."""
     c, side = ran.comparison, ran.side
     f = c.first_failure
@@ -160,4 +160,4 @@ def failure_rows(k: int, name: str, ran: _Ran, decode=None) -> FailureRows | Non
     return FailureRows(k=k, forward=name, kind=kind, step=step,
                        golden=side.host_rows(kind, idx) if side.has_rows else None,
                        candidate=to_storage(ran.kept[kind][1]), tokens=tokens, first_failure=f,
-                       text=None if decode is None or tokens is None else decode(tokens))
+                       text=None if decoder is None or tokens is None else decoder.decode(tokens))

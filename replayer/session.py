@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from vd import env
+from vd import env, protocol
 from vd.dtypes import of_torch
 from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
 from vd.models import check_device, check_forward_names, load_model, require_forwards
@@ -25,7 +25,7 @@ from vd.models.specs import golden_dir, stored
 from vd.models.static import CUDA_ONLY
 from vd.policy import Policy
 from vd.progress import Progress
-from vd.protocol import DraftHead, VerifyModel
+from vd.protocol import VerifyModel
 from vd.replayer.candidate import CandidateWriter
 from vd.store import Golden, Location, Prefetcher, open_golden
 
@@ -269,7 +269,8 @@ def _fingerprints(golden: Golden, model: VerifyModel) -> list[tuple[str, str, st
     meta = golden.meta
     pairs = [("model", model.identity().fingerprint, meta["model"]["fingerprint"])]
     if golden.info.drafted:
-        if not isinstance(model, DraftHead):
+        head = protocol.draft_head(model)
+        if head is None:
             raise ModelMismatchError(f"{golden.url} was recorded with an MTP draft head and this model has none")
-        pairs.append(("MTP head", model.head_info()["fingerprint"], meta["mtp"]["fingerprint"]))
+        pairs.append(("MTP head", head.head_info()["fingerprint"], meta["mtp"]["fingerprint"]))
     return pairs

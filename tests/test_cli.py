@@ -497,9 +497,9 @@ def test_a_terminal_bar_stops_each_phase_timer_when_the_next_begins():
     timer stopped, when the next phase begins, rather than running on for the whole replay."""
     from rich.console import Console
 
-    from vd.cli.common import _Bar
+    from vd.cli.common import TerminalBar
 
-    with _Bar(Console(file=io.StringIO(), force_terminal=True)) as bar:
+    with TerminalBar(Console(file=io.StringIO(), force_terminal=True)) as bar:
         bar.phase("loading model", 0)
         bar.phase("K=2 eager", 3)
         for s in range(3):

@@ -144,7 +144,7 @@ def test_a_compiled_golden_carries_the_kernels_it_was_recorded_with(cli, tmp_pat
 def test_generated_weights_are_the_same_bits_on_cpu_and_cuda():
     from transformers import LlamaConfig
 
-    from vd.models.hf import build_generated, hash_uniform_
+    from vd.models.generated import build_generated, hash_uniform_
 
     a, b = torch.empty(3_000_001, dtype=torch.bfloat16), torch.empty(3_000_001, dtype=torch.bfloat16, device="cuda")
     hash_uniform_(a, 99, 0.02)

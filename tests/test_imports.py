@@ -59,6 +59,16 @@ def test_every_vd_import_names_a_module_on_disk():
     assert not missing, "imports of modules that are not on disk:\n" + "\n".join(missing)
 
 
+def test_no_file_imports_a_private_name_of_a_vd_module():
+    """A name starting with one underscore is its module's own: a module another one needs makes it public."""
+    files = [p for top in ("vd", "recorder", "replayer", "tests", "tools") for p in (ROOT / top).rglob("*.py")
+             if "data" not in p.relative_to(ROOT).parts]
+    private = [f"{path.relative_to(ROOT)}:{line} {module}.{n}" for path in files
+               for line, module, names in _vd_imports(path)
+               for n in names if n.startswith("_") and not n.startswith("__")]
+    assert not private, "imports of another module's private names:\n" + "\n".join(private)
+
+
 def _defines(module: str, name: str) -> bool:
     """Whether module ``module`` binds ``name`` at its top level (a function, class, constant or import, also
     inside a top-level ``if`` or ``try``), or names it in a module ``__getattr__`` (a lazy export)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vd.models.hf import _checksum_on_device, _tensor_seed, build_generated, hash_uniform_
+from vd.models.generated import build_generated, checksum_on_device, hash_uniform_, tensor_seed
 from vd.models.presets import PRESETS
 from vd.models.tp import ranks_sharing, region, shard_config
 from vd.store import open_golden
@@ -50,12 +50,12 @@ def test_each_rank_generates_its_slice_of_the_whole_model(size):
             at, whole_shape = region(name, tuple(shape), cfg, rank, size)
             assert whole_shape == tuple(full.shape)
             t = torch.empty(shape, dtype=torch.bfloat16)
-            hash_uniform_(t, _tensor_seed(seed, name), cfg.initializer_range, at=at)
+            hash_uniform_(t, tensor_seed(seed, name), cfg.initializer_range, at=at)
             pieces.append(t)
-            sums += int(_checksum_on_device(t, at=at).sum())
+            sums += int(checksum_on_device(t, at=at).sum())
         split += 1
         assert torch.equal(torch.cat(pieces, dim=dim), full), name
-        assert sums == int(_checksum_on_device(full).sum()), name
+        assert sums == int(checksum_on_device(full).sum()), name
     assert split == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
     with pytest.raises(Exception, match="needs 3 to divide"):
         shard_config(cfg, 3)

@@ -27,8 +27,8 @@ from vd import env
 from vd.coverage import histogram
 from vd.loop import DrafterFeed, run_verify
 from vd.models import load_model
-from vd.models.hf import _seeded_init
 from vd.models.mtp import attach_head, new_attached_layer, save_head
+from vd.models.seeded import seeded_init
 from vd.recorder import DEFAULT_PROMPT
 
 PROMPTS = [
@@ -199,7 +199,7 @@ def main() -> None:
     t_data = time.perf_counter() - t0
 
     layer, cfg = new_attached_layer(host.model, intermediate_size=a.intermediate)
-    _seeded_init(layer, a.seed, 0.02)
+    seeded_init(layer, a.seed, 0.02)
     layer.train()
     opt = torch.optim.AdamW(layer.parameters(), lr=a.lr, weight_decay=0.0)
     total = a.epochs * len(data)

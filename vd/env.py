@@ -18,7 +18,9 @@ from importlib import metadata
 import torch
 
 import vd
+from vd import protocol
 from vd.errors import UsageError
+from vd.protocol import VerifyModel
 
 # Fields whose difference can change the numbers, in the order a reader should see them.
 NUMERIC_FIELDS = (
@@ -105,11 +107,10 @@ def capture(device: torch.device) -> dict:
             "tp": 1, "collectives": None, "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
 
 
-def of_model(model) -> dict:
-    """`capture` for ``model``'s device, with the fields the model adds (an optional ``environment()``: a
-    tensor-parallel model's degree and collective library, `vd.models.tp`)."""
-    extra = getattr(model, "environment", None)
-    return {**capture(model.device), **(dict(extra()) if callable(extra) else {})}
+def of_model(model: VerifyModel) -> dict:
+    """`capture` for ``model``'s device, with the fields the model adds (`vd.protocol.environment`: an engine's
+    build, a tensor-parallel model's degree and collective library)."""
+    return {**capture(model.device), **protocol.environment(model)}
 
 
 @functools.cache

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vd import protocol
 from vd.digest import digest
 from vd.errors import AdapterError, ModelOutputError, UsageError
 from vd.layout import RowLayout, Step
@@ -77,10 +78,10 @@ class Run:
     settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("prefill", "verify", "draft"), 0))
     prompt: int = 0  # prefill rows (``prefill`` is empty once settled)
     storages: set[int] = field(default_factory=set)  # the memory of the rows held, to refuse a reused buffer
-    # For an adapter that does not vouch for its rows (`owns_rows`): each held step's rows' digests when they were
-    # returned (the prefill's first), checked before the rows are let go or judged (`check_returned`).
+    # For an adapter that does not vouch for its rows (`vd.protocol.owns_rows`): each held step's rows' digests when
+    # they were returned (the prefill's first), checked before the rows are let go or judged (`check_returned`).
     returned: list[torch.Tensor] | None = None
-    adapter: str = ""  # how errors name the adapter (`_adapter`)
+    adapter: str = ""  # how errors name the adapter (`vd.protocol.adapter_name`)
 
     def __post_init__(self):
         self.prompt = self.prefill.shape[0]
@@ -105,9 +106,9 @@ class Run:
         adapter reuses its output buffer, so rows held for the golden or the comparison would change."""
         ptr = rows.untyped_storage().data_ptr()
         if ptr in self.storages:
-            raise AdapterError(f"the model adapter {_adapter(model)} returned rows in memory holding rows it returned "
-                               "earlier (a reused output buffer): vd keeps every row it is given until the run "
-                               "lets it go, so forward must return a tensor it does not reuse (clone it)")
+            raise AdapterError(f"the model adapter {protocol.adapter_name(model)} returned rows in memory holding rows "
+                               "it returned earlier (a reused output buffer): vd keeps every row it is given until "
+                               "the run lets it go, so forward must return a tensor it does not reuse (clone it)")
         self.storages.add(ptr)
 
     @property
@@ -142,6 +143,7 @@ class Run:
 
     def settle(self) -> None:
         """Hand every held row to the hold's ``settle`` and let them go."""
+        assert self.hold is not None, "a run without a hold keeps every row"
         self.check_returned()
         held = int(self.prefill.shape[0] > 0) + len(self.rows)
         for kind, start, rows in self.held():
@@ -162,11 +164,6 @@ class Run:
         for st in self.steps:
             out.extend(st.tokens[: st.accepted + 1])
         return out
-
-
-def _adapter(model) -> str:
-    """How an error names a model adapter: the plug-in spec that loaded it, else its class."""
-    return getattr(model, "_vd_plugin", None) or f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def accepted(tokens: Sequence[int], argmaxes: Sequence[int]) -> int:
@@ -264,8 +261,8 @@ class DrafterFeed(Feed):
 
     def start(self, model, run: Run, first: Callable[[], int]) -> int:
         # Bootstrap decode: commit the prefill's rows and its greedy token, then the first propose.
-        forced = self.forced is not None and self.forced.decoded is not None
-        last = self.forced.decoded if forced else first()
+        decoded = self.forced.decoded if self.forced is not None else None
+        last = decoded if decoded is not None else first()
         model.save_hidden(run.prefill.shape[0] - 1)
         row = checked(model, [last], model.forward([last]))  # [1, V]
         run.bootstrap_row, run.committed_before = row, [last]
@@ -291,19 +288,17 @@ class DrafterFeed(Feed):
 
 
 def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int], decode: bool = True) -> None:
-    """Refuse runs longer than the model's context (``model.context_length``, optional in the protocol), before
-    any step; let a model that can (``model.prepare``, optional too) size its static cache for the longest
-    sequence these runs build and capture its step graphs (the prefill's, each K's and, with ``decode``, the
-    one-token decode's, which a greedy continuation and a drafter's bootstrap run), largest first, before any
-    timing."""
+    """Refuse runs longer than the model's context (`vd.protocol.context_length`, optional in the protocol),
+    before any step; let a model that can (`vd.protocol.prepare`, optional too) size its static cache for the
+    longest sequence these runs build and capture its step graphs (the prefill's, each K's and, with
+    ``decode``, the one-token decode's, which a greedy continuation and a drafter's bootstrap run), largest
+    first, before any timing."""
     longest = prompt_len + steps * max(ks) + max(ks) + 2
-    context = getattr(model, "context_length", None)
-    if isinstance(context, int) and longest > context:
+    context = protocol.context_length(model)
+    if context is not None and longest > context:
         raise UsageError(f"{prompt_len} prompt tokens and {steps} steps at K={max(ks)} need {longest} positions; "
                          f"the model's context holds {context} (fewer --steps, or a shorter prompt)")
-    fn = getattr(model, "prepare", None)
-    if fn is not None:
-        fn(longest, sorted({prompt_len, *ks, *([1] if decode else [])}, reverse=True))
+    protocol.prepare(model, longest, sorted({prompt_len, *ks, *([1] if decode else [])}, reverse=True))
 
 
 def checked(model: VerifyModel, tokens: Sequence[int], rows) -> torch.Tensor:
@@ -370,7 +365,7 @@ class _IdleClock:
 
     def hand_over(self, t0: float) -> None:
         """Offer what is left of the GPU's time for the step issued at ``t0``."""
-        if self.on:
+        if self.on and self.idle is not None:  # on: there is an idle
             self.more = self.idle(IDLE_SHARE * max(0.0, self.gpu_s - (time.perf_counter() - t0)))
 
     def finished(self) -> None:
@@ -378,6 +373,38 @@ class _IdleClock:
         if self.on:
             self.gpu_s = self.begin.elapsed_time(self.end) / 1e3
             self.on = self.more is not False
+
+
+def _prefill(model: VerifyModel, prompt: Sequence[int], k: int, hold: Hold | None) -> tuple[torch.Tensor, Run]:
+    """Start a sequence with ``prompt``: its rows ``[P, V]`` and the run holding them, which watches the rows
+    of an adapter whose class does not vouch for them (`vd.protocol.owns_rows`)."""
+    model.reset()
+    prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
+    run = Run(k=k, prefill=prefill, hold=hold)
+    if not protocol.owns_rows(model):
+        run.returned, run.adapter = [digest(prefill)], protocol.adapter_name(model)
+    return prefill, run
+
+
+def _issue(model: VerifyModel, run: Run, clock: _IdleClock, tokens: Sequence[int]) -> torch.Tensor:
+    """Issue one verify forward: its rows ``[K, V]``, refused unless the protocol's and in memory of their own."""
+    clock.started()
+    rows = checked(model, tokens, model.forward(tokens))  # [K, V]
+    run.own(model, rows)
+    if run.returned is not None:
+        run.returned.append(digest(rows))
+    clock.issued()
+    return rows
+
+
+def _read_back(run: Run, clock: _IdleClock, rows: torch.Tensor, t0: float) -> list[int]:
+    """The argmax of each of a step's rows, read back to the host once the GPU's idle time is handed over; the
+    step's time since ``t0`` (its forward's issue) is logged."""
+    clock.hand_over(t0)
+    outs = _argmax(rows)  # reads back to the host, so the forward has finished
+    run.step_ms.append((time.perf_counter() - t0) * 1e3)
+    clock.finished()
+    return outs
 
 
 @torch.inference_mode()
@@ -401,12 +428,8 @@ def run_verify(
     ``on_step(s)`` ticks once step ``s`` is logged. ``hold``: how many rows the run holds before it lets
     them go (`Hold`; None: it keeps every row).
     """
-    model.reset()
-    prefill = checked(model, prompt, model.forward(prompt))  # [P, V]
+    prefill, run = _prefill(model, prompt, k, hold)
     clock = _IdleClock(idle, prefill.device)
-    run = Run(k=k, prefill=prefill, hold=hold)
-    if not getattr(type(model), "owns_rows", False):  # a class that does not vouch for its rows: watched
-        run.returned, run.adapter = [digest(prefill)], _adapter(model)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
     logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)
@@ -414,21 +437,13 @@ def run_verify(
         tokens = feed.tokens(s, last, p, k, model.vocab_size)
         assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
         t0 = time.perf_counter()
-        clock.started()
-        rows = checked(model, tokens, model.forward(tokens))  # [K, V]
-        run.own(model, rows)
-        if run.returned is not None:
-            run.returned.append(digest(rows))
-        clock.issued()
+        rows = _issue(model, run, clock, tokens)  # [K, V]
         if logged is not None:
             _log(run, *logged, on_step)
         if on_last is not None and s == steps - 1:
             on_last(run, rows)
             run.hold = None  # what is held now is on_last's: nothing more is let go
-        clock.hand_over(t0)
-        outs = _argmax(rows)  # reads back to the host, so the forward has finished
-        run.step_ms.append((time.perf_counter() - t0) * 1e3)
-        clock.finished()
+        outs = _read_back(run, clock, rows, t0)
         computed = accepted(tokens, outs)
         na = feed.accept(s, computed)
         model.rewind(k - 1 - na)  # as a scheduler does: the rejected rows go, [last, accepted drafts] stay

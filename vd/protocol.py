@@ -3,16 +3,34 @@
 Structural (`typing.Protocol`): an engine fits without inheriting from anything. An adapter wraps one
 sequence's state (its KV cache) and exposes a single `forward` that appends tokens at the current
 position and returns one logits row per token; prefill, decode and a K-token verify are all calls of it.
-`vd.testing.ModelConformance` is the test class every adapter must pass. Optional capabilities are
-separate runtime-checkable protocols beside this one (`DraftHead`, an MTP draft head; `TokenDecoder`,
-token ids back to text for reports). Two optional attributes are read where present: ``context_length``
-(positions the model holds: longer runs are refused before their first step) and ``prepare(max_len,
-shapes)`` (size a static cache, capture graphs). vd checks every forward's rows against the protocol
-(`vd.loop.checked`): ``[len(tokens), vocab_size]`` of the model's ``dtype``, else exit 2 naming what came back.
+`vd.testing.ModelConformance` is the test class every adapter must pass. vd checks every forward's rows
+against the protocol (`vd.loop.checked`): ``[len(tokens), vocab_size]`` of the model's ``dtype``, else exit 2
+naming what came back.
+
+Optional members. An adapter may offer more; each optional member is described here, with what vd assumes
+where it is absent, and vd reads it only through the accessor beside it (never ``getattr`` at a call site):
+
+================================  ======================  ===================================================
+member                            accessor                where absent
+================================  ======================  ===================================================
+``decode(ids)``                   `decoder`               reports show bare token ids
+``head_info``, ``save_hidden``,   `draft_head`            no MTP draft head: ``--feed mtp`` is refused
+``trim_proposer``, ``propose``
+``forward_uses_graphs(name)``     `uses_graphs`           every forward runs its kernels one by one (eager)
+``context_length``                `context_length`        no run is refused for its length before it starts
+``prepare(capacity, lengths)``    `prepare`               nothing is sized ahead: the first steps allocate
+``environment()``                 `environment`           the golden's environment gets no engine fields
+``owns_rows`` (on the class)      `owns_rows`             vd watches the rows (`vd.loop.Run.check_returned`)
+================================  ======================  ===================================================
+
+The methods among them are runtime-checkable protocols (`TokenDecoder`, `DraftHead`, `GraphedForwards`,
+`Preparable`, `EngineEnvironment`) that hold each one's contract; `vd.testing.ModelConformance` checks every
+one an adapter declares.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -81,11 +99,9 @@ class VerifyModel(Protocol):
     * Threads: the factory is given only ``device`` and ``dtype``. vd sets torch's thread count
       (``--threads``, else the recording's) before it calls the factory; an engine with its own threads
       reads ``torch.get_num_threads()`` there.
-    * Optional: `decode(ids)`, token ids back to text (`TokenDecoder`); not part of this protocol, so an
-      engine without it still fits. Optional: ``environment()``, a mapping of fields added to the golden's
-      environment (`vd.env.of_model`): an engine puts its version and build flags under ``engine`` (a
-      mapping), which a replay compares with the recording's and lists among the numerics differences,
-      as it does ``tp`` and ``collectives`` (`vd.env.NUMERIC_FIELDS`).
+    * Optional members (decoding, a draft head, graphs, a context length, `prepare`, an engine environment,
+      ``owns_rows``) are not part of this protocol, so an engine without them still fits: the module's
+      docstring lists them, and the accessors below read them.
     """
 
     vocab_size: int
@@ -131,9 +147,8 @@ class TokenDecoder(Protocol):
 
     Notes
     -----
-    Callers ask for it with ``getattr(model, "decode", None)`` (or ``isinstance(model, TokenDecoder)``) and
-    show bare ids where it is absent. ``decode(encode(text))`` gives ``text`` back for plain ASCII text;
-    `vd.testing.ModelConformance` checks that where a model has `decode`.
+    Read through `decoder`; where it is absent, reports show bare ids. ``decode(encode(text))`` gives
+    ``text`` back for plain ASCII text; `vd.testing.ModelConformance` checks that where a model has `decode`.
     """
 
     def decode(self, ids: list[int]) -> str:
@@ -147,9 +162,10 @@ class DraftHead(Protocol):
 
     Notes
     -----
-    The drafter feed drives it as a speculative scheduler does: after the prefill and a bootstrap
-    decode, and after every verify, `save_hidden` the accepted rows, `trim_proposer`, then `propose`.
-    The head's outputs (each draft's logits row) are recorded and diffed like the verify rows.
+    Read through `draft_head`. The drafter feed drives it as a speculative scheduler does: after the prefill
+    and a bootstrap decode, and after every verify, `save_hidden` the accepted rows, `trim_proposer`, then
+    `propose`. The head's outputs (each draft's logits row) are recorded and diffed like the verify rows.
+    `vd.testing.DraftHeadConformance` checks a head's behaviour.
     """
 
     def head_info(self) -> Mapping[str, Any]:
@@ -169,6 +185,131 @@ class DraftHead(Protocol):
     def propose(self, last: int, n: int) -> tuple[list[int], torch.Tensor]:
         """Propose ``n`` drafts autoregressively after ``last``; return them and their ``[n, V]`` logits."""
         ...
+
+
+@runtime_checkable
+class GraphedForwards(Protocol):
+    """The optional disclosure of which forwards replay CUDA graphs.
+
+    Notes
+    -----
+    Read through `uses_graphs`. A golden and a replay's report say, per forward, whether its steps ran as
+    captured CUDA graphs (``graphs``: ``graphed`` or ``eager``); a model without this member runs every
+    forward's kernels one by one.
+    """
+
+    def forward_uses_graphs(self, name: str) -> bool:
+        """Whether forward ``name`` (one of `VerifyModel.forwards`) replays its steps as CUDA graphs."""
+        ...
+
+
+@runtime_checkable
+class Preparable(Protocol):
+    """The optional preparation before a run: size a static cache and capture step graphs ahead of time.
+
+    Notes
+    -----
+    Called through `prepare` by record and replay before their runs (and before any timing), for the
+    selected forward. It may start a new sequence (a static cache is rewritten from position 0); afterwards
+    every forward still meets the protocol. A model without it allocates on its first steps.
+    """
+
+    def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
+        """Ready the selected forward for sequences of up to ``capacity`` positions and steps of each of
+        ``lengths`` tokens (largest first: the prefill, each K, a one-token decode)."""
+        ...
+
+
+@runtime_checkable
+class EngineEnvironment(Protocol):
+    """The optional engine environment: fields an engine adds to the golden's environment.
+
+    Notes
+    -----
+    Read through `environment` (`vd.env.of_model` merges it into what vd captures). An engine puts its version
+    and build flags under ``engine`` (a mapping), which a replay compares with the recording's and lists
+    among the numerics differences, as it does ``tp`` and ``collectives`` (`vd.env.NUMERIC_FIELDS`). The
+    mapping is stored as JSON: strings, numbers, booleans, None, lists and mappings of them.
+    """
+
+    def environment(self) -> Mapping[str, Any]:
+        """The fields to add to the golden's environment, JSON-able."""
+        ...
+
+
+# -- the accessors: how vd reads each optional member, and its default -------------------------------------
+
+# Every optional member, as the module's docstring lists them.
+OPTIONAL_MEMBERS = ("decode", "head_info", "save_hidden", "trim_proposer", "propose", "forward_uses_graphs",
+                    "context_length", "prepare", "environment", "owns_rows")
+
+
+def declares(model: object, member: str) -> bool:
+    """Whether ``model`` declares the optional member ``member`` (``owns_rows`` on its class), whatever its value:
+    the members `vd.testing.ModelConformance` holds to their contracts."""
+    assert member in OPTIONAL_MEMBERS, f"{member!r} is not an optional member of the model protocol"
+    return hasattr(type(model) if member == "owns_rows" else model, member)
+
+
+def decoder(model: object) -> TokenDecoder | None:
+    """The model as a `TokenDecoder`, or None where it cannot decode (reports show bare ids)."""
+    return model if isinstance(model, TokenDecoder) else None
+
+
+def draft_head(model: object) -> DraftHead | None:
+    """The model as a `DraftHead`, or None where it has no MTP draft head (or only part of one)."""
+    return model if isinstance(model, DraftHead) else None
+
+
+def uses_graphs(model: object, forward: str) -> bool:
+    """Whether ``model``'s forward ``forward`` replays CUDA graphs (`GraphedForwards`); False where the model
+    does not say."""
+    return isinstance(model, GraphedForwards) and bool(model.forward_uses_graphs(forward))
+
+
+def context_length(model: object) -> int | None:
+    """Positions ``model`` holds (its ``context_length`` attribute, or property): a run that needs more is
+    refused before its first step. None where the model does not say, or says None (unknown)."""
+    n = getattr(model, "context_length", None)
+    return n if isinstance(n, int) else None
+
+
+def prepare(model: object, capacity: int, lengths: Sequence[int]) -> None:
+    """Let ``model`` size itself for ``capacity`` positions and steps of ``lengths`` tokens (`Preparable`);
+    nothing where it cannot."""
+    if isinstance(model, Preparable):
+        model.prepare(capacity, lengths)
+
+
+def environment(model: object) -> dict[str, Any]:
+    """The fields ``model`` adds to the golden's environment (`EngineEnvironment`); none where it adds none."""
+    return dict(model.environment()) if isinstance(model, EngineEnvironment) and callable(model.environment) else {}
+
+
+def owns_rows(model: object) -> bool:
+    """Whether ``model``'s class vouches that every forward returns a new tensor it never changes afterwards
+    (a class attribute ``owns_rows = True``, as vd's own adapters set), so vd need not watch the rows it holds
+    (`vd.loop.Run.check_returned`); False, watched, where the class does not say. Read from the class, not the
+    instance: a wrapper that hands attribute lookups to an adapter (``__getattr__``) makes rows of its own, and
+    the adapter's word does not cover them."""
+    return bool(getattr(type(model), "owns_rows", False))
+
+
+# -- how vd names an adapter in its errors -----------------------------------------------------------------
+
+_PLUGIN_SPEC = "_vd_plugin"  # the attribute `mark_plugin` sets on a plug-in's model
+
+
+def mark_plugin(model: object, spec: str) -> None:
+    """Note on a plug-in's model the spec that loaded it, for the errors that name it (`adapter_name`); a model
+    that takes no new attributes (``__slots__``) is named by its class."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(model, _PLUGIN_SPEC, spec)
+
+
+def adapter_name(model: object) -> str:
+    """How errors name a model adapter: the plug-in spec that loaded it (`mark_plugin`), else its class."""
+    return getattr(model, _PLUGIN_SPEC, None) or f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def protocol_members(proto: type = VerifyModel) -> list[str]:

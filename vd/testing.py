@@ -11,19 +11,51 @@ Subclass `ModelConformance` in a test module and provide a ``model`` fixture ret
 
 The checks are what the record/replay loop relies on: the protocol's shape, row shapes and dtypes,
 bitwise repeatability of a step after a rewind, a rewind that really drops positions, and forwards
-that are disclosed and selectable; and, where a model has the optional `decode`, that it round-trips.
+that are disclosed and selectable; and each optional member a model declares (`vd.protocol.OPTIONAL_MEMBERS`)
+held to its contract: `decode` round-trips, a draft head is whole, ``forward_uses_graphs`` answers a bool for
+every forward, ``context_length`` is a positive int, ``environment()`` is a JSON-able mapping, forwards still
+work after `prepare`, and ``owns_rows`` is a bool. A check of a member the model does not declare is skipped.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 import pytest
 import torch
 
-from vd.protocol import VerifyModel
+from vd.protocol import (
+    DraftHead,
+    EngineEnvironment,
+    GraphedForwards,
+    Preparable,
+    VerifyModel,
+    context_length,
+    declares,
+    decoder,
+    draft_head,
+    protocol_members,
+)
 
 
 def _prompt(model: VerifyModel) -> list[int]:
     return model.encode("The conformance prompt: a few words to prefill.")[:24]
+
+
+def _declared(model: object, member: str) -> None:
+    """Skip the check of optional member ``member`` where ``model`` does not declare it."""
+    if not declares(model, member):
+        pytest.skip(f"the model does not declare {member} (optional: vd.protocol)")
+
+
+def _json_fails(value: object) -> str | None:
+    """Why ``value`` cannot be stored as JSON, or None where it can."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
 
 
 class ModelConformance:
@@ -52,13 +84,84 @@ class ModelConformance:
     def test_decode_round_trips(self, model):
         """Where a model can decode (the optional `vd.protocol.TokenDecoder`), ``decode(encode(text))``
         gives plain ASCII text back."""
-        decode = getattr(model, "decode", None)
-        if decode is None:
+        dec = decoder(model)
+        if dec is None:
             pytest.skip("the model has no decode (optional: vd.protocol.TokenDecoder)")
         text = "The quick brown fox jumps over the lazy dog"
         ids = model.encode(text)
-        got = decode(ids)
+        got = dec.decode(ids)
         assert isinstance(got, str) and got == text, f"decode(encode({text!r})) = {got!r} (ids {ids})"
+
+    def test_draft_head_is_whole(self, model):
+        """A model that offers any member of the MTP draft head (`vd.protocol.DraftHead`) offers them all (vd
+        sees no head in part of one), and its ``head_info()`` is a JSON-able mapping (stored in the golden)."""
+        members = protocol_members(DraftHead)
+        offered = [m for m in members if declares(model, m)]
+        if not offered:
+            pytest.skip("the model has no draft head (optional: vd.protocol.DraftHead)")
+        missing = [m for m in members if m not in offered]
+        assert draft_head(model) is not None, (f"the model offers {', '.join(offered)} of an MTP draft head but "
+                                               f"not {', '.join(missing) or 'all as methods'}: offer every one "
+                                               "of vd.protocol.DraftHead, or none")
+        info = model.head_info()
+        assert isinstance(info, Mapping), f"head_info() returned a {type(info).__name__}, expected a mapping"
+        why = _json_fails(dict(info))
+        assert why is None, f"head_info() returned {info!r}, expected a JSON-able mapping ({why})"
+
+    def test_graphs_are_disclosed_per_forward(self, model):
+        """Where a model says which forwards replay CUDA graphs (`vd.protocol.GraphedForwards`), it answers a
+        bool for every forward it offers."""
+        _declared(model, "forward_uses_graphs")
+        assert isinstance(model, GraphedForwards), "forward_uses_graphs is declared but is not a method"
+        for name in model.forwards():
+            got = model.forward_uses_graphs(name)
+            assert isinstance(got, bool), f"forward_uses_graphs({name!r}) returned {got!r}, expected True or False"
+
+    def test_context_length_is_positive(self, model):
+        """Where a model says how many positions it holds, ``context_length`` is a positive int (None: unknown)."""
+        _declared(model, "context_length")
+        n = model.context_length
+        assert n is None or (isinstance(n, int) and not isinstance(n, bool) and n > 0), \
+            f"context_length is {n!r}, expected a positive int (or None where the model does not know)"
+        assert context_length(model) == n
+
+    def test_environment_is_a_json_mapping(self, model):
+        """Where a model adds fields to the golden's environment (`vd.protocol.EngineEnvironment`),
+        ``environment()`` returns a mapping of string keys to JSON-able values."""
+        _declared(model, "environment")
+        assert isinstance(model, EngineEnvironment), "environment is declared but is not a method"
+        fields = model.environment()
+        assert isinstance(fields, Mapping), f"environment() returned a {type(fields).__name__}, expected a mapping"
+        keys = [k for k in fields if not isinstance(k, str)]
+        assert not keys, f"environment() has keys {keys!r}, expected strings"
+        why = _json_fails(dict(fields))
+        assert why is None, f"environment() returned {dict(fields)!r}, expected JSON-able values ({why})"
+
+    def test_forwards_work_after_prepare(self, model):
+        """Where a model can be prepared (`vd.protocol.Preparable`), each forward, prepared for a prefill and a
+        3-token verify, then reset, still returns rows of the protocol's shape and dtype."""
+        _declared(model, "prepare")
+        assert isinstance(model, Preparable), "prepare is declared but is not a method"
+        prompt = _prompt(model)
+        try:
+            for name in model.forwards():
+                model.set_forward(name)
+                model.prepare(len(prompt) + 8, [len(prompt), 3])
+                model.reset()
+                for tokens in (prompt, [1, 2, 3]):
+                    rows = model.forward(tokens)
+                    want = (len(tokens), model.vocab_size)
+                    assert tuple(rows.shape) == want and rows.dtype == model.dtype, \
+                        (f"forward {name!r} after prepare returned {rows.dtype} rows of shape {list(rows.shape)}, "
+                         f"expected {model.dtype} rows of shape {list(want)}")
+        finally:
+            model.set_forward(model.default_forward())
+
+    def test_owns_rows_is_a_bool(self, model):
+        """Where a model's class vouches for its rows (``owns_rows``), it says True or False."""
+        _declared(model, "owns_rows")
+        v = type(model).owns_rows
+        assert isinstance(v, bool), f"{type(model).__name__}.owns_rows is {v!r}, expected True or False"
 
     def test_forward_rows(self, model):
         model.reset()
@@ -163,8 +266,6 @@ class DraftHeadConformance:
         return int(row[0].argmax())
 
     def test_satisfies_protocol(self, model):
-        from vd.protocol import DraftHead
-
         assert isinstance(model, DraftHead)
         info = model.head_info()
         for key in ("name", "fingerprint", "hidden", "trim"):

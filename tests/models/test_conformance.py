@@ -37,3 +37,12 @@ class TestSmolLM2(ModelConformance):
     @classmethod
     def model(cls, smollm2):
         return smollm2
+
+
+class TestPluginWithEngineEnvironment(ModelConformance):
+    """A plug-in that adds its engine's build to the golden's environment (`environment()`)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model(cls):
+        return load_model(f"{PLUGINS / 'misbehaving.py'}:built")

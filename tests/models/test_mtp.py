@@ -175,8 +175,8 @@ def test_native_head_from_checkpoint(tmp_path, cli):
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config
 
-    from vd.models.hf import build_random
     from vd.models.mtp import native_layer
+    from vd.models.seeded import build_random
 
     cfg = DeepseekV3Config(
         vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=61,

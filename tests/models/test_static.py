@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vd.models import load_model
-from vd.models.hf import build_generated, device_checksum, hash_uniform_
+from vd.models.generated import build_generated, device_checksum, hash_uniform_
 from vd.models.static import capacity_for
 from vd.testing import DraftHeadConformance, ModelConformance
 

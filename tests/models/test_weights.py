@@ -8,8 +8,7 @@ import shutil
 import pytest
 import torch
 
-from vd.models import hf as hf_module
-from vd.models import load_model, weights
+from vd.models import checkpoints, load_model, weights
 from vd.models.presets import smollm2_path
 
 PROMPT = "The three laws of thermodynamics state that"
@@ -19,7 +18,7 @@ PROMPT = "The three laws of thermodynamics state that"
 def loads(monkeypatch, smollm2):
     """What each load read: the GGUF (a conversion, answered with a copy of the session's converted model
     to spare the 20 s) or a cache entry (read for real)."""
-    seen, real = [], hf_module._from_pretrained
+    seen, real = [], checkpoints.from_pretrained
 
     def from_pretrained(path, dtype):
         seen.append(path)
@@ -27,7 +26,7 @@ def loads(monkeypatch, smollm2):
             return copy.deepcopy(smollm2.model), smollm2._encode.tokenizer
         return real(path, dtype)
 
-    monkeypatch.setattr(hf_module, "_from_pretrained", from_pretrained)
+    monkeypatch.setattr(checkpoints, "from_pretrained", from_pretrained)
     return seen
 
 

@@ -3,8 +3,8 @@ so its fingerprint differs from tiny-llama's while every shape matches."""
 
 from transformers import LlamaConfig
 
-from vd.models.hf import build_random
 from vd.models.presets import PRESETS
+from vd.models.seeded import build_random
 
 
 def factory(device, dtype):

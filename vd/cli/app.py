@@ -196,28 +196,32 @@ def replay(
     once: one verdict, report, JUnit file and HTML page, and exit 2 where a golden could not be judged."""
     golden = _check_outputs(targets, suite, rows, {"--report": report, "--junit": junit, "--html": html,
                                                    "--bundle": bundle, "--save-candidate": save_candidate})
-    from vd.replayer import ReplaySettings
-
-    settings = ReplaySettings(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()),
-                              device=device, threads=threads, allow_model_mismatch=allow_model_mismatch,
-                              tolerances=tuple(tolerance or ()), require_coverage=require_coverage, rows=rows,
-                              save_candidate=save_candidate)
+    asked = dict(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()), device=device,
+                 threads=threads, allow_model_mismatch=allow_model_mismatch, tolerances=tuple(tolerance or ()),
+                 require_coverage=require_coverage, rows=rows, save_candidate=save_candidate)
     if suite:
         from vd.cli import team
 
         _check_inputs(None, rows, model, forward, tolerance)
-        return team.replay_suite(targets or [], config, settings, shard, report, junit, html, bundle)
+        return team.replay_suite(targets or [], config, _settings(asked), shard, report, junit, html, bundle)
     assert golden is not None  # one golden without --suite (_check_outputs)
     try:
-        _check_inputs(golden, rows, model, forward, tolerance)
+        _check_inputs(golden, rows, model, forward, tolerance)  # before anything heavy is imported
         with reading_environment() as environ:  # what the bundle's command.sh sets again
-            result = _replay_one(golden, settings)
+            result = _replay_one(golden, _settings(asked))
     except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
         _error_outputs(golden, e, report, junit, html)
         raise
     args = {"model": model, "head": head, "device": device, "threads": threads, "rows": rows,
             "allow_model_mismatch": allow_model_mismatch, "environ": environ}  # what command.sh passes again
     return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
+
+
+def _settings(asked: dict):
+    """`vd.replayer.ReplaySettings` from the flags (the replayer imported here: it imports torch)."""
+    from vd.replayer import ReplaySettings
+
+    return ReplaySettings(**asked)
 
 
 def _replay_one(golden: str, settings):
@@ -229,6 +233,8 @@ def _replay_one(golden: str, settings):
 
 def _error_outputs(golden: str, e: Exception, report: Path | None, junit: Path | None, html: Path | None) -> None:
     """``--report``, ``--junit`` and ``--html`` of a replay that ended before a verdict: the error, its exit code."""
+    if report is None and junit is None and html is None:
+        return
     from vd.errors import VdError
     from vd.replayer import render
     from vd.replayer.report import Unjudged, golden_name

@@ -121,7 +121,7 @@ def foreign_vd() -> str | None:
         other = md.distribution("vd")
     except md.PackageNotFoundError:
         return None
-    return (f"the distribution 'vd' {other.version} ({other.metadata.get('Summary') or 'another project'}) is "
+    return (f"the distribution 'vd' {other.version} ({other.metadata['Summary'] or 'another project'}) is "
             "installed in this environment and owns the same import name and command as vd-goldens, so their "
             "files overwrite each other; uninstall both (pip uninstall vd vd-goldens) and install vd-goldens "
             "alone, or use another environment")
@@ -263,7 +263,7 @@ def reporting():
     """A bar on a terminal; plain lines (`vd.progress.Lines`) on a pipe or a CI log (asked of the stream
     itself: rich counts FORCE_COLOR, which CI services set, as a terminal)."""
     if sys.stderr.isatty():
-        with _Bar() as bar:
+        with TerminalBar() as bar:
             yield bar
     else:
         lines = Lines(sys.stderr)
@@ -271,7 +271,7 @@ def reporting():
         lines.end()  # not on an error: its one line says what happened
 
 
-class _Bar:
+class TerminalBar:
     """A progress bar on stderr (a terminal), one task per phase."""
 
     def __init__(self, console: Console = err):

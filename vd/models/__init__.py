@@ -21,18 +21,21 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from vd.errors import ModelSpecError, PluginError, UsageError, VdError, write_traceback
+from vd.models.device import check_device
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 
 if TYPE_CHECKING:
     import torch
 
+    from vd.models.hf import HFModel
     from vd.protocol import VerifyModel
 
-__all__ = ["BUILTIN_FORWARDS", "DEFAULT_MODEL", "PRESETS", "check_forward_names", "forwards_of", "load_model",
-           "require_forwards", "spec_kind"]
+__all__ = ["BUILTIN_FORWARDS", "DEFAULT_MODEL", "PRESETS", "check_device", "check_forward_names", "forwards_of",
+           "load_model", "require_forwards", "spec_kind"]
 
 _PLUGIN = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w.]*):(?P<factory>[A-Za-z_]\w*)$")
 
@@ -41,14 +44,6 @@ _PLUGIN = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w.]*):(?P<factory>[A-Za-z_]
 # checked without importing torch. Which of them a model offers depends on its device.
 BUILTIN_FORWARDS = ("eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "static", "graphed",
                     "compiled", "compiled-graphed")
-
-
-def __getattr__(name: str):
-    if name == "check_device":  # the HF adapter's, re-exported without importing torch for every caller
-        from vd.models.hf import check_device
-
-        return check_device
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def spec_kind(spec: str) -> str:
@@ -78,27 +73,34 @@ def check_forward_names(spec: str, names: list[str]) -> None:
                          f"{', '.join(BUILTIN_FORWARDS)} (`vd forwards` lists those this machine runs)")
 
 
-def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyModel:
-    from vd.protocol import VerifyModel, protocol_members
-
-    m = _PLUGIN.match(spec)
-    target, factory_name = m["target"], m["factory"]
+def _plugin_module(target: str) -> ModuleType:
+    """The module a plug-in spec names: a ``.py`` file, or a module on the import path."""
     try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise ModelSpecError(f"plug-in file {target} does not exist")
-            mod_name = f"vd_plugin_{abs(hash(path.resolve()))}"
-            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[mod_name] = module
-            loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
+        if not target.endswith(".py"):
+            return importlib.import_module(target)
+        path = Path(target)
+        if not path.is_file():
+            raise ModelSpecError(f"plug-in file {target} does not exist")
+        mod_name = f"vd_plugin_{abs(hash(path.resolve()))}"
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        assert loader_spec is not None and loader_spec.loader is not None, "a .py file has a source loader"
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[mod_name] = module
+        loader_spec.loader.exec_module(module)
+        return module
     except ModelSpecError:
         raise
     except Exception as e:  # a plug-in's import can fail in any way; report it as one line
         raise ModelSpecError(f"cannot import plug-in {target}: {type(e).__name__}: {e}") from e
+
+
+def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyModel:
+    from vd.protocol import VerifyModel, mark_plugin, protocol_members
+
+    m = _PLUGIN.match(spec)
+    assert m is not None, "spec_kind says the spec names a plug-in"
+    target, factory_name = m["target"], m["factory"]
+    module = _plugin_module(target)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ModelSpecError(f"plug-in {target} has no callable {factory_name!r}")
@@ -114,10 +116,7 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
             "of the vd model protocol"
         )
     _guard(model, spec)
-    try:
-        model._vd_plugin = spec  # the spec that named it, for the errors that name the adapter
-    except (AttributeError, TypeError):
-        pass
+    mark_plugin(model, spec)  # the spec that named it, for the errors that name the adapter
     return model
 
 
@@ -159,15 +158,16 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     """Load the model a SPEC names, on ``device``, computing in ``dtype``; with ``head``, attach the
     MTP draft head that safetensors file holds (`vd.models.mtp.save_head` format)."""
     from vd.dtypes import parse_dtype
-    from vd.models.hf import HFModel, check_device, load_checkpoint
-    from vd.models.mtp import attach_head, native_layer
-    from vd.protocol import DraftHead
+    from vd.models.hf import HFModel
+    from vd.models.mtp import attach_head
+    from vd.protocol import draft_head
 
     dev = check_device(device)
     dt = parse_dtype(dtype).torch if isinstance(dtype, str) else dtype
     kind = spec_kind(spec)
     if _split():
         return _tensor_parallel(spec, kind, dev, dt, head)
+    model: VerifyModel
     if kind == "llamacpp":
         from vd.models import llamacpp
 
@@ -175,20 +175,31 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     elif kind == "plugin":
         model = _load_plugin(spec, dev, dt)
     elif kind == "path":
-        path = Path(spec)
-        if path.is_file() and path.suffix != ".gguf":
-            raise ModelSpecError(f"{spec} is a file but not a .gguf checkpoint")
-        model = load_checkpoint(path, device=dev, dtype=dt)
-        if path.is_dir() and getattr(model.config.get_text_config(), "num_mtp_layers", 0):
-            layer, cfg = native_layer(model.model, seed=None)  # the checkpoint's own MTP layer
-            model = attach_head(model, layer=layer, head_config=cfg, head_name=f"native MTP layer 0 of {path.name}",
-                                head_source="native")
+        model = _load_path(spec, dev, dt)
     else:
         model = PRESETS[spec].build(dev, dt)
     if head is not None:
-        if not isinstance(model, HFModel) or isinstance(model, DraftHead):
+        if not isinstance(model, HFModel) or draft_head(model) is not None:
             raise ModelSpecError(f"--head attaches to an HF model without a draft head; {spec} is not one")
         model = attach_head(model, Path(head))
+    return model
+
+
+def _load_path(spec: str, device: torch.device, dtype: torch.dtype) -> HFModel:
+    """The HF checkpoint directory or ``.gguf`` file at ``spec``, with a directory's own MTP layer attached as
+    its draft head where its config has one."""
+    from vd.models.checkpoints import load_checkpoint
+    from vd.models.mtp import attach_head, native_layer
+
+    path = Path(spec)
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelSpecError(f"{spec} is a file but not a .gguf checkpoint")
+    model = load_checkpoint(path, device=device, dtype=dtype)
+    mtp_layers = getattr(model.config.get_text_config(), "num_mtp_layers", 0)
+    if path.is_dir() and mtp_layers:
+        layer, cfg = native_layer(model.model, seed=None)  # the checkpoint's own MTP layer
+        return attach_head(model, layer=layer, head_config=cfg, head_name=f"native MTP layer 0 of {path.name}",
+                           head_source="native")
     return model
 
 

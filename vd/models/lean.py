@@ -26,7 +26,9 @@ residual, norm, MLP, residual) are compiled with Inductor once per step shape an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,11 @@ def unsupported(model: torch.nn.Module) -> str | None:
     name = type(model).__name__
     if name not in ARCHITECTURES:
         return f"{name} is not one of {', '.join(ARCHITECTURES)}"
+    return _unsupported_llama(model)
+
+
+def _unsupported_llama(model: Any) -> str | None:
+    """Why the lean step cannot run a Llama-family ``model``: its submodules are reached by their names."""
     cfg = model.config
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act!r}"
@@ -146,8 +153,9 @@ class LeanStack:
     description = ("vd's lean Llama-family step (fused QKV and gate-up GEMMs, rotary on queries and keys at once, "
                    "grouped-query SDPA, HF's norm arithmetic)")
 
-    def __init__(self, model: torch.nn.Module, reduce=None):
-        """``reduce``: for a tensor-parallel shard (`vd.models.tp`), the in-place sum across ranks of each
+    def __init__(self, model: Any, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``model``: a Llama-family model (`unsupported` says None), its submodules reached by their names;
+        ``reduce``: for a tensor-parallel shard (`vd.models.tp`), the in-place sum across ranks of each
         layer's output and down projections (None: the model is whole)."""
         cfg = model.config.get_text_config()
         self.reduce = reduce
@@ -170,7 +178,8 @@ class LeanStack:
                 w_post=layer.post_attention_layernorm.weight.detach(),
                 eps_post=layer.post_attention_layernorm.variance_epsilon,
                 wgu=_fuse((m.gate_proj, m.up_proj)), wd=m.down_proj.weight.detach(), scale=a.scaling))
-        self.cos = self.sin = None
+        self.cos: torch.Tensor | None = None  # rotary tables, [capacity, d] (`allocate`)
+        self.sin: torch.Tensor | None = None
         self._attn_in, self._attn_out_mlp, self._attn_out, self._mlp = attn_in, attn_out_mlp, attn_out, mlp
 
     def compile(self) -> None:
@@ -200,6 +209,7 @@ class LeanStack:
         if self.reduce is not None:
             a_out = self._reduced(*((self._attn_out, self._mlp) if fast else (attn_out, mlp)))
         x = F.embedding(inp[:n], self.embed)
+        assert self.cos is not None and self.sin is not None, "allocate sizes the rotary tables before a step"
         cos, sin = self.cos[pos], self.sin[pos]
         for w, layer in zip(self.layers, kv.cache.layers):
             q, k, v = a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d)

@@ -23,6 +23,7 @@ import hashlib
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,7 +129,7 @@ class LlamaCppModel:
         self.device, self.dtype = torch.device("cpu"), dtype  # rows come back on the host, whatever runs them
         self.threads = torch.get_num_threads()
         self.n_ctx = N_CTX
-        self._contexts: dict[str, object] = {}
+        self._contexts: dict[str, Any] = {}  # llama_cpp.Llama, an optional dependency
         self._forward = "cpu"
         self.llm = self._context("cpu")
         self.vocab_size = int(self.llm.n_vocab())

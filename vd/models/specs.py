@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import overload
 
 _FILE_PLUGIN = re.compile(r"^(?P<target>.+\.py):(?P<factory>[A-Za-z_]\w*)$")
 LLAMACPP = "llamacpp:"
@@ -46,6 +47,12 @@ def portable(spec: str | None, golden_dir: Path | None) -> tuple[str | None, str
     return spec, None
 
 
+@overload
+def resolve(spec: str, base: str | None, golden_dir: Path | None) -> str: ...
+@overload
+def resolve(spec: None, base: str | None, golden_dir: Path | None) -> None: ...
+
+
 def resolve(spec: str | None, base: str | None, golden_dir: Path | None) -> str | None:
     """A stored spec back to one naming the file from here (unchanged where it has no base, or where the
     base is the golden's folder and the golden is not local)."""
@@ -61,8 +68,10 @@ def resolve(spec: str | None, base: str | None, golden_dir: Path | None) -> str 
 
 def stored(meta_model: Mapping, golden_dir: Path | None) -> tuple[str, str | None]:
     """A golden's model spec and head file (its metadata's ``model``), resolved from here."""
-    return (resolve(meta_model.get("spec"), meta_model.get("spec_base"), golden_dir),
-            resolve(meta_model.get("head"), meta_model.get("head_base"), golden_dir))
+    spec: str = meta_model["spec"]  # every golden has one (`vd.store.schema`)
+    head: str | None = meta_model.get("head")
+    return (resolve(spec, meta_model.get("spec_base"), golden_dir),
+            resolve(head, meta_model.get("head_base"), golden_dir))
 
 
 def golden_dir(location) -> Path | None:

@@ -33,12 +33,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from vd.models.inductor import inductor_settings
 from vd.models.lean import LeanStack
 from vd.models.lean import unsupported as lean_unsupported
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin
 
 STEP_HF = "HF transformers' modules with SDPA attention"
 STEP_ANY = ("vd's lean step (Llama and Qwen2 stacks, vd.models.lean) or HF transformers' modules with SDPA "
@@ -83,26 +88,31 @@ class _Layer:
 
     def __init__(self, kv: StaticKV):
         self.kv = kv
-        self.keys = self.values = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
         self.is_initialized = False
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.keys is None:  # allocated on the first (uncaptured) step: the shapes come from the model
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None or self.values is None:  # allocated on the first (uncaptured) step: the model's shapes
             _, h, _, d = key_states.shape  # vd steps one sequence: batch 1
-            self.allocate(h, d, key_states.dtype, value_dim=value_states.shape[-1])
+            self.keys, self.values = self.allocate(h, d, key_states.dtype, value_dim=value_states.shape[-1])
         pos = self.kv.positions[: key_states.shape[-2]]
         self.keys.index_copy_(2, pos, key_states)
         self.values.index_copy_(2, pos, value_states)
         return self.keys, self.values
 
-    def allocate(self, heads: int, dim: int, dtype: torch.dtype, value_dim: int | None = None) -> None:
+    def allocate(self, heads: int, dim: int, dtype: torch.dtype, value_dim: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate this layer's keys ``[1, heads, capacity, dim]`` and values (``value_dim`` wide when
-        it differs, as in DeepSeek's MLA), marked as static addresses for compiled code."""
-        self.keys = torch.zeros(1, heads, self.kv.capacity, dim, dtype=dtype, device=self.kv.device)
-        self.values = torch.zeros(1, heads, self.kv.capacity, value_dim or dim, dtype=dtype, device=self.kv.device)
-        torch._dynamo.mark_static_address(self.keys)
-        torch._dynamo.mark_static_address(self.values)
+        it differs, as in DeepSeek's MLA), marked as static addresses for compiled code; return them."""
+        self.keys = keys = torch.zeros(1, heads, self.kv.capacity, dim, dtype=dtype, device=self.kv.device)
+        self.values = values = torch.zeros(1, heads, self.kv.capacity, value_dim or dim, dtype=dtype,
+                                           device=self.kv.device)
+        torch._dynamo.mark_static_address(keys)
+        torch._dynamo.mark_static_address(values)
         self.is_initialized = True
+        return keys, values
 
     def get_seq_length(self):
         # HF asks this only when no position_ids are passed, and vd always passes them.
@@ -124,17 +134,20 @@ class StaticKV:
         self.capacity = capacity
         self.device = device
         self.positions = torch.zeros(GRAPH_MAX, dtype=torch.long, device=device)  # replaced per step
-        self.cache = Cache(layers=[_Layer(self) for _ in range(layers)])
+        self.layers = [_Layer(self) for _ in range(layers)]
+        # HF's Cache calls only what `_Layer` defines of its layers' members.
+        self.cache = Cache(layers=cast("list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer]",
+                                       self.layers))
 
     @property
     def ready(self) -> bool:
         """Whether the cache tensors exist (they are allocated by the first step, run as eager kernels,
         so neither a compiled trace nor a graph capture allocates them)."""
-        return any(layer.keys is not None for layer in self.cache.layers)
+        return any(layer.keys is not None for layer in self.layers)
 
     def allocate(self, heads: int, dim: int, dtype: torch.dtype) -> None:
         """Allocate every layer's keys and values ``[1, heads, capacity, dim]`` up front."""
-        for layer in self.cache.layers:
+        for layer in self.layers:
             layer.allocate(heads, dim, dtype)
 
     def length_on_device(self) -> torch.Tensor:
@@ -160,13 +173,13 @@ class GraphSet:
 
     def __init__(self, fn: Callable, device: torch.device):
         self.fn, self.device = fn, device
-        self.pool = None
-        self.graphs: dict = {}
+        self.pool: Any = None  # torch.cuda.graph_pool_handle()'s, made at the first capture
+        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, tuple[Any, ...], Any]] = {}
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self.graphs
 
-    def capture(self, key, inputs: tuple[torch.Tensor, ...], fn: Callable | None = None) -> None:
+    def capture(self, key: Any, inputs: tuple[Any, ...], fn: Callable | None = None) -> None:
         """Capture ``fn`` (default: the set's) over ``inputs`` as the graph of ``key``."""
         fn = fn or self.fn
         stream = torch.cuda.Stream(self.device)
@@ -184,12 +197,12 @@ class GraphSet:
             outputs = fn(*inputs)
         self.graphs[key] = (graph, inputs, outputs)
 
-    def replay(self, key):
+    def replay(self, key: Any) -> Any:
         graph, _, outputs = self.graphs[key]
         graph.replay()
         return outputs
 
-    def inputs(self, key) -> tuple[torch.Tensor, ...]:
+    def inputs(self, key: Any) -> tuple[Any, ...]:
         return self.graphs[key][1]
 
 
@@ -207,12 +220,12 @@ class _Staging:
         self.device = device
         self.pinned = device.type == "cuda"
         self.host = torch.zeros(4 * GRAPH_MAX + 1, dtype=torch.long, pin_memory=self.pinned)
-        self.event = torch.cuda.Event() if self.pinned else None
+        self.event = torch.cuda.Event() if self.pinned else None  # None exactly where not pinned
 
     def fill(self, ids: Sequence[int], start: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[*ids, start]`` on the device (into ``out`` when given)."""
         n = len(ids)
-        if not self.pinned:
+        if self.event is None:
             src = torch.tensor([*ids, start], dtype=torch.long)
         else:
             self.event.synchronize()  # the previous step's copy has left the pinned buffer
@@ -224,7 +237,7 @@ class _Staging:
         if out is None:
             out = torch.empty(n + 1, dtype=torch.long, device=self.device)
         out.copy_(src, non_blocking=self.pinned)
-        if self.pinned:
+        if self.event is not None:
             self.event.record()
         return out
 
@@ -232,7 +245,8 @@ class _Staging:
 class StaticRunner:
     """An HF causal LM stepping over a `StaticKV`, in one of the `STATIC_FORWARDS` modes."""
 
-    def __init__(self, model: torch.nn.Module, mode: str, *, hidden: bool, lean: bool = True, reduce=None):
+    def __init__(self, model: PreTrainedModel, mode: str, *, hidden: bool, lean: bool = True,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """``lean``: run vd's lean step where the architecture allows (False: HF's modules always);
         ``reduce``: the model is a tensor-parallel shard (`vd.models.tp`), whose lean step sums across ranks."""
         self.model, self.mode, self.hidden = model, mode, hidden
@@ -248,10 +262,11 @@ class StaticRunner:
         if reduce is not None and self.lean is None:
             raise ValueError(f"a tensor-parallel shard needs vd's lean step: {lean_unsupported(model)}")
         if self.lean is not None:
+            stack = self.lean
             if compiled:
-                self.lean.compile()
-            self._plain = lambda inp: self.lean.step(inp, self.kv, fast=False, hidden=hidden)
-            self._fast = lambda inp: self.lean.step(inp, self.kv, fast=True, hidden=hidden)
+                stack.compile()
+            self._plain: Callable = lambda inp: stack.step(inp, self.kv, fast=False, hidden=hidden)
+            self._fast: Callable = lambda inp: stack.step(inp, self.kv, fast=True, hidden=hidden)
         else:
             self._plain = self._step
             self._fast = _maybe_compile(self._step, compiled)
@@ -281,6 +296,11 @@ class StaticRunner:
             self._allocate(capacity_for(DEFAULT_CAPACITY))
         self.length = 0
 
+    def _cache(self) -> StaticKV:
+        """The static cache (`reset` or `prepare` allocates it before the first step)."""
+        assert self.kv is not None, "reset or prepare allocates the cache before the first step"
+        return self.kv
+
     def rewind(self, n: int) -> None:
         if n < 0 or n > self.length:
             raise ValueError(f"cannot rewind {n} of {self.length} positions")
@@ -289,9 +309,10 @@ class StaticRunner:
     def _step(self, inp: torch.Tensor):
         """Tokens ``inp[:-1]`` at positions from ``inp[-1]``: (logits ``[n, V]``, hidden ``[n, H]`` or None)."""
         n = inp.shape[0] - 1
-        pos, mask = self.kv.begin(inp[n], n, self.dtype)
+        kv = self._cache()
+        pos, mask = kv.begin(inp[n], n, self.dtype)
         out = self.model(input_ids=inp[:n][None], position_ids=pos[None], attention_mask=mask,
-                         cache=self.kv.cache, use_cache=True, output_hidden_states=self.hidden)
+                         cache=kv.cache, use_cache=True, output_hidden_states=self.hidden)
         return out.logits[0], (out.hidden_states[-1][0] if self.hidden else None)
 
     def _step_fn(self, n: int) -> Callable:
@@ -302,7 +323,7 @@ class StaticRunner:
     def _ensure_graph(self, n: int) -> None:
         if self._graphs is not None and n not in self._graphs:
             inp = self._staging.fill([0] * n, self.length)
-            if not self.kv.ready:
+            if not self._cache().ready:
                 self._plain(inp)
             self._graphs.capture(n, (inp,), self._step_fn(n))
 
@@ -310,11 +331,11 @@ class StaticRunner:
         """Append ``tokens``; their logits rows and (if asked at construction) final hidden states."""
         if self.kv is None:
             self.reset()
-        n = len(tokens)
-        if self.length + n > self.kv.capacity:
-            raise RuntimeError(f"the static KV cache holds {self.kv.capacity} positions; {self.length + n} "
+        kv, n = self._cache(), len(tokens)
+        if self.length + n > kv.capacity:
+            raise RuntimeError(f"the static KV cache holds {kv.capacity} positions; {self.length + n} "
                                "needed (prepare a larger capacity)")
-        if not self.kv.ready:  # HF's modules allocate the cache on their first step, run as eager kernels
+        if not kv.ready:  # HF's modules allocate the cache on their first step, run as eager kernels
             logits, hidden = self._plain(self._staging.fill(tokens, self.length))
         elif self._graphs is not None:
             self._ensure_graph(n)
@@ -354,13 +375,18 @@ class StaticHead:
             self.kv = StaticKV(self.layers, capacity, self.device)
             self._graphs = GraphSet(self._fast, self.device) if self.graphed else None
 
+    def _cache(self) -> StaticKV:
+        """The head's static cache (`prepare` allocates it before the first proposal)."""
+        assert self.kv is not None, "prepare allocates the head's cache before the first proposal"
+        return self.kv
+
     def _block(self, ids: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        q = ids.shape[1]
-        pos, mask = self.kv.begin(start, q, self.dtype)
+        q, kv = ids.shape[1], self._cache()
+        pos, mask = kv.begin(start, q, self.dtype)
         emb = self.embed(ids)
         pe = self.rotary(emb, position_ids=pos[None]) if self.rotary is not None else None
         return self.layer(emb, hidden, position_embeddings=pe, attention_mask=mask, position_ids=pos[None],
-                          cache=self.kv.cache)
+                          cache=kv.cache)
 
     def _propose(self, inp: torch.Tensor, hidden: torch.Tensor, n: int):
         q = inp.shape[0] - 1
@@ -381,10 +407,10 @@ class StaticHead:
         """``n`` drafts (ints) and their ``[n, V]`` rows, after ``q = len(ids)`` committed entries."""
         if self.kv is None:
             self.prepare(DEFAULT_CAPACITY)
-        q = len(ids)
-        if start + q + n - 1 > self.kv.capacity:
-            raise RuntimeError(f"the head's static KV cache holds {self.kv.capacity} positions")
-        if q > GRAPH_MAX or not self.kv.ready:
+        kv, q = self._cache(), len(ids)
+        if start + q + n - 1 > kv.capacity:
+            raise RuntimeError(f"the head's static KV cache holds {kv.capacity} positions")
+        if q > GRAPH_MAX or not kv.ready:
             drafts, rows = self._propose(self._staging.fill(ids, start), hidden, n)
         elif self._graphs is not None:
             key = (q, n)

@@ -18,7 +18,7 @@ every rank computes the same logits. The static KV cache holds each rank's key/v
 differs from one GPU's, so a TP=N golden replayed at another degree is another build (its environment's
 ``tp``), with the numbers as they are.
 
-**Weights and identity.** `vd.models.hf.hash_uniform_` gives every element a value from its index in the
+**Weights and identity.** `vd.models.generated.hash_uniform_` gives every element a value from its index in the
 whole tensor, so a rank fills its slice alone (`Region`) and the model is the one `build_generated` makes
 whole; its fingerprint is the whole model's (each rank's checksums of its slices, weighted by their indices
 in the whole tensors, summed across ranks), the same at every degree.
@@ -30,14 +30,20 @@ import copy
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from vd.errors import UsageError
-from vd.models.hf import GENERATOR, ByteCodec, HFModel, Region, _checksum_on_device, fingerprint_of, generate
+from vd.models.generated import GENERATOR, Region, checksum_on_device, fingerprint_of, generate
+from vd.models.hf import HFModel
 from vd.models.static import CUDA_ONLY, StaticRunner, static_forwards
+from vd.models.text import ByteCodec
 from vd.protocol import ModelIdentity
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(slots=True)
@@ -102,6 +108,13 @@ def world() -> World | None:
     return _WORLD
 
 
+def _joined() -> World:
+    """The ranks this process runs among: a follower or a split model exists only under torchrun."""
+    w = world()
+    assert w is not None, "this process runs alone (WORLD_SIZE 1): there are no ranks to split over"
+    return w
+
+
 def is_follower() -> bool:
     """Whether this process is a rank other than 0 (it serves rank 0's calls: `follow`)."""
     w = world()
@@ -125,7 +138,7 @@ def finish() -> None:
 
 def follow() -> None:
     """A rank other than 0: make every call rank 0 broadcasts on this rank's shard, until ``stop``."""
-    w = world()
+    w = _joined()
     models: dict[int, TPModel] = {}  # rank 0 may go back to a model it built earlier (a suite holds them)
     while True:
         op, args = w.broadcast()
@@ -196,9 +209,9 @@ def ranks_sharing(local_rank: int, local_size: int, devices: int) -> int:
 
 
 def build(config, seed: int, name: str, device: str | torch.device, dtype: torch.dtype) -> TPModel:
-    """This rank's shard of the generated model of ``config`` (`vd.models.hf.build_generated`'s values); on
+    """This rank's shard of the generated model of ``config`` (`vd.models.generated.build_generated`'s values); on
     rank 0, broadcast first, so every rank builds its own."""
-    w = world()
+    w = _joined()
     shard = shard_config(config, w.size)  # refused on rank 0 before any other rank builds
     if w.rank == 0:
         w.broadcast(("build", (config, seed, name, str(device), dtype)))
@@ -222,7 +235,7 @@ class TPModel(HFModel):
     """One rank's shard of a tensor-parallel model (see the module's docstring): the static forwards of vd's
     lean step, summing across ranks; on rank 0 each call is broadcast to the other ranks first."""
 
-    def __init__(self, model: torch.nn.Module, *, world: World, whole, seed: int, name: str, key: int = 0):
+    def __init__(self, model: PreTrainedModel, *, world: World, whole: Any, seed: int, name: str, key: int = 0):
         self.world, self.whole, self.seed, self.key = world, whole, seed, key
         self._leading = False  # no broadcasts while every rank builds
         group = world.data_group(next(model.parameters()).device)
@@ -242,7 +255,7 @@ class TPModel(HFModel):
             self.world.broadcast((op, (self.key, *args)))
 
     def _fingerprint(self, model: torch.nn.Module, config) -> str:
-        """The whole model's fingerprint (`vd.models.hf.generated_fingerprint`): each tensor's checksum summed
+        """The whole model's fingerprint (`vd.models.generated.generated_fingerprint`): each tensor's checksum summed
         across ranks (a tensor every rank holds whole counted once, rank 0's)."""
         w = self.world
         tensors, parts, shapes = sorted(model.state_dict().items()), [], []
@@ -252,7 +265,7 @@ class TPModel(HFModel):
             if at is None and w.rank != 0:
                 parts.append(torch.zeros((), dtype=torch.int64, device=t.device))
             else:
-                parts.append(_checksum_on_device(t, at=at).sum())
+                parts.append(checksum_on_device(t, at=at).sum())
         totals = torch.stack(parts)
         dist.all_reduce(totals, group=w.data_group(totals.device))
         return fingerprint_of(self.whole, self.seed, [(pname, t.dtype, shape, total) for (pname, t), shape, total

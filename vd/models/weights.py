@@ -10,7 +10,7 @@ same file in that dtype reads that folder, memory-mapped by safetensors (about 0
   transformers is another entry, never a stale one. The file's hash is remembered by its path, size,
   modification time and inode (``index.json``), so an unchanged file is not hashed again.
 * **Never trusted for identity**: a model loaded from an entry is fingerprinted from the weights it
-  holds, as any other model (`vd.models.hf.fingerprint`, computed anyway), and that must equal the
+  holds, as any other model (`vd.models.fingerprint.fingerprint`, computed anyway), and that must equal the
   fingerprint stored with the entry when it was written; a damaged entry (one flipped byte) is
   discarded and the file converted again.
 * **Where**: ``$VD_CACHE_DIR``, else ``$XDG_CACHE_HOME/vd``, else ``~/.cache/vd``; ``VD_CACHE=off`` turns
@@ -123,7 +123,7 @@ def ready(entry: Path | None) -> bool:
 
 
 def stored_fingerprint(entry: Path) -> str | None:
-    """The fingerprint the entry's weights had when it was written (`vd.models.hf.fingerprint`)."""
+    """The fingerprint the entry's weights had when it was written (`vd.models.fingerprint.fingerprint`)."""
     try:
         return json.loads((entry / "entry.json").read_text()).get("fingerprint")
     except (OSError, ValueError, AttributeError):

@@ -23,6 +23,7 @@ from vd.store.format import FORMAT
 
 
 def is_golden(doc: bytes | None) -> bool:
+    """Whether ``doc`` (a root ``zarr.json``'s bytes, None where there is none) is a golden's of this format."""
     if doc is None:
         return False
     try:

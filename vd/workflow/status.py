@@ -106,6 +106,8 @@ def _fingerprint(g, models: Models, progress: Progress) -> list[str]:
     """Whether the model (and head) the golden names still has the fingerprint it was recorded with."""
     import torch
 
+    from vd import protocol
+
     m = g.meta["model"]
     device = g.info.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -118,8 +120,9 @@ def _fingerprint(g, models: Models, progress: Progress) -> list[str]:
     now = model.identity().fingerprint
     if now != m["fingerprint"]:
         out.append(f"model {m['spec']} now has fingerprint {now}; the golden was recorded with {m['fingerprint']}")
-    if g.info.drafted and hasattr(model, "head_info"):
-        head = model.head_info().get("fingerprint")
+    drafter = protocol.draft_head(model) if g.info.drafted else None
+    if drafter is not None:
+        head = drafter.head_info().get("fingerprint")
         if head != g.meta["mtp"]["fingerprint"]:
             out.append(f"MTP head now has fingerprint {head}; the golden was recorded with "
                        f"{g.meta['mtp']['fingerprint']}")

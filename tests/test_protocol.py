@@ -1,0 +1,120 @@
+"""The optional members of the model protocol: each accessor's default where a model lacks the member, its
+value where it has it, and the conformance checks that hold a declared member to its contract (run here on
+small hand-written fakes)."""
+
+import pytest
+import torch
+
+from vd import protocol
+from vd.testing import ModelConformance
+
+
+class Bare:
+    """Only the required protocol (the members vd reads are all that matter here)."""
+
+    vocab_size, device, dtype = 8, torch.device("cpu"), torch.float32
+
+
+class Full(Bare):
+    """Every optional member but the draft head."""
+
+    owns_rows = True
+    context_length = 64
+
+    def __init__(self):
+        self.prepared: list[tuple[int, list[int]]] = []
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+    def forward_uses_graphs(self, name):
+        return name == "graphed"
+
+    def prepare(self, capacity, lengths=()):
+        self.prepared.append((capacity, list(lengths)))
+
+    def environment(self):
+        return {"engine": {"name": "fake", "build": 1}}
+
+
+class Delegating:
+    """A wrapper handing every other lookup to the model it wraps (as tests/plugins/misbehaving.py does)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_absent_members_read_as_their_defaults():
+    m = Bare()
+    assert protocol.decoder(m) is None and protocol.draft_head(m) is None
+    assert protocol.uses_graphs(m, "eager") is False
+    assert protocol.context_length(m) is None
+    assert protocol.environment(m) == {}
+    assert protocol.owns_rows(m) is False
+    protocol.prepare(m, 10, [3])  # nothing to call: no error
+    assert not any(protocol.declares(m, member) for member in protocol.OPTIONAL_MEMBERS)
+
+
+def test_present_members_are_read_through_their_accessors():
+    m = Full()
+    assert protocol.decoder(m) is m and protocol.draft_head(m) is None
+    assert protocol.uses_graphs(m, "graphed") is True and protocol.uses_graphs(m, "eager") is False
+    assert protocol.context_length(m) == 64
+    assert protocol.environment(m) == {"engine": {"name": "fake", "build": 1}}
+    assert protocol.owns_rows(m) is True
+    protocol.prepare(m, 10, [3, 1])
+    assert m.prepared == [(10, [3, 1])]
+
+
+def test_owns_rows_is_the_class_word_not_a_wrapped_models():
+    """A wrapper that delegates lookups makes rows of its own: the wrapped adapter's ``owns_rows`` does not
+    cover them, so vd watches them; every other member is the wrapped one's."""
+    w = Delegating(Full())
+    assert protocol.owns_rows(w) is False and not protocol.declares(w, "owns_rows")
+    assert protocol.context_length(w) == 64 and protocol.uses_graphs(w, "graphed")
+
+
+def test_a_non_callable_environment_adds_nothing():
+    m = Bare()
+    m.environment = {"engine": "not a method"}
+    assert protocol.environment(m) == {}
+
+
+def test_declares_knows_only_the_optional_members():
+    with pytest.raises(AssertionError, match="not an optional member"):
+        protocol.declares(Full(), "forward")
+
+
+@pytest.mark.parametrize("member, value, message", [
+    ("context_length", 0, "context_length is 0, expected a positive int"),
+    ("context_length", True, "context_length is True, expected a positive int"),
+    ("owns_rows", 1, "owns_rows is 1, expected True or False"),
+])
+def test_conformance_refuses_a_declared_attribute_out_of_contract(member, value, message):
+    bad = type("Bad", (Full,), {member: value})()
+    check = {"context_length": ModelConformance.test_context_length_is_positive,
+             "owns_rows": ModelConformance.test_owns_rows_is_a_bool}[member]
+    with pytest.raises(AssertionError, match=message):
+        check(ModelConformance(), bad)
+
+
+def test_conformance_refuses_an_environment_that_is_not_json():
+    bad = type("Bad", (Full,), {"environment": lambda self: {"engine": object()}})()
+    with pytest.raises(AssertionError, match="expected JSON-able values"):
+        ModelConformance().test_environment_is_a_json_mapping(bad)
+
+
+def test_conformance_refuses_a_graphs_answer_that_is_not_a_bool():
+    bad = type("Bad", (Full,), {"forward_uses_graphs": lambda self, name: "yes",
+                                "forwards": lambda self: {"eager": "plain"}})()
+    with pytest.raises(AssertionError, match=r"forward_uses_graphs\('eager'\) returned 'yes', expected True"):
+        ModelConformance().test_graphs_are_disclosed_per_forward(bad)
+
+
+def test_conformance_refuses_part_of_a_draft_head():
+    bad = type("Bad", (Full,), {"propose": lambda self, last, n: ([], None)})()
+    with pytest.raises(AssertionError, match="offers propose of an MTP draft head but not head_info"):
+        ModelConformance().test_draft_head_is_whole(bad)
