@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vd.layout import StepLog
 from vd.policy import Policy
 from vd.replayer.comparison import Comparison, Failure, Flip, KindSummary, Mismatch
 from vd.replayer.report import Control, DiffReport, KResult, Reason, Report
@@ -258,6 +259,22 @@ def row_changes(d: DiffReport) -> list[tuple[int, str, int, int, float, int, str
             steps = c.mismatched_step_list if kind == "verify" else ()
             shown = "" if not steps else ", ".join(map(str, steps[:12])) + (" ..." if len(steps) > 12 else "")
             out.append((v.k, kind, s.rows_differ, s.rows, s.max_abs, s.argmax_flips, shown))
+    return out
+
+
+def decision_lines(k: int, old: StepLog, new: StepLog) -> list[str]:
+    """How K's decisions moved between two versions' step logs: accept counts, the tokens verified, the
+    bootstrap token (none where nothing moved)."""
+    out = []
+    moved = [i for i, (x, y) in enumerate(zip(old.accepted.tolist(), new.accepted.tolist())) if x != y]
+    if moved:
+        out.append(f"K={k}: accept counts changed at steps {moved}: {old.accepted.tolist()} -> "
+                   f"{new.accepted.tolist()}")
+    tok = [i for i in range(len(old.tokens)) if old.tokens[i].tolist() != new.tokens[i].tolist()]
+    if tok:
+        out.append(f"K={k}: {len(tok)} step(s) verified other tokens, from step {tok[0]}")
+    if old.bootstrap != new.bootstrap:
+        out.append(f"K={k}: bootstrap token {old.bootstrap} -> {new.bootstrap}")
     return out
 
 

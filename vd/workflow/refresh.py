@@ -211,22 +211,7 @@ def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: l
     except UsageError as e:
         lines.append(f"rows not compared: {e}")
     else:
-        rows, decisions = words.row_changes(d), _decision_changes(old, new)
+        rows = words.row_changes(d)
+        decisions = [line for k in old.ks for line in words.decision_lines(k, old.checked_log(k), new.checked_log(k))]
         lines += words.rows_headline(rows) + decisions
     return lines, words.refresh_markdown(title, reason, lines, rows, decisions)
-
-
-def _decision_changes(old: Golden, new: Golden) -> list[str]:
-    out = []
-    for k in old.ks:
-        a, b = old.checked_log(k), new.checked_log(k)
-        moved = [i for i, (x, y) in enumerate(zip(a.accepted.tolist(), b.accepted.tolist())) if x != y]
-        if moved:
-            out.append(f"K={k}: accept counts changed at steps {moved}: {a.accepted.tolist()} -> "
-                       f"{b.accepted.tolist()}")
-        tok = [i for i in range(len(a.tokens)) if a.tokens[i].tolist() != b.tokens[i].tolist()]
-        if tok:
-            out.append(f"K={k}: {len(tok)} step(s) verified other tokens, from step {tok[0]}")
-        if a.bootstrap != b.bootstrap:
-            out.append(f"K={k}: bootstrap token {a.bootstrap} -> {b.bootstrap}")
-    return out
