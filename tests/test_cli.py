@@ -271,6 +271,21 @@ def test_module_factory_plugin(cli, tiny_golden, monkeypatch, tmp_path):
     _one_line_error(*cli("replay", tiny_golden, "--model", "no_such_module_xyz:factory"), "cannot import plug-in")
 
 
+def test_a_plugin_file_imports_the_modules_beside_it(cli, tiny_golden, tmp_path, monkeypatch):
+    """A plug-in file's folder is on the import path while it loads, as a script's is: an engine split over
+    several files in one folder loads by its entry file."""
+    engine = tmp_path / "my_engine"
+    engine.mkdir()
+    (engine / "kernels_helper.py").write_text("from vd.models import load_model\n\n\n"
+                                              "def build(device, dtype):\n"
+                                              "    return load_model('tiny-llama', device=device, dtype=dtype)\n")
+    (engine / "entry.py").write_text("import kernels_helper\n\n\ndef factory(device, dtype):\n"
+                                     "    return kernels_helper.build(device, dtype)\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder the loader adds goes with the test
+    code, out, err = cli("replay", tiny_golden, "--k", "2", "--model", f"{engine / 'entry.py'}:factory")
+    assert code == 0 and "PASS" in out, err
+
+
 def test_unwritable_destinations_exit_2(cli, tiny_golden, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

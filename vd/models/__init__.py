@@ -74,13 +74,17 @@ def check_forward_names(spec: str, names: list[str]) -> None:
 
 
 def _plugin_module(target: str) -> ModuleType:
-    """The module a plug-in spec names: a ``.py`` file, or a module on the import path."""
+    """The module a plug-in spec names: a ``.py`` file (its folder put first on ``sys.path``, as Python does for a
+    script, so it imports the modules beside it), or a module on the import path."""
     try:
         if not target.endswith(".py"):
             return importlib.import_module(target)
         path = Path(target)
         if not path.is_file():
             raise ModelSpecError(f"plug-in file {target} does not exist")
+        folder = str(path.resolve().parent)  # its sibling modules import, as when the file runs as a script
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         mod_name = f"vd_plugin_{abs(hash(path.resolve()))}"
         loader_spec = importlib.util.spec_from_file_location(mod_name, path)
         assert loader_spec is not None and loader_spec.loader is not None, "a .py file has a source loader"
