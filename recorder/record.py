@@ -219,8 +219,9 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         raise UsageError("the prompt encodes to no tokens")
     prepare(model, len(tokens), settings.steps, settings.ks)
     t = time.perf_counter()
-    progress.phase("greedy continuation", 0)
-    greedy = continuation(model, tokens, settings.steps * max(settings.ks) + 1)
+    n = settings.steps * max(settings.ks) + 1
+    progress.phase("greedy continuation", n)
+    greedy = continuation(model, tokens, n, on_token=progress.step)
     seconds["continuation"] = time.perf_counter() - t
     # The writer never works beside a run: it writes what each run lets go, before the next starts.
     with GoldenWriter(location, refresh=refresh) as writer:

@@ -496,6 +496,7 @@ def test_progress_off_a_terminal_is_plain_lines(cli, tiny_golden, tmp_path):
     assert code == 0, err
     assert [line.split(":")[1].split(" (")[0].strip() for line in err.splitlines()[::2]] == [
         "loading model", "greedy continuation", "recording K=2", "writing golden"]
+    assert "vd: greedy continuation (9 steps)" in err and re.search(r"greedy continuation: 9/9 steps in", err)
 
 
 def test_the_control_shows_on_the_row_of_the_forward_it_ran_under(cli, tiny_golden):
@@ -527,9 +528,9 @@ def test_a_terminal_bar_stops_each_phase_timer_when_the_next_begins():
 
 
 def test_progress_lines_count_steps_and_seconds():
-    clock = iter([0.0, 2.5, 2.5, 3.0]).__next__
+    times = iter([0.0, *[2.5 * (i + 1) / 16 for i in range(16)], 2.5, 2.5, 3.0])
     stream = io.StringIO()
-    p = Lines(stream, clock=clock)
+    p = Lines(stream, clock=times.__next__)
     p.phase("K=2 eager", 16)
     for s in range(16):
         p.step(s)
@@ -538,6 +539,22 @@ def test_progress_lines_count_steps_and_seconds():
     p.end()  # nothing open: nothing written
     assert stream.getvalue() == ("vd: K=2 eager (16 steps)\nvd: K=2 eager: 16/16 steps in 2.5 s\n"
                                  "vd: writing golden\nvd: writing golden: done in 0.5 s\n")
+
+
+def test_a_long_phase_says_its_count_every_half_minute():
+    """The greedy continuation is about half a CPU recording: a log gets its count every 30 s, not one line
+    at each end minutes apart."""
+    times = iter([0.0, *[10.0 * (i + 1) for i in range(10)], 100.0])
+    stream = io.StringIO()
+    p = Lines(stream, clock=times.__next__)
+    p.phase("greedy continuation", 10)
+    for s in range(10):
+        p.step(s)
+    p.end()
+    assert stream.getvalue().splitlines() == [
+        "vd: greedy continuation (10 steps)", "vd: greedy continuation: 3/10 steps, 30 s",
+        "vd: greedy continuation: 6/10 steps, 60 s", "vd: greedy continuation: 9/10 steps, 90 s",
+        "vd: greedy continuation: 10/10 steps in 100.0 s"]
 
 
 # -- forwards on this machine -----------------------------------------------------------------------------
