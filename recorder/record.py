@@ -24,7 +24,6 @@ from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
 from vd.digest import Summary
 from vd.dtypes import of_torch
-from vd.env import check_threads
 from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
 from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, continuation, hold_bytes, prepare, run_verify
@@ -32,6 +31,7 @@ from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import keep_artifacts
 from vd.models.specs import golden_dir, portable
 from vd.policy import Policy
+from vd.preflight import check_threads
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.store import GoldenWriter, Location, check_target, journal, locate

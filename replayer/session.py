@@ -16,13 +16,13 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from vd import env, protocol
+from vd import env, preflight, protocol
 from vd.dtypes import of_torch
 from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
 from vd.models import check_device, check_forward_names, load_model, require_forwards
+from vd.models.device import cpu_forward_hint
 from vd.models.inductor import compiles, held, load_artifacts
 from vd.models.specs import golden_dir, stored
-from vd.models.static import CUDA_ONLY
 from vd.policy import Policy
 from vd.progress import Progress
 from vd.protocol import VerifyModel
@@ -141,11 +141,9 @@ class Session:
 def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> Opened:
     """Open the golden (its metadata only) and check what the settings ask of it."""
     g = open_golden(where, rows=s.rows)
-    env.check_threads(s.threads)
+    preflight.check_threads(s.threads)
     ks = tuple(s.ks) or tuple(g.ks)
-    absent = [k for k in ks if k not in g.ks]
-    if absent:
-        raise UsageError(f"{g.url} has no verify width {absent}; it holds K = {g.ks}")
+    preflight.check_widths(g.url, ks, g.ks)
     policy = Policy.parse(s.tolerances, g.meta.get("policy"))
     needs = policy.needs_rows
     if g.rows_source is None and needs:
@@ -228,13 +226,7 @@ def _load_model(g: Golden, s: ReplaySettings) -> tuple[Prefetcher, VerifyModel]:
     check_forward_names(s.model or spec, list(s.forwards))  # before the model loads
     dev = s.device or g.info.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
-        if s.device is not None:  # asked for, not the recording's
-            raise UsageError(f"--device {dev}: this machine has no CUDA device ({g.url} was recorded on "
-                             f"{g.info.device})")
-        also = (f", with --forward naming a CPU forward (it was recorded with {g.info.forward!r}, which runs "
-                "on CUDA only; `vd forwards` lists them)" if not s.forwards and g.info.forward in CUDA_ONLY else "")
-        raise UsageError(f"{g.url} was recorded on {dev} and this machine has no CUDA device; pass --device cpu "
-                         f"to replay it on the CPU{also}")
+        raise preflight.no_cuda(g.url, s.device, g.info.device, cpu_forward_hint(g.info.forward, s.forwards))
     head = s.head if s.head is not None or s.model is not None else stored_head
     device = check_device(dev)
     reader = Prefetcher(g, device, files=True)

@@ -392,6 +392,29 @@ def _audit(cwd: Path, *argvs: list[str]) -> list[dict]:
     return json.loads(done.stdout)
 
 
+def test_mistakes_about_a_golden_are_answered_before_torch_is_imported(tiny_golden, tmp_path):
+    """What a golden's metadata settles, read as plain JSON: a verify width it lacks, a forward its model has
+    not, a golden already at a recording's destination, and what this machine cannot give (threads, CUDA)."""
+    import torch
+
+    g = str(tiny_golden)
+    cases = [
+        (["replay", g, "--k", "7"], "has no verify width [7]; it holds K = [2, 3, 4]"),
+        (["replay", g, "--forward", "eager", "--forward", "flash"], "no forward 'flash'"),
+        (["replay", g, "--threads", "64"], "--threads must be 1 to"),
+        (["record", g, "--model", "tiny-llama"], "already holds a golden; pass --refresh"),
+        (["record", str(tmp_path / "g.zarr"), "--threads", "64"], "--threads must be 1 to"),
+        (["show", str(tiny_golden / "k2")], "is a zarr group but not a vd golden"),
+    ]
+    if not torch.cuda.is_available():
+        cases += [(["replay", g, "--device", "cuda"], "--device cuda: this machine has no CUDA device"),
+                  (["record", str(tmp_path / "g.zarr"), "--device", "cuda"], "this machine has no CUDA device")]
+    for r, (argv, needle) in zip(_audit(tmp_path, *[argv for argv, _ in cases]), cases):
+        assert not r["heavy"], (argv, r["heavy"])
+        _one_line_error(r["code"], r["out"], r["err"], needle)
+    assert not list(tmp_path.iterdir())
+
+
 def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
     """Each mistake answers with its one line and exit 2 without importing torch or loading a model;
     `vd models`, `--help` and `--version` import nothing heavy either."""
@@ -402,9 +425,9 @@ def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
         (["show", "nosuch.zarr"], "does not exist"),
         (["slim", "nosuch.zip", "out.zarr"], "nosuch.zip does not exist"),
         (["diff"], "Missing argument 'A'"),
-        (["diff", str(tmp_path), "b.zarr"], "b.zarr does not exist"),
-        (["replay", str(tmp_path), "--model", "tiny-llama", "--forward", "eager", "--forward", "flash"],
-         "no forward 'flash'"),
+        (["diff", "a.zarr", "b.zarr"], "a.zarr does not exist"),
+        (["diff", str(tmp_path), "b.zarr"], "is not a vd golden (no zarr.json)"),
+        (["replay", str(tmp_path), "--model", "tiny-llama", "--forward", "flash"], "is not a vd golden (no zarr.json)"),
         (["record", "out.zarr", "--forward", "flash"], "no forward 'flash'"),
         (["record", "out.zarr", "--model", "no-such-model"], "unknown model"),
         (["record", "out.zarr", "--k", "2,x"], "comma-separated"),
@@ -429,7 +452,8 @@ def test_a_bad_tolerance_is_refused_before_a_model_is_loaded(tmp_path):
     (r,) = _audit(tmp_path, ["record", "out.zarr", "--model", "tiny-llama", "--tolerance", "verify=ulp"])
     _one_line_error(r["code"], r["out"], r["err"], "unknown tolerance 'ulp'")
     assert "vd.models.hf" not in r["heavy"] and "transformers" not in r["heavy"]  # no model layer
-    (r,) = _audit(tmp_path, ["diff", str(tmp_path), str(tmp_path), "--tolerance", "bogus=exact"])
+    v6 = str(Path(__file__).parent / "data" / "tiny-llama-v6.zarr")
+    (r,) = _audit(tmp_path, ["diff", v6, v6, "--tolerance", "bogus=exact"])
     _one_line_error(r["code"], r["out"], r["err"], "unknown row kind 'bogus'")
 
 

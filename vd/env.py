@@ -19,7 +19,6 @@ import torch
 
 import vd
 from vd import protocol
-from vd.errors import UsageError
 from vd.protocol import VerifyModel
 
 # Fields whose difference can change the numbers, in the order a reader should see them.
@@ -197,15 +196,6 @@ def apply_determinism(settings: dict | None) -> None:
         m.allow_bf16_reduced_precision_reduction = bool(settings["bf16_reduced_precision_reduction"])
     if "fp16_reduced_precision_reduction" in settings:
         m.allow_fp16_reduced_precision_reduction = bool(settings["fp16_reduced_precision_reduction"])
-
-
-def check_threads(threads: int | None) -> None:
-    """Refuse a CPU thread count below 1 or above this machine's cores (torch crashes far above them)."""
-    if threads is None:
-        return
-    cores = os.cpu_count() or 1
-    if not 1 <= threads <= cores:
-        raise UsageError(f"--threads must be 1 to {cores} (this machine's cores); got {threads}")
 
 
 def process_age() -> float | None:

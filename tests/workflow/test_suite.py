@@ -5,9 +5,9 @@ import shutil
 
 from vd.replayer import ReplaySettings
 from vd.store import open_golden
-from vd.workflow.declare import load_suite
+from vd.workflow.declare import load_suite, shard
 from vd.workflow.status import orphans, prune, status
-from vd.workflow.suite import Models, exit_code, record_suite, replay_suite, shard
+from vd.workflow.suite import Models, exit_code, record_suite, replay_suite
 
 SUITE = """
 [defaults]

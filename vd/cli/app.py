@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from vd import preflight
 from vd.cli import options as o
 from vd.cli import ranks
 from vd.cli.common import (
@@ -28,6 +29,7 @@ from vd.cli.common import (
     check_golden,
     check_model,
     check_outside,
+    check_replay,
     check_tolerances,
     check_writable,
     err,
@@ -39,6 +41,7 @@ from vd.cli.common import (
     write_json,
 )
 from vd.errors import UsageError
+from vd.preflight import check_threads
 
 
 @app.command(cls=Command, epilog=examples(
@@ -84,9 +87,21 @@ def record(
     out_path = _one(targets, "OUT")
     if resume:
         return _resumed(out_path)
-    check_model(model, [forward] if forward else [])
-    check_tolerances(tolerance)
+    _check_record(out_path, refresh, model, forward, device, threads, tolerance)
     return _record_one(ctx, out_path, refresh, reason, summary, config)
+
+
+def _check_record(out_path: str, refresh: bool, model: str, forward: str | None, device: str, threads: int | None,
+                  tolerance: list[str] | None) -> None:
+    """A recording's arguments checked before anything heavy is imported: the destination, the model SPEC and
+    forward, the device, the thread count and the policy."""
+    preflight.check_target(out_path, preflight.peek(out_path).state, refresh)
+    check_model(model, [forward] if forward else [])
+    from vd.models.device import check_device_name
+
+    check_device_name(device)
+    check_threads(threads)
+    check_tolerances(tolerance)
 
 
 def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | None, summary: Path | None,
@@ -202,11 +217,11 @@ def replay(
     if suite:
         from vd.cli import team
 
-        _check_inputs(None, rows, model, forward, tolerance)
-        return team.replay_suite(targets or [], config, _settings(asked), shard, report, junit, html, bundle)
+        _check_inputs(None, asked)
+        return team.replay_suite(targets or [], config, asked, shard, report, junit, html, bundle)
     assert golden is not None  # one golden without --suite (_check_outputs)
     try:
-        _check_inputs(golden, rows, model, forward, tolerance)  # before anything heavy is imported
+        _check_inputs(golden, asked)  # before anything heavy is imported
         with reading_environment() as environ:  # what the bundle's command.sh sets again
             result = _replay_one(golden, _settings(asked))
     except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
@@ -264,14 +279,24 @@ def _check_outputs(targets, suite: bool, rows, outputs: dict) -> str | None:
     return golden
 
 
-def _check_inputs(golden: str | None, rows, model, forward, tolerance) -> None:
-    """The goldens, model SPEC, forwards and tolerances checked before anything heavy is imported."""
-    for where in (golden, rows):
-        if where is not None:
-            check_golden(where)
-    if model is not None:  # the golden's own model is known once the golden is open
-        check_model(model, forward or [])
-    check_tolerances(tolerance)
+def _check_inputs(golden: str | None, asked: dict) -> None:
+    """The goldens, model SPEC, forwards, widths, device, threads and tolerances checked before anything heavy
+    is imported (with --suite, ``golden`` None: what the flags say alone)."""
+    if asked["rows"] is not None:
+        check_golden(asked["rows"])
+    meta = check_golden(golden) if golden is not None else None
+    forwards = list(asked["forwards"])
+    if golden is not None:
+        check_replay(golden, meta, asked["ks"], asked["model"], forwards, asked["device"], asked["threads"])
+    else:
+        check_threads(asked["threads"])
+        if asked["model"] is not None:
+            check_model(asked["model"], forwards)
+        if asked["device"] is not None:
+            from vd.models.device import check_device_name
+
+            check_device_name(asked["device"])
+    check_tolerances(list(asked["tolerances"]))
 
 
 def _replayed(result, data: dict) -> int:
@@ -457,7 +482,7 @@ def forwards(
     import torch
 
     from vd.models import check_device, forwards_of, spec_kind
-    from vd.models.static import CUDA_ONLY
+    from vd.models.device import CUDA_ONLY
 
     dev = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     offered = forwards_of(model, device=str(dev))

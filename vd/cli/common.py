@@ -6,9 +6,10 @@ Exit codes are decided here alone: 0 PASS, 1 FAIL (a difference, a thin referenc
 input or usage, printed as one line on stderr, 3 an internal error (one line naming the file its traceback
 went to). Progress goes to stderr: a bar on a terminal, plain lines otherwise; results to stdout.
 
-Arguments are checked before torch is imported or a model loaded (choices, K lists and devices by their
-parameter types; goldens, model specs, forward names and tolerances first thing in each command), so a
-mistyped command answers at once; torch and the layers below are imported inside the commands.
+Arguments are checked before torch, zarr or a model is loaded (choices, K lists and devices by their
+parameter types; then, first thing in each command, goldens by their root metadata, `vd.preflight`, widths,
+model specs, forward names, threads, CUDA and tolerances), so a mistyped command answers at once; torch and the
+layers below are imported inside the commands.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -30,7 +31,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from typer.core import TyperCommand, TyperGroup
 
 import vd
-from vd.errors import GoldenNotFoundError, UsageError, VdError, write_traceback
+from vd import preflight
+from vd.errors import ModelSpecError, UsageError, VdError, write_traceback
 from vd.progress import Lines
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
@@ -205,11 +207,34 @@ def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Pat
                 raise UsageError(f"{flag} {path} is inside the golden {where}; write it elsewhere")
 
 
-def check_golden(where: str) -> None:
-    """A local golden that is not there, refused before anything heavy is imported (the store says the same
-    when it opens one; an s3:// prefix is asked when opened)."""
-    if "://" not in where and not os.path.lexists(where):
-        raise GoldenNotFoundError(f"{where} does not exist")
+def check_golden(where: str) -> Mapping[str, Any] | None:
+    """A local golden that is not there or is no golden, refused before anything heavy is imported (the store
+    says the same when it opens one; an s3:// prefix is asked when opened); its metadata where it is local."""
+    return preflight.check_readable(where)
+
+
+def check_replay(golden: str, meta: Mapping[str, Any] | None, ks, model: str | None, forwards: list[str],
+                 device: str | None, threads: int | None) -> None:
+    """What a replay of one golden asks of it and of this machine, checked from its metadata alone: the verify
+    widths it holds, forward names its model has, CUDA where it runs on CUDA, a thread count this machine has."""
+    preflight.check_threads(threads)
+    if meta is None:  # an s3:// golden: checked once it is opened
+        return
+    if ks:
+        preflight.check_widths(golden, ks, meta.get("k") or [])
+    if model is not None:
+        check_model(model, forwards)
+    elif isinstance(spec := (meta.get("model") or {}).get("spec"), str):
+        try:
+            check_model(spec, forwards)
+        except ModelSpecError:  # a file the golden names relative to itself: resolved once it is opened
+            pass
+    dev = device or meta.get("device") or "cpu"
+    if dev.startswith("cuda") and preflight.cuda_here() is False:
+        from vd.models.device import cpu_forward_hint
+
+        raise preflight.no_cuda(golden, device, str(meta.get("device")),
+                                cpu_forward_hint(str(meta.get("forward")), forwards))
 
 
 def check_model(spec: str, forwards: list[str]) -> None:

@@ -56,12 +56,12 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     """Record the named (or all) goldens of the suite: missing ones, and with ``refresh`` existing ones."""
     if refresh and not reason:
         raise UsageError("--refresh of a suite needs --reason TEXT: it goes into each golden's history")
+    entries = _suite(config).select(names)  # the declaration, checked before anything heavy is imported
+    check_writable("--summary", summary, [e.path for e in entries])
     from vd.replayer import words
     from vd.workflow.suite import exit_code
     from vd.workflow.suite import record_suite as do_record
 
-    entries = _suite(config).select(names)
-    check_writable("--summary", summary, [e.path for e in entries])
     with reporting() as progress:
         outcomes = do_record(entries, refresh_existing=refresh, reason=reason or "first recording", progress=progress)
     for o in outcomes:
@@ -75,20 +75,23 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     return exit_code(outcomes)
 
 
-def replay_suite(names: list[str], config: Path | None, settings, shard: str | None, report: Path | None,
+def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str | None, report: Path | None,
                  junit: Path | None, html: Path | None, bundle: Path | None) -> int:
-    """Replay the named (or all) goldens of the suite, or shard I/N of them; one verdict for all."""
+    """Replay the named (or all) goldens of the suite, or shard I/N of them; one verdict for all. ``asked``:
+    the `vd.replayer.ReplaySettings` fields the flags give."""
     import time
 
-    from vd.replayer import render, words
-    from vd.workflow.suite import Models, SuiteReport, for_entry
-    from vd.workflow.suite import replay_suite as do_replay
-    from vd.workflow.suite import shard as take
+    from vd.workflow.declare import shard as take
 
-    suite = _suite(config)
+    suite = _suite(config)  # the declaration and the shard, checked before anything heavy is imported
     entries = take(suite.select(names), shard)
     for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
         check_writable(flag, path, [e.path for e in entries])
+    from vd.replayer import ReplaySettings, render, words
+    from vd.workflow.suite import Models, SuiteReport, for_entry
+    from vd.workflow.suite import replay_suite as do_replay
+
+    settings = ReplaySettings(**asked)
     models, outcomes, t = Models(), [], time.perf_counter()
     with reporting() as progress, reading_environment() as environ:  # (what bundles' command.sh sets again)
         for e in entries:

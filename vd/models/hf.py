@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vd.models.device import CUDA_ONLY
 from vd.models.fingerprint import Fingerprinter, fingerprint
-from vd.models.static import CUDA_ONLY, STATIC_FORWARDS, StaticRunner, static_forwards
+from vd.models.static import STATIC_FORWARDS, StaticRunner, static_forwards
 from vd.models.text import Codec
 from vd.protocol import ModelIdentity
 

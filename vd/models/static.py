@@ -66,7 +66,6 @@ def static_forwards(model: torch.nn.Module | None = None) -> dict[str, str]:
     return {n: d.format(step=step) for n, d in STATIC_FORWARDS.items()}
 
 
-CUDA_ONLY = ("graphed", "compiled", "compiled-graphed")
 GRAPH_MAX = 16  # longest step HF's modules compile and an MTP head graphs; longer ones run as eager kernels
 DEFAULT_CAPACITY = 512
 ROUND = 256  # capacities are rounded up to this, so nearby recordings share a cache size

@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from vd.errors import UsageError
+from vd.models.device import CUDA_ONLY
 from vd.models.generated import GENERATOR, Region, checksum_on_device, fingerprint_of, generate
 from vd.models.hf import HFModel
-from vd.models.static import CUDA_ONLY, StaticRunner, static_forwards
+from vd.models.static import StaticRunner, static_forwards
 from vd.models.text import ByteCodec
 from vd.protocol import ModelIdentity
 

@@ -32,8 +32,8 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from vd import digest as _digest
 from vd.dtypes import DTYPES
 from vd.layout import RowLayout, StepLog
+from vd.preflight import FORMAT as FORMAT  # the root metadata's format name (read without zarr there)
 
-FORMAT = "vd-golden"
 FORMAT_VERSION = 6
 VOLATILE_SINCE = 5  # the first format keeping volatile facts in the ``run`` group
 MANIFEST_SINCE = 6  # the first format listing every file's size and hash in a manifest (`vd.store.manifest`)

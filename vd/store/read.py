@@ -21,6 +21,7 @@ from vd import digest as _digest
 from vd.dtypes import to_tensor
 from vd.errors import GoldenCorruptError, GoldenError, GoldenNotFoundError, NotAGoldenError, UsageError
 from vd.layout import RowLayout, StepLog
+from vd.preflight import golden_meta
 from vd.store import format as F
 from vd.store import manifest
 from vd.store.chunks import Array, node
@@ -331,15 +332,7 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
             raise NotAGoldenError(f"{url} is not a vd golden (a golden is a zarr directory, a .zip file or an "
                                   "s3:// prefix)")
         raise NotAGoldenError(f"{url} is not a vd golden (no zarr.json)")
-    try:
-        node = json.loads(doc)
-        if node.get("zarr_format") != 3 or node.get("node_type") != "group":
-            raise ValueError("not a zarr v3 group")
-    except (ValueError, AttributeError) as e:  # malformed zarr.json
-        raise GoldenCorruptError(f"{url}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
-    meta = (node.get("attributes") or {}).get("vd")
-    if not isinstance(meta, Mapping) or meta.get("format") != F.FORMAT:
-        raise NotAGoldenError(f"{url} is a zarr group but not a vd golden (no vd metadata)")
+    meta = golden_meta(doc, url)
     info = check_meta(meta, url)
     listed = None
     if info.version >= F.MANIFEST_SINCE:

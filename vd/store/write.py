@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from vd import digest as _digest
+from vd import preflight
 from vd.dtypes import to_storage, to_tensor
-from vd.errors import GoldenError, GoldenExistsError
 from vd.layout import RowLayout, StepLog
 from vd.store import format as F
 from vd.store import history, manifest, nodes
@@ -45,11 +45,7 @@ SLICE_BYTES = 32 << 20
 def check_target(location: Location, refresh: bool) -> None:
     """Refuse a record destination before any work: an existing golden without ``refresh``, or anything
     else already there (which even ``refresh`` never replaces)."""
-    state = location.state()
-    if state == "other":
-        raise GoldenError(f"{location.url} exists and is not a vd golden; refusing to replace it")
-    if state == "golden" and not refresh:
-        raise GoldenExistsError(f"{location.url} already holds a golden; pass --refresh to replace it")
+    preflight.check_target(location.url, location.state(), refresh)
 
 
 class _RowArray:

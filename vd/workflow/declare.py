@@ -208,3 +208,17 @@ def _entry(name: str, values: Mapping, base: Path, at: str) -> Entry:
         except UsageError as e:
             raise DeclarationError(f"{at} key 'policy': {e}") from e
     return Entry(name=name, **v)
+
+
+def shard(entries: list[Entry], spec: str | None) -> list[Entry]:
+    """The entries of shard ``I/N`` (1 <= I <= N): every N-th entry in name order, starting at the I-th."""
+    if spec is None:
+        return entries
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard takes I/N like 2/4; got {spec!r}") from None
+    if not 1 <= i <= n:
+        raise UsageError(f"--shard {spec}: I must be 1..N")
+    ordered = sorted(entries, key=lambda e: e.name)
+    return ordered[i - 1::n]

@@ -100,22 +100,6 @@ def exit_code(outcomes: Sequence[Outcome]) -> int:
     return 2 if "ERROR" in verdicts else 1 if verdicts & {"FAIL", "REFUSED"} else 0
 
 
-def shard(entries: list[Entry], spec: str | None) -> list[Entry]:
-    """The entries of shard ``I/N`` (1 <= I <= N): every N-th entry in name order, starting at the I-th."""
-    if spec is None:
-        return entries
-    from vd.errors import UsageError
-
-    try:
-        i, n = (int(x) for x in spec.split("/"))
-    except ValueError:
-        raise UsageError(f"--shard takes I/N like 2/4; got {spec!r}") from None
-    if not 1 <= i <= n:
-        raise UsageError(f"--shard {spec}: I must be 1..N")
-    ordered = sorted(entries, key=lambda e: e.name)
-    return ordered[i - 1::n]
-
-
 def _timed(entry: Entry, run: Callable[[], Outcome]) -> Outcome:
     t = time.perf_counter()
     try:

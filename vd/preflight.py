@@ -1,0 +1,135 @@
+"""What a command checks before anything heavy is imported (no torch, no zarr, no numpy), so that a mistyped
+command answers in a fraction of a second: a local golden's root metadata read as plain JSON (`peek`), the
+verify widths a golden holds, a CPU thread count, whether this machine can run CUDA at all, and whether a
+destination may be written. The command line makes these checks first; the store, the recorder and the
+replayer make the same ones through these same functions where they are called without it, so each check
+and its words exist once. What needs a model (a plug-in's forwards, a fingerprint) is checked once it loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import json
+import os
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vd.errors import GoldenCorruptError, GoldenError, GoldenExistsError, NotAGoldenError, UsageError
+
+FORMAT = "vd-golden"  # the root metadata's ``format`` (FORMAT.md)
+
+
+def golden_meta(doc: bytes, url: str) -> Mapping[str, Any]:
+    """The vd metadata of a golden's root ``zarr.json`` (its bytes ``doc``); a `GoldenError` naming what is wrong
+    where it is not a zarr v3 group holding vd's metadata."""
+    try:
+        node = json.loads(doc)
+        if node.get("zarr_format") != 3 or node.get("node_type") != "group":
+            raise ValueError("not a zarr v3 group")
+    except (ValueError, AttributeError) as e:  # malformed zarr.json
+        raise GoldenCorruptError(f"{url}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
+    meta = (node.get("attributes") or {}).get("vd")
+    if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
+        raise NotAGoldenError(f"{url} is a zarr group but not a vd golden (no vd metadata)")
+    return meta
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """What a local path holds, from its root ``zarr.json`` alone: ``absent``, ``golden`` (``meta`` its vd
+    metadata), ``other`` (something that is not a golden: ``why``); ``remote`` for a URL (asked when opened)."""
+
+    state: str
+    meta: Mapping[str, Any] | None = None
+    why: str | None = None
+
+
+def peek(where: str | os.PathLike) -> Peek:
+    """The golden (or not) at ``where``, a directory or a ``.zip`` file, read without zarr."""
+    url = str(where)
+    if "://" in url:
+        return Peek("remote")
+    path = Path(where)
+    if not os.path.lexists(path):
+        return Peek("absent")
+    try:
+        if path.is_dir():
+            doc = (path / "zarr.json").read_bytes() if (path / "zarr.json").is_file() else None
+        elif url.endswith(".zip") and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                doc = z.read("zarr.json") if "zarr.json" in z.namelist() else None
+        else:
+            return Peek("other", why=f"{url} is not a vd golden (a golden is a zarr directory, a .zip file or an "
+                        "s3:// prefix)")
+        if doc is None:
+            return Peek("other", why=f"{url} is not a vd golden (no zarr.json)")
+        return Peek("golden", golden_meta(doc, url))
+    except GoldenError as e:
+        return Peek("other", why=str(e))
+    except OSError as e:
+        return Peek("other", why=f"{url} cannot be read: {e.strerror or e}")
+
+
+def check_readable(where: str) -> Mapping[str, Any] | None:
+    """A golden to read: refused in one line where a local path holds none; its metadata (None for a URL)."""
+    p = peek(where)
+    if p.state == "absent":
+        from vd.errors import GoldenNotFoundError
+
+        raise GoldenNotFoundError(f"{where} does not exist")
+    if p.state == "other":
+        raise NotAGoldenError(p.why)
+    return p.meta
+
+
+def check_target(url: str, state: str, refresh: bool) -> None:
+    """Refuse a destination before any work (``state`` as `peek` or a store's location says): an existing golden
+    without ``refresh``, or anything else already there (which even ``refresh`` never replaces)."""
+    if state == "other":
+        raise GoldenError(f"{url} exists and is not a vd golden; refusing to replace it")
+    if state == "golden" and not refresh:
+        raise GoldenExistsError(f"{url} already holds a golden; pass --refresh to replace it")
+
+
+def check_widths(url: str, asked: Sequence[int], held: Sequence[int]) -> None:
+    """Verify widths asked of a golden that it does not hold."""
+    absent = [k for k in asked if k not in held]
+    if absent:
+        raise UsageError(f"{url} has no verify width {absent}; it holds K = {list(held)}")
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse a CPU thread count below 1 or above this machine's cores (torch crashes far above them)."""
+    if threads is None:
+        return
+    cores = os.cpu_count() or 1
+    if not 1 <= threads <= cores:
+        raise UsageError(f"--threads must be 1 to {cores} (this machine's cores); got {threads}")
+
+
+def cuda_here() -> bool | None:
+    """Whether torch can run CUDA here, known without importing it: False where the installed torch is a CPU
+    build or no CUDA driver loads, None where it may (torch itself decides)."""
+    try:
+        if "+cpu" in importlib.metadata.version("torch"):
+            return False
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return None
+
+
+def no_cuda(url: str, asked: str | None, recorded: str, cpu_forward_hint: str = "") -> UsageError:
+    """The error for a CUDA device on a machine without one: the flag asked for it (``asked``), or the golden's
+    recording did (``recorded``; ``cpu_forward_hint`` adds what else to pass)."""
+    if asked is not None:
+        return UsageError(f"--device {asked}: this machine has no CUDA device ({url} was recorded on {recorded})")
+    return UsageError(f"{url} was recorded on {recorded} and this machine has no CUDA device; pass --device cpu to "
+                      f"replay it on the CPU{cpu_forward_hint}")
