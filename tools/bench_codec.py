@@ -43,6 +43,7 @@ import numcodecs
 import numcodecs.blosc
 import numpy as np
 import zarr
+from figures import cpu_model, load_average, provenance
 from numcodecs import Blosc, Zstd
 
 from vd.dtypes import DTYPES
@@ -241,6 +242,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("tools/bench_codec.json"))
     ap.add_argument("--reps", type=int, default=5, help="timed passes per codec (median reported)")
     a = ap.parse_args()
+    started = provenance()
 
     numcodecs.blosc.set_nthreads(1)
     goldens = []
@@ -249,8 +251,9 @@ def main() -> None:
         print_table(goldens[-1])
     out = {"command": shlex.join(sys.orig_argv),
            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+           **started, "load_after": load_average(),
            "host": {"platform": platform.platform(), "machine": platform.machine(),
-                    "processor": platform.processor(), "cpu_count": os.cpu_count()},
+                    "processor": platform.processor(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count()},
            "python": platform.python_version(), "numcodecs": numcodecs.__version__, "numpy": np.__version__,
            "blosc_threads": 1, "format4_hi_codecs": [c.to_dict() for c in F.hi_codecs()],
            "goldens": goldens}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
-from figures import ratios, spread
+from figures import load_average, provenance, ratios, spread
 
 from vd import env
 from vd.loop import continuation
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("tools/bench_cpu.json"))
     a = ap.parse_args()
+    started = provenance()
 
     model = load_model(a.model)
     prompt = model.encode(DEFAULT_PROMPT)
@@ -99,6 +100,7 @@ def main() -> None:
     result = {
         "command": "python " + " ".join(sys.argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **started, "load_after": load_average(),
         "machine": {f: e[f] for f in ("cpu_model", "cpu_capability", "cpu_count", "threads", "torch",
                                       "transformers", "zarr", "python", "platform")},
         "model": a.model, "dtype": "bfloat16", "forward": "eager", "k": list(ks), "steps": a.steps,

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
-from figures import ratios, spread
+from figures import load_average, provenance, ratios, spread
 
 from vd import env  # noqa: E402
 from vd.loop import prepare  # noqa: E402
@@ -56,6 +56,12 @@ from vd.replayer import ReplaySettings, replay  # noqa: E402
 from vd.store import locate, open_golden  # noqa: E402
 
 PROMPT = "Speculative decoding: draft, then verify."
+
+
+def gpu_id(device: torch.device) -> str | None:
+    """The GPU's UUID, which tells one machine's GPU from another's of the same model."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return None if uuid is None else str(uuid)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -138,6 +144,7 @@ def main() -> None:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    started = provenance()
     device = torch.device("cuda")
     ks = [int(x) for x in args.k.split(",")]
 
@@ -167,7 +174,9 @@ def main() -> None:
     run = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        **started, "load_after": None,
         "gpu": torch.cuda.get_device_name(device),
+        "gpu_id": gpu_id(device),
         "environment": env.of_model(model),
         "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
         "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
@@ -177,6 +186,7 @@ def main() -> None:
     }
 
     def save():  # after every row, so a run cut short still leaves its figures
+        run["load_after"] = load_average()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps([*earlier, run], indent=1, default=str) + "\n")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 from bench_cpu import bare_verify
-from figures import spread
+from figures import load_average, provenance, spread
 
 from vd import env
 from vd.models import load_model
@@ -66,7 +66,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vd-bench-process-"))
     cache = work / "cache"
     result: dict = {"command": "python tools/bench_process.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-                    "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                    "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **provenance(),
                     "machine": {"cpu_count": os.cpu_count(), **machine()},
                     "model": a.model, "device": a.device, "forward": a.forward}
     rows = {}
@@ -105,6 +105,7 @@ def main() -> None:
                                                                         "wall_s")},
                          "setup_and_prepare": spread([s["setup"] + s["prepare"] for s in starts])}
     result["startup"]["imports_s"] = imports()
+    result["load_after"] = load_average()
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")
 

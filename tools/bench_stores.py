@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the tests use
 
 import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import seaweed  # noqa: E402
+from figures import load_average, provenance  # noqa: E402
 
 from vd import env  # noqa: E402
 from vd.models import load_model  # noqa: E402
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("tools/bench_stores.json"))
     a = ap.parse_args()
+    started = provenance()
     model = load_model(a.model)
     settings = RecordSettings(model=a.model, steps=a.steps)
     work = Path(tempfile.mkdtemp(prefix="vd-stores-"))
@@ -69,6 +71,7 @@ def main() -> None:
     result = {
         "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **started, "load_after": load_average(),
         "machine": {f: e[f] for f in ("cpu_model", "cpu_count", "threads", "torch", "zarr", "python")},
         "model": a.model, "steps": a.steps, "k": list(settings.ks), "reps": a.reps,
         "server": "SeaweedFS weed mini on 127.0.0.1 (no network latency)",

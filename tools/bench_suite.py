@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -18,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from figures import cpu_model, load_average, provenance
 
 PROMPTS = ["Explain how speculative decoding speeds up a large language model.",
            "Write one sentence about the sea.", "List three uses of a hash table.",
@@ -40,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
+    started = provenance()
     with tempfile.TemporaryDirectory(prefix="vd-bench-suite-") as tmp:
         root = Path(tmp)
         names = [f"g{i}" for i in range(a.goldens)]
@@ -58,8 +62,9 @@ def main() -> None:
         "suite_replay_s": suite, "single_replays_s": single,
         "suite_median_s": statistics.median(suite), "single_median_s": statistics.median(single),
         "ratio_single_over_suite": statistics.median(single) / statistics.median(suite),
-        "machine": "this project's 2-core CPU machine",
+        "machine": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count()},
         "date": time.strftime("%Y-%m-%d"),
+        **started, "load_after": load_average(),
     }
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=2))

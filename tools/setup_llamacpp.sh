@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install llama-cpp-python, for vd's llama.cpp adapter (--model llamacpp:PATH.gguf) and its tests, into the
 # active virtual environment (as tools/setup.sh; VD_SYSTEM_PIP=1 for a python outside one). PyPI has no wheel
-# for it: the first run builds one from source (about 7 minutes on 2 cores, ninja and a C++ compiler; portable
-# CPU code, CMAKE_ARGS=-DGGML_NATIVE=off unless CMAKE_ARGS is set) and caches it in $VD_WHEEL_CACHE (default
-# ~/.cache/vd/wheels); later runs install the cached wheel in seconds.
+# for it: the first run builds one from source (ninja and a C++ compiler; how long depends on the host, and
+# tools/time_tests.py measures it; portable CPU code, CMAKE_ARGS=-DGGML_NATIVE=off unless CMAKE_ARGS is set) and
+# caches it in $VD_WHEEL_CACHE (default ~/.cache/vd/wheels); later runs install the cached wheel in seconds.
 # A CUDA build: CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" (nvcc; 4.5 minutes on an H200 host's
 # 16 cores), cached apart (cuda/). This script adds the linker flags and the OpenMP setting of the build proven
 # on the H200 (tools/h200/llamacpp_cuda.sh): without -Wl,--exclude-libs,ALL nvcc's link (CUDA 13) exports a
@@ -32,8 +32,8 @@ esac
 mkdir -p "$cache"
 wheel=$(ls "$cache"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -1 || true)
 if [ -z "$wheel" ]; then
-  echo "tools/setup_llamacpp.sh: building llama-cpp-python $VERSION from source (about 7 minutes on 2 cores)" \
-       "into $cache" >&2
+  echo "tools/setup_llamacpp.sh: building llama-cpp-python $VERSION from source into $cache" \
+       "(minutes: how many depends on the host's cores)" >&2
   start=$(date +%s)
   CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     "$PY" -m pip wheel --quiet --no-deps "llama-cpp-python==$VERSION" -w "$cache"
