@@ -140,6 +140,7 @@ def test_a_block_missing_from_the_readme_is_named(figures, tmp_path):
 
 def test_the_test_time_block_renders_measured_or_not(figures, time_tests, sources, tmp_path):
     readme = (ROOT / "README.md").read_text()
+    (sources / "tools/test_time.json").unlink(missing_ok=True)
     absent = figures.render("test_time", sources)
     assert "Not measured yet (`python tools/time_tests.py --out tools/test_time.json`)." in absent
 
@@ -155,11 +156,13 @@ def test_the_test_time_block_renders_measured_or_not(figures, time_tests, source
     assert "test_time" in figures.rendered(readme, sources)[1]
 
 
-def test_time_tests_says_where_the_wheel_came_from_and_what_pytest_ran(time_tests):
+def test_time_tests_says_where_the_wheel_came_from_and_what_pytest_ran(time_tests, monkeypatch):
     assert time_tests.BUILT in (TOOLS / "setup_llamacpp.sh").read_text()  # the line it looks for is the script's
     built = "tools/setup_llamacpp.sh: building llama-cpp-python 0.3.36 from source into /x"
-    assert time_tests.describe("llamacpp", ["a", built]) == {"wheel": "built"}
-    assert time_tests.describe("llamacpp", ["Processing ./llama_cpp_python.whl"]) == {"wheel": "cache"}
+    for no_cache, pip_cache in (("", True), ("1", False)):
+        monkeypatch.setenv("PIP_NO_CACHE_DIR", no_cache)  # pip's own cache of built wheels: off, a cold build
+        assert time_tests.describe("llamacpp", ["a", built]) == {"wheel": "built", "pip_cache": pip_cache}
+    assert time_tests.describe("llamacpp", ["Processing ./llama_cpp_python.whl"])["wheel"] == "cache"
     out = time_tests.describe("pytest", ["...", "== 1201 passed, 33 skipped, 2 deselected in 2101.52s (0:35:01) =="])
     assert out == {"summary": "1201 passed, 33 skipped, 2 deselected",
                    "counts": {"passed": 1201, "skipped": 33, "deselected": 2}}

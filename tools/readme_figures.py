@@ -116,8 +116,9 @@ def render_test_time(d: dict | None) -> str:
     for p in d["parts"]:
         notes = [f"exit {p['exit']}"] if p.get("exit") else []
         if p.get("wheel"):
-            notes.append({"cache": "wheel from the cache", "built": "wheel built from source"}.get(p["wheel"],
-                                                                                                   p["wheel"]))
+            built = ("wheel built from source" if p.get("pip_cache") is False
+                     else "wheel built, pip's own cache allowed (a cold build is slower)")
+            notes.append({"cache": "wheel from vd's wheel cache", "built": built}.get(p["wheel"], p["wheel"]))
         if p.get("summary"):
             notes.append(p["summary"])
         rows.append([p["name"], f"`{p['command']}`", duration(p["wall_s"]), "; ".join(notes)])

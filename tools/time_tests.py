@@ -58,7 +58,9 @@ def run(cmd: list[str]) -> tuple[float, int, list[str]]:
 def describe(name: str, lines: list[str]) -> dict:
     """What a part's output says beyond its time: where llama-cpp-python's wheel came from, pytest's summary."""
     if name == "llamacpp":
-        return {"wheel": "built" if any(BUILT in line for line in lines) else "cache"}
+        # pip may answer the build from its own cache of built wheels: the figure is then not a build's
+        pip_cache = os.environ.get("PIP_NO_CACHE_DIR", "").lower() not in ("1", "true", "yes", "on")
+        return {"wheel": "built" if any(BUILT in line for line in lines) else "cache", "pip_cache": pip_cache}
     if name == "pytest":
         found = next((m for line in reversed(lines) if (m := SUMMARY.search(line))), None)
         if found:
