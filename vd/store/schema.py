@@ -150,6 +150,9 @@ _TYPED = (
     ("greedy", lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
      "token ids"),
     ("mtp", lambda v: isinstance(v, Mapping), "the draft head's description"),
+    ("left_greedy", lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and k.isdigit()
+                                                             and _ints([s], 0, LIMITS["steps"]) for k, s in v.items()),
+     '{"K": step, ...}'),
     ("candidate", lambda v: isinstance(v, Mapping) and isinstance(v.get("control", {}), Mapping),
      "a candidate's description"),
     ("compiled", lambda v: isinstance(v, Mapping) and v.get("artifacts") == F.INDUCTOR_ARTIFACTS
