@@ -1,9 +1,11 @@
 """Record a golden: the greedy continuation, then for each K the reference feed (or the drafter feed, with
 an MTP head) through the shared loop, its rows written as the run lets them go, then one publish.
 
-The greedy continuation is computed for both feeds: the reference drafts from it, and for either feed the
-golden notes whether each K's committed sequence equals it (it must, unless a verify row's argmax differs
-from plain decode's). A reference that never had both a full and a partial accept at some K is not
+The greedy continuation is computed for both feeds, by one-token decode through the same loop (a run at
+K = 1), and its rows are stored (the decode group): the reference drafts from it, a verify row whose input
+is the continuation can be compared with the decode row of the same position (`vd.equivalence`), and for
+either feed the golden notes whether each K's committed sequence equals it (it must, unless a verify row's
+argmax differs from plain decode's). A reference that never had both a full and a partial accept at some K is not
 written (it could not tell a broken commit or rewind from a working one) unless the caller allows it;
 the caller learns why. This module leaves out comparison and verdicts: those are the replayer's.
 """
@@ -24,9 +26,11 @@ from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
 from vd.digest import Summary
 from vd.dtypes import of_torch
+from vd.equivalence import Equivalence, of_golden
+from vd.equivalence import describe as describe_equivalence
 from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
-from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, continuation, hold_bytes, prepare, run_verify
+from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, hold_bytes, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import keep_artifacts
 from vd.models.specs import golden_dir, portable
@@ -36,6 +40,7 @@ from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
+from vd.store.read import open_golden
 from vd.store.write import KRows
 
 # An ordinary instruction for the instruct model. (With an earlier two-sentence prompt SmolLM2's
@@ -133,6 +138,8 @@ class RecordResult:
     short: list[str] = field(default_factory=list)
     resumed_checked: int = 0  # blocks a resumed recording found equal to its journal
     left_greedy: dict[int, int] = field(default_factory=dict)  # per K, the step where committed left greedy
+    # per K, its verify rows against the decode rows of the same positions (`vd.equivalence`), once stored
+    equivalence: dict[int, Equivalence] = field(default_factory=dict)
 
     @property
     def path(self) -> str | None:
@@ -146,6 +153,8 @@ class RecordResult:
                 f"  (committed sequence left the greedy continuation at step {self.left_greedy.get(k)}: there the "
                 "verify rows chose another token than the engine's own one-token decode)")
             out.append(f"K={k}: accepted {acc}{same}")
+            if k in self.equivalence:
+                out.append(f"K={k}: verify vs decode: {describe_equivalence(self.equivalence[k])}")
         return out
 
     def stored_line(self) -> str | None:
@@ -218,13 +227,11 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     if not tokens:
         raise UsageError("the prompt encodes to no tokens")
     prepare(model, len(tokens), settings.steps, settings.ks)
-    t = time.perf_counter()
-    n = settings.steps * max(settings.ks) + 1
-    progress.phase("greedy continuation", n)
-    greedy = continuation(model, tokens, n, on_token=progress.step)
-    seconds["continuation"] = time.perf_counter() - t
     # The writer never works beside a run: it writes what each run lets go, before the next starts.
     with GoldenWriter(location, refresh=refresh) as writer:
+        t = time.perf_counter()
+        greedy = _record_decode(model, writer, tokens, settings.steps * max(settings.ks), progress)
+        seconds["continuation"] = time.perf_counter() - t
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         result = RecordResult(None, {}, [], {}, seconds)
         seconds["verify"] = seconds["store"] = 0.0
@@ -239,6 +246,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         progress.phase("writing golden", 0)
         meta = {**_meta(model, settings, forward, greedy, result.thin, golden_dir(location)),
                 "left_greedy": {str(k): s for k, s in result.left_greedy.items()},
+                "decode": {"steps": settings.steps * max(settings.ks)},
                 **keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)}
         writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
                        reason=reason)
@@ -247,6 +255,11 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         writer.journal.close(remove=True)  # published: nothing left to resume
     seconds["write"] = time.perf_counter() - t
     result.location = location
+    stored = open_golden(location)
+    try:
+        result.equivalence = {k: e for k in settings.ks if (e := of_golden(stored, k)) is not None}
+    finally:
+        stored.close()
     return result
 
 
@@ -279,6 +292,23 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
         raise UsageError(f"model {settings.model} has no MTP draft head: use an -mtp preset, a checkpoint with MTP "
                          "layers, or --head FILE")
     return model
+
+
+def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], steps: int, progress: Progress
+                   ) -> list[int]:
+    """The greedy continuation by one-token decode: a run at K = 1 (each step verifies the token the last one
+    chose, accepting nothing, as plain decode does), its rows written to ``writer`` as the decode group
+    (`vd.store.format.DECODE_K`); the continuation's ``steps + 1`` tokens."""
+    progress.phase("greedy continuation", steps)
+    layout = RowLayout(len(tokens), steps, F.DECODE_K)
+    settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype))
+    run = run_verify(model, tokens, F.DECODE_K, steps, ReferenceFeed([]), on_step=progress.step,
+                     hold=Hold(hold_bytes(model.device), settled.add),
+                     on_last=settled.queue if model.device.type == "cuda" else None)
+    greedy = [*run.committed(), run.last]
+    log, summary, _ = _finished(run, True, settled)
+    settled.rows.finish(log, summary, None)
+    return greedy
 
 
 def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greedy: list[int], k: int,

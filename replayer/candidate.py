@@ -58,7 +58,7 @@ class CandidateWriter:
                       step_ms=np.asarray(run.step_ms, dtype=np.float64), committed_is_greedy=None)
         rows = {kind: to_storage(t) for kind, t in run.rows_by_kind().items()}
         drafts = (np.asarray(run.drafts, dtype=np.int32).reshape(len(run.steps), k - 1)
-                  if self.golden.info.drafted else None)
+                  if self.golden.info.drafted_at(k) else None)
         self.writer.add(run.layout, log, rows, None, drafts)
 
     def publish(self, model: VerifyModel, spec: str, forward: str, controls: Mapping[int, bool], verdict: str

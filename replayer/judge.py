@@ -32,7 +32,8 @@ from vd.replayer.comparison import (
     RowStats,
     StepFigures,
 )
-from vd.replayer.measure import POSITION_BINS, Measurer, Rows, ulp_of
+from vd.replayer.measure import Measurer, Rows
+from vd.rowmath import POSITION_BINS, ulp_of
 from vd.store.side import GoldenSide
 from vd.streams import Behind
 

@@ -11,7 +11,6 @@ fails under ``exact``, is judged by its argmax under ``argmax``, and its element
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,13 +18,9 @@ import numpy as np
 import torch
 
 from vd.digest import STATS, block_bytes, stats_tensor
-from vd.dtypes import DTYPES, int_view
 from vd.policy import Policy, Spec
+from vd.rowmath import MEASURES, POSITION_BINS, measure_differing
 from vd.store.side import GoldenSide
-
-POSITION_BINS = 64
-# 0 for equal rows; ``dp``: the candidate's probability of the golden's top token minus the golden's (llama.cpp's Δp)
-MEASURES = ("n_diff", "first_index", "first_golden", "first_got", "max_abs", "max_ulp", "kl", "dp")
 
 
 @dataclass(slots=True)
@@ -54,29 +49,18 @@ class Rows:
     measured: bool = True  # False: the golden's rows were not at hand (a slim golden)
 
 
-def ordered(bits: torch.Tensor) -> torch.Tensor:
-    """Integer bit patterns mapped so that adjacent floats are adjacent integers (-0.0 and 0.0 both 0)."""
-    b = bits.to(torch.int64)
-    low = -(1 << (8 * bits.element_size() - 1))
-    return torch.where(b < 0, low - b, b)
-
-
-def ulp_of(x: float, logical: str) -> float:
-    """One unit in the last place of ``x`` in the logical dtype."""
-    x = abs(x) if math.isfinite(x) and x != 0 else 2.0 ** -126
-    return 2.0 ** (math.floor(math.log2(x)) - DTYPES[logical].mantissa_bits)
-
-
 class Measurer:
     """One run's rows measured against the golden's a block at a time, as the run lets them go (`add`: a
     kind's consecutive rows, whole steps, from row ``start`` of the kind), so a run never holds all its rows;
     `result` gives every kind's `Rows`. ``side`` is the golden's `GoldenSide`, or a function that makes it
     (called at the first block: on CUDA a replay builds it in the run's idle time). For each kind it keeps the
     candidate's rows of the first step whose rows fail or flip an argmax (`kept`), which a first-divergence
-    bundle shows."""
+    bundle shows. ``observe(kind, start, rows)`` sees every block too (the verify-against-decode axis measures
+    the same rows: `vd.equivalence.Accumulator`)."""
 
-    def __init__(self, side: GoldenSide | Callable[[], GoldenSide], logical: str, policy: Policy):
-        self._side, self.logical, self.policy = side, logical, policy
+    def __init__(self, side: GoldenSide | Callable[[], GoldenSide], logical: str, policy: Policy,
+                 observe: Callable[[str, int, torch.Tensor], None] | None = None):
+        self._side, self.logical, self.policy, self.observe = side, logical, policy, observe
         self._kinds: dict[str, _Tally] = {}
         self.kept: dict[str, tuple[int | None, torch.Tensor]] = {}
 
@@ -90,6 +74,8 @@ class Measurer:
         """Rows ``start ..`` of ``kind`` (``got``, ``[n, V]``); ``differ``, when given, says which differ (asked
         of the GPU during the run), else their digests are compared here."""
         side = self.side
+        if self.observe is not None:
+            self.observe(kind, start, got)
         if differ is None:
             differ = side.differ_at(got, side.layout.offset(kind) + start).cpu().numpy()
         if kind not in self._kinds:
@@ -149,7 +135,7 @@ class _Tally:
             got_stats[at] = stats_tensor(cand).T.cpu().numpy()
             self.got_argmax[at] = got_stats[at, 0].astype(np.int64)
             if self.measured:
-                vals, ok, pos = _measure_differing(side.rows(self.kind, at, got.device), cand, self.logical, self.spec)
+                vals, ok, pos = measure_differing(side.rows(self.kind, at, got.device), cand, self.logical, self.spec)
                 self.positions += pos
                 for m in MEASURES:
                     host[m][at] = vals[m]
@@ -170,66 +156,3 @@ class _Tally:
                     margin=golden["margin"], top1=golden["top1"], golden_absmax=golden["absmax"],
                     top1_p=golden["top1_p"], got_stats=self.got_stats, positions=self.positions,
                     measured=self.measured, **host)
-
-
-def _measure_differing(gb: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
-                       ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """Rows that differ, measured (`MEASURES`) and judged under ``spec`` on the device, golden bits ``gb``
-    against candidate rows ``got`` (both ``[D, V]``), with the histogram of their differing elements over
-    the vocabulary. One read-back."""
-    v = got.shape[1]
-    cb = int_view(got)
-    gd, cd, dm = gb.view(DTYPES[logical].torch).float(), got.float(), gb != cb
-    first = dm.to(torch.int8).argmax(dim=1)
-    nan = gd.isnan() | cd.isnan()
-    absd = torch.where(dm, (gd - cd).abs(), 0.0)
-    absd = torch.where(dm & nan, torch.inf, absd)
-    ulp = (ordered(gb) - ordered(cb)).abs().to(torch.float64)
-    ulp = torch.where(dm & nan, torch.inf, ulp)
-    pg = torch.softmax(gd, 1)
-    kl = (pg * (torch.log_softmax(gd, 1) - torch.log_softmax(cd, 1))).sum(1)
-    kl = torch.nan_to_num(kl.to(torch.float64), nan=torch.inf).clamp_min(0.0)
-    rows_at = torch.arange(gb.shape[0], device=got.device)
-    top = gd.argmax(1)
-    dp = torch.softmax(cd, 1)[rows_at, top] - pg[rows_at, top]
-    positions = torch.bincount(dm.nonzero()[:, 1] * POSITION_BINS // v, minlength=POSITION_BINS)
-    vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
-            "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values, "kl": kl,
-            "dp": dp}
-    ok = _judge(spec, gd, cd, absd, ulp, kl)
-    packed = torch.cat([torch.stack([vals[n].to(torch.float64) for n in MEASURES]), ok.double()[None]]).cpu().numpy()
-    return {n: packed[i] for i, n in enumerate(MEASURES)}, packed[-1] != 0, positions.cpu().numpy()
-
-
-def _judge(spec: Spec, gd: torch.Tensor, cd: torch.Tensor, absd: torch.Tensor, ulp: torch.Tensor,
-           kl: torch.Tensor) -> torch.Tensor:
-    """Which differing rows pass ``spec`` (golden and candidate values ``gd``, ``cd``, and their measures)."""
-    if spec.name == "ulp":
-        return ulp.max(1).values <= spec.n
-    if spec.name == "close":
-        return ~(absd > spec.atol + spec.rtol * gd.abs()).any(1)
-    if spec.name == "argmax":
-        return gd.argmax(1) == cd.argmax(1)
-    if spec.name == "topk":
-        n = min(spec.n, gd.shape[1])
-        return (gd.topk(n, 1).indices.sort(1).values == cd.topk(n, 1).indices.sort(1).values).all(1)
-    if spec.name == "kl":
-        return kl <= spec.kl
-    return torch.zeros(gd.shape[0], dtype=torch.bool, device=gd.device)  # exact: a differing row fails
-
-
-def measure_rows(gold_bits: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec) -> tuple[np.ndarray, dict]:
-    """Candidate rows ``[R, V]`` against golden bit patterns ``[R, V]`` held in memory: which pass ``spec``
-    and their measures (for judging rows outside a golden, and for tests of the policies)."""
-    differ = (int_view(got) != gold_bits).any(1).cpu().numpy()
-    passed = ~differ
-    vals = {m: np.zeros(differ.size) for m in MEASURES}
-    if differ.any():
-        idx = np.flatnonzero(differ)
-        at = torch.from_numpy(idx).to(got.device)
-        measured, ok, _ = _measure_differing(gold_bits[at], got[at], logical, spec)
-        passed[idx] = ok
-        for m in MEASURES:
-            vals[m][idx] = measured[m]
-    return passed, vals
-

@@ -388,6 +388,7 @@ def _k_block(plots: _Plots, kid: str, v: KResult) -> str:
         out.append(_control_figure(plots, f"{kid}-control", v.k, v.control))
     out.append(f"<figure id='{kid}-golden'>{_golden_plot(plots, f'{kid}-golden', v)}</figure></div>")
     out.append(_k_table(v))
+    out.append(_axes_table(v))
     out.append(f"<p>{html.escape(words.coverage_text(v))}</p>")
     left = words.left_greedy_text(v)
     if left is not None:
@@ -414,6 +415,14 @@ def _control_figure(plots: _Plots, fid: str, k: int, control: Control) -> str:
                           changed=at)
     return _figure(fid, svg, top, _emphasize(words.control_caption(control), "BLIND"),
                    not control.fired and not control.inconclusive, "control")
+
+
+def _axes_table(v: KResult) -> str:
+    """K's table of axes (`vd.replayer.report.KResult.axes`): one row per forward and axis."""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in words.AXES_COLUMNS[1:])
+    rows = ["<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row[1:]) + "</tr>"
+            for row in words.axes_table_rows(v)]
+    return f"<table class='axes'><tr>{head}</tr>" + "".join(rows) + "</table>"
 
 
 def _k_table(v: KResult) -> str:

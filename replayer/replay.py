@@ -39,7 +39,7 @@ from vd.replayer.report import (
     Sensitivity,
     Variant,
 )
-from vd.replayer.runs import KOutcome, control_steps, replay_k
+from vd.replayer.runs import KOutcome, control_steps, replay_decode, replay_k
 from vd.replayer.session import PHASES, Clock, ReplaySettings, Session, open_golden_for, set_up
 from vd.store import Location
 
@@ -57,10 +57,11 @@ def replay(golden: str | os.PathLike | Location, settings: ReplaySettings = Repl
     opened = clock.timed("open", lambda: open_golden_for(golden, settings))
     s = set_up(opened, settings, model, progress, clock)
     try:
-        outcomes = [replay_k(s, k) for k in s.ks]
+        decode, decoded = replay_decode(s)  # first: each K's verify rows are measured against these
+        outcomes = [replay_k(s, k, decoded) for k in s.ks]
         s.files.check_files()  # no damaged golden reaches a verdict
         notes = _save_candidate(s, outcomes)
-        return report_of(s, outcomes, notes)
+        return report_of(s, outcomes, notes, decode)
     except GoldenError:
         s.files.check_files()  # a damaged file, named, before whatever it broke
         raise
@@ -83,13 +84,16 @@ def _save_candidate(s: Session, outcomes: Sequence[KOutcome]) -> list[str]:
     return [f"candidate saved: {s.candidate.url} (review with vd diff, promote with vd refresh --from)"]
 
 
-def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str]) -> Report:
-    """The replay's report: every K's result and reasons, the environment's differences where rows fail."""
+def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], decode: KOutcome | None = None
+              ) -> Report:
+    """The replay's report: the decode rows' and every K's result and reasons, the environment's differences
+    where rows fail."""
     t = time.perf_counter()
     g, model, verify = s.golden, s.model, [o.result for o in outcomes]
     replayed_env = env.of_model(model)
     graphed = [protocol.uses_graphs(model, n) for n in s.forwards]
-    reasons = [r for o in outcomes for r in o.reasons] + _environment_reasons(s, replayed_env, verify)
+    reasons = ([] if decode is None else list(decode.reasons)) + [r for o in outcomes for r in o.reasons]
+    reasons += _environment_reasons(s, replayed_env, verify)
     m = g.meta["model"]
     source = g.rows_source
     finish = time.perf_counter() - t
@@ -111,7 +115,8 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str]) ->
         seconds=sum(s.clock.phases[n] for n in PHASES if n not in ("open", "load", "setup", "write")),
         phases={**s.clock.phases, "finish": finish}, timing=_timing_of(s.clock, finish),
         reader={**s.reader.summary(), "file_check_s": getattr(s.files, "seconds", None)},
-        failure_rows=next((o.failure for o in outcomes if o.failure is not None), None))
+        failure_rows=next((o.failure for o in outcomes if o.failure is not None), None),
+        decode=None if decode is None else decode.result)
 
 
 def _environment_reasons(s: Session, replayed_env: dict, verify: Sequence[KResult]) -> list[Reason]:

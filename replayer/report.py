@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from vd.coverage import histogram
+from vd.equivalence import Equivalence
 from vd.policy import Policy
 from vd.replayer.comparison import Comparison, Failure, plain
 
@@ -96,6 +97,47 @@ class Control:
 
 
 @dataclass(frozen=True, slots=True)
+class EquivalenceAxis:
+    """Verify rows against the decode rows of the same positions at one K (`vd.equivalence`): the golden's own
+    as recorded, and each forward's own verify rows against the decode rows it computed itself (under
+    ``decode_forward`` where one was named)."""
+
+    golden: Equivalence
+    forwards: tuple[tuple[str, Equivalence], ...]
+    decode_forward: str | None = None
+
+    def of(self, variant: str) -> Equivalence | None:
+        return next((e for name, e in self.forwards if name == variant), None)
+
+    def to_json(self) -> dict:
+        return {"golden": plain(self.golden), "decode_forward": self.decode_forward,
+                "forwards": [{"variant": name, **plain(e)} for name, e in self.forwards]}
+
+
+@dataclass(frozen=True, slots=True)
+class AxisRow:
+    """One row of a K's table of axes: for a forward (or the golden as recorded), one axis on which greedy
+    speculative decoding can stop being lossless (``golden``: its rows against the golden's; ``verify vs
+    decode``: its verify rows against the decode rows of the same positions), with the rows compared, how many
+    are identical, the largest |Δ|, the argmax flips and what the axis contributes to the verdict (``pass``,
+    ``FAIL``, ``reported``: measured and not judged, ``not recorded``)."""
+
+    forward: str
+    axis: str
+    rows: int | None
+    identical: int | None
+    max_abs: float | None
+    flips: int | None
+    verdict: str
+
+
+def _equivalence_row(forward: str, e: Equivalence) -> AxisRow:
+    verdict = "reported" if not e.judged else "pass" if e.passed else "FAIL"
+    return AxisRow(forward, "verify vs decode", e.rows, e.identical, e.max_abs if e.measured else None, len(e.flips),
+                   verdict)
+
+
+@dataclass(frozen=True, slots=True)
 class KResult:
     """One verify width: the golden's accept counts, each forward's comparison and timing, the control."""
 
@@ -107,11 +149,28 @@ class KResult:
     # The step where the recording's committed sequence left its engine's own one-token decode (its verify rows
     # chose another token there), None where it did not (or the golden predates the field).
     left_greedy: int | None = None
+    equivalence: EquivalenceAxis | None = None  # None: the golden stores no decode rows (before format 7)
 
     @property
     def histogram(self) -> list[int]:
         """How many steps accepted 0, 1, .., K-1 drafts: the golden's coverage of the accept path."""
         return histogram(self.k, self.accepted)
+
+    def axes(self) -> tuple[AxisRow, ...]:
+        """The table of axes at this K: the golden's own verify-against-decode row (as recorded), then per forward
+        its rows against the golden's and its verify rows against its decode rows."""
+        out = []
+        if self.equivalence is not None:
+            out.append(_equivalence_row("golden (recorded)", self.equivalence.golden))
+        for j in self.comparisons:
+            c = j.comparison
+            n = sum(s.rows for s in c.summary.values())
+            out.append(AxisRow(c.variant, "golden", n, n - sum(s.rows_differ for s in c.summary.values()),
+                               c.max_abs_diff, len(c.flips), "pass" if c.passed else "FAIL"))
+            e = None if self.equivalence is None else self.equivalence.of(c.variant)
+            out.append(_equivalence_row(c.variant, e) if e is not None else
+                       AxisRow(c.variant, "verify vs decode", None, None, None, None, "not recorded"))
+        return tuple(out)
 
     def to_json(self) -> dict:
         hist = self.histogram
@@ -119,7 +178,9 @@ class KResult:
                 "coverage": {"accepted_counts": hist, "missing": [i for i, n in enumerate(hist) if n == 0]},
                 "comparisons": [j.to_json() for j in self.comparisons], "timings": [t.to_json() for t in self.timings],
                 "detection_control": None if self.control is None else self.control.to_json(),
-                "golden_left_greedy_step": self.left_greedy}
+                "golden_left_greedy_step": self.left_greedy,
+                "equivalence": None if self.equivalence is None else self.equivalence.to_json(),
+                "axes": [plain(a) for a in self.axes()]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +307,9 @@ class Report:
     reader: Mapping[str, Any] | None  # the golden reader's work by who did it, and the file check's seconds
     failure_rows: FailureRows | None = field(default=None, compare=False)
     timing: Seconds | None = field(default=None, compare=False)
+    # The decode rows each forward computed against the golden's (its decode group, K = 1); None where the
+    # golden stores none.
+    decode: KResult | None = None
 
     @property
     def verdict(self) -> str:
@@ -272,7 +336,8 @@ class Report:
                 "environment": {**plain(self.environment),
                                 "numerics_differences": list(self.environment.numerics_differences)},
                 "rows": plain(self.rows), "seconds": self.seconds, "phases": dict(self.phases),
-                "timing": plain(self.timing) or {}, "reader": self.reader}
+                "timing": plain(self.timing) or {}, "reader": self.reader,
+                "decode": None if self.decode is None else self.decode.to_json()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,25 +1,35 @@
 """One K of a replay (`replay_k`): every forward asked for runs the golden's steps through the shared loop and
 is judged (`vd.replayer.judge`), then, under the last forward, the detection control, then the golden's own
-checks at that K (thin, coverage). Each returns its values; nothing is kept between K's but the session.
+checks at that K (thin, coverage). Before the K's, a golden's decode rows (`replay_decode`): each forward (or
+``--decode-forward``) runs the greedy continuation's one-token decodes, judged against the golden's decode
+rows, and keeps them, so that each K's verify rows are measured against the decode rows of the same positions
+(`vd.equivalence`) as the run lets them go. Each returns its values; nothing is kept between K's but the
+session and those decode rows.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import torch
 
 from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
-from vd.dtypes import to_storage
+from vd.digest import digest, stats_tensor
+from vd.dtypes import int_bits, to_storage
+from vd.equivalence import Accumulator, DecodeRows, Equivalence, decode_map, of_golden
 from vd.layout import Step
 from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, run_verify
 from vd.replayer import words
 from vd.replayer.comparison import Comparison
 from vd.replayer.judge import Queued, compare_run
 from vd.replayer.measure import Measurer
-from vd.replayer.report import Control, FailureRows, Judged, KResult, Reason, Timing
+from vd.replayer.report import Control, EquivalenceAxis, FailureRows, Judged, KResult, Reason, Timing
 from vd.replayer.session import Clock, Session
+from vd.store.format import DECODE_K
 from vd.store.side import GoldenSide
 
 
@@ -31,6 +41,26 @@ class KOutcome:
     result: KResult
     reasons: tuple[Reason, ...]
     failure: FailureRows | None
+
+
+class KeptDecode:
+    """A forward's decode rows kept as its decode run lets them go, for the verify-against-decode axis: their
+    digests and argmaxes on the run's device, the rows on the host (read back for the pairs that differ)."""
+
+    def __init__(self):
+        self.digests: list[torch.Tensor] = []
+        self.argmax: list[torch.Tensor] = []
+        self.host: list[np.ndarray] = []
+
+    def observe(self, kind: str, start: int, rows: torch.Tensor) -> None:
+        if kind == "verify":
+            self.digests.append(digest(rows))
+            self.argmax.append(stats_tensor(rows)[0].to(torch.int64))
+            self.host.append(int_bits(to_storage(rows)))
+
+    def result(self) -> DecodeRows:
+        host = np.concatenate(self.host) if self.host else np.zeros((0, 0), np.int16)
+        return DecodeRows(torch.cat(self.digests), torch.cat(self.argmax), lambda idx: torch.from_numpy(host[idx]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +84,24 @@ def control_steps(steps: Sequence[Step], vocab: int) -> list[Step]:
     return changed
 
 
-def replay_k(s: Session, k: int) -> KOutcome:
-    """Every forward at ``k``, then the control, then the golden's own checks at ``k``."""
+def replay_k(s: Session, k: int, decoded: Mapping[str, DecodeRows]) -> KOutcome:
+    """Every forward at ``k`` (its verify rows measured against its own decode rows, ``decoded``, where the golden
+    stores decode rows), then the control, then the golden's own checks at ``k``."""
     g = s.golden
     log = g.log(k)  # the metadata's copy; the arrays are read and checked beside the run
     judged: list[Judged] = []
     timings = [Timing(f"{g.info.forward} (golden)", tuple(log.step_ms.tolist()))]
     reasons: list[Reason] = []
     failure: FailureRows | None = None
+    equivalent: list[tuple[str, Equivalence]] = []
     for name in s.forwards:
         s.progress.phase(f"K={k} {name}", g.info.steps)
-        ran = _forward(s, k, name, log.steps)
+        acc = _accumulator(s, k, decoded.get(name))
+        ran = _forward(s, k, name, log.steps, None if acc is None else acc.observe)
         why = tuple(words.comparison_reasons(k, name, ran.comparison))
+        if acc is not None:
+            equivalent.append((name, acc.result()))
+            why += tuple(words.equivalence_reasons(k, name, equivalent[-1][1], s.policy))
         reasons += why
         judged.append(Judged(ran.comparison, why))
         timings.append(Timing(name, tuple(ran.run.step_ms)))
@@ -78,8 +114,70 @@ def replay_k(s: Session, k: int) -> KOutcome:
         reasons.append(words.control_reason(k, control.changed_step, s.policy))
     reasons += _own_checks(s, k, log.accepted.tolist())
     left = (g.meta.get("left_greedy") or {}).get(str(k))
-    return KOutcome(KResult(k, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), control, left),
+    axis = _axis(s, k, equivalent)
+    return KOutcome(KResult(k, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), control, left, axis),
                     tuple(reasons), failure)
+
+
+class _Observed:
+    """A K run's verify rows handed to an equivalence `Accumulator` as the run lets them go."""
+
+    def __init__(self, acc: Accumulator):
+        self.acc = acc
+
+    def observe(self, kind: str, start: int, rows: torch.Tensor) -> None:
+        if kind == "verify":
+            self.acc.add(start, rows)
+
+    def result(self) -> Equivalence:
+        return self.acc.result()
+
+
+def _accumulator(s: Session, k: int, decode: DecodeRows | None) -> _Observed | None:
+    """The equivalence of a forward's verify rows at ``k`` with its decode rows (None: no decode rows)."""
+    if decode is None:
+        return None
+    g = s.golden
+    greedy = g.log(DECODE_K).tokens[:, 0].tolist()
+    mapping = decode_map(g.log(k), len(g.prompt), greedy, g.layout(DECODE_K).steps)
+    return _Observed(Accumulator(k, mapping, decode, g.logical, s.policy.equivalence))
+
+
+def _axis(s: Session, k: int, equivalent: list[tuple[str, Equivalence]]) -> EquivalenceAxis | None:
+    """K's verify-against-decode axis: the golden's own (from its stored digests, rows read only where a pair
+    differs) and each forward's; None where the golden stores no decode rows."""
+    own = of_golden(s.golden, k, s.policy.equivalence)
+    if own is None:
+        return None
+    return EquivalenceAxis(own, tuple(equivalent), s.settings.decode_forward)
+
+
+def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
+    """The golden's decode rows replayed: each forward (or ``--decode-forward``) runs the greedy continuation's
+    one-token decodes (a run at K = 1), judged against the golden's decode rows; the rows each computed, kept
+    for the K's equivalence axis. (None, {}) where the golden stores no decode rows."""
+    g = s.golden
+    if not g.decoded:
+        return None, {}
+    log = g.log(DECODE_K)
+    judged: list[Judged] = []
+    reasons: list[Reason] = []
+    kept: dict[str, DecodeRows] = {}
+    timings = [Timing(f"{g.info.forward} (golden)", tuple(log.step_ms.tolist()))]
+    for name in s.forwards:
+        decode_forward = s.settings.decode_forward or name
+        s.progress.phase(f"decode {decode_forward}", g.layout(DECODE_K).steps)
+        rows = KeptDecode()
+        ran = _forward(s, DECODE_K, decode_forward, log.steps, rows.observe)
+        why = tuple(words.decode_reasons(name, decode_forward, ran.comparison))
+        reasons += why
+        judged.append(Judged(ran.comparison, why))
+        timings.append(Timing(decode_forward, tuple(ran.run.step_ms)))
+        kept[name] = rows.result()
+        if s.candidate is not None:
+            s.candidate.keep(DECODE_K, ran.run)
+    result = KResult(DECODE_K, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), None)
+    return KOutcome(result, tuple(reasons), None), kept
 
 
 def _own_checks(s: Session, k: int, accepted: list[int]) -> list[Reason]:
@@ -89,18 +187,21 @@ def _own_checks(s: Session, k: int, accepted: list[int]) -> list[Reason]:
     return [Reason(what, text, k) for what, text in found if text is not None]
 
 
-def _forward(s: Session, k: int, name: str, steps: list[Step]) -> _Ran:
+def _forward(s: Session, k: int, name: str, steps: list[Step],
+             observe: Callable[[str, int, torch.Tensor], None] | None = None) -> _Ran:
     """Forward ``name`` selected and prepared (graphs captured, caches sized), then its run at ``k``."""
     t = time.perf_counter()
     s.model.set_forward(name)
     s.reader.pause()  # no reader work beside a graph capture
     g = s.golden
-    prepare(s.model, len(g.prompt), g.info.steps, g.ks, decode=g.info.drafted)  # a reference replay decodes nothing
+    # A reference replay decodes one token at a time only where the golden stores decode rows.
+    prepare(s.model, len(g.prompt), g.info.steps, g.ks, decode=g.info.drafted or g.decoded)
     s.clock.phases["prepare"] += time.perf_counter() - t
-    return _execute(s, k, steps, name, s.clock, keep=s.candidate is not None)
+    return _execute(s, k, steps, name, s.clock, keep=s.candidate is not None, observe=observe)
 
 
-def _execute(s: Session, k: int, steps: list[Step], variant: str, clock: Clock, keep: bool = False) -> _Ran:
+def _execute(s: Session, k: int, steps: list[Step], variant: str, clock: Clock, keep: bool = False,
+             observe: Callable[[str, int, torch.Tensor], None] | None = None) -> _Ran:
     """One run of ``steps`` under the selected forward and its comparison, timed into ``clock``. Rows are
     measured as the run lets them go (`vd.loop.Hold`), so its memory stays flat in steps (a run whose
     candidate is kept, ``keep``, holds them all); on CUDA the comparison of the rows still held is queued
@@ -109,14 +210,14 @@ def _execute(s: Session, k: int, steps: list[Step], variant: str, clock: Clock, 
     queued: list[Queued] = []
     on_last = ((lambda run, rows: queued.append(Queued(reader.side(k), run, rows)))
                if s.model.device.type == "cuda" else None)
-    measurer = Measurer(lambda: reader.side(k), g.logical, s.policy)
+    measurer = Measurer(lambda: reader.side(k), g.logical, s.policy, observe)
     hold = None if keep else Hold(hold_bytes(s.model.device), measurer.add)
     if s.clock.first_step is None:
         s.clock.first_step = env.process_age()
     t1 = time.perf_counter()
-    log = g.log(k)
+    log, n = g.log(k), g.layout(k).steps
     feed = ReplayFeed(steps, log.bootstrap, log.decoded)
-    run = run_verify(s.model, g.prompt, k, g.info.steps, DrafterFeed(k, g.info.steps, feed) if g.info.drafted else feed,
+    run = run_verify(s.model, g.prompt, k, n, DrafterFeed(k, n, feed) if g.info.drafted_at(k) else feed,
                      on_step=s.progress.step, idle=reader.idle, on_last=on_last, hold=hold)
     t2 = time.perf_counter()
     side = reader.side(k)  # made in the run's idle time on CUDA

@@ -40,7 +40,9 @@ class ReplaySettings:
     ``ks`` limits the replay to some of the golden's verify widths; ``tolerances`` (``[KIND=]SPEC`` items)
     override the golden's policy; ``require_coverage`` fails a golden missing an accept count;
     ``rows`` names the full golden a slim one was made from, to measure its rows; ``save_candidate`` a
-    path to keep the replayed forward's rows at, as a golden (`vd.replayer.candidate`; one forward only).
+    path to keep the replayed forward's rows at, as a golden (`vd.replayer.candidate`; one forward only);
+    ``decode_forward`` the forward that computes the decode rows each forward's verify rows are measured
+    against (default: the forward itself; another where decode runs another kernel).
     """
 
     model: str | None = None
@@ -55,6 +57,7 @@ class ReplaySettings:
     require_coverage: bool = False
     rows: str | None = None
     save_candidate: str | None = None
+    decode_forward: str | None = None  # the forward the decode rows are computed with (default: each forward)
 
 
 @dataclass(slots=True)
@@ -194,7 +197,7 @@ def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings) -> tuple[tuple[s
     if lacks is not None:
         raise UsageError(f"pass {lacks}")
     forwards = tuple(s.forwards) or (g.info.forward,)
-    require_forwards(model, list(forwards))
+    require_forwards(model, [*forwards, *([s.decode_forward] if s.decode_forward else [])])
     if s.save_candidate is not None and len(forwards) > 1:
         raise UsageError("--save-candidate keeps one forward's rows; replay one --forward")
     return forwards, offered, notes

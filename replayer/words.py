@@ -15,10 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vd.equivalence import Equivalence
+from vd.equivalence import describe as describe_equivalence
 from vd.layout import StepLog
 from vd.policy import Policy
 from vd.replayer.comparison import Comparison, Failure, Flip, KindSummary, Mismatch
 from vd.replayer.report import Control, DiffReport, KResult, Reason, Report
+from vd.store.format import DECODE_K
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,11 @@ def plain_text(step: NextStep) -> str:
 
 
 # -- places --------------------------------------------------------------------------------------------------
+
+
+def group(k: int) -> str:
+    """How a K group is named in words: ``K=2``, or ``decode`` for the decode rows' group."""
+    return "decode" if k == DECODE_K else f"K={k}"
 
 
 def mismatch_place(m: Mismatch | None) -> str:
@@ -82,27 +90,30 @@ def failure_text(f: Failure | None) -> str:
 # -- reasons ---------------------------------------------------------------------------------------------------
 
 
-def comparison_reasons(k: int, name: str, c: Comparison) -> list[Reason]:
-    """One reason per kind of row that fails (its policy, or a changed decision)."""
+def comparison_reasons(k: int, name: str, c: Comparison, label: str | None = None, what: str = "rows"
+                       ) -> list[Reason]:
+    """One reason per kind of row that fails (its policy, or a changed decision); ``label`` heads it (default
+    ``verify K=2``), ``what`` it is about."""
     out, sm = [], c.summary
     flips = {kind: [f for f in c.unallowed_flips if f.kind == kind] for kind in ("prefill", "verify", "draft")}
     slim = "" if c.measured else " (the golden is slim: name its full golden with --rows to measure the rows)"
     if (sm["verify"].rows_failed or sm["prefill"].rows_failed or flips["verify"] or flips["prefill"]
             or c.changed_accepts):
-        out.append(Reason("rows", _rows_head(k, name, c) + _flip_text(flips["prefill"]) + _flip_text(flips["verify"])
-                          + _accept_text(c) + slim, k, name))
+        head = _rows_head(label or f"verify K={k}", name, c)
+        out.append(Reason(what, head + _flip_text(flips["prefill"]) + _flip_text(flips["verify"]) + _accept_text(c)
+                          + slim, k, name))
     if "draft" in sm and (sm["draft"].rows_failed or flips["draft"]):
         out.append(Reason("draft", _draft_head(k, name, c) + _flip_text(flips["draft"]) + slim, k, name))
     return out
 
 
-def _rows_head(k: int, name: str, c: Comparison) -> str:
+def _rows_head(label: str, name: str, c: Comparison) -> str:
     if c.policy.prefill.text == c.policy.verify.text == "exact":
         prefill = "equal" if c.prefill_equal else "differs"
-        return (f"verify K={k}, {name}: prefill {prefill}, {c.mismatched_steps} of {c.steps} steps differ (first "
+        return (f"{label}, {name}: prefill {prefill}, {c.mismatched_steps} of {c.steps} steps differ (first "
                 f"at {mismatch_place(c.first_mismatch or c.prefill_first_mismatch)})")
     v, p = c.summary["verify"], c.summary["prefill"]
-    return (f"verify K={k}, {name}: {v.rows_failed} of {v.rows} verify rows fail {c.policy.verify.text}, "
+    return (f"{label}, {name}: {v.rows_failed} of {v.rows} verify rows fail {c.policy.verify.text}, "
             f"{p.rows_failed} of {p.rows} prefill rows fail {c.policy.prefill.text} (largest |Δ| "
             f"{max(v.max_abs, p.max_abs):.4g}, {max(v.max_ulp, p.max_ulp):.0f} ULP, KL "
             f"{max(v.max_kl, p.max_kl):.3g}; first failure {failure_text(c.first_failure)})")
@@ -137,6 +148,31 @@ def _accept_text(c: Comparison) -> str:
             f"{a.golden} → {a.got})")
 
 
+def decode_reasons(name: str, decode_forward: str, c: Comparison) -> list[Reason]:
+    """The decode rows (the greedy continuation's one-token decodes) a forward computed, against the golden's."""
+    label = "decode rows" + ("" if decode_forward == name else f" (computed with {decode_forward})")
+    return comparison_reasons(1, name, c, label=label, what="decode")
+
+
+def equivalence_reasons(k: int, name: str, e: Equivalence, policy: Policy) -> list[Reason]:
+    """A forward's verify rows that fail the policy's ``equivalence=SPEC`` against the decode rows of the same
+    positions (none where equivalence is reported only)."""
+    if not e.judged or e.passed:
+        return []
+    f = e.failing[0]
+    spec = policy.equivalence.text if policy.equivalence is not None else "?"
+    flips = f"; {len(e.flips)} argmax flip(s): speculative output would differ from greedy output there" if e.flips \
+        else ""
+    return [Reason("equivalence", f"verify K={k}, {name}: {len(e.failing)} of {e.rows} verify rows fail "
+                   f"equivalence={spec} against the one-token decode rows of the same positions (first at step "
+                   f"{f.step} row {f.row}; largest |Δ| {e.max_abs:.4g}, {e.max_ulp:.0f} ULP){flips}", k, name)]
+
+
+def equivalence_line(k: int, name: str, e: Equivalence) -> str:
+    """One line of a verify-against-decode axis (`vd.equivalence.describe`)."""
+    return f"  K={k} {name} verify vs decode: {describe_equivalence(e)}"
+
+
 def control_reason(k: int, at: int, policy: Policy) -> Reason:
     """A blind detection control."""
     return Reason("control", f"verify K={k}: the detection control saw no difference at step {at} after changing "
@@ -153,8 +189,8 @@ def environment_reason(differences: Sequence[str], hint: str | None) -> Reason:
 def steps_reason(k: int, changed: Sequence[int], a: Any, b: Any, total: int) -> Reason:
     """A diff's K whose recordings verified other tokens or accepted other counts (``a``, ``b``: the first
     changed step's `vd.layout.Step` of each)."""
-    return Reason("steps", f"K={k}: {len(changed)} of {total} steps verified other tokens or accepted another count "
-                  f"(first at step {changed[0]}: {_step(a)} vs {_step(b)})", k)
+    return Reason("steps", f"{group(k)}: {len(changed)} of {total} steps verified other tokens or accepted another "
+                  f"count (first at step {changed[0]}: {_step(a)} vs {_step(b)})", k)
 
 
 def _step(s: Any) -> str:
@@ -162,13 +198,13 @@ def _step(s: Any) -> str:
 
 
 def bootstrap_reason(k: int, a: int | None, b: int | None) -> Reason:
-    return Reason("steps", f"K={k}: bootstrap token {a} vs {b}", k)
+    return Reason("steps", f"{group(k)}: bootstrap token {a} vs {b}", k)
 
 
 def diff_rows_reason(k: int, c: Comparison) -> Reason:
     """A diff's K whose rows fail the policy."""
     f = c.first_failure
-    return Reason("rows", f"K={k}: rows differ under {c.policy.describe()}: "
+    return Reason("rows", f"{group(k)}: rows differ under {c.policy.describe()}: "
                   + ", ".join(f"{n} {s.rows_failed}/{s.rows} rows fail, {s.argmax_flips} argmax flip(s), max |Δ| "
                               f"{s.max_abs:.4g}" for n, s in c.summary.items())
                   + (f" (first: {f.kind} step {f.step} row {f.row} index {f.index})" if f else ""), k)
@@ -184,17 +220,19 @@ def replay_table(report: Report) -> TextTable:
     if report.mtp:
         cols[4:4] = ["drafts differ"]
     rows = []
-    for v in report.verify:
+    for v in ([report.decode] if report.decode is not None else []) + list(report.verify):
         last = len(v.comparisons) - 1  # the control runs under the last forward: its row shows it
         for i, (j, tm) in enumerate(zip(v.comparisons, v.timings[1:])):
             control = "-" if v.control is None or i != last else v.control.state
             c, m = j.comparison, j.comparison.first_mismatch
             first = "-" if m is None else f"step {m.step} row {m.row}" + ("" if m.index is None else f" [{m.index}]")
-            cells = [str(v.k), c.variant, "equal" if c.prefill_equal else "DIFFERS", f"{c.mismatched_steps}/{c.steps}",
+            label = "decode" if v is report.decode else str(v.k)
+            cells = [label, c.variant, "equal" if c.prefill_equal else "DIFFERS", f"{c.mismatched_steps}/{c.steps}",
                      first, f"{c.max_abs_diff:.4g}", _flips(c), "pass" if c.passed else "FAIL",
                      f"{tm.median_ms:.2f}", control]
             if report.mtp:
-                cells[4:4] = [f"{c.draft_mismatched_steps}/{c.steps}{'' if c.bootstrap_equal else ' +bootstrap'}"]
+                cells[4:4] = ["-" if c.draft_mismatched_steps is None else
+                              f"{c.draft_mismatched_steps}/{c.steps}{'' if c.bootstrap_equal else ' +bootstrap'}"]
             rows.append(tuple(cells))
     return TextTable(f"vd replay {report.golden}  (policy: {report.policy.describe()})", tuple(cols), tuple(rows))
 
@@ -205,6 +243,24 @@ def _flips(c: Comparison) -> str:
     return f"{len(c.flips)}" + (f" ({allowed} allowed)" if allowed else "")
 
 
+AXES_COLUMNS = ("K", "forward", "axis", "rows compared", "identical", "max |Δ|", "flips", "verdict")
+
+
+def axes_table(report: Report) -> TextTable:
+    """The table of axes: per K and forward, one row per axis (`vd.replayer.report.KResult.axes`)."""
+    rows = tuple(row for v in report.verify for row in axes_table_rows(v))
+    return TextTable("axes: where greedy speculative decoding stays lossless", AXES_COLUMNS, rows)
+
+
+def axes_table_rows(v: KResult) -> list[tuple[str, ...]]:
+    """K's rows of the table of axes (`AXES_COLUMNS`)."""
+    def cell(x) -> str:
+        return "-" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
+
+    return [(str(v.k), a.forward, a.axis, cell(a.rows), cell(a.identical), cell(a.max_abs), cell(a.flips),
+             a.verdict) for a in v.axes()]
+
+
 def replay_lines(report: Report) -> list[str]:
     """The lines below a replay's table: agreement where rows differ, where a recording left greedy, the
     notes (a candidate saved, the artifacts a compiled forward loaded), the reasons (the verdict itself is
@@ -212,9 +268,13 @@ def replay_lines(report: Report) -> list[str]:
     out = []
     for v in report.verify:
         out += [line for j in v.comparisons if (line := agreement_line(v.k, j.comparison))]
+        if v.equivalence is not None:
+            out += [equivalence_line(v.k, name, e) for name, e in v.equivalence.forwards if e.rows > e.identical]
         if v.left_greedy is not None:
             out.append(f"  K={v.k}: the recording's committed sequence left its engine's own one-token decode at "
                        f"step {v.left_greedy} (its verify rows chose another token there)")
+    if report.verify and report.verify[0].equivalence is None:
+        out.append("  verify vs decode: not recorded (the golden stores no decode rows; format 7 records them)")
     return out + [f"  note: {note}" for note in report.notes] + [f"  - {reason}" for reason in report.reasons]
 
 
@@ -241,7 +301,7 @@ def bundle_line(path: str) -> str:
 
 def diff_lines(d: DiffReport) -> list[str]:
     """A diff's lines: per K each kind's rows that differ and fail, then the reasons."""
-    out = [f"K={v.k}: " + "; ".join(f"{n} {s.rows_differ}/{s.rows} rows differ, {s.rows_failed} fail, max |Δ| "
+    out = [f"{group(v.k)}: " + "; ".join(f"{n} {s.rows_differ}/{s.rows} rows differ, {s.rows_failed} fail, max |Δ| "
                                     f"{s.max_abs:.4g}" for n, s in v.comparison.summary.items()) for v in d.verify]
     return out + [f"  - {reason}" for reason in d.reasons]
 
@@ -268,13 +328,13 @@ def decision_lines(k: int, old: StepLog, new: StepLog) -> list[str]:
     out = []
     moved = [i for i, (x, y) in enumerate(zip(old.accepted.tolist(), new.accepted.tolist())) if x != y]
     if moved:
-        out.append(f"K={k}: accept counts changed at steps {moved}: {old.accepted.tolist()} -> "
+        out.append(f"{group(k)}: accept counts changed at steps {moved}: {old.accepted.tolist()} -> "
                    f"{new.accepted.tolist()}")
     tok = [i for i in range(len(old.tokens)) if old.tokens[i].tolist() != new.tokens[i].tolist()]
     if tok:
-        out.append(f"K={k}: {len(tok)} step(s) verified other tokens, from step {tok[0]}")
+        out.append(f"{group(k)}: {len(tok)} step(s) verified other tokens, from step {tok[0]}")
     if old.bootstrap != new.bootstrap:
-        out.append(f"K={k}: bootstrap token {old.bootstrap} -> {new.bootstrap}")
+        out.append(f"{group(k)}: bootstrap token {old.bootstrap} -> {new.bootstrap}")
     return out
 
 

@@ -23,6 +23,23 @@ STORAGE = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2"), "float32": n
 OUTSIDE = ("zarr.json", "run/zarr.json")  # the two files the manifest does not list
 
 
+DECODE_K = 1  # the decode group's K (Decode rows): no verify width is 1
+
+
+def decode_map(tokens: np.ndarray, accepted: np.ndarray, decoded: int | None, greedy: list[int],
+               decode_steps: int) -> list[int]:
+    """For each verify row of a K, step by step, the decode group's row of the same position, or -1 (FORMAT.md,
+    "Which decode row is a verify row's")."""
+    out, committed = [], [] if decoded is None else [int(decoded)]
+    for row, a in zip(tokens.tolist(), accepted.tolist()):
+        for i in range(len(row)):
+            seen = committed + row[: i + 1]
+            m = len(seen)
+            out.append(m - 1 if m - 1 < decode_steps and seen == greedy[:m] else -1)
+        committed += row[: a + 1]
+    return out
+
+
 class Golden:
     """One golden (a directory or a .zip file): every file's bytes, the root metadata, the run group's
     attributes, and its arrays through zarr."""
@@ -44,11 +61,25 @@ class Golden:
 
     @property
     def ks(self) -> list[int]:
+        """The verify widths."""
         return list(self.meta["k"])
+
+    @property
+    def groups(self) -> list[int]:
+        """Every K group: the verify widths, then the decode group (K = 1) where the golden stores one."""
+        return self.ks + ([DECODE_K] if self.meta.get("decode") is not None else [])
+
+    def steps_of(self, k: int) -> int:
+        """Steps of group ``k``: the golden's, or the decode group's ``decode.steps`` (S × max(K))."""
+        return self.meta["decode"]["steps"] if k == DECODE_K and k not in self.ks else self.meta["steps"]
 
     @property
     def drafted(self) -> bool:
         return self.meta.get("feed", "reference") == "mtp"
+
+    def drafted_at(self, k: int) -> bool:
+        """Whether group ``k`` holds draft rows (never the decode group)."""
+        return self.drafted and k != DECODE_K
 
     @property
     def logical(self) -> str:
@@ -92,7 +123,7 @@ class Golden:
         bootstrap row first among them."""
         v = self.vocab
         out = {"prefill": self.row_array(k, "prefill"), "verify": self.row_array(k, "logits").reshape(-1, v)}
-        if self.drafted:
+        if self.drafted_at(k):
             out["draft"] = np.concatenate([self.row_array(k, "bootstrap_logits"),
                                            self.row_array(k, "draft_logits").reshape(-1, v)])
         return out

@@ -62,7 +62,7 @@ def test_round_trip_passes_with_report(cli, tiny_golden, tmp_path):
         assert c["variant"] == "eager" and c["prefill_equal"] and c["mismatched_steps"] == 0
         assert c["steps"] == 8 and c["first_mismatch"] is None and c["max_abs_diff"] == 0.0
         assert set(v) == {"k", "accepted", "accept_histogram", "coverage", "comparisons", "timings",
-                          "detection_control", "golden_left_greedy_step"}
+                          "detection_control", "golden_left_greedy_step", "equivalence", "axes"}
         # The control changed step 4's last draft: steps before it still match, step 4 differs.
         dc = v["detection_control"]
         assert dc["fired"] and dc["changed_step"] == 4 and dc["mismatched_step_list"][0] == 4
@@ -520,14 +520,16 @@ def test_progress_off_a_terminal_is_plain_lines(cli, tiny_golden, tmp_path):
     assert code == 0, err
     assert [line.split(":")[1].split(" (")[0].strip() for line in err.splitlines()[::2]] == [
         "loading model", "greedy continuation", "recording K=2", "writing golden"]
-    assert "vd: greedy continuation (9 steps)" in err and re.search(r"greedy continuation: 9/9 steps in", err)
+    # 4 steps at K=2: 8 one-token decodes after the prefill (the decode group), 9 tokens of continuation
+    assert "vd: greedy continuation (8 steps)" in err and re.search(r"greedy continuation: 8/8 steps in", err)
 
 
 def test_the_control_shows_on_the_row_of_the_forward_it_ran_under(cli, tiny_golden):
     """With several forwards the control runs under the last: only its row says how the control went (the
     passing eager row read "inconclusive", which was sdpa's)."""
     code, out, err = cli("replay", tiny_golden, "--forward", "eager", "--forward", "sdpa", "--k", "2")
-    rows = {cells[2]: cells for line in out.splitlines()
+    verdict_table = out.split("axes:")[0]  # the axes table below it has rows per K and forward too
+    rows = {cells[2]: cells for line in verdict_table.splitlines()
             if len(cells := [c.strip() for c in line.split("│")]) > 3 and cells[1] == "2"}
     assert rows["eager"][-2] == "-" and rows["sdpa"][-2] in ("fired", "inconclusive"), out
 

@@ -4,16 +4,19 @@ the blocks fall."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import PLUGINS
 
 import vd.loop
 from vd.loop import DrafterFeed, Hold, run_verify
 from vd.models import load_model
 from vd.replayer import ReplaySettings, replay
+
+PLUGINS = Path(__file__).parent / "plugins"  # (not imported from conftest: tests/workflow has one too)
 
 
 def test_a_held_run_lets_whole_steps_go_and_loses_no_row():

@@ -7,7 +7,7 @@ import torch
 
 from vd.errors import UsageError
 from vd.policy import Policy, parse_spec
-from vd.replayer.measure import measure_rows
+from vd.rowmath import measure_rows
 
 V = 64
 

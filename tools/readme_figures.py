@@ -272,6 +272,37 @@ def render_bench_gpu(runs: list) -> str:
     return "\n".join(lines) + "\n\n" + table(header, rows)
 
 
+def _figure(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None else "0" if x == 0 else f"{x:.{digits}g}"
+
+
+def _share(r: dict) -> str:
+    if r["rows"] is None:
+        return r["verdict"]
+    return f"{r['identical']}/{r['rows']}" + (f" ({100 * r['identical'] / r['rows']:.0f} %)" if r["rows"] else "")
+
+
+def render_bench_axes(d: dict) -> str:
+    """Per model, K and forward: its verify rows against its own decode rows (bit-identical, largest |Δ|, argmax
+    flips), and its rows against the golden's (the JSON holds ULP and KL figures too)."""
+    rows = []
+    for run in d["runs"]:
+        by: dict[tuple, dict] = {}
+        for r in run["axes"]:
+            by.setdefault((r["k"], r["forward"]), {})[r["axis"]] = r
+        for i, ((k, forward), axes) in enumerate(by.items()):
+            e, g = axes.get("verify vs decode"), axes.get("golden")
+            rows.append([f"`{run['model']}`" if i == 0 else "", str(k), f"`{forward}`",
+                         _share(e) if e else "-", _figure(e["max_abs"]) if e else "-",
+                         str(e["flips"]) if e and e["flips"] is not None else "-",
+                         _share(g) if g else "-", _figure(g["max_abs"]) if g else "-"])
+    about = (f"{d['dtype']}, {d['threads']} thread; each golden recorded with `{d['runs'][0]['record_forward']}` "
+             "(its own pairs: `golden (recorded)`) and replayed under each forward.")
+    return made(d) + " " + about + "\n\n" + table(
+        ["model", "K", "forward", "verify vs decode: bit-identical", "max |Δ|", "argmax flips",
+         "rows vs golden: bit-identical", "max |Δ| vs golden"], rows)
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of the README: the file its figures come from and how they are written."""
@@ -291,6 +322,7 @@ BLOCKS = {
     "bench_stores": Block("tools/bench_stores.json", render_bench_stores),
     "bench_cpu": Block("tools/bench_cpu.json", render_bench_cpu),
     "bench_process": Block("tools/bench_process.json", render_bench_process),
+    "bench_axes": Block("tools/bench_axes.json", render_bench_axes),
 }
 
 

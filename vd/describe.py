@@ -14,8 +14,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from vd.coverage import histogram
+from vd.equivalence import describe as describe_equivalence
+from vd.equivalence import of_golden
 from vd.policy import Policy
 from vd.store import Golden, open_golden
+from vd.store.format import DECODE_K
 
 
 def describe(where: str | os.PathLike) -> Iterator[str]:
@@ -30,7 +33,12 @@ def describe(where: str | os.PathLike) -> Iterator[str]:
     yield f"policy    {Policy.parse((), g.meta.get('policy')).describe()}"
     yield from _environment(g.meta.get("environment") or {})
     yield f"storage   {g.location.nbytes() / 1e6:.1f} MB; {_rows_text(g)}"
-    yield from (_k_line(g, k) for k in g.ks)
+    for k in g.ks:
+        yield _k_line(g, k)
+        e = of_golden(g, k)
+        if e is not None:
+            yield f"      verify vs decode: {describe_equivalence(e)}"
+    yield _decode_line(g)
     yield _digests_line(g)
 
 
@@ -79,6 +87,16 @@ def _k_line(g: Golden, k: int) -> str:
     flag = "" if log.committed_is_greedy in (True, None) else "  (left the greedy continuation)"
     rate = sum(acc) / (len(acc) * (k - 1))
     return f"K={k}  accepted {acc}  histogram {{{hist}}}  acceptance {rate:.0%}  bootstrap {log.bootstrap}{flag}"
+
+
+def _decode_line(g: Golden) -> str:
+    if not g.decoded:
+        return "decode    not recorded (the golden predates format 7's decode rows)"
+    if not g.slim:
+        g.verify_rows(DECODE_K)  # every decode row against its digest, as each K's rows
+    n = g.layout(DECODE_K).steps
+    return (f"decode    {n} one-token decode rows of the greedy continuation (group k{DECODE_K}), each verify row "
+            "whose input is the continuation compared with the decode row of its position")
 
 
 def _digests_line(g: Golden) -> str:

@@ -75,6 +75,7 @@ class Run:
     # Generated tokens committed before the first step (the drafter's bootstrap decode commits one).
     committed_before: list[int] = field(default_factory=list)
     hold: Hold | None = None
+    last: int = -1  # the token the run would commit next, after its last step
     settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("prefill", "verify", "draft"), 0))
     prompt: int = 0  # prefill rows (``prefill`` is empty once settled)
     storages: set[int] = field(default_factory=set)  # the memory of the rows held, to refuse a reused buffer
@@ -321,17 +322,13 @@ def _argmax(rows: torch.Tensor) -> list[int]:
 @torch.inference_mode()
 def continuation(model: VerifyModel, prompt: Sequence[int], n: int,
                  on_token: Callable[[int], None] | None = None) -> list[int]:
-    """The model's greedy continuation of ``prompt``, ``n`` tokens, by plain one-token decode; ``on_token(i)``
-    after the ``i``-th (a progress counter: this is half of a recording's time on a CPU)."""
-    model.reset()
-    out = [_argmax(checked(model, prompt, model.forward(prompt))[-1:])[0]]
-    while len(out) < n:
-        if on_token is not None:
-            on_token(len(out) - 1)
-        out.append(_argmax(checked(model, out[-1:], model.forward([out[-1]])))[0])
-    if on_token is not None:
-        on_token(len(out) - 1)
-    return out
+    """The model's greedy continuation of ``prompt``, ``n`` tokens, by plain one-token decode: a run at K = 1
+    through this loop (each step verifies the token the last chose and accepts nothing), its rows let go as
+    they come; ``on_token(s)`` after each of its ``n - 1`` decode steps (a recording stores these rows: the
+    recorder runs the same with a hold that writes them)."""
+    run = run_verify(model, prompt, 1, n - 1, ReferenceFeed([]), on_step=on_token,
+                     hold=Hold(0, lambda kind, start, rows: None))
+    return [*run.committed(), run.last]
 
 
 def _log(run: Run, s: int, tokens: Sequence[int], rows: torch.Tensor, na: int, computed: int,
@@ -459,5 +456,6 @@ def run_verify(
         feed.after_commit(model, run, s, na, last)  # a drafter proposes the next step's drafts here
     if logged is not None:
         _log(run, *logged, on_step)
+    run.last = last
     run.check_returned()
     return run

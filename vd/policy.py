@@ -89,6 +89,10 @@ def parse_spec(text: str) -> Spec:
 
 
 DECISIONS = "decisions"  # the policy term for argmax flips and accept-count changes
+# The policy term for verify rows against the decode rows of the same positions (`vd.equivalence`): unset, the
+# equivalence is reported and not judged; set, each mapped verify row must pass its SPEC against its decode row,
+# and an argmax that differs between them fails.
+EQUIVALENCE = "equivalence"
 
 
 def parse_decisions(text: str) -> float | None:
@@ -118,6 +122,7 @@ class Policy:
     verify: Spec
     draft: Spec
     margin: float | None = None  # decisions=margin:X: flips allowed below this golden margin (None: strict)
+    equivalence: Spec | None = None  # equivalence=SPEC: verify rows judged against decode rows (None: reported)
 
     @classmethod
     def parse(cls, items: Iterable[str] = (), base: Mapping[str, str] | None = None) -> Policy:
@@ -126,6 +131,7 @@ class Policy:
         texts = {k: "exact" for k in KINDS}
         texts.update({k: v for k, v in (base or {}).items() if k in KINDS})
         decisions = (base or {}).get(DECISIONS, "strict")
+        equivalence = (base or {}).get(EQUIVALENCE)
         for item in items:
             kind, sep, spec = item.partition("=")
             if not sep:
@@ -134,21 +140,27 @@ class Policy:
                 decisions = spec.strip()
                 parse_decisions(decisions)
                 continue
+            if kind == EQUIVALENCE:
+                equivalence = spec.strip()
+                parse_spec(equivalence)
+                continue
             if kind and kind not in KINDS:
                 raise UsageError(f"unknown row kind {kind!r} in --tolerance {item!r} (choose from "
-                                 f"{', '.join(KINDS)}, or {DECISIONS}=margin:X)")
+                                 f"{', '.join(KINDS)}, or {DECISIONS}=margin:X, or {EQUIVALENCE}=SPEC)")
             parse_spec(spec)
             for k in [kind] if kind else KINDS:
                 texts[k] = spec.strip()
         # a stored policy must parse too
-        return cls(**{k: parse_spec(texts[k]) for k in KINDS}, margin=parse_decisions(decisions))
+        return cls(**{k: parse_spec(texts[k]) for k in KINDS}, margin=parse_decisions(decisions),
+                   equivalence=None if equivalence is None else parse_spec(equivalence))
 
     def __getitem__(self, kind: str) -> Spec:
         return getattr(self, kind)
 
     def to_json(self) -> dict[str, str]:
-        """Each kind's SPEC, and ``decisions`` where it is not strict."""
-        return {**{k: self[k].text for k in KINDS}, **({DECISIONS: self.decisions} if self.margin is not None else {})}
+        """Each kind's SPEC, ``decisions`` where it is not strict, ``equivalence`` where it is judged."""
+        return {**{k: self[k].text for k in KINDS}, **({DECISIONS: self.decisions} if self.margin is not None else {}),
+                **({EQUIVALENCE: self.equivalence.text} if self.equivalence is not None else {})}
 
     @property
     def decisions(self) -> str:
@@ -162,7 +174,8 @@ class Policy:
     def describe(self) -> str:
         """``prefill exact, verify ulp:2, draft exact`` (and ``, decisions margin:X``)."""
         return ", ".join(f"{k} {self[k].text}" for k in KINDS) + (
-            f", decisions {self.decisions}" if self.margin is not None else "")
+            f", decisions {self.decisions}" if self.margin is not None else "") + (
+            f", equivalence {self.equivalence.text}" if self.equivalence is not None else "")
 
     @property
     def needs_rows(self) -> list[str]:

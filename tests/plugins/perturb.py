@@ -1,8 +1,8 @@
 """A plug-in engine for tests: tiny-llama whose verify at one step is off by one ULP in one element.
 
 ``VD_PERTURB_STEP`` picks the step (default 3), ``VD_PERTURB_K`` the verify width it applies to
-(default: every width), so a replay must fail exactly there. Its weights are tiny-llama's, so it keeps
-tiny-llama's fingerprint: the same model, a different build.
+(default: every width of two or more: a one-token decode has no row 1), so a replay must fail exactly
+there. Its weights are tiny-llama's, so it keeps tiny-llama's fingerprint: the same model, a different build.
 """
 
 import os
@@ -43,7 +43,7 @@ class Perturbed:
         rows = self.inner.forward(tokens)
         s = self.calls - 1  # call 0 is the prefill
         self.calls += 1
-        if s == self.step and (self.k is None or len(tokens) == self.k):
+        if s == self.step and (self.k is None or len(tokens) == self.k) and len(tokens) > ROW:  # not a decode
             rows = rows.clone()
             bits = rows.view(torch.int16)  # one ULP: the next bit pattern
             bits[ROW, INDEX] += 1

@@ -13,7 +13,7 @@ DATA = Path(__file__).parent.parent / "data"
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-v1.zarr", "tiny-llama-mtp-v2.zarr", "tiny-llama-mtp-v3.zarr",
-                                  "tiny-llama-mtp-v4.zarr", "tiny-llama-mtp-v5.zarr"])
+                                  "tiny-llama-mtp-v4.zarr", "tiny-llama-mtp-v5.zarr", "tiny-llama-v6.zarr"])
 def test_every_earlier_format_migrates_with_its_numbers_unchanged(tmp_path, name, cli):
     old = open_golden(DATA / name)
     new = open_golden(migrate(DATA / name, tmp_path / "new.zarr"))

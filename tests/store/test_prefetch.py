@@ -27,9 +27,10 @@ def test_units_run_in_the_idle_time_handed_over_and_give_what_reading_in_line_do
     while p.idle(30.0):  # as a run's steps would, until nothing is left
         pass
     assert not p.units and {who for who, _, _ in p.timeline} == {"idle"}
-    assert p.idle(30.0) is False and p.summary()["idle"]["units"] == len(p.timeline) == 3 * 7
+    # 7 units per group: three K's and the decode group
+    assert p.idle(30.0) is False and p.summary()["idle"]["units"] == len(p.timeline) == 4 * 7
     inline = open_golden(tiny_golden)
-    for k in inline.ks:
+    for k in inline.groups:
         _same_side(p.side(k), inline.side(k))
 
 

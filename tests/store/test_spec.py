@@ -51,7 +51,7 @@ def made(cli, tmp_path_factory) -> dict[str, Path]:
     code, _, err = cli("replay", out["reference.zarr"], "--save-candidate", out["candidate.zarr"])
     assert code == 0, err
     for version, name in COMMITTED.items():
-        if version < 6:
+        if version < 7:
             out[f"migrated-v{version}.zarr"] = where / f"migrated-v{version}.zarr"
             code, _, err = cli("migrate", DATA / name, out[f"migrated-v{version}.zarr"])
             assert code == 0, err
@@ -61,7 +61,7 @@ def made(cli, tmp_path_factory) -> dict[str, Path]:
 def _goldens() -> list:
     return ([pytest.param(("committed", name), id=f"v{v}-{name}") for v, name in COMMITTED.items()]
             + [pytest.param(("made", name), id=name) for name in (*RECORDED, "slim.zarr", "candidate.zarr")]
-            + [pytest.param(("made", f"migrated-v{v}.zarr"), id=f"migrated-v{v}") for v in COMMITTED if v < 6])
+            + [pytest.param(("made", f"migrated-v{v}.zarr"), id=f"migrated-v{v}") for v in COMMITTED if v < 7])
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def test_format_md_names_every_key(golden):
     documented = _documented()
     run = golden.run or {}
     keys = [*_walk_keys(golden.meta), *_walk_keys(run, "vd_run")]
-    for k in golden.ks:
+    for k in golden.groups:
         keys += [(f"k{k}", key) for key in golden.k_attrs(k)]
     missing = sorted({f"{path}.{key}" if path else key for path, key in keys if key not in documented})
     assert not missing, f"{golden.path}: keys FORMAT.md does not name: {missing}"
@@ -159,20 +159,20 @@ def test_layout_and_codecs_are_format_md_s(golden):
     assert g.array("prompt").dtype == np.int32 and len(prompt) >= 1
     if "prompt_tokens" in g.meta:
         assert g.meta["prompt_tokens"] == prompt
-    assert g.meta["format"] == "vd-golden" and 1 <= g.version <= 6
-    for k in g.ks:
-        s = g.meta["steps"]
+    assert g.meta["format"] == "vd-golden" and 1 <= g.version <= 7
+    for k in g.groups:
+        s = g.steps_of(k)
         attrs = g.k_attrs(k)
         assert attrs["k"] == k and attrs["steps"] == s
         small = {"tokens": ((s, k), "int32"), "accepted": ((s,), "int32")}
         if g.version < 5:
             small["step_ms"] = ((s,), "float64")
-        if g.drafted:
+        if g.drafted_at(k):
             small["drafts"] = ((s, k - 1), "int32")
         rows = {"prefill": (len(prompt), v), "logits": (s, k, v)}
-        if g.drafted:
+        if g.drafted_at(k):
             rows.update(bootstrap_logits=(1, v), draft_logits=(s, k - 1, v))
-        total = len(prompt) + s * k + (1 + s * (k - 1) if g.drafted else 0)
+        total = len(prompt) + s * k + (1 + s * (k - 1) if g.drafted_at(k) else 0)
         if g.version >= 3:
             small.update(digests=((total, 6), "int64"), stats=((total, 5), "float64"))
         names = {key.split("/")[1] for key in g.files if key.startswith(f"k{k}/") and key.count("/") >= 2}
@@ -216,7 +216,7 @@ def test_every_row_digest_and_statistic_is_recomputed(golden):
     bits = S.digest_bits(words)
     if g.version >= 3:
         assert g.meta["digest"] == {"scheme": "vd-linear-int16-f64/1", "lanes": 6, "bits": bits, "words": words}
-    for k in g.ks:
+    for k in g.groups:
         rows = np.concatenate(list(g.rows(k).values()))
         digests, stats = S.row_digests(rows, bits), S.row_stats(rows, g.logical)
         if g.version < 3:
@@ -234,7 +234,7 @@ def test_every_row_digest_and_statistic_is_recomputed(golden):
 def _logs(g: S.Golden) -> dict[int, dict]:
     """Each K's step log from its arrays and group attributes, checked against the metadata's copy."""
     out = {}
-    for k in g.ks:
+    for k in g.groups:
         attrs = g.k_attrs(k)
         log = {"tokens": g.array(f"k{k}/tokens"), "accepted": g.array(f"k{k}/accepted"),
                "bootstrap": attrs["bootstrap"], "decoded": attrs.get("decoded"),
@@ -249,7 +249,7 @@ def _logs(g: S.Golden) -> dict[int, dict]:
             if g.version < 5:
                 assert copy["step_ms"] == g.array(f"k{k}/step_ms").tolist()
             else:
-                assert "step_ms" not in copy and len(g.run["step_ms"][str(k)]) == g.meta["steps"]
+                assert "step_ms" not in copy and len(g.run["step_ms"][str(k)]) == g.steps_of(k)
         out[k] = log
     return out
 
@@ -262,6 +262,8 @@ def test_every_accept_count_follows_from_the_rows(golden):
     greedy, logs = g.meta["greedy"], _logs(g)
     assert len(greedy) == g.meta["steps"] * max(g.ks) + 1
     thin = []
+    if S.DECODE_K in g.groups:
+        _check_decode_group(g, logs.pop(S.DECODE_K), greedy, candidate)
     for k, log in logs.items():
         tokens, accepted = log["tokens"], log["accepted"]
         assert ((0 <= accepted) & (accepted <= k - 1)).all() and ((0 <= tokens) & (tokens < v)).all()
@@ -304,12 +306,27 @@ def test_every_accept_count_follows_from_the_rows(golden):
     assert all(r.startswith(f"verify K={k}: ") for r, k in zip(g.meta.get("thin") or [], thin))
 
 
+def _check_decode_group(g: S.Golden, log: dict, greedy: list[int], candidate: bool) -> None:
+    """The decode group (FORMAT.md, "Decode rows"): one-token decodes of the greedy continuation, accepting
+    nothing; its prefill's last row chooses greedy[0], each decode row the next token (a candidate's log
+    leaves ``committed_is_greedy`` unset, as for every K)."""
+    n = g.meta["decode"]["steps"]
+    assert n == g.meta["steps"] * max(g.ks) and log["decoded"] is None
+    assert log["committed_is_greedy"] is (None if candidate else True)
+    assert log["tokens"].shape == (n, 1) and not log["accepted"].any() and log["bootstrap"] == greedy[0]
+    assert log["tokens"][:, 0].tolist() == greedy[:n]
+    if g.rows_stored:
+        rows = g.rows(S.DECODE_K)
+        assert int(S.argmaxes(rows["prefill"][-1:], g.logical)[0]) == greedy[0]
+        assert S.argmaxes(rows["verify"], g.logical).tolist() == greedy[1:n + 1]
+
+
 def _stored_digests(g: S.Golden) -> dict[int, np.ndarray]:
-    """Each K's row digests: stored, or recomputed from the rows where a golden stores none (formats 1, 2)."""
+    """Each K group's row digests: stored, or recomputed from the rows where a golden stores none (formats 1, 2)."""
     if g.version >= 3:
-        return {k: g.array(f"k{k}/digests") for k in g.ks}
+        return {k: g.array(f"k{k}/digests") for k in g.groups}
     bits = S.digest_bits(g.vocab * S.STORAGE[g.logical].itemsize // 2)
-    return {k: S.row_digests(np.concatenate(list(g.rows(k).values())), bits) for k in g.ks}
+    return {k: S.row_digests(np.concatenate(list(g.rows(k).values())), bits) for k in g.groups}
 
 
 @pytest.mark.parametrize("golden", _goldens(), indirect=True)
@@ -336,7 +353,7 @@ def test_content_digest_golden_id_and_manifest_are_recomputed(golden, made):
     if not g.rows_stored:  # slim: the same numbers as its full golden
         full = S.Golden(made["mtp.zarr"])
         assert g.meta["content_digest"] == full.meta["content_digest"]
-        assert all(np.array_equal(g.array(f"k{k}/digests"), full.array(f"k{k}/digests")) for k in g.ks)
+        assert all(np.array_equal(g.array(f"k{k}/digests"), full.array(f"k{k}/digests")) for k in g.groups)
     if any(ord(c) > 0x7E for c in g.meta.get("prompt_text", "")):
         body = {k: v for k, v in g.meta.items() if k not in ("golden_id", "complete")}
         utf8 = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -361,3 +378,27 @@ def test_two_recordings_differ_where_format_md_says(made):
         return {**{k: v for k, v in meta.items() if k != "golden_id"},
                 "history": [{k: v for k, v in e.items() if k != "time"} for e in meta["history"]]}
     assert stable(a.meta) == stable(b.meta)
+
+
+@pytest.mark.parametrize("name", ["reference.zarr", "mtp.zip"])
+def test_the_decode_map_and_its_identical_pairs_are_vd_s(made, cli, name):
+    """FORMAT.md's map from verify rows to decode rows, applied by the reader to the stored step logs, and the
+    pairs whose stored digests are equal: the counts `vd show` reports for each K."""
+    g = S.Golden(made[name])
+    logs, greedy = _logs(g), g.meta["greedy"]
+    decode = g.array(f"k{S.DECODE_K}/digests")[len(g.prompt()):]  # the decode group's verify rows
+    code, shown, err = cli("show", made[name])
+    assert code == 0, err
+    counts = [line.split("verify vs decode: ")[1].split(" rows bit-identical")[0] for line in shown.splitlines()
+              if "verify vs decode: " in line]
+    expected = []
+    for k in g.ks:
+        log = logs[k]
+        mapping = S.decode_map(log["tokens"], log["accepted"], log["decoded"], greedy, g.meta["decode"]["steps"])
+        digests = g.array(f"k{k}/digests")[len(g.prompt()):][: log["tokens"].size]
+        pairs = [(i, j) for i, j in enumerate(mapping) if j >= 0]
+        same = sum(np.array_equal(digests[i], decode[j]) for i, j in pairs)
+        assert pairs, f"k{k}: no verify row maps to a decode row"
+        expected.append(f"{same} of {len(pairs)}")
+    assert counts == expected
+

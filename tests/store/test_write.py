@@ -17,7 +17,7 @@ def test_round_trip_and_plain_zarr(tmp_path):
     path = tmp_path / "g.zarr"
     rows = write(path, ks=(2, 3))
     g = open_golden(path)
-    assert g.prompt == PROMPT and g.ks == [2, 3] and g.meta["format_version"] == FORMAT_VERSION == 6
+    assert g.prompt == PROMPT and g.ks == [2, 3] and g.meta["format_version"] == FORMAT_VERSION == 7
     assert g.meta["complete"] is True and g.meta["rows"] == {"stored": True}
     for k in (2, 3):
         got = g.verify_rows(k)

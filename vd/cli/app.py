@@ -187,6 +187,7 @@ def replay(
     model: o.ReplayModel = None,
     head: o.ReplayHead = None,
     forward: o.ReplayForwards = None,
+    decode_forward: o.DecodeForward = None,
     report: o.ReportPath = None,
     k: o.ReplayWidths = None,
     device: o.ReplayDevice = None,
@@ -213,7 +214,8 @@ def replay(
                                                    "--bundle": bundle, "--save-candidate": save_candidate})
     asked = dict(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()), device=device,
                  threads=threads, allow_model_mismatch=allow_model_mismatch, tolerances=tuple(tolerance or ()),
-                 require_coverage=require_coverage, rows=rows, save_candidate=save_candidate)
+                 require_coverage=require_coverage, rows=rows, save_candidate=save_candidate,
+                 decode_forward=decode_forward)
     if suite:
         from vd.cli import team
 
@@ -285,7 +287,7 @@ def _check_inputs(golden: str | None, asked: dict) -> None:
     if asked["rows"] is not None:
         check_golden(asked["rows"])
     meta = check_golden(golden) if golden is not None else None
-    forwards = list(asked["forwards"])
+    forwards = list(asked["forwards"]) + ([asked["decode_forward"]] if asked["decode_forward"] else [])
     if golden is not None:
         check_replay(golden, meta, asked["ks"], asked["model"], forwards, asked["device"], asked["threads"])
     else:
@@ -304,6 +306,7 @@ def _replayed(result, data: dict) -> int:
     from vd.replayer import words
 
     print_table(words.replay_table(result))
+    print_table(words.axes_table(result))
     for line in words.replay_lines(result):
         out.print(line)
     out.print(result.verdict, style="bold")
@@ -362,7 +365,7 @@ def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden
         g.check_contents()
     files = f"{len(g.manifest)} files match the manifest, ID {g.meta['golden_id']}" if g.manifest is not None \
         else f"format {g.info.version}: no manifest; every chunk and row checked"
-    out.print(f"intact: {g.url} ({files}; {sum(g.layout(k).total for k in g.ks)} rows"
+    out.print(f"intact: {g.url} ({files}; {sum(g.layout(k).total for k in g.groups)} rows"
               f"{'' if g.slim else ' match their digests'})")
     return EXIT_PASS
 

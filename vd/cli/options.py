@@ -72,6 +72,9 @@ ReplayTargets = Annotated[list[str] | None, typer.Argument(metavar="GOLDEN|NAME"
 ReplayModel = Annotated[str | None, typer.Option(metavar="SPEC", help="Model (default: the golden's).")]
 ReplayHead = Annotated[str | None, typer.Option(metavar="FILE", help="MTP head file to attach (default: the "
                                                 "golden's).")]
+DecodeForward = Annotated[str | None, typer.Option("--decode-forward", metavar="NAME", help="Compute the decode "
+                                                   "rows each forward's verify rows are measured against with this "
+                                                   "forward (default: the forward itself).")]
 ReplayForwards = Annotated[list[str] | None, typer.Option(metavar="NAME", help="Forward to replay; repeat for several "
                                                           "(default: the golden's).")]
 ReportPath = Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")]

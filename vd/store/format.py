@@ -34,9 +34,13 @@ from vd.dtypes import DTYPES
 from vd.layout import RowLayout, StepLog
 from vd.preflight import FORMAT as FORMAT  # the root metadata's format name (read without zarr there)
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 VOLATILE_SINCE = 5  # the first format keeping volatile facts in the ``run`` group
 MANIFEST_SINCE = 6  # the first format listing every file's size and hash in a manifest (`vd.store.manifest`)
+DECODE_SINCE = 7  # the first format storing the greedy continuation's one-token decode rows
+# The decode rows are laid out as a recording at K = 1 (a step of one token is a one-token decode), in the group
+# of that K; no verify width is 1 (they are 2 and up), so the group is the decode rows' alone.
+DECODE_K = 1
 RUN_GROUP = "run"
 # A compiled forward's recording keeps the Inductor artifacts it compiled (`torch.compiler.save_cache_artifacts`)
 # here, described by the metadata's ``compiled`` field; a replay loads them before it compiles, so it runs the

@@ -4,7 +4,8 @@ an artifact store, a ``.zip`` or an ``s3://`` prefix back into a directory, and 
 Nothing is rewritten: every file the manifest lists is read, checked against its size and hash, and written
 as it is, with the root ``zarr.json`` (the metadata, which the golden's ID covers) and the run group, so the
 copy has the same golden ID, content digest and history, and `vd verify` says so. Only goldens with a manifest
-(format 6) are packed; an earlier one is rewritten in the current format by `vd.store.migrate`, into any store.
+(format 6 and later) are packed; an earlier one is rewritten in the current format by `vd.store.migrate`, into
+any store.
 """
 
 from __future__ import annotations

@@ -65,9 +65,9 @@ class Prefetcher:
         ``files``: reading ahead, also hash every file against the golden's manifest, a unit a file, after
         the K's units (`check_files`)."""
         self.golden, self.device = golden, device
-        self.ks = {k: _K() for k in (*golden.ks, FILES)}
+        self.ks = {k: _K() for k in (*golden.groups, FILES)}
         self.ahead = ahead = (device.type == "cuda" if ahead is None else ahead) and golden.info.digested
-        self.units: deque[_Unit] = deque(u for k in golden.ks for u in self._plan(k)) if ahead else deque()
+        self.units: deque[_Unit] = deque(u for k in golden.groups for u in self._plan(k)) if ahead else deque()
         listed = golden.manifest if ahead and files else None
         self.hashing = listed is not None
         self.lock = threading.Lock()

@@ -49,7 +49,19 @@ class Golden:
 
     @property
     def ks(self) -> list[int]:
+        """The verify widths."""
         return list(self.info.ks)
+
+    @property
+    def groups(self) -> list[int]:
+        """Every K group stored: the verify widths, then the decode rows' (`vd.store.format.DECODE_K`) where
+        recorded (format 7)."""
+        return list(self.info.groups)
+
+    @property
+    def decoded(self) -> bool:
+        """Whether the golden stores its greedy continuation's decode rows (the ``DECODE_K`` group)."""
+        return self.info.decode_steps is not None
 
     @property
     def logical(self) -> str:
@@ -69,15 +81,15 @@ class Golden:
         """What the golden's numbers are, as one digest (`vd.store.format.content_digest`), computed from its
         step logs and row digests."""
         def make():
-            return F.content_digest(self.meta, self.prompt, {k: self.checked_log(k) for k in self.ks},
-                                    {k: self.summary(k)[0] for k in self.ks})
+            return F.content_digest(self.meta, self.prompt, {k: self.checked_log(k) for k in self.groups},
+                                    {k: self.summary(k)[0] for k in self.groups})
         return self._once("content", make)
 
     def where(self, k: int) -> str:
         return f"{self.url}/k{k}"
 
     def layout(self, k: int) -> RowLayout:
-        return RowLayout(len(self.prompt), self.info.steps, k, self.info.drafted)
+        return RowLayout(len(self.prompt), self.info.steps_of(k), k, self.info.drafted_at(k))
 
     def _once(self, key, make):
         if key not in self._cache:
@@ -196,7 +208,7 @@ class Golden:
         if self.rows_source is not self:
             raise GoldenError(f"{self.url} is slim: it stores no rows")
         whole = {}
-        for name in F.row_array_names(self.info.drafted):
+        for name in F.row_array_names(self.info.drafted_at(k)):
             arrays = self._row_arrays(k, name)
             parts = [a.read() for a in arrays]
             whole[name] = parts[0] if len(parts) == 1 else F.join_planes(parts[0], parts[1], self.info.dtype.storage)
@@ -241,7 +253,7 @@ class Golden:
         range), every row against its digest (a slim golden: its digests and statistics read), and the prompt
         array against its copy."""
         self.stored_prompt()
-        for k in self.ks:
+        for k in self.groups:
             self.checked_log(k)
             if self.slim:
                 self.summary(k)
@@ -268,10 +280,10 @@ class Golden:
             raise UsageError(f"--rows names the rows of a slim golden; {self.url} stores its own")
         if source.slim:
             raise GoldenError(f"--rows {source.url} is slim too: name the full golden")
-        same = (source.prompt == self.prompt and source.info.ks == self.info.ks and source.info.steps == self.info.steps
-                and source.info.vocab == self.info.vocab and source.logical == self.logical
-                and source.info.feed == self.info.feed)
-        if not same or any(not np.array_equal(source.summary(k)[0], self.summary(k)[0]) for k in self.ks):
+        same = (source.prompt == self.prompt and source.info.groups == self.info.groups
+                and source.info.steps == self.info.steps and source.info.vocab == self.info.vocab
+                and source.logical == self.logical and source.info.feed == self.info.feed)
+        if not same or any(not np.array_equal(source.summary(k)[0], self.summary(k)[0]) for k in self.groups):
             raise GoldenError(f"--rows {source.url} is not the golden {self.url} was made from (its rows' digests "
                               "differ)")
         self._source = source

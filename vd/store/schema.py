@@ -42,10 +42,24 @@ class Info:
     device: str
     digested: bool  # stores each row's digest in the scheme this vd computes
     rows_stored: bool  # False for a slim golden
+    decode_steps: int | None = None  # the decode group's steps (`vd.store.format.DECODE_K`); None: not recorded
 
     @property
     def drafted(self) -> bool:
         return self.feed == "mtp"
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """The K groups the golden stores: each verify width, then the decode rows' (K = 1) where recorded."""
+        return self.ks + ((F.DECODE_K,) if self.decode_steps is not None else ())
+
+    def steps_of(self, k: int) -> int:
+        """How many steps group ``k`` holds: the golden's steps, or the decode group's one-token decodes."""
+        return self.decode_steps if k == F.DECODE_K and self.decode_steps is not None else self.steps
+
+    def drafted_at(self, k: int) -> bool:
+        """Whether group ``k`` holds draft rows: a verify width's of a drafter golden (never the decode group)."""
+        return self.drafted and k != F.DECODE_K
 
 
 _T = TypeVar("_T")
@@ -91,13 +105,28 @@ def check_meta(meta: Mapping, where: str) -> Info:
     _check_model(meta, feed, where)
     _check_settings(meta, logical, where)
     _check_tokens(meta, vocab, where)
-    _check_logs(meta, tuple(ks), steps, vocab, version >= F.MANIFEST_SINCE, where)
+    decode = _decode_steps(meta, version, steps, tuple(ks), where)
+    _check_logs(meta, tuple(ks), steps, vocab, version >= F.MANIFEST_SINCE, where, decode)
     scheme = meta.get("digest")
     digested = version >= F.DIGESTS_SINCE and scheme is not None and scheme == F.digest_meta(vocab, logical)
     rows_stored = F.stored_rows(meta)
     if not rows_stored and not digested:
         raise GoldenCorruptError(f"{where}: a slim golden without row digests this vd computes")
-    return Info(version, DTYPES[logical], tuple(ks), steps, vocab, feed, forward, device, digested, rows_stored)
+    return Info(version, DTYPES[logical], tuple(ks), steps, vocab, feed, forward, device, digested, rows_stored,
+                decode)
+
+
+def _decode_steps(meta: Mapping, version: int, steps: int, ks: tuple[int, ...], where: str) -> int | None:
+    """The decode group's step count (``decode.steps``: the golden's steps times its widest K), None where the
+    golden stores no decode rows (before format 7, or recorded without)."""
+    decode = meta.get("decode")
+    if decode is None:
+        return None
+    want = steps * max(ks)
+    if version < F.DECODE_SINCE or not isinstance(decode, Mapping) or decode.get("steps") != want:
+        raise GoldenCorruptError(f"{where}: metadata field 'decode' is {decode!r}, expected {{\"steps\": {want}}} "
+                                 f"(format {F.DECODE_SINCE} and later)")
+    return want
 
 
 def _check_model(meta: Mapping, feed: str, where: str) -> None:
@@ -175,25 +204,28 @@ def _check_tokens(meta: Mapping, vocab: int, where: str) -> None:
                                  f"vocabulary (0..{vocab - 1})")
 
 
-def _check_logs(meta: Mapping, ks: tuple[int, ...], steps: int, vocab: int, required: bool, where: str) -> None:
-    """The step logs the metadata carries: each K's tokens, accept counts and bootstrap (required since the
-    manifest's format; before it, a golden may lack them and its arrays are read instead)."""
+def _check_logs(meta: Mapping, ks: tuple[int, ...], steps: int, vocab: int, required: bool, where: str,
+                decode: int | None = None) -> None:
+    """The step logs the metadata carries: each K's tokens, accept counts and bootstrap, and the decode group's
+    where recorded (required since the manifest's format; before it, a golden may lack them and its arrays are
+    read instead)."""
     logs = meta.get("logs")
     if logs is None and not required:
         return
-    if not isinstance(logs, Mapping) or sorted(logs) != sorted(str(k) for k in ks):
-        raise GoldenCorruptError(f"{where}: metadata field 'logs' does not hold a step log for each K {list(ks)}")
-    for k in ks:
+    groups = {k: steps for k in ks} | ({F.DECODE_K: decode} if decode is not None else {})
+    if not isinstance(logs, Mapping) or sorted(logs) != sorted(str(k) for k in groups):
+        raise GoldenCorruptError(f"{where}: metadata field 'logs' does not hold a step log for each K {list(groups)}")
+    for k, n in groups.items():
         e = logs[str(k)]
         at = f"{where}: metadata field 'logs.{k}'"
         if not isinstance(e, Mapping):
             raise GoldenCorruptError(f"{at} is not a step log")
         tokens, accepted = e.get("tokens"), e.get("accepted")
-        if not (isinstance(tokens, list) and len(tokens) == steps and all(_ints(t, 0, vocab) and len(t) == k
-                                                                          for t in tokens)):
-            raise GoldenCorruptError(f"{at}.tokens is not {steps} steps of {k} token ids within the vocabulary")
-        if not (_ints(accepted, 0, k) and len(accepted) == steps):
-            raise GoldenCorruptError(f"{at}.accepted is not {steps} accept counts within 0..{k - 1}")
+        if not (isinstance(tokens, list) and len(tokens) == n and all(_ints(t, 0, vocab) and len(t) == k
+                                                                      for t in tokens)):
+            raise GoldenCorruptError(f"{at}.tokens is not {n} steps of {k} token ids within the vocabulary")
+        if not (_ints(accepted, 0, k) and len(accepted) == n):
+            raise GoldenCorruptError(f"{at}.accepted is not {n} accept counts within 0..{k - 1}")
         for name in ("bootstrap", "decoded"):
             v = e.get(name)
             if (v is not None or name == "bootstrap") and not _ints([v], 0, vocab):

@@ -39,9 +39,9 @@ def rewrite(g: Golden, out: str | os.PathLike, *, refresh: bool, rows: bool, upd
     needs; ``reason`` starts the new golden's history."""
     location = locate(out)
     with location.writer(), GoldenWriter(location, refresh=refresh, background=False) as w:
-        for k in g.ks:
+        for k in g.groups:
             stored = None if g.slim else g.verify_rows(k)  # read whole, each chunk and row checked
-            drafts = g.small(k, "drafts") if g.info.drafted else None
+            drafts = g.small(k, "drafts") if g.info.drafted_at(k) else None
             w.add(g.layout(k), g.checked_log(k), stored if rows else None, g.summary(k), drafts)
         meta = {key: v for key, v in g.meta.items() if key not in F.WRITTEN}
         meta.update(logits=F.logits_meta(g.logical), **updates)

@@ -1,0 +1,94 @@
+"""Verify rows against decode rows (format 7): which decode row each verify row is, the golden's own
+equivalence as recorded and shown, each forward's as replayed, `equivalence=SPEC` judging it, and a golden
+without decode rows saying so."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vd.equivalence import decode_map
+from vd.layout import StepLog
+from vd.store import open_golden
+from vd.store.format import DECODE_K
+
+PLUGINS = Path(__file__).parent / "plugins"
+STEPWISE = f"{PLUGINS / 'stepwise.py'}:factory"
+DATA = Path(__file__).parent / "data"
+
+
+def _log(k: int, tokens: list[list[int]], accepted: list[int], decoded: int | None = None) -> StepLog:
+    return StepLog(k=k, bootstrap=tokens[0][0], tokens=np.array(tokens, dtype=np.int32),
+                   accepted=np.array(accepted, dtype=np.int32), step_ms=np.zeros(len(tokens)), decoded=decoded)
+
+
+def test_each_verify_row_whose_input_is_greedy_is_a_decode_row():
+    """Greedy 10, 11, 12, ...; K=3: step 0 verifies [10, 11, 12] and accepts both (rows 0..2 are decode rows
+    0..2); step 1 verifies [13, 15, 15] with its first draft corrupted (row 0 is decode row 3, rows 1 and 2 saw
+    the corrupted token), accepts none; step 2 starts from 14 again."""
+    greedy = list(range(10, 30))
+    log = _log(3, [[10, 11, 12], [13, 15, 15], [14, 15, 16]], [2, 0, 2])
+    assert decode_map(log, prompt=5, greedy=greedy, decode_steps=12).tolist() == [0, 1, 2, 3, -1, -1, 4, 5, 6]
+    assert decode_map(log, prompt=5, greedy=greedy, decode_steps=5).tolist() == [0, 1, 2, 3, -1, -1, 4, -1, -1]
+    # The drafter feed's bootstrap decode commits `decoded` (greedy[0]) before its first step.
+    drafted = _log(2, [[11, 12], [13, 9]], [1, 0], decoded=10)
+    assert decode_map(drafted, 5, greedy, 12).tolist() == [1, 2, 3, -1]
+    # Once the committed sequence has left greedy, nothing maps.
+    left = _log(2, [[10, 99], [7, 8]], [1, 1])
+    assert decode_map(left, 5, greedy, 12).tolist() == [0, -1, -1, -1]
+
+
+@pytest.fixture(scope="module")
+def stepwise_golden(tmp_path_factory, cli):
+    """A golden of the stepwise plug-in: verify rows equal its decode rows but one element of K=3 step 0 row 1."""
+    path = tmp_path_factory.mktemp("equivalence") / "stepwise.zarr"
+    code, out, err = cli("record", path, "--model", STEPWISE, "--steps", "6", "--k", "2,3")
+    assert code == 0, err
+    return path, out
+
+
+def test_a_recording_stores_its_decode_rows_and_says_how_its_verify_rows_compare(stepwise_golden, cli):
+    path, out = stepwise_golden
+    g = open_golden(path)
+    assert g.info.version == 7 and g.decoded and g.groups == [2, 3, DECODE_K]
+    decode = g.checked_log(DECODE_K)
+    assert decode.tokens.shape == (18, 1) and not decode.accepted.any()  # S x max(K) one-token decodes
+    assert decode.tokens[:, 0].tolist() + [g.meta["greedy"][-1]] == g.meta["greedy"]
+    assert "K=2: verify vs decode: " in out and "K=3: verify vs decode: " in out
+    k2 = next(line for line in out.splitlines() if line.startswith("K=2: verify vs decode"))
+    k3 = next(line for line in out.splitlines() if line.startswith("K=3: verify vs decode"))
+    rows3 = int(k3.split(" of ")[1].split()[0])
+    assert k2.split(": ", 2)[2].startswith(f"{k2.split(' of ')[1].split()[0]} of ")  # every K=2 pair identical
+    assert f"{rows3 - 1} of {rows3} rows bit-identical (first other at step 0 row 1)" in k3
+    code, shown, err = cli("show", path)
+    assert code == 0 and "verify vs decode: " in shown and "(first other at step 0 row 1)" in shown, err
+    assert "decode    18 one-token decode rows" in shown
+
+
+def test_a_replay_reports_each_forwards_equivalence_and_judges_it_when_asked(stepwise_golden, cli, tmp_path):
+    path, _ = stepwise_golden
+    code, out, err = cli("replay", path, "--model", STEPWISE, "--report", tmp_path / "r.json")
+    assert code == 0 and "PASS" in out, out + err  # reported, not judged
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["decode"]["comparisons"][0]["passed"] and r["decode"]["k"] == DECODE_K
+    k3 = next(v for v in r["verify"] if v["k"] == 3)["equivalence"]
+    (own,) = k3["forwards"]
+    assert own["variant"] == "eager" and own["rows"] - own["identical"] == 1 and not own["judged"]
+    assert own["first"] == {"step": 0, "row": 1} and own["max_ulp"] == 1 and own == {**k3["golden"], "variant": "eager"}
+    code, out, err = cli("replay", path, "--model", STEPWISE, "--tolerance", "equivalence=exact",
+                         "--report", tmp_path / "exact.json")
+    assert code == 1 and "FAIL" in out, out
+    reasons = json.loads((tmp_path / "exact.json").read_text())["reasons"]
+    (why,) = reasons
+    assert why.startswith("verify K=3, eager: 1 of ") and "equivalence=exact" in why and "step 0 row 1" in why
+    code, out, err = cli("replay", path, "--model", STEPWISE, "--tolerance", "equivalence=ulp:1")
+    assert code == 0, out
+
+
+def test_a_golden_without_decode_rows_says_the_axis_is_not_recorded(cli, tmp_path):
+    golden = DATA / "tiny-llama-v6.zarr"
+    code, out, err = cli("replay", golden, "--k", "2", "--report", tmp_path / "r.json")
+    assert "verify vs decode: not recorded" in out, out + err
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["decode"] is None and r["verify"][0]["equivalence"] is None

@@ -1,0 +1,97 @@
+"""Benchmark: the axes where greedy speculative decoding stops being lossless, measured on the CPU.
+
+For each model: a golden is recorded (``--record-forward``, bf16, K = 2, 3, 4, the default steps), then
+replayed under each forward the model offers among ``--forwards``, and the report's table of axes is kept:
+per K and forward, the rows compared, the rows bit-identical, the largest |Δ| and ULP, and the argmax flips
+of each forward's verify rows against its own decode rows (``verify vs decode``), and of its rows against the
+golden's (``golden``). Nothing is judged: the figures are what they are. Writes JSON.
+
+    python tools/bench_axes.py --out tools/bench_axes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
+import torch
+from figures import load_average, provenance
+
+from vd import env
+from vd.models import load_model
+from vd.recorder import RecordSettings, record
+from vd.replayer import ReplaySettings, replay
+
+MODELS = ("smollm2", "tiny-llama", "tiny-qwen2")
+FORWARDS = ("eager", "sdpa", "static")
+
+
+def _machine() -> dict:
+    e = env.capture(torch.device("cpu"))
+    return {f: e[f] for f in ("cpu_model", "cpu_capability", "cpu_count", "torch", "transformers", "python",
+                              "platform")}
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def axes_of(report) -> list[dict]:
+    """Every row of the report's tables of axes, as plain fields (with the ULP and KL figures of the
+    verify-vs-decode rows)."""
+    out = []
+    for v in report.verify:
+        for row in v.axes():
+            fields = {"k": v.k, "forward": row.forward, "axis": row.axis, "rows": row.rows, "identical": row.identical,
+                      "max_abs": row.max_abs, "flips": row.flips, "verdict": row.verdict}
+            e = None if v.equivalence is None or row.axis != "verify vs decode" else (
+                v.equivalence.golden if row.forward == "golden (recorded)" else v.equivalence.of(row.forward))
+            if e is not None:
+                fields.update(max_ulp=_finite(e.max_ulp), kl_mean=_finite(e.kl_mean), kl_max=_finite(e.kl_max),
+                              first=None if e.first is None else [e.first.step, e.first.row])
+            out.append(fields)
+    return out
+
+
+def bench_model(name: str, forwards: tuple[str, ...], record_forward: str, work: Path) -> dict:
+    model = load_model(name, device="cpu", dtype="bfloat16")
+    offered = [f for f in forwards if f in model.forwards()]
+    path = work / f"{name}.zarr"
+    t = time.perf_counter()
+    record(str(path), RecordSettings(model=name, forward=record_forward, dtype="bfloat16", threads=1,
+                                     allow_thin=True), model=model)
+    recorded_s = time.perf_counter() - t
+    t = time.perf_counter()
+    report = replay(str(path), ReplaySettings(forwards=tuple(offered), control=False), model=model)
+    return {"model": name, "identity": model.identity().name, "record_forward": record_forward,
+            "forwards": offered, "record_s": recorded_s, "replay_s": time.perf_counter() - t,
+            "verdict": report.verdict, "axes": axes_of(report)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--forwards", nargs="+", default=list(FORWARDS))
+    ap.add_argument("--record-forward", default="eager")
+    args = ap.parse_args(argv)
+    started = provenance()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [bench_model(m, tuple(args.forwards), args.record_forward, Path(tmp)) for m in args.models]
+    out = {"command": "python tools/bench_axes.py " + " ".join(sys.argv[1:]), **started,
+           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": _machine(),
+           "load_after": load_average(), "dtype": "bfloat16", "threads": 1, "runs": runs}
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(runs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
