@@ -21,17 +21,20 @@ member                            accessor                where absent
 ``prepare(capacity, lengths)``    `prepare`               nothing is sized ahead: the first steps allocate
 ``environment()``                 `environment`           the golden's environment gets no engine fields
 ``owns_rows`` (on the class)      `owns_rows`             vd watches the rows (`vd.loop.Run.check_returned`)
+``batch_forwards``,               `batched`               no batch: ``--batch N`` is refused, naming the model
+``reset_batch``, ``forward_batch``,
+``rewind_batch``, ``reorder_batch``
 ================================  ======================  ===================================================
 
 The methods among them are runtime-checkable protocols (`TokenDecoder`, `DraftHead`, `GraphedForwards`,
-`Preparable`, `EngineEnvironment`) that hold each one's contract; `vd.testing.ModelConformance` checks every
-one an adapter declares.
+`Preparable`, `EngineEnvironment`, `BatchedForwards`) that hold each one's contract;
+`vd.testing.ModelConformance` checks every one an adapter declares.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -237,11 +240,55 @@ class EngineEnvironment(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchedForwards(Protocol):
+    """The optional batch: several sequences stepped by one forward call, as a serving engine batches requests.
+
+    Notes
+    -----
+    Read through `batched`; ``vd replay --batch N`` (`vd.batch`) runs a golden's sequence as one member of a batch
+    of N. The batch is a second state beside the single sequence of `VerifyModel.forward`: `reset_batch` starts
+    it, for the selected forward, and neither state disturbs the other's rows. Members are numbered by their slot
+    in the batch, ``0 .. n-1``. The contract, checked by `vd.testing.BatchConformance`:
+
+    * ``forward_batch(tokens)``: member ``i`` appends ``tokens[i]`` (one token or more; members may append
+      different numbers, as a prefill beside a verify does) in one call of the engine, and gets back its own
+      ``[len(tokens[i]), vocab_size]`` rows of the model's dtype, owned as `VerifyModel.forward`'s are.
+    * A batch of one computes what `VerifyModel.forward` computes, bit for bit; in a larger batch each member's
+      rows are its own sequence's (to rounding: a kernel may sum in another order for another batch shape,
+      which is what ``--batch`` measures).
+    * ``rewind_batch(member, n)`` drops member ``member``'s last ``n`` positions and no other member's;
+      ``reorder_batch(order)`` moves the members so that slot ``i`` holds what slot ``order[i]`` held (a
+      scheduler compacting or reordering its batch), and the sequences go on as they were.
+    """
+
+    def batch_forwards(self) -> Collection[str]:
+        """The forwards (of `VerifyModel.forwards`) that can run a batch."""
+        ...
+
+    def reset_batch(self, n: int, capacity: int) -> None:
+        """Start ``n`` empty sequences under the selected forward, each to hold up to ``capacity`` positions."""
+        ...
+
+    def forward_batch(self, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Member ``i`` appends ``tokens[i]``; each member's ``[len(tokens[i]), vocab_size]`` rows, in slot order."""
+        ...
+
+    def rewind_batch(self, member: int, n: int) -> None:
+        """Drop the last ``n`` positions of member ``member`` (``n >= 0``)."""
+        ...
+
+    def reorder_batch(self, order: Sequence[int]) -> None:
+        """Slot ``i`` takes the sequence slot ``order[i]`` held (``order`` a permutation of the slots)."""
+        ...
+
+
 # -- the accessors: how vd reads each optional member, and its default -------------------------------------
 
 # Every optional member, as the module's docstring lists them.
 OPTIONAL_MEMBERS = ("decode", "head_info", "save_hidden", "trim_proposer", "propose", "forward_uses_graphs",
-                    "context_length", "prepare", "environment", "owns_rows")
+                    "context_length", "prepare", "environment", "owns_rows", "batch_forwards", "reset_batch",
+                    "forward_batch", "rewind_batch", "reorder_batch")
 
 
 def declares(model: object, member: str) -> bool:
@@ -265,6 +312,11 @@ def uses_graphs(model: object, forward: str) -> bool:
     """Whether ``model``'s forward ``forward`` replays CUDA graphs (`GraphedForwards`); False where the model
     does not say."""
     return isinstance(model, GraphedForwards) and bool(model.forward_uses_graphs(forward))
+
+
+def batched(model: object) -> BatchedForwards | None:
+    """The model as a `BatchedForwards`, or None where it cannot run a batch (or only part of one)."""
+    return model if isinstance(model, BatchedForwards) else None
 
 
 def context_length(model: object) -> int | None:

@@ -14,7 +14,8 @@ bitwise repeatability of a step after a rewind, a rewind that really drops posit
 that are disclosed and selectable; and each optional member a model declares (`vd.protocol.OPTIONAL_MEMBERS`)
 held to its contract: `decode` round-trips, a draft head is whole, ``forward_uses_graphs`` answers a bool for
 every forward, ``context_length`` is a positive int, ``environment()`` is a JSON-able mapping, forwards still
-work after `prepare`, and ``owns_rows`` is a bool. A check of a member the model does not declare is skipped.
+work after `prepare`, ``owns_rows`` is a bool, and a batch (`BatchConformance`) of one is `forward` bit for bit
+and gives each member its own rows. A check of a member the model does not declare is skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from vd.protocol import (
     GraphedForwards,
     Preparable,
     VerifyModel,
+    batched,
     context_length,
     declares,
     decoder,
@@ -58,7 +60,82 @@ def _json_fails(value: object) -> str | None:
     return None
 
 
-class ModelConformance:
+def _other_prompt(model: VerifyModel) -> list[int]:
+    return model.encode("Another member of the batch, longer and unlike the first prompt in every way.")[:30]
+
+
+class BatchConformance:
+    """Checks for a model that runs batches (`vd.protocol.BatchedForwards`), each skipped where it does not;
+    mixed into `ModelConformance`. Every check runs under each forward the model says can batch."""
+
+    def _forwards(self, model) -> list[str]:
+        _declared(model, "forward_batch")
+        b = batched(model)
+        assert b is not None, ("the model declares forward_batch but not every method of vd.protocol.BatchedForwards "
+                               "(batch_forwards, reset_batch, forward_batch, rewind_batch, reorder_batch)")
+        names = list(b.batch_forwards())
+        unknown = [n for n in names if n not in model.forwards()]
+        assert names and not unknown, f"batch_forwards() names {names}, expected some of {list(model.forwards())}"
+        return names
+
+    @staticmethod
+    def _single(model, steps: list[list[int]], rewinds: list[int]) -> list[torch.Tensor]:
+        """The rows `forward` gives for ``steps``, with ``rewinds[i]`` positions dropped after step ``i``."""
+        model.reset()
+        out = []
+        for tokens, back in zip(steps, rewinds):
+            out.append(model.forward(tokens).clone())
+            model.rewind(back)
+        return out
+
+    def test_batch_of_one_is_forward(self, model):
+        """A batch of one computes, bit for bit, what `forward` does: prefill, a verify, a rewind, a verify."""
+        steps, rewinds = [_prompt(model), [5, 6, 7, 8], [9, 10, 11]], [0, 2, 0]
+        try:
+            for name in self._forwards(model):
+                model.set_forward(name)
+                want = self._single(model, steps, rewinds)
+                model.reset_batch(1, 64)
+                for i, (tokens, back) in enumerate(zip(steps, rewinds)):
+                    got = model.forward_batch([tokens])
+                    assert isinstance(got, list) and len(got) == 1, f"{name}: forward_batch of one gave {got!r}"
+                    assert got[0].dtype == model.dtype and tuple(got[0].shape) == (len(tokens), model.vocab_size)
+                    assert torch.equal(got[0], want[i]), \
+                        (f"{name}: step {i} of a batch of one differs from forward's by "
+                         f"{(got[0].float() - want[i].float()).abs().max().item()}")
+                    model.rewind_batch(0, back)
+        finally:
+            model.set_forward(model.default_forward())
+
+    def test_members_rows_are_their_own(self, model):
+        """In a batch of two (prompts of other lengths, then verifies of other widths, a rewind of one member
+        only, a reorder) each member's rows are its own sequence's, to rounding (≤ 5 % of the row's scale)."""
+        a_steps, a_back = [_prompt(model), [5, 6, 7], [9, 10]], [0, 2, 0]
+        b_steps, b_back = [_other_prompt(model), [11, 12], [13, 14, 15]], [0, 0, 1]
+        try:
+            for name in self._forwards(model):
+                model.set_forward(name)
+                want = [self._single(model, a_steps, a_back), self._single(model, b_steps, b_back)]
+                model.reset_batch(2, 96)
+                order = [0, 1]  # which sequence (a: 0, b: 1) each slot holds
+                for i in range(3):
+                    if i == 2:
+                        model.reorder_batch([1, 0])
+                        order = [1, 0]
+                    steps = [(a_steps, b_steps)[m][i] for m in order]
+                    got = model.forward_batch(steps)
+                    for slot, m in enumerate(order):
+                        w = want[m][i].float()
+                        off = (got[slot].float() - w).abs().max().item()
+                        assert off <= 0.05 * w.abs().max().item(), \
+                            f"{name}: step {i}, slot {slot}: rows off their own sequence's by {off}"
+                        model.rewind_batch(slot, (a_back, b_back)[m][i])
+        finally:
+            model.set_forward(model.default_forward())
+
+
+
+class ModelConformance(BatchConformance):
     """Checks for one adapter; subclasses supply the ``model`` fixture."""
 
     @pytest.fixture
@@ -302,3 +379,4 @@ class DraftHeadConformance:
             model.trim_proposer()
             results.append(model.propose(int(rows[na].argmax()), 3))
         assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+

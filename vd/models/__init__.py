@@ -124,9 +124,11 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
     return model
 
 
-# The protocol's methods a run calls (`vd.protocol.VerifyModel`, `vd.protocol.DraftHead`); not ``set_forward``,
-# whose KeyError for a name it does not offer is part of the protocol (vd checks names before calling it).
-_RUN_METHODS = ("reset", "forward", "rewind", "save_hidden", "trim_proposer", "propose")
+# The protocol's methods a run calls (`vd.protocol.VerifyModel`, `vd.protocol.DraftHead`,
+# `vd.protocol.BatchedForwards`); not ``set_forward``, whose KeyError for a name it does not offer is part of the
+# protocol (vd checks names before calling it).
+_RUN_METHODS = ("reset", "forward", "rewind", "save_hidden", "trim_proposer", "propose", "reset_batch",
+                "forward_batch", "rewind_batch", "reorder_batch")
 
 
 def _guard(model: VerifyModel, spec: str) -> None:
