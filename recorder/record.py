@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vd import env, protocol
+from vd.batch import BatchPlan, BatchView, batched
 from vd.coverage import coverage_reason, thin_reason
 from vd.digest import Summary
 from vd.dtypes import of_torch
@@ -35,7 +36,7 @@ from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import keep_artifacts
 from vd.models.specs import golden_dir, portable
 from vd.policy import Policy
-from vd.preflight import check_threads
+from vd.preflight import check_batch, check_threads
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.store import GoldenWriter, Location, check_target, journal, locate
@@ -57,7 +58,9 @@ class RecordSettings:
     """What a recording asks for: the model and its head, the prompt, the verify widths and steps, the
     forward, feed, device, dtype and threads, determinism, the policy stored as the golden's default
     (``tolerances``), and what makes a reference acceptable (``require_coverage``, ``allow_thin``;
-    ``allow_nonfinite`` stores NaN or Inf logits rather than refuse the recording)."""
+    ``allow_nonfinite`` stores NaN or Inf logits rather than refuse the recording); ``batch`` records the
+    sequence as one member of a batch of that many (`vd.batch`: at ``slot``, default every slot in turn, its
+    companions from ``batch_seed``, default 0), which every replay of the golden then runs again."""
 
     model: str = DEFAULT_MODEL
     head: str | None = None
@@ -74,6 +77,9 @@ class RecordSettings:
     require_coverage: bool = False
     allow_thin: bool = False
     allow_nonfinite: bool = False
+    batch: int | None = None
+    slot: int | None = None
+    batch_seed: int | None = None
 
     def check(self) -> Policy:
         """Refuse settings that cannot work, before any work; the policy they ask for."""
@@ -89,6 +95,7 @@ class RecordSettings:
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1; got {self.steps}")
         check_threads(self.threads)
+        check_batch(self.batch, self.slot, self.batch_seed, self.feed == "mtp")
         return Policy.parse(self.tolerances)
 
     @classmethod
@@ -106,7 +113,8 @@ class RecordSettings:
                    tolerances=tuple(f"{kind}={policy[kind].text}" for kind in KINDS
                                     if policy[kind].text != default[kind].text)
                    + ((f"decisions={policy.decisions}",) if policy.margin is not None else ()),
-                   require_coverage=bool(meta.get("require_coverage")), allow_thin=bool(meta.get("thin")))
+                   require_coverage=bool(meta.get("require_coverage")), allow_thin=bool(meta.get("thin")),
+                   **_batch_settings(meta.get("batch")))
 
     def changes_from(self, other: RecordSettings) -> list[str]:
         """What these settings change from ``other``, one ``field: old -> new`` line each. A setting left
@@ -117,6 +125,13 @@ class RecordSettings:
             if b is not None and a != b:
                 out.append(f"{f.name}: {_short(a)} -> {_short(b)}")
         return out
+
+
+def _batch_settings(batch: Mapping | None) -> dict:
+    """The batch settings of a golden's ``batch`` metadata (none where it was recorded alone)."""
+    if batch is None:
+        return {}
+    return {"batch": batch["n"], "slot": batch["slot"], "batch_seed": batch["seed"]}
 
 
 def _short(v) -> str:
@@ -227,17 +242,18 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     if not tokens:
         raise UsageError("the prompt encodes to no tokens")
     prepare(model, len(tokens), settings.steps, settings.ks)
+    runner = _runner(model, settings, forward, tokens)
     # The writer never works beside a run: it writes what each run lets go, before the next starts.
     with GoldenWriter(location, refresh=refresh) as writer:
         t = time.perf_counter()
-        greedy = _record_decode(model, writer, tokens, settings.steps * max(settings.ks), progress)
+        greedy = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress)
         seconds["continuation"] = time.perf_counter() - t
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         result = RecordResult(None, {}, [], {}, seconds)
         seconds["verify"] = seconds["store"] = 0.0
         for k in settings.ks:
             progress.phase(f"recording K={k}", settings.steps)
-            _record_k(model, writer, tokens, greedy, k, settings, progress, result)
+            _record_k(runner, writer, tokens, greedy, k, settings, progress, result)
         if result.short or (result.thin and not settings.allow_thin):
             if writer.journal is not None:
                 writer.journal.close(remove=True)  # refused: nothing to resume
@@ -247,6 +263,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         meta = {**_meta(model, settings, forward, greedy, result.thin, golden_dir(location)),
                 "left_greedy": {str(k): s for k, s in result.left_greedy.items()},
                 "decode": {"steps": settings.steps * max(settings.ks)},
+                **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
                 **keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)}
         writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
                        reason=reason)
@@ -261,6 +278,17 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     finally:
         stored.close()
     return result
+
+
+def _runner(model: VerifyModel, settings: RecordSettings, forward: str, tokens: list[int]) -> VerifyModel:
+    """What the runs step: the model, or with ``--batch`` the view that runs the sequence as one member of the
+    model's batch (`vd.batch.BatchView`)."""
+    if settings.batch is None:
+        return model
+    batched(model, forward)
+    widest = max(settings.ks)
+    return BatchView(model, BatchPlan(settings.batch, settings.slot, settings.batch_seed or 0), tokens,
+                     settings.steps * widest + widest)
 
 
 def _journal(resuming: tuple, settings: RecordSettings, refresh: bool, reason: str, model: VerifyModel,

@@ -349,6 +349,8 @@ def _section(plots: _Plots, name: str, report: Report, declared: str | None) -> 
     out.append("<h3>Policy</h3><table><tr><th>rows</th><th>policy</th><th>smallest change it is guaranteed to "
                "catch</th></tr>" + "".join(f"<tr><td>{e(kind)}</td><td>{e(s.policy)}</td><td>{e(s.catches)}"
                                            "</td></tr>" for kind, s in report.sensitivity.items()) + "</table>")
+    if report.decode is not None:
+        out.append("<h3>Decode rows</h3>" + _axes_table(report.decode))
     out += [_k_block(plots, f"{_slug(name)}-k{k.k}", k) for k in report.verify]
     out.append("</section>")
     return "\n".join(out)

@@ -116,7 +116,8 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
         phases={**s.clock.phases, "finish": finish}, timing=_timing_of(s.clock, finish),
         reader={**s.reader.summary(), "file_check_s": getattr(s.files, "seconds", None)},
         failure_rows=next((o.failure for o in outcomes if o.failure is not None), None),
-        decode=None if decode is None else decode.result)
+        decode=None if decode is None else decode.result,
+        batch=None if s.batch is None else s.batch.describe())
 
 
 def _environment_reasons(s: Session, replayed_env: dict, verify: Sequence[KResult]) -> list[Reason]:

@@ -38,7 +38,7 @@ def golden_name(golden: str) -> str:
 class Reason:
     """One reason a replay fails: ``what`` it is about, the K and forward it concerns, and its text."""
 
-    what: str  # rows, draft, control, thin, coverage, environment; a diff's steps
+    what: str  # rows, draft, decode, equivalence, batch, control, thin, coverage, environment; a diff's steps
     text: str
     k: int | None = None
     variant: str | None = None
@@ -115,10 +115,52 @@ class EquivalenceAxis:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchAxis:
+    """One forward's run of a K's steps with the golden's sequence as one member of a batch (`vd.batch`): its
+    comparison with the golden, the plan (``n``, ``slot``: None for every slot in turn, ``seed``), the slot of
+    each forward call (``slots[0]``: the prefill's; ``slots[s + 1]``: step ``s``'s) and the steps' times."""
+
+    forward: str
+    n: int
+    slot: int | None
+    seed: int
+    comparison: Comparison
+    slots: tuple[int, ...]
+    step_ms: tuple[float, ...] = ()
+
+    @property
+    def first_difference(self) -> tuple[int | None, int] | None:
+        """(step, slot) of the first row that differs from the golden's (step None: the prefill), or None."""
+        c = self.comparison
+        step: int | None
+        if c.first_failure is not None:
+            step = c.first_failure.step
+        elif not c.prefill_equal:
+            step = None
+        elif c.first_mismatch is not None:
+            step = c.first_mismatch.step
+        else:
+            return None
+        return step, self.slots[0 if step is None else step + 1]
+
+    @property
+    def label(self) -> str:
+        return f"batch (N={self.n}, {'every slot in turn' if self.slot is None else f'slot {self.slot}'})"
+
+    def to_json(self) -> dict:
+        first = self.first_difference
+        return {"variant": self.forward, "n": self.n, "slot": self.slot, "seed": self.seed,
+                "slots": list(self.slots), "comparison": self.comparison.to_json(),
+                "first_difference": None if first is None else {"step": first[0], "slot": first[1]},
+                "step_ms_median": statistics.median(self.step_ms) if self.step_ms else None}
+
+
+@dataclass(frozen=True, slots=True)
 class AxisRow:
     """One row of a K's table of axes: for a forward (or the golden as recorded), one axis on which greedy
     speculative decoding can stop being lossless (``golden``: its rows against the golden's; ``verify vs
-    decode``: its verify rows against the decode rows of the same positions), with the rows compared, how many
+    decode``: its verify rows against the decode rows of the same positions; ``batch (N=…, …)``: its rows run as
+    one member of a batch, against the golden's), with the rows compared, how many
     are identical, the largest |Δ|, the argmax flips and what the axis contributes to the verdict (``pass``,
     ``FAIL``, ``reported``: measured and not judged, ``not recorded``)."""
 
@@ -129,6 +171,12 @@ class AxisRow:
     max_abs: float | None
     flips: int | None
     verdict: str
+
+
+def _comparison_row(forward: str, axis: str, c: Comparison) -> AxisRow:
+    n = sum(s.rows for s in c.summary.values())
+    return AxisRow(forward, axis, n, n - sum(s.rows_differ for s in c.summary.values()), c.max_abs_diff,
+                   len(c.flips), "pass" if c.passed else "FAIL")
 
 
 def _equivalence_row(forward: str, e: Equivalence) -> AxisRow:
@@ -150,6 +198,7 @@ class KResult:
     # chose another token there), None where it did not (or the golden predates the field).
     left_greedy: int | None = None
     equivalence: EquivalenceAxis | None = None  # None: the golden stores no decode rows (before format 7)
+    batch: tuple[BatchAxis, ...] = ()  # with --batch: each forward's run in a batch
 
     @property
     def histogram(self) -> list[int]:
@@ -158,18 +207,19 @@ class KResult:
 
     def axes(self) -> tuple[AxisRow, ...]:
         """The table of axes at this K: the golden's own verify-against-decode row (as recorded), then per forward
-        its rows against the golden's and its verify rows against its decode rows."""
+        its rows against the golden's, its verify rows against its decode rows and, with ``--batch``, its rows in a
+        batch against the golden's."""
         out = []
         if self.equivalence is not None:
             out.append(_equivalence_row("golden (recorded)", self.equivalence.golden))
         for j in self.comparisons:
             c = j.comparison
-            n = sum(s.rows for s in c.summary.values())
-            out.append(AxisRow(c.variant, "golden", n, n - sum(s.rows_differ for s in c.summary.values()),
-                               c.max_abs_diff, len(c.flips), "pass" if c.passed else "FAIL"))
+            out.append(_comparison_row(c.variant, "golden", c))
             e = None if self.equivalence is None else self.equivalence.of(c.variant)
-            out.append(_equivalence_row(c.variant, e) if e is not None else
-                       AxisRow(c.variant, "verify vs decode", None, None, None, None, "not recorded"))
+            if self.k > 1:  # the decode group's own rows have no verify rows to measure
+                out.append(_equivalence_row(c.variant, e) if e is not None else
+                           AxisRow(c.variant, "verify vs decode", None, None, None, None, "not recorded"))
+            out += [_comparison_row(c.variant, b.label, b.comparison) for b in self.batch if b.forward == c.variant]
         return tuple(out)
 
     def to_json(self) -> dict:
@@ -180,7 +230,7 @@ class KResult:
                 "detection_control": None if self.control is None else self.control.to_json(),
                 "golden_left_greedy_step": self.left_greedy,
                 "equivalence": None if self.equivalence is None else self.equivalence.to_json(),
-                "axes": [plain(a) for a in self.axes()]}
+                "batch": [b.to_json() for b in self.batch], "axes": [plain(a) for a in self.axes()]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +360,8 @@ class Report:
     # The decode rows each forward computed against the golden's (its decode group, K = 1); None where the
     # golden stores none.
     decode: KResult | None = None
+    # With --batch: the plan (n, slot: None for every slot in turn, seed) and the companions' prompt lengths.
+    batch: Mapping[str, Any] | None = None
 
     @property
     def verdict(self) -> str:
@@ -337,7 +389,8 @@ class Report:
                                 "numerics_differences": list(self.environment.numerics_differences)},
                 "rows": plain(self.rows), "seconds": self.seconds, "phases": dict(self.phases),
                 "timing": plain(self.timing) or {}, "reader": self.reader,
-                "decode": None if self.decode is None else self.decode.to_json()}
+                "decode": None if self.decode is None else self.decode.to_json(),
+                "batch": None if self.batch is None else dict(self.batch)}
 
 
 @dataclass(frozen=True, slots=True)

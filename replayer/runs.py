@@ -23,11 +23,12 @@ from vd.dtypes import int_bits, to_storage
 from vd.equivalence import Accumulator, DecodeRows, Equivalence, decode_map, of_golden
 from vd.layout import Step
 from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, run_verify
+from vd.protocol import VerifyModel
 from vd.replayer import words
 from vd.replayer.comparison import Comparison
 from vd.replayer.judge import Queued, compare_run
 from vd.replayer.measure import Measurer
-from vd.replayer.report import Control, EquivalenceAxis, FailureRows, Judged, KResult, Reason, Timing
+from vd.replayer.report import BatchAxis, Control, EquivalenceAxis, FailureRows, Judged, KResult, Reason, Timing
 from vd.replayer.session import Clock, Session
 from vd.store.format import DECODE_K
 from vd.store.side import GoldenSide
@@ -94,6 +95,7 @@ def replay_k(s: Session, k: int, decoded: Mapping[str, DecodeRows]) -> KOutcome:
     reasons: list[Reason] = []
     failure: FailureRows | None = None
     equivalent: list[tuple[str, Equivalence]] = []
+    batches: list[BatchAxis] = []
     for name in s.forwards:
         s.progress.phase(f"K={k} {name}", g.info.steps)
         acc = _accumulator(s, k, decoded.get(name))
@@ -109,14 +111,17 @@ def replay_k(s: Session, k: int, decoded: Mapping[str, DecodeRows]) -> KOutcome:
             failure = failure_rows(k, name, ran, protocol.decoder(s.model))
         if s.candidate is not None:
             s.candidate.keep(k, ran.run)
+        if s.batch is not None:
+            batches.append(batch_axis(s, k, name, log.steps))
+            reasons += words.batch_reasons(k, f"verify K={k}", batches[-1])
     control = _control(s, k, log.steps, judged[-1].comparison) if s.settings.control else None
     if control is not None and not control.fired and not control.inconclusive:
         reasons.append(words.control_reason(k, control.changed_step, s.policy))
     reasons += _own_checks(s, k, log.accepted.tolist())
     left = (g.meta.get("left_greedy") or {}).get(str(k))
     axis = _axis(s, k, equivalent)
-    return KOutcome(KResult(k, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), control, left, axis),
-                    tuple(reasons), failure)
+    return KOutcome(KResult(k, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), control, left, axis,
+                            tuple(batches)), tuple(reasons), failure)
 
 
 class _Observed:
@@ -163,6 +168,7 @@ def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
     judged: list[Judged] = []
     reasons: list[Reason] = []
     kept: dict[str, DecodeRows] = {}
+    batches: list[BatchAxis] = []
     timings = [Timing(f"{g.info.forward} (golden)", tuple(log.step_ms.tolist()))]
     for name in s.forwards:
         decode_forward = s.settings.decode_forward or name
@@ -176,8 +182,27 @@ def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
         kept[name] = rows.result()
         if s.candidate is not None:
             s.candidate.keep(DECODE_K, ran.run)
-    result = KResult(DECODE_K, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), None)
+        if s.batch is not None and decode_forward not in [b.forward for b in batches]:
+            batches.append(batch_axis(s, DECODE_K, decode_forward, log.steps))
+            reasons += words.batch_reasons(DECODE_K, "decode rows", batches[-1])
+    result = KResult(DECODE_K, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), None,
+                     batch=tuple(batches))
     return KOutcome(result, tuple(reasons), None), kept
+
+
+def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> BatchAxis:
+    """Forward ``name``'s run of ``steps`` at ``k`` with the golden's sequence one member of the model's batch
+    (``s.batch``, `vd.batch`), judged against the golden like any run; its time counted as the batch's."""
+    view = s.batch
+    assert view is not None, "a batch axis is run only with --batch"
+    t = time.perf_counter()
+    s.model.set_forward(name)
+    s.progress.phase(f"{'decode' if k == DECODE_K else f'K={k}'} {name} in a batch of {view.plan.n}",
+                     s.golden.layout(k).steps)
+    ran = _execute(s, k, steps, name, Clock(), model=view)
+    s.clock.phases["batch"] += time.perf_counter() - t
+    p = view.plan
+    return BatchAxis(name, p.n, p.slot, p.seed, ran.comparison, tuple(view.slots), tuple(ran.run.step_ms))
 
 
 def _own_checks(s: Session, k: int, accepted: list[int]) -> list[Reason]:
@@ -201,23 +226,27 @@ def _forward(s: Session, k: int, name: str, steps: list[Step],
 
 
 def _execute(s: Session, k: int, steps: list[Step], variant: str, clock: Clock, keep: bool = False,
-             observe: Callable[[str, int, torch.Tensor], None] | None = None) -> _Ran:
-    """One run of ``steps`` under the selected forward and its comparison, timed into ``clock``. Rows are
+             observe: Callable[[str, int, torch.Tensor], None] | None = None, model: VerifyModel | None = None
+             ) -> _Ran:
+    """One run of ``steps`` under the selected forward (of ``model``, default the session's runner: the model or
+    the batch the golden was recorded in; a batch's view, `vd.batch.BatchView`) and its comparison, timed into
+    ``clock``. Rows are
     measured as the run lets them go (`vd.loop.Hold`), so its memory stays flat in steps (a run whose
     candidate is kept, ``keep``, holds them all); on CUDA the comparison of the rows still held is queued
     behind the last step while it runs."""
     g, reader = s.golden, s.reader
     queued: list[Queued] = []
+    model = model or s.runner
     on_last = ((lambda run, rows: queued.append(Queued(reader.side(k), run, rows)))
-               if s.model.device.type == "cuda" else None)
+               if model.device.type == "cuda" else None)
     measurer = Measurer(lambda: reader.side(k), g.logical, s.policy, observe)
-    hold = None if keep else Hold(hold_bytes(s.model.device), measurer.add)
+    hold = None if keep else Hold(hold_bytes(model.device), measurer.add)
     if s.clock.first_step is None:
         s.clock.first_step = env.process_age()
     t1 = time.perf_counter()
     log, n = g.log(k), g.layout(k).steps
     feed = ReplayFeed(steps, log.bootstrap, log.decoded)
-    run = run_verify(s.model, g.prompt, k, n, DrafterFeed(k, n, feed) if g.info.drafted_at(k) else feed,
+    run = run_verify(model, g.prompt, k, n, DrafterFeed(k, n, feed) if g.info.drafted_at(k) else feed,
                      on_step=s.progress.step, idle=reader.idle, on_last=on_last, hold=hold)
     t2 = time.perf_counter()
     side = reader.side(k)  # made in the run's idle time on CUDA

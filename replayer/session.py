@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from vd import env, preflight, protocol
+from vd.batch import BatchPlan, BatchView, batched
 from vd.dtypes import of_torch
 from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
 from vd.models import check_device, check_forward_names, load_model, require_forwards
@@ -28,8 +29,9 @@ from vd.progress import Progress
 from vd.protocol import VerifyModel
 from vd.replayer.candidate import CandidateWriter
 from vd.store import Golden, Location, Prefetcher, open_golden
+from vd.store.format import DECODE_K
 
-PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "write", "finish")
+PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "batch", "write", "finish")
 T = TypeVar("T")
 
 
@@ -42,7 +44,9 @@ class ReplaySettings:
     ``rows`` names the full golden a slim one was made from, to measure its rows; ``save_candidate`` a
     path to keep the replayed forward's rows at, as a golden (`vd.replayer.candidate`; one forward only);
     ``decode_forward`` the forward that computes the decode rows each forward's verify rows are measured
-    against (default: the forward itself; another where decode runs another kernel).
+    against (default: the forward itself; another where decode runs another kernel); ``batch`` runs every step
+    once more as one member of a batch of that many sequences (`vd.batch`), at ``slot`` (default: every slot in
+    turn), its companions made from ``batch_seed`` (default 0).
     """
 
     model: str | None = None
@@ -58,6 +62,9 @@ class ReplaySettings:
     rows: str | None = None
     save_candidate: str | None = None
     decode_forward: str | None = None  # the forward the decode rows are computed with (default: each forward)
+    batch: int | None = None
+    slot: int | None = None
+    batch_seed: int | None = None
 
 
 @dataclass(slots=True)
@@ -139,6 +146,14 @@ class Session:
     notes: tuple[str, ...]
     recorded_env: Mapping[str, Any]
     determinism: Mapping[str, Any] | None
+    batch: BatchView | None = None  # with --batch: the model's batch, the golden's sequence one member of it
+    # A golden recorded in a batch (its ``batch`` metadata): every run replays its sequence in that batch again.
+    recorded_batch: BatchView | None = None
+
+    @property
+    def runner(self) -> VerifyModel:
+        """What the golden's own runs step: the model, or the batch the golden was recorded in."""
+        return self.recorded_batch or self.model
 
 
 def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> Opened:
@@ -147,6 +162,7 @@ def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> O
     preflight.check_threads(s.threads)
     ks = tuple(s.ks) or tuple(g.ks)
     preflight.check_widths(g.url, ks, g.ks)
+    preflight.check_batch(s.batch, s.slot, s.batch_seed, g.info.drafted)
     policy = Policy.parse(s.tolerances, g.meta.get("policy"))
     needs = policy.needs_rows
     if g.rows_source is None and needs:
@@ -182,8 +198,32 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
         files.check_files()  # a damaged file, named, before whatever it broke
         raise
     clock.phases["setup"] = time.perf_counter() - t - clock.phases["load"]
+    asked = BatchPlan(s.batch, s.slot, s.batch_seed or 0) if s.batch is not None else None
+    recorded = g.meta.get("batch")
+    if recorded is not None:
+        notes.append(f"the golden was recorded as one member of a batch of {recorded['n']}: its runs replay it in "
+                     "that batch again (the same companions and slots)")
     return Session(g, s, opened.policy, opened.ks, model, forwards, offered, reader, files, candidate, progress,
-                   clock, tuple(notes + artifacts), recorded_env, determinism)
+                   clock, tuple(notes + artifacts), recorded_env, determinism, _batch(g, model, forwards, s, asked),
+                   _batch(g, model, forwards, s, _recorded_plan(recorded)))
+
+
+def _recorded_plan(batch: Mapping[str, Any] | None) -> BatchPlan | None:
+    return None if batch is None else BatchPlan(batch["n"], batch["slot"], batch["seed"])
+
+
+def _batch(g: Golden, model: VerifyModel, forwards: tuple[str, ...], s: ReplaySettings, plan: BatchPlan | None
+           ) -> BatchView | None:
+    """With a ``plan`` (``--batch``, or the batch the golden was recorded in): the view that runs the golden's
+    sequence in the model's batch (`vd.batch`); each forward to replay (and the decode forward) checked to run
+    one."""
+    if plan is None:
+        return None
+    for name in [*forwards, *([s.decode_forward] if s.decode_forward and g.decoded else [])]:
+        batched(model, name)
+    widest = max(g.ks)
+    positions = max(g.info.steps * widest + widest, g.layout(DECODE_K).steps + 1 if g.decoded else 0)
+    return BatchView(model, plan, g.prompt, positions)
 
 
 def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings) -> tuple[tuple[str, ...], Mapping[str, str],

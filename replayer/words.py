@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from vd.equivalence import describe as describe_equivalence
 from vd.layout import StepLog
 from vd.policy import Policy
 from vd.replayer.comparison import Comparison, Failure, Flip, KindSummary, Mismatch
-from vd.replayer.report import Control, DiffReport, KResult, Reason, Report
+from vd.replayer.report import BatchAxis, Control, DiffReport, KResult, Reason, Report
 from vd.store.format import DECODE_K
 
 
@@ -154,6 +154,26 @@ def decode_reasons(name: str, decode_forward: str, c: Comparison) -> list[Reason
     return comparison_reasons(1, name, c, label=label, what="decode")
 
 
+def batch_reasons(k: int, label: str, b: BatchAxis) -> list[Reason]:
+    """A forward's rows run in a batch (`vd.replayer.report.BatchAxis`) that fail the policy against the golden's;
+    ``label`` names the rows (``verify K=3``, ``decode rows``)."""
+    first = b.first_difference
+    where = "" if first is None else f" (slot {first[1]} at the first difference)"
+    return comparison_reasons(k, b.forward, b.comparison, label=f"{label} in a batch of {b.n}{where}", what="batch")
+
+
+def batch_line(k: int | None, b: BatchAxis) -> str:
+    """One line of a forward's batch axis: where its sequence sat, and where its rows first differ."""
+    c, first = b.comparison, b.first_difference
+    rows = sum(x.rows for x in c.summary.values())
+    same = rows - sum(x.rows_differ for x in c.summary.values())
+    where = "no row differs" if first is None else (
+        f"first difference at {'the prefill' if first[0] is None else f'step {first[0]}'}, slot {first[1]}")
+    head = "decode" if k is None else f"K={k}"
+    return (f"  {head} {b.forward} in a batch of {b.n} ({'every slot in turn' if b.slot is None else f'slot {b.slot}'}"
+            f", seed {b.seed}): {same} of {rows} rows identical to the golden's, {where}")
+
+
 def equivalence_reasons(k: int, name: str, e: Equivalence, policy: Policy) -> list[Reason]:
     """A forward's verify rows that fail the policy's ``equivalence=SPEC`` against the decode rows of the same
     positions (none where equivalence is reported only)."""
@@ -247,8 +267,10 @@ AXES_COLUMNS = ("K", "forward", "axis", "rows compared", "identical", "max |Δ|"
 
 
 def axes_table(report: Report) -> TextTable:
-    """The table of axes: per K and forward, one row per axis (`vd.replayer.report.KResult.axes`)."""
-    rows = tuple(row for v in report.verify for row in axes_table_rows(v))
+    """The table of axes: per K and forward, one row per axis (`vd.replayer.report.KResult.axes`); first the
+    decode rows' (K column ``decode``: against the golden's decode rows and, with ``--batch``, in a batch)."""
+    decode = [] if report.decode is None else [("decode", *row[1:]) for row in axes_table_rows(report.decode)]
+    rows = tuple(decode) + tuple(row for v in report.verify for row in axes_table_rows(v))
     return TextTable("axes: where greedy speculative decoding stays lossless", AXES_COLUMNS, rows)
 
 
@@ -273,6 +295,8 @@ def replay_lines(report: Report) -> list[str]:
         if v.left_greedy is not None:
             out.append(f"  K={v.k}: the recording's committed sequence left its engine's own one-token decode at "
                        f"step {v.left_greedy} (its verify rows chose another token there)")
+    batches = [] if report.decode is None else [batch_line(None, b) for b in report.decode.batch]
+    out += batches + [batch_line(v.k, b) for v in report.verify for b in v.batch]
     if report.verify and report.verify[0].equivalence is None:
         out.append("  verify vs decode: not recorded (the golden stores no decode rows; format 7 records them)")
     return out + [f"  note: {note}" for note in report.notes] + [f"  - {reason}" for reason in report.reasons]
@@ -396,8 +420,19 @@ def facts(report: Report) -> list[tuple[str, str]]:
         ("feed", f"{report.feed}{' (MTP draft head)' if report.mtp else ''}"), ("steps", report.steps),
         ("dtype", report.dtype), ("golden's forward", report.golden_forward),
         ("forwards replayed", ", ".join(v.name for v in report.variants)), ("graphs", report.graphs),
-        ("rows", "slim golden" if report.rows.slim else "full golden"), ("notes", "; ".join(report.notes) or None)]
+        ("rows", "slim golden" if report.rows.slim else "full golden"), ("batch", batch_text(report.batch)),
+        ("notes", "; ".join(report.notes) or None)]
     return [(label, str(x)) for label, x in pairs if x is not None]
+
+
+def batch_text(plan: Mapping[str, Any] | None) -> str | None:
+    """A replay's batch plan (`Report.batch`) in words; None without ``--batch``."""
+    if plan is None:
+        return None
+    where = "every slot in turn" if plan["slot"] is None else f"slot {plan['slot']}"
+    others = plan["companion_prompt_tokens"]
+    return (f"a batch of {plan['n']}, the golden's sequence at {where}, companions from seed {plan['seed']}"
+            + (f" (prompts of {', '.join(map(str, others))} tokens)" if others else ""))
 
 
 def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
@@ -453,7 +488,8 @@ def next_steps(report: Report, declared: str | None) -> list[NextStep]:
         out.append((f"Look at the first divergence (K={rows.k}, {rows.forward}, {where}{tokens}): ", Code(cmd),
                     " replays just that and writes its first-divergence bundle to ", Code("replay.json.bundle/"),
                     " (both rows in ", Code("rows.npz"), ", ", Code("failure.json"), ", ", Code("command.sh"), ")."))
-    if report.reasons_of(("rows", "draft")):
+    out += _axis_steps(report)
+    if report.reasons_of(("rows", "draft", "decode")):
         target = declared if declared is not None else report.golden
         out.append(("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
                     ", or record the golden again on the trusted build: ",
@@ -465,6 +501,33 @@ def next_steps(report: Report, declared: str | None) -> list[NextStep]:
     if report.reasons_of(("environment",)):
         out.append(("The environment differs from the recording's (above): replay on a machine like the recording's "
                     "to tell a change in the code from a change of machine.",))
+    return out
+
+
+def _axis_steps(report: Report) -> list[NextStep]:
+    """What a failing axis calls for: verify rows that are not decode's, rows that depend on the batch."""
+    out: list[NextStep] = []
+    if report.reasons_of(("equivalence",)):
+        out.append(("The verify kernel does not compute what one-token decode computes for the same positions (see "
+                    "the reasons): speculative output differs from plain greedy output wherever an argmax flips. The "
+                    "report's verify[].equivalence names every differing row; ", Code("--decode-forward NAME"),
+                    " measures against another forward's decode."))
+    alone = {(v.k, j.comparison.variant) for v in ([report.decode] if report.decode else []) + list(report.verify)
+             for j in v.comparisons if j.comparison.passed}
+    failing = [(v.k, b) for v in ([report.decode] if report.decode else []) + list(report.verify) for b in v.batch
+               if not b.comparison.passed and (v.k, b.forward) in alone]  # not where its rows differ alone too
+    if failing:
+        k, b = failing[0]
+        first = b.first_difference
+        slot = b.slot if first is None or b.n == 1 else first[1]
+        model = [] if report.replayed_spec is None else ["--model", report.replayed_spec]
+        where = ([] if slot is None else ["--slot", str(slot)]) + ([] if k == DECODE_K else ["--k", str(k)])
+        cmd = ["vd", "replay", report.golden, *model, "--forward", b.forward, "--batch", str(b.n), "--batch-seed",
+               str(b.seed), *where]
+        out.append(("The rows depend on what shares their batch (see the reasons). Hold the golden's sequence at the "
+                    "slot of the first difference: ", Code(shlex.join(cmd)), "; ", Code("--batch 1"), " tells a "
+                    "batched kernel apart from the batch's composition; a golden recorded in a batch ", Code("vd show"),
+                    " names is replayed in it."))
     return out
 
 

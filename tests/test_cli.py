@@ -62,7 +62,7 @@ def test_round_trip_passes_with_report(cli, tiny_golden, tmp_path):
         assert c["variant"] == "eager" and c["prefill_equal"] and c["mismatched_steps"] == 0
         assert c["steps"] == 8 and c["first_mismatch"] is None and c["max_abs_diff"] == 0.0
         assert set(v) == {"k", "accepted", "accept_histogram", "coverage", "comparisons", "timings",
-                          "detection_control", "golden_left_greedy_step", "equivalence", "axes"}
+                          "detection_control", "golden_left_greedy_step", "equivalence", "batch", "axes"}
         # The control changed step 4's last draft: steps before it still match, step 4 differs.
         dc = v["detection_control"]
         assert dc["fired"] and dc["changed_step"] == 4 and dc["mismatched_step_list"][0] == 4

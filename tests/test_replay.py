@@ -212,7 +212,7 @@ def test_drafter_golden_with_static_forward_determinism_and_phases(cli, tmp_path
     assert r["determinism"]["applied"]["deterministic_algorithms"] is True
     assert r["determinism"]["replayed"]["deterministic_algorithms"] is True
     assert r["graphs"] == "eager" and r["variants"][0]["graphs"] == "eager" and r["mtp"] is True
-    assert set(r["phases"]) == {"open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control",
+    assert set(r["phases"]) == {"open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "batch",
                                 "write", "finish"}
     assert r["phases"]["run"] > 0 and all(v >= 0 for v in r["phases"].values())
     t = r["timing"]  # the phases; the model was loaded here, and the process started before it

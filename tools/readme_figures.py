@@ -303,6 +303,32 @@ def render_bench_axes(d: dict) -> str:
          "rows vs golden: bit-identical", "max |Δ| vs golden"], rows)
 
 
+def _first(r: dict) -> str:
+    f = r.get("first_difference")
+    return "-" if f is None else f"{'prefill' if f['step'] is None else 'step ' + str(f['step'])}, slot {f['slot']}"
+
+
+def render_bench_batch(d: dict) -> str:
+    """Per model, batch size, K and forward: its rows run in a batch against the golden's (bit-identical, largest
+    |Δ|, flips, where they first differ), and the batched runs' seconds against N runs of the sequence alone."""
+    rows = []
+    for run in d["runs"]:
+        for b in run.get("batch", []):
+            if not b["axes"]:
+                rows.append([f"`{run['model']}`", str(b["n"]), "-", "no forward runs a batch", "-", "-", "-", "-", "-"])
+                continue
+            for i, r in enumerate(b["axes"]):
+                rows.append([f"`{run['model']}`" if i == 0 else "", str(b["n"]) if i == 0 else "", str(r["k"]),
+                             f"`{r['forward']}`", _share(r), _figure(r["max_abs"]), str(r["flips"]), _first(r),
+                             f"{b['cost_ratio']:.2f}" if i == 0 else ""])
+    about = ("Each golden (one sequence, recorded with "
+             f"`{d['runs'][0]['record_forward']}`) replayed with `--batch N` (every slot in turn, seed 0); the last "
+             "column: seconds of the batched runs over N times the seconds of the same runs alone, in one replay.")
+    return made(d) + " " + about + "\n\n" + table(
+        ["model", "N", "K", "forward", "rows in a batch vs golden: bit-identical", "max |Δ|", "flips",
+         "first difference", "cost vs N runs alone"], rows)
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of the README: the file its figures come from and how they are written."""
@@ -323,6 +349,7 @@ BLOCKS = {
     "bench_cpu": Block("tools/bench_cpu.json", render_bench_cpu),
     "bench_process": Block("tools/bench_process.json", render_bench_process),
     "bench_axes": Block("tools/bench_axes.json", render_bench_axes),
+    "bench_batch": Block("tools/bench_axes.json", render_bench_batch),
 }
 
 

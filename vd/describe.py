@@ -30,6 +30,11 @@ def describe(where: str | os.PathLike) -> Iterator[str]:
     yield (f"settings  feed {g.info.feed}, dtype {g.logical}, device {g.info.device}, K {g.ks}, "
            f"{g.info.steps} steps, vocab {g.info.vocab}, prompt {len(g.prompt)} tokens")
     yield f"prompt    {g.meta.get('prompt_text', '')!r}"
+    batch = g.meta.get("batch")
+    if batch is not None:
+        where = "every slot in turn" if batch["slot"] is None else f"slot {batch['slot']}"
+        yield (f"batch     recorded as one member of a batch of {batch['n']} ({where}, companions from seed "
+               f"{batch['seed']}); every replay runs that batch again")
     yield f"policy    {Policy.parse((), g.meta.get('policy')).describe()}"
     yield from _environment(g.meta.get("environment") or {})
     yield f"storage   {g.location.nbytes() / 1e6:.1f} MB; {_rows_text(g)}"

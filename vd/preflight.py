@@ -102,6 +102,29 @@ def check_widths(url: str, asked: Sequence[int], held: Sequence[int]) -> None:
         raise UsageError(f"{url} has no verify width {absent}; it holds K = {list(held)}")
 
 
+MAX_BATCH = 64  # sequences ``--batch`` may ask for
+
+
+def check_batch(n: int | None, slot: int | None, seed: int | None = None, drafted: bool = False) -> None:
+    """A batch plan (``--batch N``, ``--slot I``, ``--batch-seed S``; `vd.batch`) refused where it cannot run,
+    before anything loads: a slot or seed without a batch, a size past `MAX_BATCH`, a slot outside the batch, a
+    drafter golden (its MTP head steps one sequence)."""
+    if n is None:
+        if slot is not None or seed is not None:
+            raise UsageError(f"--{'slot' if slot is not None else 'batch-seed'} places the golden's sequence in a "
+                             "batch: pass --batch N too")
+        return
+    if not 1 <= n <= MAX_BATCH:
+        raise UsageError(f"--batch {n}: a batch holds 1 to {MAX_BATCH} sequences")
+    if slot is not None and not 0 <= slot < n:
+        raise UsageError(f"--slot {slot}: a batch of {n} has slots 0 to {n - 1}")
+    if seed is not None and seed < 0:
+        raise UsageError(f"--batch-seed {seed}: a seed is a non-negative integer")
+    if drafted:
+        raise UsageError("--batch runs a reference feed's steps in a batch; this golden's drafts come from an MTP "
+                         "head, which steps one sequence (replay it without --batch)")
+
+
 def check_threads(threads: int | None) -> None:
     """Refuse a CPU thread count below 1 or above this machine's cores (torch crashes far above them)."""
     if threads is None:

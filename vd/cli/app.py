@@ -69,6 +69,9 @@ def record(
     deterministic: o.Deterministic = False,
     tolerance: o.Tolerances = None,
     require_coverage: o.RecordCoverage = False,
+    batch: o.RecordBatch = None,
+    slot: o.Slot = None,
+    batch_seed: o.BatchSeed = None,
     reason: o.Reason = None,
     summary: o.Summary = None,
     suite: o.Suite = False,
@@ -88,6 +91,7 @@ def record(
     if resume:
         return _resumed(out_path)
     _check_record(out_path, refresh, model, forward, device, threads, tolerance)
+    preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp)
     return _record_one(ctx, out_path, refresh, reason, summary, config)
 
 
@@ -127,7 +131,8 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
 _SETTINGS = {"model": "model", "prompt": "prompt", "k": "ks", "steps": "steps", "forward": "forward", "feed": "feed",
              "head": "head", "device": "device", "dtype": "dtype", "threads": "threads", "allow_thin": "allow_thin",
              "allow_nonfinite": "allow_nonfinite",
-             "deterministic": "deterministic", "tolerance": "tolerances", "require_coverage": "require_coverage"}
+             "deterministic": "deterministic", "tolerance": "tolerances", "require_coverage": "require_coverage",
+             "batch": "batch", "slot": "slot", "batch_seed": "batch_seed"}
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -188,6 +193,9 @@ def replay(
     head: o.ReplayHead = None,
     forward: o.ReplayForwards = None,
     decode_forward: o.DecodeForward = None,
+    batch: o.Batch = None,
+    slot: o.Slot = None,
+    batch_seed: o.BatchSeed = None,
     report: o.ReportPath = None,
     k: o.ReplayWidths = None,
     device: o.ReplayDevice = None,
@@ -215,13 +223,19 @@ def replay(
     asked = dict(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()), device=device,
                  threads=threads, allow_model_mismatch=allow_model_mismatch, tolerances=tuple(tolerance or ()),
                  require_coverage=require_coverage, rows=rows, save_candidate=save_candidate,
-                 decode_forward=decode_forward)
+                 decode_forward=decode_forward, batch=batch, slot=slot, batch_seed=batch_seed)
     if suite:
         from vd.cli import team
 
         _check_inputs(None, asked)
         return team.replay_suite(targets or [], config, asked, shard, report, junit, html, bundle)
     assert golden is not None  # one golden without --suite (_check_outputs)
+    return _replay_golden(golden, asked, report, bundle, junit, html)
+
+
+def _replay_golden(golden: str, asked: dict, report: Path | None, bundle: Path | None, junit: Path | None,
+                   html: Path | None) -> int:
+    """`replay` of one golden: the flags checked, the replay, its outputs written (or the error, where asked)."""
     try:
         _check_inputs(golden, asked)  # before anything heavy is imported
         with reading_environment() as environ:  # what the bundle's command.sh sets again
@@ -229,8 +243,8 @@ def replay(
     except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
         _error_outputs(golden, e, report, junit, html)
         raise
-    args = {"model": model, "head": head, "device": device, "threads": threads, "rows": rows,
-            "allow_model_mismatch": allow_model_mismatch, "environ": environ}  # what command.sh passes again
+    args = {key: asked[key] for key in ("model", "head", "device", "threads", "rows", "allow_model_mismatch")}
+    args["environ"] = environ  # with the flags above, what command.sh passes again
     return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
 
 
@@ -288,6 +302,8 @@ def _check_inputs(golden: str | None, asked: dict) -> None:
         check_golden(asked["rows"])
     meta = check_golden(golden) if golden is not None else None
     forwards = list(asked["forwards"]) + ([asked["decode_forward"]] if asked["decode_forward"] else [])
+    preflight.check_batch(asked["batch"], asked["slot"], asked["batch_seed"],
+                          meta is not None and meta.get("feed") == "mtp")
     if golden is not None:
         check_replay(golden, meta, asked["ks"], asked["model"], forwards, asked["device"], asked["threads"])
     else:

@@ -75,6 +75,16 @@ ReplayHead = Annotated[str | None, typer.Option(metavar="FILE", help="MTP head f
 DecodeForward = Annotated[str | None, typer.Option("--decode-forward", metavar="NAME", help="Compute the decode "
                                                    "rows each forward's verify rows are measured against with this "
                                                    "forward (default: the forward itself).")]
+Batch = Annotated[int | None, typer.Option("--batch", metavar="N", help="Also run every step with the golden's "
+                                           "sequence one member of a batch of N (others: other prompts, their own "
+                                           "feeds), compared with the golden.")]
+RecordBatch = Annotated[int | None, typer.Option("--batch", metavar="N", help="Record the sequence as one member of a "
+                                                 "batch of N (others: other prompts, their own feeds); every replay "
+                                                 "runs that batch again.")]
+Slot = Annotated[int | None, typer.Option("--slot", metavar="I", help="With --batch: the golden's sequence's slot "
+                                          "(default: every slot in turn).")]
+BatchSeed = Annotated[int | None, typer.Option("--batch-seed", metavar="S", help="With --batch: the seed of the other "
+                                               "members' prompts (default 0).")]
 ReplayForwards = Annotated[list[str] | None, typer.Option(metavar="NAME", help="Forward to replay; repeat for several "
                                                           "(default: the golden's).")]
 ReportPath = Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")]

@@ -182,6 +182,8 @@ _TYPED = (
     ("left_greedy", lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and k.isdigit()
                                                              and _ints([s], 0, LIMITS["steps"]) for k, s in v.items()),
      '{"K": step, ...}'),
+    ("batch", lambda v: isinstance(v, Mapping) and _ints([v.get("n")], 1, 65) and _ints([v.get("seed")], 0, 1 << 63)
+     and (v.get("slot") is None or _ints([v.get("slot")], 0, v["n"])), '{"n": N, "slot": I or null, "seed": S}'),
     ("candidate", lambda v: isinstance(v, Mapping) and isinstance(v.get("control", {}), Mapping),
      "a candidate's description"),
     ("compiled", lambda v: isinstance(v, Mapping) and v.get("artifacts") == F.INDUCTOR_ARTIFACTS
