@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vd.models.lean import LeanStack, rms_norm
-from vd.models.static import GRAPH_MAX, GraphSet, _maybe_compile, capacity_for
+from vd.models.static import GRAPH_MAX, GraphSet, capacity_for, maybe_compile
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -222,7 +222,7 @@ class BatchRunner:
             self._fast: Callable = lambda inp: lean_step(stack, tables, inp, self.kv, fast=True)
         else:
             self._plain = self._hf_step
-            self._fast = _maybe_compile(self._hf_step, mode.startswith("compiled"))
+            self._fast = maybe_compile(self._hf_step, mode.startswith("compiled"))
         graphed = mode in ("graphed", "compiled-graphed") and self.device.type == "cuda"
         self._graphs = GraphSet(self._fast, self.device) if graphed else None
 
