@@ -174,3 +174,29 @@ def test_tp2_on_one_gpu_with_gloo_replays_bit_for_bit(tmp_path):
     r = _vd("replay", g, "--report", tmp_path / "r1.json")
     report = json.loads((tmp_path / "r1.json").read_text())
     assert r.returncode in (0, 1) and "tp: 2 → 1" in report["environment"]["numerics_differences"], r.stderr
+
+
+def test_tp2_batch_meets_the_batch_conformance(tmp_path):
+    """A TP=2 shard (two CPU processes, gloo) runs batches: rank 0 holds the model to `BatchConformance`'s checks
+    (a batch of one is `forward` bit for bit, members of two get their own rows) while rank 1 follows each call."""
+    script = tmp_path / "tp_batch.py"
+    script.write_text(textwrap.dedent("""
+        from vd.models import load_model, tp
+        from vd.testing import BatchConformance
+
+        if tp.is_follower():
+            tp.follow()
+        else:
+            m = load_model("tiny-llama-shape")
+            try:
+                assert list(m.batch_forwards()) == ["static"], m.batch_forwards()
+                BatchConformance().test_batch_of_one_is_forward(m)
+                BatchConformance().test_members_rows_are_their_own(m)
+                print("BATCH OK")
+            finally:
+                tp.stop()
+        tp.finish()
+    """))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "BATCH OK" in r.stdout, r.stdout + r.stderr

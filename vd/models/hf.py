@@ -5,6 +5,13 @@ The dynamic forwards (eager, SDPA, SDPA pinned to a backend) grow a `DynamicCach
 preallocated cache whose length lives on the device. Written against the pinned transformers 5.24 API
 (`cache=`, `crop(-n)`).
 
+Batches (`vd.protocol.BatchedForwards`, `vd.models.batch`) are a second state beside the single sequence: a
+batch of one runs the single-sequence machinery on a `DynamicCache` or a `StaticRunner` of its own (so it is
+`forward` bit for bit); a larger batch runs one model call of ``[n, L]`` ids over a per-member static cache
+(`vd.models.batch.BatchKV`) with per-member positions and a 4D mask: HF's modules under the dynamic forwards,
+vd's lean step (else HF's modules) under the static ones, compiled and graphed (one CUDA graph per ``(n, L)``)
+as the static forward is. Every forward batches where every layer is full attention; none otherwise.
+
 Leaves out where the model comes from: a local checkpoint (`vd.models.checkpoints`), seeded random weights
 (`vd.models.seeded`) or weights generated on the device (`vd.models.generated`); and how text becomes ids
 (`vd.models.text`) and weights a fingerprint (`vd.models.fingerprint`), which the adapter is given.
@@ -19,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vd.models.batch import BatchRunner, OneBatch
 from vd.models.device import CUDA_ONLY
 from vd.models.fingerprint import Fingerprinter, fingerprint
-from vd.models.static import STATIC_FORWARDS, StaticRunner, static_forwards
+from vd.models.static import DEFAULT_CAPACITY, STATIC_FORWARDS, StaticRunner, capacity_for, static_forwards
 from vd.models.text import Codec
 from vd.protocol import ModelIdentity
 
@@ -119,6 +127,9 @@ class HFModel:
         self._backend: SDPBackend | None = None  # while a pinned SDPA forward is selected
         self._forwards: _Offered | None = None  # see `forwards`
         self._forward: str | None = None
+        self._batch: OneBatch | BatchRunner | None = None  # `reset_batch` starts it
+        self._batch_runners: dict[str, StaticRunner] = {}  # a batch of one's, per static forward
+        self._batches: dict[str, BatchRunner] = {}  # a larger batch's, per forward, kept for its graphs
         self.set_forward(self.default_forward())
 
     @torch.inference_mode()
@@ -172,11 +183,15 @@ class HFModel:
         return self._forwards
 
     def _static_forwards(self) -> dict[str, str]:
-        text = self.config.get_text_config()
-        if any(t != "full_attention" for t in getattr(text, "layer_types", None) or []):
+        if not self._full_attention():
             return {}  # sliding-window or linear layers: vd's static cache holds full attention only
         offered = static_forwards(self.model)
         return {n: d for n, d in offered.items() if self.device.type == "cuda" or n not in CUDA_ONLY}
+
+    def _full_attention(self) -> bool:
+        """Whether every layer is full attention (vd's static and batch caches hold no other kind)."""
+        text = self.config.get_text_config()
+        return all(t == "full_attention" for t in getattr(text, "layer_types", None) or [])
 
     @property
     def context_length(self) -> int | None:
@@ -206,11 +221,15 @@ class HFModel:
         self._runner = None
         if name in STATIC_FORWARDS:
             if name not in self._runners:
-                self._runners[name] = StaticRunner(self.model, name, hidden=self._wants_hidden)
+                self._runners[name] = self._new_runner(name)
             self._runner = self._runners[name]
         self._forward = name
 
     _wants_hidden = False  # the MTP subclass needs the final hidden states of every forward
+
+    def _new_runner(self, name: str) -> StaticRunner:
+        """A runner of static forward ``name`` (the single sequence's, or a batch of one's)."""
+        return StaticRunner(self.model, name, hidden=self._wants_hidden)
 
     def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
         """Ready the selected forward for sequences of ``capacity`` positions and steps of ``lengths``
@@ -250,11 +269,13 @@ class HFModel:
         assert self._cache is not None, "reset starts a sequence before the first forward"
         return self._cache
 
-    def _call(self, tokens: Sequence[int], *, hidden: bool = False):
-        """One model call appending ``tokens`` to the cache; the HF output (with hidden states if asked)."""
+    def _call(self, tokens: Sequence[int], *, hidden: bool = False, cache: DynamicCache | None = None):
+        """One model call appending ``tokens`` to ``cache`` (default: the single sequence's); the HF output
+        (with hidden states if asked)."""
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
         with self.attention_context():
-            return self.model(input_ids=ids, cache=self._cache, use_cache=True, output_hidden_states=hidden)
+            return self.model(input_ids=ids, cache=cache if cache is not None else self._cache, use_cache=True,
+                              output_hidden_states=hidden)
 
     def _run(self, tokens: Sequence[int], hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``tokens`` under the selected forward: logits ``[n, V]`` and, if asked, the hidden
@@ -276,3 +297,79 @@ class HFModel:
             self._runner.rewind(n)
         elif n:
             self._dynamic_cache().crop(-n)
+
+    # -- the batch (vd.protocol.BatchedForwards; vd.models.batch) ------------------------------------------
+
+    def batch_forwards(self) -> list[str]:
+        """Every forward, where every layer is full attention (a batch's cache holds no other kind); else none."""
+        return list(self.forwards()) if self._full_attention() else []
+
+    def reset_batch(self, n: int, capacity: int) -> None:
+        """Start ``n`` empty sequences of up to ``capacity`` positions under the selected forward, beside the
+        single sequence (neither disturbs the other): a batch of one on the single-sequence machinery's own
+        kind of state, a larger one over a per-member cache (`vd.models.batch`)."""
+        assert self._forward is not None, "a forward is selected at construction"
+        if n < 1:
+            raise ValueError(f"a batch has one member or more, not {n}")
+        if self._forward not in self.batch_forwards():
+            raise ValueError(f"forward {self._forward!r} cannot run a batch (batch_forwards: {self.batch_forwards()})")
+        self._batch = self._one_batch(self._forward, capacity) if n == 1 else self._many(self._forward, n, capacity)
+
+    def _one_batch(self, name: str, capacity: int) -> OneBatch:
+        """A batch of one: a `DynamicCache`, or a `StaticRunner`, of its own, stepped as `forward` steps the
+        single sequence's (hidden states asked for where `forward` asks: the same computation)."""
+        from transformers import DynamicCache
+
+        if name not in STATIC_FORWARDS:
+            cache = DynamicCache(config=self.config)
+
+            def crop(n: int) -> None:
+                if n:
+                    cache.crop(-n)
+
+            return OneBatch(name, lambda t: self._call(t, hidden=self._wants_hidden, cache=cache).logits[0], crop)
+        runner = self._one_runner(name, capacity)
+        return OneBatch(name, lambda t: runner.forward(t)[0], runner.rewind)
+
+    def _one_runner(self, name: str, capacity: int) -> StaticRunner:
+        """A batch of one's static runner, as many positions as the single sequence's cache holds where that
+        covers ``capacity`` (bit for bit needs the same cache size: attention spans the whole cache)."""
+        single = self._runners[name].kv
+        want = max(single.capacity if single is not None else capacity_for(DEFAULT_CAPACITY), capacity_for(capacity))
+        runner = self._batch_runners.get(name)
+        if runner is None or (runner.kv is not None and runner.kv.capacity != want):
+            runner = self._batch_runners[name] = self._new_runner(name)
+        runner.prepare(want)
+        return runner
+
+    def _many(self, name: str, n: int, capacity: int) -> BatchRunner:
+        """A batch of ``n`` over one per-member cache: kept per forward (with its graphs) while ``n`` and the
+        capacity fit."""
+        b = self._batches.get(name)
+        if b is not None and b.n == n and b.kv.capacity >= capacity_for(capacity):
+            b.reset()
+            return b
+        runner = self._runners.get(name) if name in STATIC_FORWARDS else None
+        b = self._batches[name] = BatchRunner(self.model, name, n, capacity,
+                                              stack=runner.lean if runner is not None else None,
+                                              context=self.attention_context)
+        return b
+
+    def _current_batch(self) -> OneBatch | BatchRunner:
+        b = self._batch
+        if b is None or b.forward_name != self._forward:
+            raise RuntimeError(f"no batch under forward {self._forward!r}: reset_batch starts one")
+        return b
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Member ``i`` appends ``tokens[i]`` (one model call); its ``[len(tokens[i]), V]`` rows, in slot order."""
+        return self._current_batch().forward(tokens)
+
+    def rewind_batch(self, member: int, n: int) -> None:
+        """Drop member ``member``'s last ``n`` positions."""
+        self._current_batch().rewind(member, n)
+
+    def reorder_batch(self, order: Sequence[int]) -> None:
+        """Slot ``i`` takes the sequence slot ``order[i]`` held."""
+        self._current_batch().reorder(order)

@@ -194,20 +194,29 @@ class LeanStack:
 
     def allocate(self, kv) -> None:
         """Size the rotary tables and ``kv``'s layers for ``kv.capacity`` positions."""
-        dtype = self.embed.dtype
-        pos = torch.arange(kv.capacity, device=kv.device)[None]
-        cos, sin = self.rotary(torch.zeros((), dtype=dtype, device=kv.device), position_ids=pos)
-        self.cos, self.sin = cos[0], sin[0]  # [capacity, d]
-        kv.allocate(self.hkv, self.d, dtype)
+        self.cos, self.sin = self.tables(kv.capacity, kv.device)
+        kv.allocate(self.hkv, self.d, self.embed.dtype)
+
+    def tables(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables ``cos, sin`` ``[positions, d]``, filled by the model's own rotary module."""
+        pos = torch.arange(positions, device=device)[None]
+        cos, sin = self.rotary(torch.zeros((), dtype=self.embed.dtype, device=device), position_ids=pos)
+        return cos[0], sin[0]
+
+    def regions(self, fast: bool) -> tuple[Callable, Callable]:
+        """A layer's two regions, ``attn_in`` and the output projection and MLP (summed across ranks for a
+        shard): the compiled ones where ``fast`` (when compiled), else the plain functions."""
+        a_in, a_out = (self._attn_in, self._attn_out_mlp) if fast else (attn_in, attn_out_mlp)
+        if self.reduce is not None:
+            a_out = self._reduced(*((self._attn_out, self._mlp) if fast else (attn_out, mlp)))
+        return a_in, a_out
 
     def step(self, inp: torch.Tensor, kv, *, fast: bool, hidden: bool):
         """Tokens ``inp[:-1]`` at positions from ``inp[-1]``: (logits ``[n, V]``, hidden ``[n, H]`` or
         None). ``fast`` runs the compiled regions (when compiled)."""
         n = inp.shape[0] - 1
         pos, mask = kv.begin(inp[n], n, self.embed.dtype)
-        a_in, a_out = (self._attn_in, self._attn_out_mlp) if fast else (attn_in, attn_out_mlp)
-        if self.reduce is not None:
-            a_out = self._reduced(*((self._attn_out, self._mlp) if fast else (attn_out, mlp)))
+        a_in, a_out = self.regions(fast)
         x = F.embedding(inp[:n], self.embed)
         assert self.cos is not None and self.sin is not None, "allocate sizes the rotary tables before a step"
         cos, sin = self.cos[pos], self.sin[pos]

@@ -205,7 +205,8 @@ class GraphSet:
         return self.graphs[key][1]
 
 
-def _maybe_compile(fn: Callable, compiled: bool) -> Callable:
+def maybe_compile(fn: Callable, compiled: bool) -> Callable:
+    """``fn`` under ``torch.compile`` (Inductor, vd's settings, static shapes) where ``compiled``, else ``fn``."""
     if not compiled:
         return fn
     inductor_settings()
@@ -268,7 +269,7 @@ class StaticRunner:
             self._fast: Callable = lambda inp: stack.step(inp, self.kv, fast=True, hidden=hidden)
         else:
             self._plain = self._step
-            self._fast = _maybe_compile(self._step, compiled)
+            self._fast = maybe_compile(self._step, compiled)
         self._graphs: GraphSet | None = None
         self._staging = _Staging(self.device)
 
@@ -364,7 +365,7 @@ class StaticHead:
         attn = getattr(layer.mtp_block, "self_attn", None)
         self.layers = (getattr(attn, "layer_idx", 0) or 0) + 1
         self.kv: StaticKV | None = None
-        self._fast = _maybe_compile(self._propose, mode.startswith("compiled"))
+        self._fast = maybe_compile(self._propose, mode.startswith("compiled"))
         self._graphs: GraphSet | None = None
         self._staging = _Staging(device)
 

@@ -302,9 +302,12 @@ class TPModel(HFModel):
             raise KeyError(name)
         self._lead("set_forward", name)
         if name not in self._runners:
-            self._runners[name] = StaticRunner(self.model, name, hidden=False, reduce=self._reduce)
+            self._runners[name] = self._new_runner(name)
         self._runner = self._runners[name]
         self._forward = name
+
+    def _new_runner(self, name: str) -> StaticRunner:
+        return StaticRunner(self.model, name, hidden=False, reduce=self._reduce)
 
     def prepare(self, capacity: int, lengths: Sequence[int] = ()) -> None:
         self._lead("prepare", capacity, tuple(lengths))
@@ -321,3 +324,21 @@ class TPModel(HFModel):
     def rewind(self, n: int) -> None:
         self._lead("rewind", n)
         super().rewind(n)
+
+    # The batch (`HFModel`'s, over vd's lean step summing across ranks): every call broadcast first, as above.
+
+    def reset_batch(self, n: int, capacity: int) -> None:
+        self._lead("reset_batch", n, capacity)
+        super().reset_batch(n, capacity)
+
+    def forward_batch(self, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        self._lead("forward_batch", [[int(t) for t in member] for member in tokens])
+        return super().forward_batch(tokens)
+
+    def rewind_batch(self, member: int, n: int) -> None:
+        self._lead("rewind_batch", member, n)
+        super().rewind_batch(member, n)
+
+    def reorder_batch(self, order: Sequence[int]) -> None:
+        self._lead("reorder_batch", [int(i) for i in order])
+        super().reorder_batch(order)
