@@ -74,8 +74,10 @@ class BatchConformance:
         assert b is not None, ("the model declares forward_batch but not every method of vd.protocol.BatchedForwards "
                                "(batch_forwards, reset_batch, forward_batch, rewind_batch, reorder_batch)")
         names = list(b.batch_forwards())
+        if not names:
+            pytest.skip("the model runs a batch under none of its forwards here (batch_forwards() is empty)")
         unknown = [n for n in names if n not in model.forwards()]
-        assert names and not unknown, f"batch_forwards() names {names}, expected some of {list(model.forwards())}"
+        assert not unknown, f"batch_forwards() names {unknown}, which are not among {list(model.forwards())}"
         return names
 
     @staticmethod
