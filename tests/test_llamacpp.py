@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("llama_cpp")
 
 from vd.models import load_model  # noqa: E402
 from vd.models.presets import smollm2_path  # noqa: E402
 from vd.store import open_golden  # noqa: E402
-from vd.testing import ModelConformance  # noqa: E402
+from vd.testing import BatchConformance, ModelConformance  # noqa: E402
 
 
 def _spec() -> str:
@@ -50,6 +51,35 @@ def test_a_missing_or_foreign_file_is_one_line(cli, tmp_path):
                          (f"llamacpp:{Path(__file__)}", "not a .gguf file")):
         code, _, err = cli("record", tmp_path / "g.zarr", "--model", spec, "--steps", "2")
         assert code == 2 and needle in err.strip().splitlines()[-1], err
+
+
+def test_a_batch_of_three_keeps_its_members_and_the_single_sequence_apart():
+    """Three members of different lengths share each llama_decode (a prefill beside prefills, then verifies of
+    other widths, one member rewound, a reorder): each member's rows are its own sequence's to rounding, the
+    rewound one's next rows included; the single sequence `forward` steps between the batch's calls goes on
+    bit for bit as if no batch ran."""
+    m = load_model(_spec(), dtype="float32")
+    prompts = [m.encode(t) for t in ("The capital of France is", "Hi",
+                                     "A third member, longer than both of the others by a good many tokens.")]
+    steps = [[prompts[0], [5, 6, 7], [9]], [prompts[1], [11, 12], [13, 14, 15]], [prompts[2], [16], [17, 18]]]
+    backs = [[0, 0, 0], [0, 2, 0], [0, 0, 0]]
+    for name in m.batch_forwards():
+        m.set_forward(name)
+        want = [BatchConformance._single(m, s, b) for s, b in zip(steps, backs)]
+        m.reset()
+        m.forward(prompts[2])
+        m.reset_batch(3, 64)
+        order = [0, 1, 2]  # the member each slot holds
+        for i in range(3):
+            if i == 2:
+                m.reorder_batch([2, 0, 1])
+                order = [2, 0, 1]
+            got = m.forward_batch([steps[k][i] for k in order])
+            for slot, k in enumerate(order):
+                off = (got[slot] - want[k][i]).abs().max().item()
+                assert off <= 0.05 * want[k][i].abs().max().item(), f"{name}: step {i}, member {k} off by {off}"
+                m.rewind_batch(slot, backs[k][i])
+        assert torch.equal(m.forward([16]), want[2][1]), f"{name}: the batch disturbed the single sequence"
 
 
 def test_its_own_golden_replays_bit_for_bit(cli, tmp_path):
