@@ -228,3 +228,17 @@ def test_a_damaged_batch_field_is_refused(recorded_in_a_batch, cli, tmp_path):
 def test_a_drafter_recording_is_not_made_in_a_batch(cli, tmp_path):
     code, _, err = cli("record", tmp_path / "g.zarr", "--feed", "mtp", "--model", "tiny-llama-mtp", "--batch", "2")
     assert code == 2 and "drafts come from an MTP head" in err, err
+
+
+def test_own_rows_are_told_from_another_members_and_from_garbage():
+    """The conformance's rule for a member's rows (`vd.testing.not_own_rows`): rounding passes, an engine whose
+    kernels move rows by more passes while they stay nearer their own sequence's; another member's rows fail."""
+    from vd.testing import not_own_rows
+
+    g = torch.Generator().manual_seed(0)
+    own, other = (torch.randn(3, 64, generator=g) * 10 for _ in range(2))
+    noise = torch.randn(3, 64, generator=g)
+    assert not_own_rows(own + 0.01 * noise, own, other) is None
+    assert not_own_rows(own + 0.8 * noise, own, other) is None  # beyond 5 %, within 25 % and nearer its own
+    assert "from another member's" in not_own_rows(other, own, other)
+    assert not_own_rows(own + 10 * noise, own, other) is not None  # garbage
