@@ -282,6 +282,20 @@ def _share(r: dict) -> str:
     return f"{r['identical']}/{r['rows']}" + (f" ({100 * r['identical'] / r['rows']:.0f} %)" if r["rows"] else "")
 
 
+def _recorded_with(d: dict) -> str:
+    """The forward the goldens were recorded with (and each model that used another)."""
+    first = d["runs"][0]["record_forward"]
+    others = [f"`{r['model']}`: `{r['record_forward']}`" for r in d["runs"] if r["record_forward"] != first]
+    return f"`{first}`" + (f" ({', '.join(others)})" if others else "")
+
+
+def _where(d: dict) -> str:
+    """Where a bench_axes file ran: the dtype and the CPU threads, or the GPU and the steps."""
+    if d.get("device", "cpu") == "cpu":
+        return f"{d['dtype']}, {d['threads']} thread"
+    return f"{d['dtype']} on {d['machine'].get('gpu_name') or 'the GPU'}, {d.get('steps')} steps"
+
+
 def render_bench_axes(d: dict) -> str:
     """Per model, K and forward: its verify rows against its own decode rows (bit-identical, largest |Δ|, argmax
     flips), and its rows against the golden's (the JSON holds ULP and KL figures too)."""
@@ -296,7 +310,7 @@ def render_bench_axes(d: dict) -> str:
                          _share(e) if e else "-", _figure(e["max_abs"]) if e else "-",
                          str(e["flips"]) if e and e["flips"] is not None else "-",
                          _share(g) if g else "-", _figure(g["max_abs"]) if g else "-"])
-    about = (f"{d['dtype']}, {d['threads']} thread; each golden recorded with `{d['runs'][0]['record_forward']}` "
+    about = (f"{_where(d)}; each golden recorded with {_recorded_with(d)} "
              "(its own pairs: `golden (recorded)`) and replayed under each forward.")
     return made(d) + " " + about + "\n\n" + table(
         ["model", "K", "forward", "verify vs decode: bit-identical", "max |Δ|", "argmax flips",
@@ -309,23 +323,24 @@ def _first(r: dict) -> str:
 
 
 def render_bench_batch(d: dict) -> str:
-    """Per model, batch size, K and forward: its rows run in a batch against the golden's (bit-identical, largest
-    |Δ|, flips, where they first differ), and the batched runs' seconds against N runs of the sequence alone."""
+    """Per model, forward and batch size: a golden of that forward replayed under it with its sequence in a batch
+    (bit-identical rows, largest |Δ|, flips, where they first differ, per K and for the decode rows), and the
+    batched runs' seconds against N runs of the sequence alone."""
     rows = []
     for run in d["runs"]:
-        for b in run.get("batch", []):
-            if not b["axes"]:
-                rows.append([f"`{run['model']}`", str(b["n"]), "-", "no forward runs a batch", "-", "-", "-", "-", "-"])
-                continue
-            for i, r in enumerate(b["axes"]):
-                rows.append([f"`{run['model']}`" if i == 0 else "", str(b["n"]) if i == 0 else "", str(r["k"]),
-                             f"`{r['forward']}`", _share(r), _figure(r["max_abs"]), str(r["flips"]), _first(r),
-                             f"{b['cost_ratio']:.2f}" if i == 0 else ""])
-    about = ("Each golden (one sequence, recorded with "
-             f"`{d['runs'][0]['record_forward']}`) replayed with `--batch N` (every slot in turn, seed 0); the last "
-             "column: seconds of the batched runs over N times the seconds of the same runs alone, in one replay.")
+        for i, b in enumerate(run.get("batch", [])):
+            for j, r in enumerate(b["axes"]):
+                show = j == 0 or "forward" not in b  # files before 2026-12-02 11:00: every forward in one entry
+                rows.append([f"`{run['model']}`" if i == j == 0 else "", f"`{b.get('forward') or r['forward']}`"
+                             if show else "",
+                             str(b["n"]) if j == 0 else "", str(r["k"]), _share(r), _figure(r["max_abs"]),
+                             str(r["flips"]), _first(r), f"{b['cost_ratio']:.2f}" if j == 0 else ""])
+    about = (f"{_where(d)}. For each forward that can run a batch, a golden of that forward (one sequence) replayed "
+             "under it with `--batch N` (every slot in turn, seed 0), its rows in the batch against its own rows "
+             "alone; the last column: seconds of the batched runs over N times the seconds of the same runs alone, "
+             "in one replay.")
     return made(d) + " " + about + "\n\n" + table(
-        ["model", "N", "K", "forward", "rows in a batch vs golden: bit-identical", "max |Δ|", "flips",
+        ["model", "forward", "N", "K", "rows in a batch: bit-identical to alone", "max |Δ|", "flips",
          "first difference", "cost vs N runs alone"], rows)
 
 
@@ -350,6 +365,8 @@ BLOCKS = {
     "bench_process": Block("tools/bench_process.json", render_bench_process),
     "bench_axes": Block("tools/bench_axes.json", render_bench_axes),
     "bench_batch": Block("tools/bench_axes.json", render_bench_batch),
+    "bench_axes_h200": Block("tools/h200/bench_axes.json", render_bench_axes),
+    "bench_batch_h200": Block("tools/h200/bench_axes.json", render_bench_batch),
 }
 
 

@@ -10,6 +10,9 @@
 #   bash tools/h200/llamacpp_cuda.sh install  # install it into /tmp/site
 #   bash tools/h200/llamacpp_cuda.sh record   # goldens (llama.cpp `offload`, HF `graphed`), replays of both
 #   bash tools/h200/llamacpp_cuda.sh replay   # replay goldens carried back ($CARRY/goldens.tar)
+#   bash tools/h200/llamacpp_cuda.sh batch    # the batch axis (issue 32): the adapter's conformance (a batch of one
+#                                             # is forward bit for bit, under offload too), an offload golden
+#                                             # replayed with --batch 2 and --batch 8
 # The wheel (253 MB) is too big to travel: a fresh machine builds it again. The runs in llamacpp-cuda.json used
 # --prompt "The three laws of thermodynamics state that" (the default prompt's recording is thin: README).
 set -uo pipefail
@@ -86,5 +89,16 @@ case "$1" in
       --tolerance prefill=kl:0.1 --tolerance decisions=margin:0.5 --report "$OUT/r/hf-by-lc-kl01-fresh.json"
     echo "hf by lc kl 0.1 fresh rc=$?"
     ;;
-  *) echo "usage: $0 gguf|build|install|record|replay" >&2; exit 2 ;;
+  batch)
+    setup_site
+    mkdir -p /tmp/g "$OUT/r"
+    M="llamacpp:$gguf"
+    python3 -m pytest -q -p no:cacheprovider tests/test_llamacpp.py -k "batch" 2>&1 | tail -6
+    vd record /tmp/g/lcb.zarr --model "$M" --forward offload "${steps[@]}" --refresh; echo "record lcb rc=$?"
+    for n in 1 2 8; do
+      vd replay /tmp/g/lcb.zarr --batch $n --report "$OUT/r/lc-offload-batch$n.json" > "$OUT/r/lc-offload-batch$n.txt" 2>&1
+      echo "lc offload --batch $n rc=$?"; grep -E "in a batch of|^(PASS|FAIL)" "$OUT/r/lc-offload-batch$n.txt" | head -6
+    done
+    ;;
+  *) echo "usage: $0 gguf|build|install|record|replay|batch" >&2; exit 2 ;;
 esac
