@@ -44,10 +44,6 @@ class BatchPlan:
         """The slot of the golden's sequence at its ``call``-th forward since a reset (0: the prefill)."""
         return self.slot if self.slot is not None else call % self.n
 
-    @property
-    def slots_text(self) -> str:
-        return f"slot {self.slot}" if self.slot is not None else "every slot in turn"
-
     def to_json(self) -> dict:
         return {"n": self.n, "slot": self.slot, "seed": self.seed}
 
