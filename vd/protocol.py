@@ -21,20 +21,21 @@ member                            accessor                where absent
 ``prepare(capacity, lengths)``    `prepare`               nothing is sized ahead: the first steps allocate
 ``environment()``                 `environment`           the golden's environment gets no engine fields
 ``owns_rows`` (on the class)      `owns_rows`             vd watches the rows (`vd.loop.Run.check_returned`)
+``trace_forwards``, ``trace``     `tracer`                no module outputs: ``vd locate`` is refused, naming it
 ``batch_forwards``,               `batched`               no batch: ``--batch N`` is refused, naming the model
 ``reset_batch``, ``forward_batch``,
 ``rewind_batch``, ``reorder_batch``
 ================================  ======================  ===================================================
 
 The methods among them are runtime-checkable protocols (`TokenDecoder`, `DraftHead`, `GraphedForwards`,
-`Preparable`, `EngineEnvironment`, `BatchedForwards`) that hold each one's contract;
+`Preparable`, `EngineEnvironment`, `BatchedForwards`, `ModuleTrace`) that hold each one's contract;
 `vd.testing.ModelConformance` checks every one an adapter declares.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -283,12 +284,35 @@ class BatchedForwards(Protocol):
         ...
 
 
+@runtime_checkable
+class ModuleTrace(Protocol):
+    """The optional trace: each traced module's output, as the forward computes it (``vd locate``).
+
+    Notes
+    -----
+    Read through `tracer`. Inside ``with model.trace(record):`` every `VerifyModel.forward` calls
+    ``record(name, what, output)`` for each traced point in the order the forward computes them: ``name`` a
+    module's path (``model.layers.3.mlp.down_proj``), ``what`` what it is (``MLP down-projection``), ``output``
+    its ``[len(tokens), ...]`` tensor for the call's tokens (the caller's to keep). Tracing must not change the
+    forward's rows. Only the forwards `trace_forwards` names are traced (those that run the traced modules; a
+    forward that runs its own step, such as vd's lean static step, cannot be).
+    """
+
+    def trace_forwards(self) -> Collection[str]:
+        """The forwards (of `VerifyModel.forwards`) whose module outputs `trace` records."""
+        ...
+
+    def trace(self, record: Callable[[str, str, torch.Tensor], None]) -> contextlib.AbstractContextManager[None]:
+        """A context in which every forward hands each traced module's output to ``record``."""
+        ...
+
+
 # -- the accessors: how vd reads each optional member, and its default -------------------------------------
 
 # Every optional member, as the module's docstring lists them.
 OPTIONAL_MEMBERS = ("decode", "head_info", "save_hidden", "trim_proposer", "propose", "forward_uses_graphs",
                     "context_length", "prepare", "environment", "owns_rows", "batch_forwards", "reset_batch",
-                    "forward_batch", "rewind_batch", "reorder_batch")
+                    "forward_batch", "rewind_batch", "reorder_batch", "trace_forwards", "trace")
 
 
 def declares(model: object, member: str) -> bool:
@@ -312,6 +336,11 @@ def uses_graphs(model: object, forward: str) -> bool:
     """Whether ``model``'s forward ``forward`` replays CUDA graphs (`GraphedForwards`); False where the model
     does not say."""
     return isinstance(model, GraphedForwards) and bool(model.forward_uses_graphs(forward))
+
+
+def tracer(model: object) -> ModuleTrace | None:
+    """The model as a `ModuleTrace`, or None where it cannot trace its modules' outputs."""
+    return model if isinstance(model, ModuleTrace) else None
 
 
 def batched(model: object) -> BatchedForwards | None:

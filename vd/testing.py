@@ -38,6 +38,7 @@ from vd.protocol import (
     decoder,
     draft_head,
     protocol_members,
+    tracer,
 )
 
 
@@ -248,6 +249,28 @@ class ModelConformance(BatchConformance):
                     assert tuple(rows.shape) == want and rows.dtype == model.dtype, \
                         (f"forward {name!r} after prepare returned {rows.dtype} rows of shape {list(rows.shape)}, "
                          f"expected {model.dtype} rows of shape {list(want)}")
+        finally:
+            model.set_forward(model.default_forward())
+
+    def test_tracing_leaves_the_rows_alone(self, model):
+        """Where a model traces its modules (`vd.protocol.ModuleTrace`), each forward it traces gives bit-identical
+        rows with the trace on, and records named outputs of one row per token."""
+        _declared(model, "trace")
+        t = tracer(model)
+        assert t is not None, "the model declares trace but not trace_forwards (vd.protocol.ModuleTrace)"
+        prompt = _prompt(model)
+        try:
+            for name in t.trace_forwards():
+                model.set_forward(name)
+                model.reset()
+                plain = model.forward(prompt).clone()
+                seen: list[tuple[str, str, torch.Tensor]] = []
+                model.reset()
+                with t.trace(lambda n, w, x, seen=seen: seen.append((n, w, x))):
+                    traced = model.forward(prompt)
+                assert torch.equal(plain, traced), f"{name}: tracing changed the rows"
+                assert seen and all(isinstance(n, str) and n and isinstance(w, str) and x.shape[0] == len(prompt)
+                                    for n, w, x in seen), f"{name}: trace recorded {[(n, w) for n, w, _ in seen][:3]}"
         finally:
             model.set_forward(model.default_forward())
 

@@ -7,6 +7,7 @@ from vd.cli.app import app, main
 # isort: split
 from vd.cli import (
     cache,  # noqa: F401  (registers vd cache info|clear)
+    locate,  # noqa: F401  (registers vd locate)
     team,  # noqa: F401  (registers refresh, history and status, listed after app's commands)
 )
 

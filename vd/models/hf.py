@@ -31,6 +31,8 @@ from vd.models.device import CUDA_ONLY
 from vd.models.fingerprint import Fingerprinter, fingerprint
 from vd.models.static import DEFAULT_CAPACITY, STATIC_FORWARDS, StaticRunner, capacity_for, static_forwards
 from vd.models.text import Codec
+from vd.models.trace import points as trace_points
+from vd.models.trace import traced
 from vd.protocol import ModelIdentity
 
 if TYPE_CHECKING:
@@ -289,6 +291,16 @@ class HFModel:
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens``; positions follow the cache length. Returns ``[len(tokens), vocab]``."""
         return self._run(tokens)[0]
+
+    def trace_forwards(self) -> list[str]:
+        """The forwards whose module outputs `trace` records: those that run HF's modules (eager and SDPA, pinned
+        or not); the static forwards run vd's lean step, which no module hook sees (`vd.models.trace`)."""
+        return [n for n in self.forwards() if n not in STATIC_FORWARDS] if trace_points(self.model) else []
+
+    def trace(self, record: Callable[[str, str, torch.Tensor], None]):
+        """A context in which each forward hands each traced module's output to ``record``
+        (`vd.protocol.ModuleTrace`, `vd.models.trace`)."""
+        return traced(self.model, record)
 
     def rewind(self, n: int) -> None:
         """Drop the last ``n`` positions (`crop` takes a negative count in 5.2x; a static cache just
