@@ -650,6 +650,42 @@ def test_a_misbehaving_engine_is_named_in_one_line(cli, tmp_path, factory, needl
     assert not out.exists()
 
 
+EXITING = str(PLUGINS / "exiting.py")
+
+
+@pytest.mark.parametrize("factory, needle", [
+    ("exit0_in_forward", "its forward raised SystemExit: 0"),
+    ("exit1_in_forward", "its forward raised SystemExit: 1"),
+    ("doom_in_forward", "its forward raised Doom: the engine's own way out"),
+    ("exit0_in_factory", "its factory raised SystemExit: 0"),
+    ("identity_raising", "its identity raised LookupError: no fingerprint for this build"),
+    ("exit0_in_set_forward", "its set_forward raised SystemExit: 0"),
+])
+@pytest.mark.parametrize("command", ["record", "replay"])
+def test_a_plugin_ending_the_process_is_named_exit_2(cli, tmp_path, tiny_golden, factory, needle, command):
+    """A plug-in that calls sys.exit(0) (which would read as PASS with no verdict), raises SystemExit(1) or a
+    BaseException that is not an Exception (which would read as FAIL), or whose identity raises, is bad input:
+    exit 2, one line naming the plug-in, the method and what it raised, its traceback in the file named; a
+    recording leaves no golden."""
+    out, spec = tmp_path / "g.zarr", f"{EXITING}:{factory}"
+    args = ("record", out, "--steps", "4") if command == "record" else ("replay", tiny_golden)
+    code, _, err = cli(*args, "--model", spec, "--k", "2")
+    _one_line_error(code, "", err, f"plug-in {spec}: {needle} (traceback in ")
+    trace = Path(err.split("traceback in ")[1].rstrip(")\n"))
+    assert "exiting.py" in trace.read_text()
+    trace.unlink()
+    assert not out.exists()
+
+
+def test_a_plugins_set_forward_still_raises_key_error_for_a_name_it_lacks():
+    """The guard passes on what the protocol lets a method raise: set_forward's KeyError for an unknown name."""
+    from vd.models import load_model
+
+    model = load_model(f"{EXITING}:identity_raising")
+    with pytest.raises(KeyError):
+        model.set_forward("no-such-forward")
+
+
 def test_an_engine_reusing_its_output_buffer_is_refused_naming_it(cli, tmp_path, tiny_golden):
     """Rows returned as views of one reused buffer would be stored (and compared) as whatever the buffer held
     last: record and replay refuse them at once, an internal error of the engine (exit 3) naming it."""

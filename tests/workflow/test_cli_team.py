@@ -108,13 +108,22 @@ def test_record_refresh_re_records_what_the_golden_says(tmp_path, cli, monkeypat
     ('[goldens.a]\npath = "a.zarr"\nk = 3\n', "[goldens.a] key 'k': expected a list"),
     ('[goldens.a]\npath = "x.zarr"\n[goldens.b]\npath = "x.zarr"\n', "[goldens.b] key 'path'"),
     ('[goldens.a]\npath = "a.zarr"\nstep = 3\n', "[goldens.a] unknown key 'step'"),
+    pytest.param('[goldens.a]\npath = "a.zarr"\nmodel = ' + "{a = " * 2000 + "1" + "}" * 2000 + "\n",
+                 "nested too deeply to read", id="inline-tables-2000-deep"),
+    pytest.param('[goldens.a]\npath = "a.zarr"\nk = ' + "[" * 2000 + "2" + "]" * 2000 + "\n",
+                 "nested too deeply to read", id="arrays-2000-deep"),
+    pytest.param("[defaults.model" + ".a" * 2000 + "]\nb = 1\n", "[defaults.model.a.a.a.a",
+                 id="table-headers-2000-deep"),
 ])
 def test_bad_declarations_are_one_line_and_exit_2(tmp_path, cli, monkeypatch, body, needle):
+    """Settings that cannot work, and declarations nested too deep to read or print (once a RecursionError,
+    exit 3): one line naming the file, exit 2."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "vd.toml").write_text(body)
     for args in (("record", "--suite"), ("replay", "--suite"), ("status",), ("refresh", "a", "--reason", "x")):
         code, out, err = cli(*args)
         assert code == 2 and err.count("\n") == 1 and needle in err and str(tmp_path / "vd.toml") in err, err
+        assert "Traceback" not in err and "internal error" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vd.toml"]  # nothing recorded, nothing removed
 
 

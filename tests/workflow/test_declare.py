@@ -52,6 +52,12 @@ policy = "verify=kl:0.05"
     ('goldens = 3', r"must be a table|no goldens"),
     ('[golden.a]\npath = "a.zarr"', r"unknown key golden"),
     ('[goldens.a\npath = "a.zarr"', r"not valid TOML"),
+    pytest.param('[goldens.a]\npath = "a.zarr"\nk = ' + "[" * 2000 + "2" + "]" * 2000, r"nested too deeply to read",
+                 id="arrays-2000-deep"),
+    pytest.param("[goldens" + ".a" * 2000 + "]\nb = 1", r"\[goldens(\.a)+\] nests more than 16 ",
+                 id="table-headers-2000-deep"),
+    pytest.param('[goldens.a]\npath = "a.zarr"\nmodel = ' + "[" * 17 + "]" * 17, r"\[goldens.a.model(\.0)+\] nests",
+                 id="arrays-17-deep"),
 ])
 def test_bad_declarations_name_the_file_and_the_key(tmp_path, body, message):
     f = _write(tmp_path, body)

@@ -92,9 +92,9 @@ def _plugin_module(target: str) -> ModuleType:
         sys.modules[mod_name] = module
         loader_spec.loader.exec_module(module)
         return module
-    except ModelSpecError:
+    except (ModelSpecError, KeyboardInterrupt):
         raise
-    except Exception as e:  # a plug-in's import can fail in any way; report it as one line
+    except BaseException as e:  # a plug-in's import can fail in any way, sys.exit() too; report it as one line
         raise ModelSpecError(f"cannot import plug-in {target}: {type(e).__name__}: {e}") from e
 
 
@@ -110,9 +110,10 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
         raise ModelSpecError(f"plug-in {target} has no callable {factory_name!r}")
     try:
         model = factory(device=device, dtype=dtype)
-    except Exception as e:  # the engine could not be built: bad input, named, not a crash of vd's
-        raise ModelSpecError(f"plug-in {spec}: its factory raised {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    except KeyboardInterrupt:  # a user's Ctrl-C (see `_guarded`)
+        raise
+    except BaseException as e:  # the engine could not be built (or ended the process): bad input, named
+        raise _plugin_error(spec, "factory", e) from e
     if not isinstance(model, VerifyModel):
         missing = [n for n in protocol_members() if not hasattr(model, n)]
         raise ModelSpecError(
@@ -124,17 +125,21 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
     return model
 
 
-# The protocol's methods a run calls (`vd.protocol.VerifyModel`, `vd.protocol.DraftHead`,
-# `vd.protocol.BatchedForwards`); not ``set_forward``, whose KeyError for a name it does not offer is part of the
-# protocol (vd checks names before calling it).
-_RUN_METHODS = ("reset", "forward", "rewind", "save_hidden", "trim_proposer", "propose", "reset_batch",
-                "forward_batch", "rewind_batch", "reorder_batch")
+# Every method of the protocol vd calls on a model (`vd.protocol.VerifyModel` and its optional members:
+# `vd.protocol.TokenDecoder`, `vd.protocol.DraftHead`, `vd.protocol.GraphedForwards`, `vd.protocol.Preparable`,
+# `vd.protocol.EngineEnvironment`, `vd.protocol.BatchedForwards`), each guarded on a plug-in's model.
+_RUN_METHODS = ("identity", "forwards", "default_forward", "set_forward", "encode", "decode", "reset", "forward",
+                "rewind", "head_info", "save_hidden", "trim_proposer", "propose", "forward_uses_graphs", "prepare",
+                "environment", "batch_forwards", "reset_batch", "forward_batch", "rewind_batch", "reorder_batch")
+
+# What a method may raise as part of the protocol, passed on as raised: ``set_forward``'s KeyError for a name it
+# does not offer (vd checks names before calling it).
+_PROTOCOL_ERRORS: dict[str, tuple[type[BaseException], ...]] = {"set_forward": (KeyError,)}
 
 
 def _guard(model: VerifyModel, spec: str) -> None:
-    """Make each run-time method of a plug-in turn an exception into a `vd.errors.PluginError` naming the
-    plug-in, the method and what it raised (exit 2: the plug-in, an input, is at fault), its traceback written
-    to a file the message names. A built-in engine that raises stays an internal error (exit 3)."""
+    """Make each method of a plug-in that vd calls turn what it raises into a `vd.errors.PluginError` (`_guarded`).
+    A built-in engine that raises stays an internal error (exit 3)."""
     for name in _RUN_METHODS:
         method = getattr(model, name, None)
         if callable(method):
@@ -145,18 +150,36 @@ def _guard(model: VerifyModel, spec: str) -> None:
 
 
 def _guarded(method, spec: str, name: str):
+    """``method`` of plug-in ``spec``, turning anything it raises into a `vd.errors.PluginError` naming the plug-in,
+    the method and what it raised (exit 2: the plug-in, an input, is at fault), its traceback written to a file
+    the message names.
+
+    Anything means a `BaseException` too: ``sys.exit(0)`` in a plug-in would end vd with success and no verdict,
+    and ``SystemExit(1)`` or a custom `BaseException` with what reads as FAIL. Passed on as raised: a
+    `vd.errors.VdError` (vd's own words on bad input), what the protocol lets the method raise
+    (`_PROTOCOL_ERRORS`), and `KeyboardInterrupt`, so that a user's Ctrl-C still interrupts vd (``vd: aborted``,
+    exit 130) whichever frame it lands in; a plug-in that raises KeyboardInterrupt itself ends vd so too, which
+    reads as neither PASS nor FAIL."""
+    passed = (VdError, KeyboardInterrupt, *_PROTOCOL_ERRORS.get(name, ()))
+
     @functools.wraps(method)
     def call(*args, **kwargs):
         try:
             return method(*args, **kwargs)
-        except VdError:
+        except passed:
             raise
-        except Exception as e:
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise PluginError(f"plug-in {spec}: its {name} raised {type(e).__name__}: {first} (traceback in "
-                              f"{write_traceback(e, 'vd-plugin-')})") from e
+        except BaseException as e:
+            raise _plugin_error(spec, name, e) from e
 
     return call
+
+
+def _plugin_error(spec: str, what: str, e: BaseException) -> PluginError:
+    """The one line for plug-in ``spec`` whose ``what`` (its factory, a method) raised ``e``, naming the file its
+    traceback is written to."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    return PluginError(f"plug-in {spec}: its {what} raised {type(e).__name__}: {first} (traceback in "
+                       f"{write_traceback(e, 'vd-plugin-')})")
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",

@@ -136,6 +136,28 @@ def _read(file: Path) -> dict:
         raise DeclarationError(f"{file}: cannot read it ({e})") from e
     except tomllib.TOMLDecodeError as e:
         raise DeclarationError(f"{file}: not valid TOML: {e}") from e
+    except RecursionError:  # tomllib reads nested arrays and inline tables recursively
+        raise DeclarationError(f"{file}: nested too deeply to read (arrays or inline tables inside each other "
+                               "hundreds deep)") from None
+
+
+# How deep a suite's table may nest: its deepest setting is goldens.NAME.KEY, a list at most; far deeper is no
+# suite (and a value nested thousands deep, as [goldens.a.model.a.a...] headers make, cannot even be printed).
+MAX_DEPTH = 16
+
+
+def _check_depth(file: Path, table: Mapping, where: str) -> None:
+    """A DeclarationError for a suite table nested more than `MAX_DEPTH` deep, naming the file and the key where
+    it passes that; walked without recursion."""
+    stack: list[tuple[object, str, int]] = [(table, where, 0)]
+    while stack:
+        value, at, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            shown = at if len(at) <= 60 else f"{at[:60]}..."
+            raise DeclarationError(f"{file}: [{shown}] nests more than {MAX_DEPTH} tables or arrays deep; a suite "
+                                   "declares goldens.NAME.KEY")
+        items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((v, f"{at}.{k}" if at else str(k), depth + 1) for k, v in items)
 
 
 def load_suite(file: str | os.PathLike | None = None) -> Suite:
@@ -153,6 +175,7 @@ def load_suite(file: str | os.PathLike | None = None) -> Suite:
     table, where = (doc, "") if file.name != "pyproject.toml" else (doc.get("tool", {}).get("vd"), "tool.vd")
     if not isinstance(table, Mapping):
         raise DeclarationError(f"{file}: no [tool.vd] table")
+    _check_depth(file, table, where)
     return Suite(file, _entries(file, table, where))
 
 
