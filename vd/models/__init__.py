@@ -127,10 +127,12 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
 
 # Every method of the protocol vd calls on a model (`vd.protocol.VerifyModel` and its optional members:
 # `vd.protocol.TokenDecoder`, `vd.protocol.DraftHead`, `vd.protocol.GraphedForwards`, `vd.protocol.Preparable`,
-# `vd.protocol.EngineEnvironment`, `vd.protocol.BatchedForwards`), each guarded on a plug-in's model.
+# `vd.protocol.EngineEnvironment`, `vd.protocol.BatchedForwards`, `vd.protocol.ModuleTrace`), each guarded on a
+# plug-in's model.
 _RUN_METHODS = ("identity", "forwards", "default_forward", "set_forward", "encode", "decode", "reset", "forward",
                 "rewind", "head_info", "save_hidden", "trim_proposer", "propose", "forward_uses_graphs", "prepare",
-                "environment", "batch_forwards", "reset_batch", "forward_batch", "rewind_batch", "reorder_batch")
+                "environment", "batch_forwards", "reset_batch", "forward_batch", "rewind_batch", "reorder_batch",
+                "trace_forwards", "trace")
 
 # What a method may raise as part of the protocol, passed on as raised: ``set_forward``'s KeyError for a name it
 # does not offer (vd checks names before calling it).
