@@ -225,8 +225,7 @@ class ZipFile:
         if not self.path.is_file():
             return "other"
         try:
-            check_inside(self.path, "zarr.json", f"{self.url}/zarr.json")
-            return "golden" if is_golden(_read(self.path / "zarr.json", f"{self.url}/zarr.json")) else "other"
+            return "golden" if is_golden(self.get("zarr.json")) else "other"
         except GoldenError:
             return "other"
 
