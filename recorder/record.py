@@ -210,7 +210,7 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
         if jpath is None:
             raise UsageError(f"{location.url}: goldens on an object store keep no journal to resume from")
         header, frames = journal.read(jpath)
-        settings, refresh, reason = _from_header(header)
+        settings, refresh, reason = _from_header(header, jpath)
     policy = settings.check()
     check_target(location, refresh)  # before the expensive part (the writer checks again)
     with location.writer():
@@ -223,10 +223,29 @@ def _journal_path(location: Location):
     return None if target is None else journal.path_for(target)
 
 
-def _from_header(header: dict) -> tuple[RecordSettings, bool, str]:
+def _from_header(header: dict, jpath) -> tuple[RecordSettings, bool, str]:
+    """The settings, ``refresh`` and ``reason`` a journal's header (`vd.store.journal.read`, its other fields
+    checked) holds, each setting's type checked against `RecordSettings`'."""
     s = dict(header["settings"])
-    s["ks"], s["tolerances"] = tuple(s["ks"]), tuple(s["tolerances"])
-    return RecordSettings(**s), bool(header["refresh"]), str(header["reason"])
+    fields = {f.name: str(f.type) for f in dataclasses.fields(RecordSettings)}
+    for name, v in s.items():  # one left out takes its default, as it did when the journal was written
+        if not isinstance(name, str) or name not in fields or not _typed(v, fields[name]):
+            raise journal.damaged(jpath, f"setting {name!r} is {v!r}, expected {fields.get(name, 'no such setting')}")
+    s.update({name: tuple(s[name]) for name in ("ks", "tolerances") if name in s})
+    return RecordSettings(**s), header["refresh"], header["reason"]
+
+
+def _typed(v: object, annotation: str) -> bool:
+    """Whether ``v`` (as msgpack gives it back) has the type a `RecordSettings` field is annotated with."""
+    kinds = {"str": str, "int": int, "bool": bool}
+    for alt in annotation.split(" | "):
+        if alt == "None" and v is None:
+            return True
+        if alt.startswith("tuple[") and isinstance(v, list):
+            return all(_typed(x, alt[len("tuple["):].split(",")[0]) for x in v)
+        if alt in kinds and isinstance(v, kinds[alt]) and (alt == "bool") == isinstance(v, bool):
+            return True
+    return False
 
 
 def _record(location: Location, settings: RecordSettings, policy: Policy, refresh: bool, model: VerifyModel | None,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import msgpack
+import pytest
 
 from vd.store import journal, open_golden
 
@@ -56,3 +57,54 @@ def test_a_journal_the_model_does_not_compute_again_refuses_the_resume(tmp_path)
     r = _vd("record", g, "--resume")
     assert r.returncode == 2 and "written by an earlier vd" in r.stderr and not g.exists()
     assert _vd("record", tmp_path / "none.zarr", "--resume").returncode == 2
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A recording killed mid-K: its journal's header and frames."""
+    g = tmp_path_factory.mktemp("killed") / "g.zarr"
+    assert _vd("record", g, *ARGS, die_at=30).returncode == -9
+    return journal.read(journal.path_for(g))
+
+
+def _flip(data: bytes) -> bytes:
+    return bytes(b ^ 0xFF if i in (3, 9, 40) else b for i, b in enumerate(data))
+
+
+# How a journal is damaged: (header, frames) -> its bytes.
+_DAMAGE = {
+    "flipped bytes": lambda h, f: _flip(_pack(h, f)),
+    "no settings": lambda h, f: _pack({k: v for k, v in h.items() if k != "settings"}, f),
+    "settings a list": lambda h, f: _pack({**h, "settings": [1]}, f),
+    "ks a string": lambda h, f: _pack({**h, "settings": {**h["settings"], "ks": "2,3"}}, f),
+    "steps a string": lambda h, f: _pack({**h, "settings": {**h["settings"], "steps": "6"}}, f),
+    "threads a float": lambda h, f: _pack({**h, "settings": {**h["settings"], "threads": 2.5}}, f),
+    "unknown setting": lambda h, f: _pack({**h, "settings": {**h["settings"], "nope": 1}}, f),
+    "refresh a string": lambda h, f: _pack({**h, "refresh": "yes"}, f),
+    "fingerprint a number": lambda h, f: _pack({**h, "fingerprint": 7}, f),
+    "greedy a map": lambda h, f: _pack({**h, "greedy": {"a": 1}}, f),
+    "block k a list": lambda h, f: _pack(h, [{**f[0], "k": [2]}, *f[1:]]),
+    "not msgpack": lambda h, f: b"\xc1" * 16,
+}
+
+
+def _pack(header, frames) -> bytes:
+    return b"".join(msgpack.packb(f, use_bin_type=True) for f in [header, *frames])
+
+
+@pytest.mark.parametrize("how", list(_DAMAGE))
+def test_a_damaged_journal_is_refused_in_one_line(tmp_path, killed, how):
+    g = tmp_path / "g.zarr"
+    path = journal.path_for(g)
+    path.write_bytes(_DAMAGE[how](*killed))
+    r = _vd("record", g, "--resume")
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert str(path) in r.stderr and "without --resume" in r.stderr, r.stderr
+
+
+def test_a_fifo_as_the_journal_is_refused(tmp_path):
+    g = tmp_path / "g.zarr"
+    os.mkfifo(journal.path_for(g))
+    r = _vd("record", g, "--resume")
+    assert r.returncode == 2 and "is a FIFO" in r.stderr and "without --resume" in r.stderr, r.stderr

@@ -12,6 +12,7 @@ import ctypes
 import importlib.metadata
 import json
 import os
+import stat
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,50 @@ from typing import Any
 from vd.errors import GoldenCorruptError, GoldenError, GoldenExistsError, NotAGoldenError, UsageError
 
 FORMAT = "vd-golden"  # the root metadata's ``format`` (FORMAT.md)
+MAX_META = 1 << 30  # bytes a metadata document (a ``zarr.json``, a journal) may have
+MAX_FILE = 1 << 34  # bytes any other file of a golden may have
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: str | os.PathLike, name: str, *, dir_fd: int | None = None, limit: int = MAX_FILE,
+                 missing_ok: bool = True) -> bytes | None:
+    """The bytes of the regular file at ``path`` (relative to ``dir_fd`` where given); None where there is none
+    (``missing_ok``). Anything else there (a FIFO, a device, a socket, a link to one) or a file over ``limit``
+    bytes is a `GoldenCorruptError` naming it as ``name``, before a byte is read: a FIFO would block the read
+    for ever, ``/dev/zero`` never end it. Stat first, so no device is even opened; then opened without blocking
+    and stat again, in case it was swapped between."""
+    try:
+        mode = os.stat(path, dir_fd=dir_fd).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        if missing_ok:
+            return None
+        raise
+    if stat.S_ISDIR(mode) and missing_ok:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=dir_fd) if stat.S_ISREG(mode) else -1
+    try:
+        st = os.fstat(fd) if fd >= 0 else None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise GoldenCorruptError(f"{name} is {file_kind(mode if st is None else st.st_mode)}, not a regular file")
+        if st.st_size > limit:
+            raise GoldenCorruptError(f"{name} has {st.st_size} bytes, more than a golden's file may ({limit})")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise GoldenCorruptError(f"{name} grew past {limit} bytes as it was read")
+        return data
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def golden_meta(doc: bytes, url: str) -> Mapping[str, Any]:
@@ -58,10 +103,10 @@ def peek(where: str | os.PathLike) -> Peek:
         return Peek("absent")
     try:
         if path.is_dir():
-            doc = (path / "zarr.json").read_bytes() if (path / "zarr.json").is_file() else None
-        elif url.endswith(".zip") and zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as z:
-                doc = z.read("zarr.json") if "zarr.json" in z.namelist() else None
+            check_inside(path, "zarr.json", f"{url}/zarr.json")
+            doc = read_regular(path / "zarr.json", f"{url}/zarr.json", limit=MAX_META)
+        elif url.endswith(".zip") and _regular(path, url) and zipfile.is_zipfile(path):
+            doc = _zip_member(path, "zarr.json", url)
         else:
             return Peek("other", why=f"{url} is not a vd golden (a golden is a zarr directory, a .zip file or an "
                         "s3:// prefix)")
@@ -72,6 +117,35 @@ def peek(where: str | os.PathLike) -> Peek:
         return Peek("other", why=str(e))
     except OSError as e:
         return Peek("other", why=f"{url} cannot be read: {e.strerror or e}")
+
+
+def check_inside(root: str | os.PathLike, rel: str, name: str) -> None:
+    """Refuse ``rel`` under the directory ``root`` where it is a symbolic link (or lies under one) that leads
+    outside ``root``: a golden's files are its own (a link to ``/dev/zero``, or to another golden's file)."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(root, rel))
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise GoldenCorruptError(f"{name} is a symbolic link to {real}, outside the golden")
+
+
+def _regular(path: Path, url: str) -> bool:
+    """Whether ``path`` is a regular file (a link to one included); a FIFO or a device: refused, never opened."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise GoldenCorruptError(f"{url} is {file_kind(mode)}, not a regular file")
+    return stat.S_ISREG(mode)
+
+
+def _zip_member(path: Path, key: str, url: str) -> bytes | None:
+    with zipfile.ZipFile(path) as z:
+        try:
+            info = z.getinfo(key)
+        except KeyError:
+            return None
+        if info.file_size > MAX_META:
+            raise GoldenCorruptError(f"{url}/{key} has {info.file_size} bytes, more than a golden's file may "
+                                     f"({MAX_META})")
+        return z.read(info)
 
 
 def check_readable(where: str) -> Mapping[str, Any] | None:

@@ -208,7 +208,7 @@ def step_log_arrays(version: int) -> tuple[str, ...]:
     return STEP_LOG if version < VOLATILE_SINCE else STEP_LOG[:2]
 
 
-_VOLATILE_ENV = ("host", "time")
+VOLATILE_ENV = ("host", "time")
 
 
 def split_volatile(meta: Mapping) -> tuple[dict, dict]:
@@ -220,7 +220,7 @@ def split_volatile(meta: Mapping) -> tuple[dict, dict]:
     details = dict(model.get("details") or {})
     logs = {k: dict(e) for k, e in (stable.get("logs") or {}).items()}
     volatile = {"created": stable.pop("created", None),
-                "environment": {key: env.pop(key, None) for key in _VOLATILE_ENV},
+                "environment": {key: env.pop(key, None) for key in VOLATILE_ENV},
                 "model_source": details.pop("source", None),
                 "step_ms": {k: e.pop("step_ms", []) for k, e in logs.items()}}
     if "environment" in stable:

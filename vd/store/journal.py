@@ -24,27 +24,59 @@ import msgpack
 import numpy as np
 
 from vd.errors import GoldenError, UsageError
+from vd.preflight import MAX_META, read_regular
 
 
 def path_for(target: Path) -> Path:
     return target.parent / f".{target.name}.journal"
 
 
+def damaged(path: Path, what: str) -> GoldenError:
+    """The error for a journal that cannot be resumed from, saying how to start over."""
+    return GoldenError(f"{path} is damaged ({what}): record afresh without --resume, which replaces it (or remove "
+                       "it)")
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# The header's fields besides the settings (`vd.recorder.record`), each with its type test.
+_HEADER = {"refresh": lambda v: isinstance(v, bool), "reason": lambda v: isinstance(v, str),
+           "fingerprint": lambda v: isinstance(v, str), "settings": lambda v: isinstance(v, dict),
+           "prompt": lambda v: isinstance(v, list) and all(_int(t) for t in v),
+           "greedy": lambda v: isinstance(v, list) and all(_int(t) for t in v)}
+
+
 def read(path: Path) -> tuple[dict, list[dict]]:
-    """The header and frames of the journal at ``path`` (a last frame cut short by a crash left out)."""
-    if not path.is_file():
+    """The header and frames of the journal at ``path`` (a last frame cut short by a crash left out), their
+    fields' types checked: a damaged journal is refused naming it, never a traceback."""
+    try:
+        data = read_regular(path, str(path), limit=MAX_META)
+    except GoldenError as e:
+        raise damaged(path, str(e).removeprefix(f"{path} ")) from None
+    if data is None:
         raise UsageError(f"nothing to resume: no journal {path} (a recording that was cut short leaves one)")
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
-    unpacker.feed(path.read_bytes())
+    unpacker.feed(data)
     frames = []
     try:
         for frame in unpacker:
             frames.append(frame)
-    except (ValueError, msgpack.ExtraData) as e:
-        raise GoldenError(f"{path} is not a readable journal: {e}") from e
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise damaged(path, f"not readable msgpack: {e}") from e
     if not frames or not isinstance(frames[0], dict) or frames[0].get("journal") != 1:
-        raise GoldenError(f"{path} is not a vd journal")
-    return frames[0], [f for f in frames[1:] if isinstance(f, dict)]
+        raise damaged(path, "no vd journal header")
+    header = frames[0]
+    for key, test in _HEADER.items():
+        if not test(header.get(key)):
+            raise damaged(path, f"header field {key!r} is {header.get(key)!r}")
+    blocks = [f for f in frames[1:] if isinstance(f, dict)]
+    for f in blocks:
+        if "sha256" in f and not (_int(f.get("k")) and (f.get("s") is None or _int(f["s"]))
+                                  and isinstance(f["sha256"], str)):
+            raise damaged(path, f"a block frame is {f!r}")
+    return header, blocks
 
 
 class Journal:

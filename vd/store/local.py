@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import uuid
@@ -17,7 +18,8 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 
-from vd.errors import GoldenError, NotAGoldenError
+from vd.errors import GoldenCorruptError, GoldenError, NotAGoldenError
+from vd.preflight import MAX_FILE, MAX_META, check_inside, file_kind, read_regular
 from vd.store import atomic
 from vd.store.format import FORMAT
 
@@ -51,16 +53,27 @@ def _check_parent(path: Path) -> None:
         raise GoldenError(f"cannot write {path}: {parent} is not writable")
 
 
-def _read(path: Path, dir_fd: int | None = None) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
-    except IsADirectoryError:
-        return None
+def _read(path: Path, name: str, dir_fd: int | None = None) -> bytes | None:
+    """A file's bytes (None where absent or a directory); anything but a regular file of bounded size refused
+    (`vd.preflight.read_regular`)."""
+    limit = MAX_META if path.name == "zarr.json" else MAX_FILE
+    return read_regular(path, name, dir_fd=dir_fd, limit=limit)
+
+
+class _LocalStore(zarr.storage.LocalStore):
+    """zarr's ``LocalStore``, each key it reads checked first to be a regular file inside the golden (zarr
+    reads the chunks of an array whose metadata vd does not read itself: `vd.store.chunks.Array`)."""
+
+    async def get(self, key, prototype=None, byte_range=None):
+        name = f"{self.root}/{key}"
+        check_inside(self.root, key, name)
+        try:
+            mode = os.stat(self.root / key).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            raise GoldenCorruptError(f"{name} is {file_kind(mode)}, not a regular file")
+        return await super().get(key, prototype, byte_range)
 
 
 class Directory:
@@ -71,6 +84,7 @@ class Directory:
     def __init__(self, path: Path):
         self.path, self.url = path, str(path)
         self._fd: int | None = None
+        self._inside: set[str] = set()  # folders found inside the golden (`_check_links`)
 
     @property
     def target(self) -> Path:
@@ -80,12 +94,33 @@ class Directory:
     def _held(self) -> int | None:
         if self._fd is None and self.path.is_dir():
             self._fd = atomic.hold(self.path)
+            self._inside = set()
         return self._fd
+
+    def _check_links(self, key: str, fd: int) -> None:
+        """Refuse a key that is, or lies under, a symbolic link leading outside the golden: one ``lstat`` for
+        the file, one for each folder the first time it is met."""
+        parts = key.split("/")
+        for i in range(1, len(parts) + 1):
+            rel = "/".join(parts[:i])
+            if i < len(parts) and rel in self._inside:
+                continue
+            try:
+                mode = os.lstat(rel, dir_fd=fd).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return  # absent: get says so
+            if stat.S_ISLNK(mode):
+                check_inside(self.path, rel, f"{self.url}/{rel}")
+            if i < len(parts):
+                self._inside.add(rel)
 
     def get(self, key):
         # What LocalStore.get does, without its event-loop round trip (a GPU replay reads in idle time).
         fd = self._held()
-        return None if fd is None else _read(Path(key), fd)
+        if fd is None:
+            return None
+        self._check_links(key, fd)
+        return _read(Path(key), f"{self.url}/{key}", fd)
 
     def sizes(self):
         fd = self._held()
@@ -94,16 +129,29 @@ class Directory:
         out = {}
         for root, _, files, rfd in os.fwalk(".", dir_fd=fd):
             for name in files:
-                out[os.path.normpath(os.path.join(root, name))] = os.stat(name, dir_fd=rfd).st_size
+                key = os.path.normpath(os.path.join(root, name))
+                st = os.stat(name, dir_fd=rfd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):  # a link: inside the golden, to a regular file (`_read`)
+                    check_inside(self.path, key, f"{self.url}/{key}")
+                    st = os.stat(name, dir_fd=rfd)
+                if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+                    raise GoldenCorruptError(f"{self.url}/{key} is {file_kind(st.st_mode)}, not a regular file")
+                out[key] = st.st_size
         return out
 
     def store(self):
-        return zarr.storage.LocalStore(self.path, read_only=True)
+        return _LocalStore(self.path, read_only=True)
 
     def state(self):
         if not self.path.exists() and not self.path.is_symlink():
             return "absent"
-        return "golden" if self.path.is_dir() and is_golden(_read(self.path / "zarr.json")) else "other"
+        if not self.path.is_dir():
+            return "other"
+        try:
+            check_inside(self.path, "zarr.json", f"{self.url}/zarr.json")
+            return "golden" if is_golden(_read(self.path / "zarr.json", f"{self.url}/zarr.json")) else "other"
+        except GoldenError:
+            return "other"
 
     def staging(self):
         target = self.target

@@ -26,7 +26,7 @@ from vd.store import format as F
 from vd.store import manifest
 from vd.store.chunks import Array, node
 from vd.store.location import Directory, Location, locate
-from vd.store.schema import Info, check_meta
+from vd.store.schema import Info, check_meta, check_run
 from vd.store.side import GoldenSide, check_digests
 
 
@@ -326,6 +326,7 @@ def _run_meta(location: Location, url: str) -> Mapping:
             raise ValueError("no vd_run attributes")
     except (ValueError, AttributeError) as e:
         raise GoldenCorruptError(f"{url}/{F.RUN_GROUP}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
+    check_run(run, url)
     return run
 
 

@@ -193,6 +193,41 @@ _TYPED = (
 )
 
 
+def _str_or_none(v: object) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _step_ms(v: object) -> bool:
+    return isinstance(v, Mapping) and all(
+        isinstance(k, str) and isinstance(ms, list)
+        and all(isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in ms) for k, ms in v.items())
+
+
+# The run group's fields (`vd.store.format.split_volatile`), each with its type test and what it should be.
+_RUN = (("created", _str_or_none, "a time or null"), ("model_source", _str_or_none, "a path or null"),
+        ("step_ms", lambda v: v is None or _step_ms(v), '{"K": [milliseconds, ...], ...}'))
+
+
+def check_run(run: Mapping, where: str) -> None:
+    """The ``run`` group's volatile facts (format 5), which `vd.store.format.join_volatile` lays over the root
+    metadata: each of the right type, and its environment only the facts a recording puts there (``host``,
+    ``time``), so it cannot replace a setting the root's metadata holds and `check_meta` checked (its thread
+    count)."""
+    at = f"{where}/{F.RUN_GROUP}/zarr.json: field"
+    for key, test, want in _RUN:
+        if not test(run.get(key)):
+            raise GoldenCorruptError(f"{at} {key!r} is {run.get(key)!r}, expected {want}")
+    env = run.get("environment")
+    if env is not None and not isinstance(env, Mapping):
+        raise GoldenCorruptError(f"{at} 'environment' is {env!r}, expected the recording's host and time")
+    for key, v in (env or {}).items():
+        if key not in F.VOLATILE_ENV:
+            raise GoldenCorruptError(f"{at} 'environment.{key}' is {v!r}: not a fact of the run (the golden's "
+                                     "settings are in its root metadata)")
+        if not _str_or_none(v):
+            raise GoldenCorruptError(f"{at} 'environment.{key}' is {v!r}, expected text or null")
+
+
 def _check_typed(meta: Mapping, where: str) -> None:
     for key, test, want in _TYPED:
         if meta.get(key) is not None and not test(meta[key]):
