@@ -64,3 +64,9 @@ class AdapterError(RuntimeError):
     """A model adapter broke the protocol in a way that would store or judge wrong rows: rows it returned
     share memory with rows an earlier forward returned (a reused output buffer). Not bad input but a broken
     engine: an internal error (exit 3) naming the adapter."""
+
+
+class Terminated(SystemExit):
+    """vd's process was sent a signal that ends it (SIGTERM, what CI timeouts send): raised by the command line's
+    handler wherever the main thread is, and passed on as raised by the plug-in boundary (`vd.models._guarded`),
+    so the process ends with ``128 + signum`` and a recording's staging folder and lock are cleaned up."""

@@ -40,7 +40,7 @@ from vd.cli.common import (
     reporting,
     write_json,
 )
-from vd.errors import UsageError
+from vd.errors import Terminated, UsageError
 from vd.preflight import check_threads
 
 
@@ -530,4 +530,4 @@ def main() -> None:
 
 
 def _terminated(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    raise Terminated(128 + signum)

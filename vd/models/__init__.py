@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from vd.errors import ModelSpecError, PluginError, UsageError, VdError, write_traceback
+from vd.errors import ModelSpecError, PluginError, Terminated, UsageError, VdError, write_traceback
 from vd.models.device import check_device
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 
@@ -160,9 +160,9 @@ def _guarded(method, spec: str, name: str):
     and ``SystemExit(1)`` or a custom `BaseException` with what reads as FAIL. Passed on as raised: a
     `vd.errors.VdError` (vd's own words on bad input), what the protocol lets the method raise
     (`_PROTOCOL_ERRORS`), and `KeyboardInterrupt`, so that a user's Ctrl-C still interrupts vd (``vd: aborted``,
-    exit 130) whichever frame it lands in; a plug-in that raises KeyboardInterrupt itself ends vd so too, which
-    reads as neither PASS nor FAIL."""
-    passed = (VdError, KeyboardInterrupt, *_PROTOCOL_ERRORS.get(name, ()))
+    exit 130) whichever frame it lands in, and `vd.errors.Terminated`, vd's own SIGTERM handler's (exit 143); a
+    plug-in that raises KeyboardInterrupt itself ends vd so too, which reads as neither PASS nor FAIL."""
+    passed = (VdError, KeyboardInterrupt, Terminated, *_PROTOCOL_ERRORS.get(name, ()))
 
     @functools.wraps(method)
     def call(*args, **kwargs):
