@@ -179,14 +179,17 @@ def parse_device(text: str) -> str:
     return text
 
 
-def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Path | None] = ()) -> None:
-    """Refuse, before any work, an output file that could not be written or that would land in (or on) a
-    golden the command reads (``inputs``)."""
+def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Path | None] = (), *,
+                   directory: bool = False) -> None:
+    """Refuse, before any work, an output that could not be written or that would land in (or on) a golden:
+    one the command reads (``inputs``) or any other (`check_no_golden`). ``directory``: an output directory
+    (a bundle), written into."""
     if path is None:
         return
     path = Path(path)
     check_outside(flag, path, inputs)
     if path.is_dir():
+    check_no_golden(flag, path, directory=directory)
         raise UsageError(f"{flag} {path} is a directory; give a file path")
     parent = path.absolute().parent
     while not parent.exists():
@@ -196,6 +199,20 @@ def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Pa
 
 
 def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Path | None]) -> None:
+def check_no_golden(flag: str, path: str | Path | None, *, directory: bool = True, replace: bool = False) -> None:
+    """Refuse an output path that is a golden or lies inside one (`vd.preflight.golden_over`): every output of
+    every command. ``replace``: the path itself may be a golden (``--refresh`` replaces it on purpose)."""
+    if path is None:
+        return
+    hit = preflight.golden_over(path, follow=directory)
+    if hit is None or (hit[1] and replace):
+        return
+    golden, itself = hit
+    if itself:
+        raise UsageError(f"{flag} {path} is the golden {golden}; refusing to replace it (write it elsewhere)")
+    raise UsageError(f"{flag} {path} is inside the golden {golden}; write it elsewhere")
+
+
     """Refuse an output path in (or on) a golden the command reads."""
     if path is None or "://" in str(path):
         return

@@ -20,6 +20,7 @@ from vd.cli.common import (
     EXIT_PASS,
     Command,
     app,
+    check_no_golden,
     check_writable,
     err,
     examples,
@@ -59,6 +60,8 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     entries = _suite(config).select(names)  # the declaration, checked before anything heavy is imported
     check_writable("--summary", summary, [e.path for e in entries])
     from vd.replayer import words
+    for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
+        check_no_golden(e.name, e.path, replace=True)
     from vd.workflow.suite import exit_code
     from vd.workflow.suite import record_suite as do_record
 
@@ -86,7 +89,7 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     suite = _suite(config)  # the declaration and the shard, checked before anything heavy is imported
     entries = take(suite.select(names), shard)
     for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
-        check_writable(flag, path, [e.path for e in entries])
+        check_writable(flag, path, [e.path for e in entries], directory=flag == "--bundle")
     from vd.replayer import ReplaySettings, render, words
     from vd.workflow.suite import Models, SuiteReport, for_entry
     from vd.workflow.suite import replay_suite as do_replay
@@ -245,6 +248,7 @@ def status(
     model's fingerprint moved. Exit 1 when any golden is missing, unreadable, stale or orphaned."""
     from vd.workflow import status as S
 
+    check_writable("--json", json_out, [e.path for e in suite.entries.values()])
     suite = _suite(config)
     with reporting() as progress:
         states = S.status(suite, suite.select(names or []), check_models=not no_models,
