@@ -1,6 +1,7 @@
 """No output of any command lands in or on a golden, not only the one being read (a report, a candidate, a new
-golden, a slim copy, a status file)."""
+golden, a slim copy, a status file), and an output file is written without following a link at its path."""
 
+import os
 import shutil
 
 import pytest
@@ -57,3 +58,16 @@ def test_status_json_over_a_declared_goldens_root_file_is_refused(cli, tiny_gold
     (tmp_path / "vd.toml").write_text('[goldens.g]\npath = "goldens/g.zarr"\nmodel = "tiny-llama"\n')
     monkeypatch.chdir(tmp_path)
     _refused(cli, "goldens/g.zarr", "status", "--no-models", "--json", "goldens/g.zarr/zarr.json")
+
+
+def test_a_link_at_the_report_path_is_replaced_not_followed(cli, tiny_golden, other, tmp_path):
+    """A link planted at the report's path, into golden B: the report replaces the link; B is untouched."""
+    link = tmp_path / "report.json"
+    os.symlink(other / "zarr.json", link)
+    before = (other / "zarr.json").read_bytes()
+    code, out, err = cli("replay", tiny_golden, "--report", link, "--k", "2")
+    assert code == 0, err
+    assert not link.is_symlink() and '"verdict": "PASS"' in link.read_text()
+    assert (other / "zarr.json").read_bytes() == before
+    code, out, err = cli("verify", other)
+    assert code == 0, err

@@ -33,6 +33,7 @@ from typer.core import TyperCommand, TyperGroup
 import vd
 from vd import preflight
 from vd.errors import ModelSpecError, UsageError, VdError, write_traceback
+from vd.outputs import write_text
 from vd.progress import Lines
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
@@ -188,8 +189,8 @@ def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Pa
         return
     path = Path(path)
     check_outside(flag, path, inputs)
-    if path.is_dir():
     check_no_golden(flag, path, directory=directory)
+    if path.is_dir():
         raise UsageError(f"{flag} {path} is a directory; give a file path")
     parent = path.absolute().parent
     while not parent.exists():
@@ -198,7 +199,6 @@ def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Pa
         raise UsageError(f"cannot write {flag} {path}: {parent} is not a writable directory")
 
 
-def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Path | None]) -> None:
 def check_no_golden(flag: str, path: str | Path | None, *, directory: bool = True, replace: bool = False) -> None:
     """Refuse an output path that is a golden or lies inside one (`vd.preflight.golden_over`): every output of
     every command. ``replace``: the path itself may be a golden (``--refresh`` replaces it on purpose)."""
@@ -213,6 +213,7 @@ def check_no_golden(flag: str, path: str | Path | None, *, directory: bool = Tru
     raise UsageError(f"{flag} {path} is inside the golden {golden}; write it elsewhere")
 
 
+def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Path | None]) -> None:
     """Refuse an output path in (or on) a golden the command reads."""
     if path is None or "://" in str(path):
         return
@@ -360,5 +361,5 @@ def _finite(obj):
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(data), indent=2, default=_json_default) + "\n")
+    """``data`` as JSON at ``path``, a link there replaced, never followed (`vd.outputs`)."""
+    write_text(path, json.dumps(_finite(data), indent=2, default=_json_default) + "\n")
