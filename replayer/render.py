@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from vd import __version__
+from vd.outputs import write_bytes, write_text
 from vd.replayer import words
 from vd.replayer.comparison import Comparison, plain
 from vd.replayer.report import Control, Judged, KResult, Report, golden_name
@@ -54,7 +55,9 @@ def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mappin
                                      "tokens": np.asarray(rows.tokens or [], dtype=np.int64)}
     if rows.golden is not None:  # a slim golden replayed without its rows has none to give
         arrays["golden"] = rows.golden
-    np.savez(directory / "rows.npz", **arrays)  # type: ignore[arg-type]  # numpy's stub types the first kwarg
+    npz = io.BytesIO()
+    np.savez(npz, **arrays)  # type: ignore[arg-type]  # numpy's stub types the first kwarg
+    write_bytes(directory / "rows.npz", npz.getvalue())
     failure = {"k": rows.k, "forward": rows.forward, "kind": rows.kind, "step": rows.step, "tokens": rows.tokens,
                "first_failure": plain(rows.first_failure) or {"kind": rows.kind, "step": rows.step},
                "dtype": report.dtype,
@@ -63,16 +66,15 @@ def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mappin
                "reasons": [r.text for r in report.reasons]}
     if rows.text is not None:
         failure["text"] = rows.text
-    (directory / "failure.json").write_text(json.dumps(failure, indent=2, default=str) + "\n")
-    (directory / "environment.json").write_text(json.dumps(plain(report.environment), indent=2, default=str) + "\n")
+    write_text(directory / "failure.json", json.dumps(failure, indent=2, default=str) + "\n")
+    write_text(directory / "environment.json", json.dumps(plain(report.environment), indent=2, default=str) + "\n")
     cmd = words.reproduce_command(report, dict(args), "replay.json")
     exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted((environ or {}).items()))
     path = directory / "command.sh"
-    path.write_text("#!/bin/sh\n# Replays the first failing K and forward; exits 1 as the original replay did. It runs "
-                    "from any directory\n# (writing replay.json here), with the environment variables the replay "
-                    "read (secrets left out).\n" + exports + 'cd "$(dirname "$0")" || exit 2\n'
-                    + " ".join(shlex.quote(c) for c in cmd) + "\n")
-    path.chmod(0o755)
+    write_text(path, "#!/bin/sh\n# Replays the first failing K and forward; exits 1 as the original replay did. It "
+                     "runs from any directory\n# (writing replay.json here), with the environment variables the "
+                     "replay read (secrets left out).\n" + exports + 'cd "$(dirname "$0")" || exit 2\n'
+                     + " ".join(shlex.quote(c) for c in cmd) + "\n", mode=0o755)
     return path
 
 
@@ -103,8 +105,7 @@ def write_suite_junit(path: Path, entries: Sequence[Entry]) -> None:
 
 
 def _write_xml(path: Path, root: ET.Element) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    write_bytes(path, ET.tostring(root, encoding="utf-8", xml_declaration=True))
 
 
 def junit_suite(report: Report, name: str) -> ET.Element:
@@ -308,10 +309,8 @@ def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequen
 
 
 def _write_page(path: Path, title: str, body: list[str]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}"
-                          f"</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n",
-                          encoding="utf-8")
+    write_text(path, f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}"
+                          f"</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
 def _now() -> str:

@@ -119,6 +119,25 @@ def peek(where: str | os.PathLike) -> Peek:
         return Peek("other", why=f"{url} cannot be read: {e.strerror or e}")
 
 
+def golden_over(path: str | os.PathLike, *, follow: bool = False) -> tuple[str, bool] | None:
+    """The vd golden an output at the local ``path`` would be written into or over: ``(golden, itself)``,
+    ``itself`` where ``path`` is that golden (replaced) rather than inside it; None where none is (or for a URL).
+    Every ancestor is looked at, a directory holding a golden's ``zarr.json`` or a golden ``.zip``, both as
+    written and with links resolved; ``path`` itself resolved where ``follow`` (a directory written into), else
+    left a link (a file written by `vd.outputs.write_text` replaces a link at its path, never follows it)."""
+    if "://" in str(path):
+        return None
+    given = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(given)) if follow else Path(os.path.realpath(given.parent)) / given.name
+    for p in dict.fromkeys((given, real)):
+        for where in (p, *p.parents):
+            if where == p and not follow and os.path.islink(where):
+                continue
+            if peek(where).state == "golden":
+                return str(where), where == p
+    return None
+
+
 def check_inside(root: str | os.PathLike, rel: str, name: str) -> None:
     """Refuse ``rel`` under the directory ``root`` where it is a symbolic link (or lies under one) that leads
     outside ``root``: a golden's files are its own (a link to ``/dev/zero``, or to another golden's file)."""

@@ -28,6 +28,7 @@ from vd.cli.common import (
     app,
     check_golden,
     check_model,
+    check_no_golden,
     check_outside,
     check_replay,
     check_tolerances,
@@ -91,6 +92,7 @@ def record(
     if resume:
         return _resumed(out_path)
     _check_record(out_path, refresh, model, forward, device, threads, tolerance)
+    check_writable("--summary", summary, (out_path,))
     preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp)
     return _record_one(ctx, out_path, refresh, reason, summary, config)
 
@@ -100,6 +102,7 @@ def _check_record(out_path: str, refresh: bool, model: str, forward: str | None,
     """A recording's arguments checked before anything heavy is imported: the destination, the model SPEC and
     forward, the device, the thread count and the policy."""
     preflight.check_target(out_path, preflight.peek(out_path).state, refresh)
+    check_no_golden("OUT", out_path, replace=True)  # OUT itself: check_target's (--refresh replaces it)
     check_model(model, [forward] if forward else [])
     from vd.models.device import check_device_name
 
@@ -290,8 +293,14 @@ def _check_outputs(targets, suite: bool, rows, outputs: dict) -> str | None:
     golden = None if suite else _one(targets, "GOLDEN")
     candidate = outputs.pop("--save-candidate")
     for flag, path in outputs.items():
-        check_writable(flag, path, (golden, rows))
+        check_writable(flag, path, (golden, rows), directory=flag == "--bundle")
+    report = outputs["--report"]
+    if outputs["--bundle"] is None and report is not None:  # the bundle's default place, beside the report
+        check_no_golden("--report", report.with_name(report.name + ".bundle"))
     check_outside("--save-candidate", candidate, (golden, rows))
+    # an earlier candidate is replaced (`vd.replayer.candidate`); any other golden never is
+    earlier = not suite and candidate is not None and "candidate" in (preflight.peek(candidate).meta or {})
+    check_no_golden("--save-candidate", candidate, replace=earlier)
     return golden
 
 
@@ -396,6 +405,7 @@ def slim(
     """Write a golden's slim form: step logs, row digests and statistics, no rows (about 1 % of the size)."""
     check_golden(golden)
     check_outside("OUT", out_path, (golden,))
+    check_no_golden("OUT", out_path, replace=True)  # OUT itself: the store's check (--refresh replaces it)
     from vd.store import open_golden
     from vd.store import slim as do_slim
 
@@ -418,6 +428,7 @@ def pack(
     """Copy a golden into another store (a directory into a .zip, and back), every file checked; the same golden."""
     check_golden(golden)
     check_outside("OUT", out_path, (golden,))
+    check_no_golden("OUT", out_path, replace=True)  # OUT itself: the store's check (--refresh replaces it)
     from vd.store import open_golden
     from vd.store.pack import pack as do_pack
 
@@ -437,6 +448,7 @@ def migrate(
     """Rewrite a golden of an earlier format in the current one, every row checked; its numbers unchanged."""
     check_golden(golden)
     check_outside("NEW", out_path, (golden,))
+    check_no_golden("NEW", out_path, replace=True)  # NEW itself: the store's check (--refresh replaces it)
     from vd.store import migrate as do_migrate
     from vd.store import open_golden
 

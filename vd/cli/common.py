@@ -33,6 +33,7 @@ from typer.core import TyperCommand, TyperGroup
 import vd
 from vd import preflight
 from vd.errors import ModelSpecError, UsageError, VdError, write_traceback
+from vd.outputs import write_text
 from vd.progress import Lines
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
@@ -179,13 +180,16 @@ def parse_device(text: str) -> str:
     return text
 
 
-def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Path | None] = ()) -> None:
-    """Refuse, before any work, an output file that could not be written or that would land in (or on) a
-    golden the command reads (``inputs``)."""
+def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Path | None] = (), *,
+                   directory: bool = False) -> None:
+    """Refuse, before any work, an output that could not be written or that would land in (or on) a golden:
+    one the command reads (``inputs``) or any other (`check_no_golden`). ``directory``: an output directory
+    (a bundle), written into."""
     if path is None:
         return
     path = Path(path)
     check_outside(flag, path, inputs)
+    check_no_golden(flag, path, directory=directory)
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a directory; give a file path")
     parent = path.absolute().parent
@@ -193,6 +197,20 @@ def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Pa
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write {flag} {path}: {parent} is not a writable directory")
+
+
+def check_no_golden(flag: str, path: str | Path | None, *, directory: bool = True, replace: bool = False) -> None:
+    """Refuse an output path that is a golden or lies inside one (`vd.preflight.golden_over`): every output of
+    every command. ``replace``: the path itself may be a golden (``--refresh`` replaces it on purpose)."""
+    if path is None:
+        return
+    hit = preflight.golden_over(path, follow=directory)
+    if hit is None or (hit[1] and replace):
+        return
+    golden, itself = hit
+    if itself:
+        raise UsageError(f"{flag} {path} is the golden {golden}; refusing to replace it (write it elsewhere)")
+    raise UsageError(f"{flag} {path} is inside the golden {golden}; write it elsewhere")
 
 
 def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Path | None]) -> None:
@@ -343,5 +361,5 @@ def _finite(obj):
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(data), indent=2, default=_json_default) + "\n")
+    """``data`` as JSON at ``path``, a link there replaced, never followed (`vd.outputs`)."""
+    write_text(path, json.dumps(_finite(data), indent=2, default=_json_default) + "\n")

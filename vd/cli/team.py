@@ -20,6 +20,7 @@ from vd.cli.common import (
     EXIT_PASS,
     Command,
     app,
+    check_no_golden,
     check_writable,
     err,
     examples,
@@ -29,6 +30,7 @@ from vd.cli.common import (
     write_json,
 )
 from vd.errors import UsageError
+from vd.outputs import write_text
 
 
 def _suite(config: Path | None):
@@ -58,6 +60,8 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
         raise UsageError("--refresh of a suite needs --reason TEXT: it goes into each golden's history")
     entries = _suite(config).select(names)  # the declaration, checked before anything heavy is imported
     check_writable("--summary", summary, [e.path for e in entries])
+    for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
+        check_no_golden(e.name, e.path, replace=True)
     from vd.replayer import words
     from vd.workflow.suite import exit_code
     from vd.workflow.suite import record_suite as do_record
@@ -69,8 +73,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
                                                                                               else [])):
             out.print(line)
     if summary is not None:
-        summary.parent.mkdir(parents=True, exist_ok=True)
-        summary.write_text(words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""])
+        write_text(summary, words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""])
                                                          for o in outcomes]))
     return exit_code(outcomes)
 
@@ -86,7 +89,7 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     suite = _suite(config)  # the declaration and the shard, checked before anything heavy is imported
     entries = take(suite.select(names), shard)
     for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
-        check_writable(flag, path, [e.path for e in entries])
+        check_writable(flag, path, [e.path for e in entries], directory=flag == "--bundle")
     from vd.replayer import ReplaySettings, render, words
     from vd.workflow.suite import Models, SuiteReport, for_entry
     from vd.workflow.suite import replay_suite as do_replay
@@ -145,8 +148,7 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
         return EXIT_FAIL
     out.print(done.summary, end="")
     if summary is not None:
-        summary.parent.mkdir(parents=True, exist_ok=True)
-        summary.write_text(done.summary)
+        write_text(summary, done.summary)
     out.print(f"refreshed {done.url} to version {done.version}")
     return EXIT_PASS
 
@@ -246,6 +248,7 @@ def status(
     from vd.workflow import status as S
 
     suite = _suite(config)
+    check_writable("--json", json_out, [e.path for e in suite.entries.values()])
     with reporting() as progress:
         states = S.status(suite, suite.select(names or []), check_models=not no_models,
                           report=None if report is None else str(report), progress=progress)
