@@ -155,8 +155,28 @@ def _regular(path: Path, url: str) -> bool:
     return stat.S_ISREG(mode)
 
 
+def check_member(name: str, where: str) -> None:
+    """Refuse a golden's file name (a zip member, a manifest key) that could name a file outside the golden:
+    an absolute one, one with a drive or a ``..`` part, or an empty one."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or name.startswith(("/", "\\")) or ":" in parts[0] or ".." in parts:
+        raise GoldenCorruptError(f"{where} holds a file named {name!r}, outside the golden: refused")
+
+
+def check_zip_names(z: zipfile.ZipFile, where: str) -> None:
+    """Refuse a zip golden whose member names repeat (a later copy shadows the one the manifest hashed) or
+    escape it (`check_member`): checked once, when the zip is opened."""
+    seen: set[str] = set()
+    for name in z.namelist():
+        check_member(name, where)
+        if name in seen:
+            raise GoldenCorruptError(f"{where} holds two members named {name!r} (one shadows the other): refused")
+        seen.add(name)
+
+
 def _zip_member(path: Path, key: str, url: str) -> bytes | None:
     with zipfile.ZipFile(path) as z:
+        check_zip_names(z, url)
         try:
             info = z.getinfo(key)
         except KeyError:

@@ -127,17 +127,21 @@ def _bundle_args(settings) -> dict:
 
 # -- refresh, history, status -------------------------------------------------------------------------------
 def refresh_golden(target: str, config: Path | None, reason: str, summary: Path | None, overrides: dict,
-                   candidate: str | None = None) -> int:
+                   candidate: str | None = None, allow_slim: bool = False) -> int:
     """Refresh the golden ``target`` names: its declaration's settings (or, undeclared, the golden's own) with
-    ``overrides``; or promote ``candidate``. Prints the change summary; exit 1 when refused."""
+    ``overrides``; or promote ``candidate`` (a slim one over a full golden only with ``allow_slim``). Prints
+    the change summary; exit 1 when refused."""
     from vd.workflow import refresh as R
+
+    if allow_slim and candidate is None:
+        raise UsageError("vd refresh: --allow-slim goes with --from CANDIDATE")
 
     entry = _entry_for(target, config)
     path = _existing(target, entry, config)
     check_writable("--summary", summary, (path, candidate))
     name = entry.name if entry is not None else None
     if candidate is not None:
-        done = R.promote(candidate, path, reason=reason, name=name)
+        done = R.promote(candidate, path, reason=reason, name=name, allow_slim=allow_slim)
     else:
         with reporting() as progress:
             done = R.refresh(path, _settings(path, entry, overrides), reason=reason, name=name, progress=progress)
@@ -199,13 +203,15 @@ def refresh(
     summary: Annotated[Path | None, typer.Option(metavar="PATH", help="Write the change summary (Markdown) "
                                                  "here.")] = None,
     config: Annotated[Path | None, typer.Option(metavar="FILE", help=CONFIG_HELP)] = None,
+    allow_slim: Annotated[bool, typer.Option("--allow-slim", help="With --from: promote a slim candidate over "
+                                             "a full golden, dropping its rows.")] = False,
 ) -> int:
     """Re-record a golden (or promote a candidate) with a reason and a change summary.
 
     It records what the golden's declaration says (or, undeclared, what recorded it), replays the new
     recording once, and publishes it with its history; refused (exit 1, the old golden kept) if the new
     recording is thin or its detection control blind."""
-    return refresh_golden(target, config, reason, summary, {}, candidate=from_)
+    return refresh_golden(target, config, reason, summary, {}, candidate=from_, allow_slim=allow_slim)
 
 
 @app.command(cls=Command, epilog=examples("vd history smollm2-default", "vd history goldens/smollm2.zarr"))

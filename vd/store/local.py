@@ -19,7 +19,7 @@ from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 
 from vd.errors import GoldenCorruptError, GoldenError, NotAGoldenError
-from vd.preflight import MAX_FILE, MAX_META, check_inside, file_kind, read_regular
+from vd.preflight import MAX_FILE, MAX_META, check_inside, check_zip_names, file_kind, read_regular
 from vd.store import atomic
 from vd.store.format import FORMAT
 
@@ -206,8 +206,15 @@ class ZipFile:
         self._store: zarr.storage.ZipStore | None = None
 
     def store(self):
+        """The zip opened for reading, its member names checked once (`vd.preflight.check_zip_names`)."""
         if self._store is None:
-            self._store = sync(zarr.storage.ZipStore.open(self.path, mode="r"))
+            store = sync(zarr.storage.ZipStore.open(self.path, mode="r"))
+            try:
+                check_zip_names(store._zf, self.url)
+            except BaseException:
+                store.close()
+                raise
+            self._store = store
         return self._store
 
     def get(self, key):
@@ -215,6 +222,8 @@ class ZipFile:
             return None
         try:
             buf = sync(self.store().get(key, default_buffer_prototype()))  # opening it may fail too
+        except GoldenError:
+            raise
         except Exception as e:  # not a zip file, or a damaged one (zipfile.BadZipFile and kin)
             raise NotAGoldenError(f"{self.path} is not a readable zip file: {type(e).__name__}: {e}") from e
         return None if buf is None else buf.to_bytes()

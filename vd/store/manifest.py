@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from vd.errors import GoldenCorruptError
+from vd.preflight import check_member
 
 OUTSIDE = ("zarr.json", "run/zarr.json")  # the files the manifest does not list (see the module's docstring)
 SCHEME = "sha256"
@@ -80,6 +81,8 @@ def check_meta(meta: Mapping, where: str) -> dict[str, list]:
             isinstance(k, str) and isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
             and not isinstance(v[0], bool) and v[0] >= 0 and isinstance(v[1], str) for k, v in manifest.items()):
         raise GoldenCorruptError(f"{where}: metadata field 'manifest' is missing or malformed")
+    for key in manifest:  # a listed name that leads outside the golden is read, or copied, from nowhere
+        check_member(key, where)
     stored = meta.get("golden_id")
     if not isinstance(stored, str) or stored != golden_id(meta):
         raise GoldenCorruptError(f"{where}: the metadata does not hash to the golden's ID {stored!r}: it was edited "

@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vd.env import numerics_differences
-from vd.errors import GoldenError, UsageError
+from vd.errors import GoldenCorruptError, GoldenError, UsageError
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.recorder import RecordSettings, record
 from vd.replayer import ReplaySettings, replay, words
 from vd.replayer.diff import diff, recording_difference
-from vd.store import Golden, Location, check_target, locate, open_golden
+from vd.store import Golden, Location, check_target, locate, manifest, open_golden
 from vd.store import history as H
 from vd.store.local import finish_removals
-from vd.store.location import Directory, ZipFile
 from vd.store.write import reseal
 
 
@@ -112,26 +110,46 @@ def settings_changes(old: Golden | None, settings: RecordSettings) -> list[str]:
 
 
 def promote(candidate: str | os.PathLike, where: str | os.PathLike, *, reason: str,
-            name: str | None = None) -> Refreshed:
-    """Publish a replay's saved candidate as the golden at ``where``'s next version. The candidate must have
-    been saved against the golden's current version, every K's control must have fired and no K may be
-    thin."""
+            name: str | None = None, allow_slim: bool = False) -> Refreshed:
+    """Publish a replay's saved candidate as the golden at ``where``'s next version. The candidate must be
+    intact (every file against its manifest, every row against its digest), of the golden's model and feed,
+    and saved against the golden's current version; every K's control must have fired and no K may be thin.
+    A slim candidate over a full golden (which would drop its rows) only with ``allow_slim``."""
     _check_reason(reason)
     location = locate(where)
     with location.writer():
-        done = _promote(location, open_golden(candidate), reason, name)
+        done = _promote(location, open_golden(candidate), reason, name, allow_slim)
     finish_removals()
     return done
 
 
-def _promote(location: Location, cand: Golden, reason: str, name: str | None) -> Refreshed:
-    old, unreadable = _previous(location)
+def _check_candidate(cand: Golden, old: Golden | None, url: str, allow_slim: bool) -> dict:
+    """The candidate's ``candidate`` metadata, once it is checked whole (as ``vd verify`` checks a golden)
+    and found to be a candidate for the golden ``old`` at ``url``; else a `GoldenError` or `UsageError`."""
     made = cand.meta.get("candidate")
-    if not isinstance(made, dict):
+    if not isinstance(made, dict) or cand.manifest is None:
         raise UsageError(f"{cand.url} is not a saved candidate (vd replay --save-candidate writes one)")
-    if old is not None and made.get("of_content") != old.content_digest():
-        raise UsageError(f"{cand.url} was saved against another version of {location.url} "
+    cand.check_files()  # every file against the manifest, then every step log and row
+    cand.check_contents()
+    if old is None:
+        return made
+    if cand.slim and not old.slim and not allow_slim:
+        raise UsageError(f"{cand.url} is slim and {url} is full: promoting it would drop the golden's rows "
+                         "(--allow-slim to do so)")
+    for what, a, b in (("model fingerprint", old.meta["model"]["fingerprint"], cand.meta["model"]["fingerprint"]),
+                       ("feed", old.info.feed, cand.info.feed)):
+        if a != b:
+            raise UsageError(f"{cand.url} is of another {what} ({b}) than {url} ({a}); record that golden "
+                             "anew (vd record) instead of promoting it")
+    if made.get("of_content") != old.content_digest():
+        raise UsageError(f"{cand.url} was saved against another version of {url} "
                          f"({made.get('of_content')}); replay the golden again to save a current candidate")
+    return made
+
+
+def _promote(location: Location, cand: Golden, reason: str, name: str | None, allow_slim: bool) -> Refreshed:
+    old, unreadable = _previous(location)
+    made = _check_candidate(cand, old, location.url, allow_slim)
     refused = [f"K={k}: the candidate's detection control was blind" for k, fired in
                (made.get("control") or {}).items() if not fired]
     refused += list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
@@ -153,14 +171,20 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None) ->
 
 
 def _copy_golden(g: Golden, dest: Path) -> None:
-    """A local copy of golden ``g`` as a directory."""
-    if isinstance(g.location, Directory):
-        shutil.copytree(g.location.path, dest)
-    elif isinstance(g.location, ZipFile):
-        with zipfile.ZipFile(g.location.path) as z:
-            z.extractall(dest)
-    else:
-        raise UsageError(f"{g.url}: promote a candidate saved as a directory or a .zip file")
+    """A local copy of golden ``g`` as a directory: the files its manifest lists, each checked against it as
+    it is copied, and the metadata (the root ``zarr.json``, bound by the ID, and the run group's). Nothing
+    else of ``g``'s store enters the copy."""
+    assert g.manifest is not None  # `_check_candidate` refused a golden without one
+    for key in [*g.manifest, *manifest.OUTSIDE]:
+        data = g.location.get(key)
+        if data is None:
+            if key == manifest.OUTSIDE[1]:  # a golden may do without its run group's metadata
+                continue
+            raise GoldenCorruptError(f"{g.url}/{key} is missing")
+        if key in g.manifest:  # the bytes copied are the bytes checked
+            manifest.check_hashes(lambda _k, d=data: d, {key: g.manifest[key]}, g.url)
+        (dest / key).parent.mkdir(parents=True, exist_ok=True)
+        (dest / key).write_bytes(data)
 
 
 def _publish(location: Location, new_path: Path, old: Golden | None, unreadable: str | None, reason: str,
