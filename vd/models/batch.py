@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vd.models.lean import LeanStack, rms_norm
-from vd.models.static import GRAPH_MAX, GraphSet, capacity_for, maybe_compile
+from vd.models.static import GRAPH_MAX, CacheLayer, GraphSet, capacity_for, maybe_compile
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -79,28 +79,12 @@ def _check_order(order: Sequence[int], n: int) -> None:
         raise ValueError(f"reorder_batch({list(order)}): expected a permutation of 0 .. {n - 1}")
 
 
-class _Layer:
+class _Layer(CacheLayer):
     """One layer's keys and values for every member, written at each member's positions (`BatchKV.write`)."""
 
-    is_compileable = True
-    is_sliding = False
-    is_linear = False
-    is_dummy = False
-
-    def __init__(self, kv: BatchKV):
-        self.kv = kv
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.is_initialized = False
-
     def allocate(self, heads: int, dim: int, dtype: torch.dtype, value_dim: int | None = None) -> None:
-        """Keys ``[n, heads, slots, dim]`` and values (``value_dim`` wide where it differs, as in MLA)."""
-        kv = self.kv
-        self.keys = torch.zeros(kv.n, heads, kv.slots, dim, dtype=dtype, device=kv.device)
-        self.values = torch.zeros(kv.n, heads, kv.slots, value_dim or dim, dtype=dtype, device=kv.device)
-        torch._dynamo.mark_static_address(self.keys)
-        torch._dynamo.mark_static_address(self.values)
-        self.is_initialized = True
+        """Keys ``[n, heads, slots, dim]`` and values (`vd.models.static.CacheLayer.allocate_as`)."""
+        self.allocate_as(self.kv.n, heads, self.kv.slots, dim, dtype, value_dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,19 +77,36 @@ def capacity_for(n: int) -> int:
     return max(ROUND, -(-n // ROUND) * ROUND)
 
 
-class _Layer:
-    """One layer's preallocated keys and values, written at the runner's current positions."""
+class CacheLayer:
+    """What a preallocated cache's layer is to HF's `Cache` (the flags it reads) and how its keys and values are
+    allocated; `_Layer` (one sequence) and `vd.models.batch`'s (a batch) write them each their own way."""
 
     is_compileable = True
     is_sliding = False
     is_linear = False
     is_dummy = False
 
-    def __init__(self, kv: StaticKV):
+    def __init__(self, kv: Any):
         self.kv = kv
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.is_initialized = False
+
+    def allocate_as(self, n: int, heads: int, slots: int, dim: int, dtype: torch.dtype, value_dim: int | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[n, heads, slots, dim]`` and values (``value_dim`` wide when it differs, as in DeepSeek's MLA) on
+        the cache's device, zeroed and marked as static addresses for compiled code; return them."""
+        device = self.kv.device
+        self.keys = keys = torch.zeros(n, heads, slots, dim, dtype=dtype, device=device)
+        self.values = values = torch.zeros(n, heads, slots, value_dim or dim, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(keys)
+        torch._dynamo.mark_static_address(values)
+        self.is_initialized = True
+        return keys, values
+
+
+class _Layer(CacheLayer):
+    """One layer's preallocated keys and values, written at the runner's current positions."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,15 +120,8 @@ class _Layer:
 
     def allocate(self, heads: int, dim: int, dtype: torch.dtype, value_dim: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocate this layer's keys ``[1, heads, capacity, dim]`` and values (``value_dim`` wide when
-        it differs, as in DeepSeek's MLA), marked as static addresses for compiled code; return them."""
-        self.keys = keys = torch.zeros(1, heads, self.kv.capacity, dim, dtype=dtype, device=self.kv.device)
-        self.values = values = torch.zeros(1, heads, self.kv.capacity, value_dim or dim, dtype=dtype,
-                                           device=self.kv.device)
-        torch._dynamo.mark_static_address(keys)
-        torch._dynamo.mark_static_address(values)
-        self.is_initialized = True
-        return keys, values
+        """Allocate this layer's keys ``[1, heads, capacity, dim]`` and values (`CacheLayer.allocate_as`)."""
+        return self.allocate_as(1, heads, self.kv.capacity, dim, dtype, value_dim)
 
     def get_seq_length(self):
         # HF asks this only when no position_ids are passed, and vd always passes them.
