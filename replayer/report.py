@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from vd.batch import slots_text
 from vd.coverage import histogram
 from vd.equivalence import Equivalence
 from vd.policy import Policy
@@ -145,7 +146,11 @@ class BatchAxis:
 
     @property
     def label(self) -> str:
-        return f"batch (N={self.n}, {'every slot in turn' if self.slot is None else f'slot {self.slot}'})"
+        return f"batch (N={self.n}, {slots_text(self.slot)})"
+
+    def axis_row(self) -> AxisRow:
+        """Its row of the table of axes: its rows against the golden's."""
+        return _comparison_row(self.forward, self.label, self.comparison)
 
     def to_json(self) -> dict:
         first = self.first_difference
@@ -219,7 +224,7 @@ class KResult:
             if self.k > 1:  # the decode group's own rows have no verify rows to measure
                 out.append(_equivalence_row(c.variant, e) if e is not None else
                            AxisRow(c.variant, "verify vs decode", None, None, None, None, "not recorded"))
-            out += [_comparison_row(c.variant, b.label, b.comparison) for b in self.batch if b.forward == c.variant]
+            out += [b.axis_row() for b in self.batch if b.forward == c.variant]
         return tuple(out)
 
     def to_json(self) -> dict:

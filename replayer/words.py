@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vd.batch import slots_text
 from vd.equivalence import Equivalence
 from vd.equivalence import describe as describe_equivalence
 from vd.layout import StepLog
@@ -164,14 +165,12 @@ def batch_reasons(k: int, label: str, b: BatchAxis) -> list[Reason]:
 
 def batch_line(k: int | None, b: BatchAxis) -> str:
     """One line of a forward's batch axis: where its sequence sat, and where its rows first differ."""
-    c, first = b.comparison, b.first_difference
-    rows = sum(x.rows for x in c.summary.values())
-    same = rows - sum(x.rows_differ for x in c.summary.values())
+    row, first = b.axis_row(), b.first_difference
     where = "no row differs" if first is None else (
         f"first difference at {'the prefill' if first[0] is None else f'step {first[0]}'}, slot {first[1]}")
     head = "decode" if k is None else f"K={k}"
-    return (f"  {head} {b.forward} in a batch of {b.n} ({'every slot in turn' if b.slot is None else f'slot {b.slot}'}"
-            f", seed {b.seed}): {same} of {rows} rows identical to the golden's, {where}")
+    return (f"  {head} {b.forward} in a batch of {b.n} ({slots_text(b.slot)}, seed {b.seed}): {row.identical} of "
+            f"{row.rows} rows identical to the golden's, {where}")
 
 
 def equivalence_reasons(k: int, name: str, e: Equivalence, policy: Policy) -> list[Reason]:
@@ -429,9 +428,9 @@ def batch_text(plan: Mapping[str, Any] | None) -> str | None:
     """A replay's batch plan (`Report.batch`) in words; None without ``--batch``."""
     if plan is None:
         return None
-    where = "every slot in turn" if plan["slot"] is None else f"slot {plan['slot']}"
     others = plan["companion_prompt_tokens"]
-    return (f"a batch of {plan['n']}, the golden's sequence at {where}, companions from seed {plan['seed']}"
+    return (f"a batch of {plan['n']}, the golden's sequence at {slots_text(plan['slot'])}, companions from seed "
+            f"{plan['seed']}"
             + (f" (prompts of {', '.join(map(str, others))} tokens)" if others else ""))
 
 
@@ -512,9 +511,9 @@ def _axis_steps(report: Report) -> list[NextStep]:
                     "the reasons): speculative output differs from plain greedy output wherever an argmax flips. The "
                     "report's verify[].equivalence names every differing row; ", Code("--decode-forward NAME"),
                     " measures against another forward's decode."))
-    alone = {(v.k, j.comparison.variant) for v in ([report.decode] if report.decode else []) + list(report.verify)
-             for j in v.comparisons if j.comparison.passed}
-    failing = [(v.k, b) for v in ([report.decode] if report.decode else []) + list(report.verify) for b in v.batch
+    groups = ([report.decode] if report.decode else []) + list(report.verify)
+    alone = {(v.k, j.comparison.variant) for v in groups for j in v.comparisons if j.comparison.passed}
+    failing = [(v.k, b) for v in groups for b in v.batch
                if not b.comparison.passed and (v.k, b.forward) in alone]  # not where its rows differ alone too
     if failing:
         k, b = failing[0]

@@ -48,6 +48,11 @@ class BatchPlan:
         return {"n": self.n, "slot": self.slot, "seed": self.seed}
 
 
+def slots_text(slot: int | None) -> str:
+    """Where a plan puts the golden's sequence, in words (``slot`` None: every slot in turn)."""
+    return "every slot in turn" if slot is None else f"slot {slot}"
+
+
 def batched(model: VerifyModel, forward: str) -> BatchedForwards:
     """``model`` as a `vd.protocol.BatchedForwards` that runs ``forward`` in a batch, else a one-line refusal."""
     b = protocol.batched(model)

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from vd.batch import slots_text
 from vd.coverage import histogram
 from vd.equivalence import describe as describe_equivalence
 from vd.equivalence import of_golden
@@ -32,9 +33,8 @@ def describe(where: str | os.PathLike) -> Iterator[str]:
     yield f"prompt    {g.meta.get('prompt_text', '')!r}"
     batch = g.meta.get("batch")
     if batch is not None:
-        where = "every slot in turn" if batch["slot"] is None else f"slot {batch['slot']}"
-        yield (f"batch     recorded as one member of a batch of {batch['n']} ({where}, companions from seed "
-               f"{batch['seed']}); every replay runs that batch again")
+        yield (f"batch     recorded as one member of a batch of {batch['n']} ({slots_text(batch['slot'])}, "
+               f"companions from seed {batch['seed']}); every replay runs that batch again")
     yield f"policy    {Policy.parse((), g.meta.get('policy')).describe()}"
     yield from _environment(g.meta.get("environment") or {})
     yield f"storage   {g.location.nbytes() / 1e6:.1f} MB; {_rows_text(g)}"
