@@ -31,7 +31,7 @@ from vd.equivalence import Equivalence, of_golden
 from vd.equivalence import describe as describe_equivalence
 from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
-from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, hold_bytes, prepare, run_verify
+from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, generated, hold_bytes, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import keep_artifacts
 from vd.models.specs import golden_dir, portable
@@ -305,9 +305,8 @@ def _runner(model: VerifyModel, settings: RecordSettings, forward: str, tokens: 
     if settings.batch is None:
         return model
     batched(model, forward)
-    widest = max(settings.ks)
     return BatchView(model, BatchPlan(settings.batch, settings.slot, settings.batch_seed or 0), tokens,
-                     settings.steps * widest + widest)
+                     generated(settings.steps, settings.ks))
 
 
 def _journal(resuming: tuple, settings: RecordSettings, refresh: bool, reason: str, model: VerifyModel,

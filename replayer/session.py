@@ -20,6 +20,7 @@ from vd import env, preflight, protocol
 from vd.batch import BatchPlan, BatchView, batched
 from vd.dtypes import of_torch
 from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
+from vd.loop import generated
 from vd.models import check_device, check_forward_names, load_model, require_forwards
 from vd.models.device import cpu_forward_hint
 from vd.models.inductor import compiles, held, load_artifacts
@@ -29,7 +30,6 @@ from vd.progress import Progress
 from vd.protocol import VerifyModel
 from vd.replayer.candidate import CandidateWriter
 from vd.store import Golden, Location, Prefetcher, open_golden
-from vd.store.format import DECODE_K
 
 PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "batch", "write", "finish")
 T = TypeVar("T")
@@ -221,9 +221,7 @@ def _batch(g: Golden, model: VerifyModel, forwards: tuple[str, ...], s: ReplaySe
         return None
     for name in [*forwards, *([s.decode_forward] if s.decode_forward and g.decoded else [])]:
         batched(model, name)
-    widest = max(g.ks)
-    positions = max(g.info.steps * widest + widest, g.layout(DECODE_K).steps + 1 if g.decoded else 0)
-    return BatchView(model, plan, g.prompt, positions)
+    return BatchView(model, plan, g.prompt, generated(g.info.steps, g.ks))  # the decode group's steps stay within
 
 
 def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings) -> tuple[tuple[str, ...], Mapping[str, str],

@@ -288,13 +288,20 @@ class DrafterFeed(Feed):
             self._propose(model, run, last)
 
 
+def generated(steps: int, ks: Sequence[int]) -> int:
+    """The most positions runs of ``steps`` steps at the widths ``ks`` append after their prompt: a K's last verify
+    may reach K past its ``steps * K`` committed tokens (a decode run's ``steps * max(ks)`` one-token steps stay
+    within it)."""
+    return steps * max(ks) + max(ks)
+
+
 def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int], decode: bool = True) -> None:
     """Refuse runs longer than the model's context (`vd.protocol.context_length`, optional in the protocol),
     before any step; let a model that can (`vd.protocol.prepare`, optional too) size its static cache for the
     longest sequence these runs build and capture its step graphs (the prefill's, each K's and, with
     ``decode``, the one-token decode's, which a greedy continuation and a drafter's bootstrap run), largest
     first, before any timing."""
-    longest = prompt_len + steps * max(ks) + max(ks) + 2
+    longest = prompt_len + generated(steps, ks) + 2
     context = protocol.context_length(model)
     if context is not None and longest > context:
         raise UsageError(f"{prompt_len} prompt tokens and {steps} steps at K={max(ks)} need {longest} positions; "
