@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from refusal import refused
 
 from vd.errors import GoldenCorruptError
 from vd.store import open_golden
@@ -27,14 +28,6 @@ def _append(path: Path, name: str, data: bytes) -> None:
         z.writestr(name, data)
 
 
-def _one_line(result, *needles: str) -> None:
-    code, _, err = result
-    assert code == 2, err
-    assert err.startswith("vd: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, err
-
-
 def _stats_key(path: Path) -> str:
     with zipfile.ZipFile(path) as z:
         return next(n for n in z.namelist() if n.startswith("k2/stats/c"))
@@ -51,8 +44,8 @@ def test_a_duplicate_member_is_refused_by_verify_and_replay(cli, packed, member)
         doc["attributes"]["forged"] = True
         forged = json.dumps(doc).encode()
     _append(packed, name, forged)
-    _one_line(cli("verify", packed), "two members", repr(name))
-    _one_line(cli("replay", packed, "--model", "tiny-llama"), "two members", repr(name))
+    refused(cli("verify", packed), "two members", repr(name))
+    refused(cli("replay", packed, "--model", "tiny-llama"), "two members", repr(name))
     with pytest.raises(GoldenCorruptError, match="two members"):
         open_golden(packed)  # the store's own check, without the command line's first look
 
@@ -60,7 +53,7 @@ def test_a_duplicate_member_is_refused_by_verify_and_replay(cli, packed, member)
 @pytest.mark.parametrize("name", ["../x", "/abs", "k2/../../x"])
 def test_a_member_outside_the_golden_is_refused(cli, packed, name):
     _append(packed, name, b"foreign")
-    _one_line(cli("verify", packed), repr(name), "outside the golden")
+    refused(cli("verify", packed), repr(name), "outside the golden")
     with pytest.raises(GoldenCorruptError, match="outside the golden"):
         open_golden(packed)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from golden_edit import edit_meta, files
+from refusal import refused
 
 from vd.recorder import RecordSettings, record
 from vd.replayer import ReplaySettings, replay
@@ -34,14 +35,6 @@ def cand(golden, tmp_path, perturbed):
     return path
 
 
-def _refused(result, *needles: str) -> None:
-    code, _, err = result
-    assert code == 2, err
-    assert err.startswith("vd: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, err
-
-
 def _promote(cli, golden: Path, cand: Path, *more: str):
     return cli("refresh", golden, "--from", cand, "--reason", "accept the candidate", *more)
 
@@ -50,9 +43,9 @@ def test_a_slim_candidate_over_a_full_golden_is_refused_unless_asked(cli, golden
     slim = tmp_path / "slim.zarr"
     assert cli("slim", cand, slim)[0] == 0
     was = files(golden)
-    _refused(_promote(cli, golden, slim), "is slim", "--allow-slim")
+    refused(_promote(cli, golden, slim), "is slim", "--allow-slim")
     assert files(golden) == was
-    _refused(cli("refresh", golden, "--reason", "r", "--allow-slim"), "--allow-slim goes with --from")
+    refused(cli("refresh", golden, "--reason", "r", "--allow-slim"), "--allow-slim goes with --from")
     code, _, err = _promote(cli, golden, slim, "--allow-slim")
     assert code == 0, err
     assert open_golden(golden).slim
@@ -76,7 +69,7 @@ def test_a_candidate_edited_inside_is_refused_and_the_golden_kept(cli, golden, c
     assert cli("verify", cand)[0] == 0
     _same_size_edit(cand / where, old, new)
     was = files(golden)
-    _refused(_promote(cli, golden, cand), where, "manifest")
+    refused(_promote(cli, golden, cand), where, "manifest")
     assert files(golden) == was
 
 
@@ -84,7 +77,7 @@ def test_a_candidate_of_another_model_is_refused(cli, golden, cand):
     edit_meta(cand, lambda m: m["model"].update(fingerprint="sha256:" + "0" * 64))  # sealed: an intact candidate
     assert cli("verify", cand)[0] == 0
     was = files(golden)
-    _refused(_promote(cli, golden, cand), "another model fingerprint")
+    refused(_promote(cli, golden, cand), "another model fingerprint")
     assert files(golden) == was
 
 
@@ -95,5 +88,5 @@ def test_a_candidate_zip_with_a_member_outside_it_is_refused(cli, golden, cand, 
         warnings.simplefilter("ignore")
         z.writestr("../x", b"foreign")
     was = files(golden)
-    _refused(_promote(cli, golden, packed), "'../x'", "outside the golden")
+    refused(_promote(cli, golden, packed), "'../x'", "outside the golden")
     assert files(golden) == was and not (tmp_path / "x").exists()
