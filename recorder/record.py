@@ -43,6 +43,7 @@ from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
 from vd.store.read import open_golden
 from vd.store.write import KRows
+from vd.tracing import check_traceable, trace_k, trace_meta
 
 # An ordinary instruction for the instruct model. (With an earlier two-sentence prompt SmolLM2's
 # continuation was one its draft head rarely predicted: no full accept at K=4 in 16 steps.)
@@ -80,6 +81,7 @@ class RecordSettings:
     batch: int | None = None
     slot: int | None = None
     batch_seed: int | None = None
+    trace: bool = False
 
     def check(self) -> Policy:
         """Refuse settings that cannot work, before any work; the policy they ask for."""
@@ -96,6 +98,8 @@ class RecordSettings:
             raise UsageError(f"--steps must be at least 1; got {self.steps}")
         check_threads(self.threads)
         check_batch(self.batch, self.slot, self.batch_seed, self.feed == "mtp")
+        if self.trace and self.batch is not None:
+            raise UsageError("--trace runs the sequence alone: it cannot trace a recording with --batch")
         return Policy.parse(self.tolerances)
 
     @classmethod
@@ -114,7 +118,7 @@ class RecordSettings:
                                     if policy[kind].text != default[kind].text)
                    + ((f"decisions={policy.decisions}",) if policy.margin is not None else ()),
                    require_coverage=bool(meta.get("require_coverage")), allow_thin=bool(meta.get("thin")),
-                   **_batch_settings(meta.get("batch")))
+                   trace=meta.get("trace") is not None, **_batch_settings(meta.get("batch")))
 
     def changes_from(self, other: RecordSettings) -> list[str]:
         """What these settings change from ``other``, one ``field: old -> new`` line each. A setting left
@@ -256,6 +260,8 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     seconds["load"] = time.perf_counter() - t
     forward = settings.forward or model.default_forward()
     require_forwards(model, [forward])
+    if settings.trace:
+        check_traceable(model, forward, "--trace")
     model.set_forward(forward)
     tokens = model.encode(settings.prompt)
     if not tokens:
@@ -270,9 +276,15 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         result = RecordResult(None, {}, [], {}, seconds)
         seconds["verify"] = seconds["store"] = 0.0
+        points: list = []
         for k in settings.ks:
             progress.phase(f"recording K={k}", settings.steps)
-            _record_k(runner, writer, tokens, greedy, k, settings, progress, result)
+            log, summary = _record_k(runner, writer, tokens, greedy, k, settings, progress, result)
+            if settings.trace:
+                t = time.perf_counter()
+                progress.phase(f"tracing K={k}", 0)
+                points = trace_k(model, forward, writer, tokens, log, summary, settings.feed == "mtp")
+                seconds["trace"] = seconds.get("trace", 0.0) + time.perf_counter() - t
         if result.short or (result.thin and not settings.allow_thin):
             if writer.journal is not None:
                 writer.journal.close(remove=True)  # refused: nothing to resume
@@ -283,6 +295,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
                 "left_greedy": {str(k): s for k, s in result.left_greedy.items()},
                 "decode": {"steps": settings.steps * max(settings.ks)},
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
+                **({"trace": trace_meta(points)} if settings.trace else {}),
                 **keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)}
         writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
                        reason=reason)
@@ -358,10 +371,11 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
 
 
 def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greedy: list[int], k: int,
-              settings: RecordSettings, progress: Progress, result: RecordResult) -> None:
+              settings: RecordSettings, progress: Progress, result: RecordResult
+              ) -> tuple[StepLog, tuple[np.ndarray, np.ndarray]]:
     """One K's run, its rows written to ``writer`` as the run lets them go and once it ends, its accept counts
     and checks into ``result``; its time into ``result.seconds``: the run's (``verify``) and the writes after
-    it (``store``)."""
+    it (``store``). Its step log and its rows' digests and statistics."""
     steps, mtp = settings.steps, settings.feed == "mtp"
     chooser = DrafterFeed(k, steps) if mtp else ReferenceFeed(greedy)
     layout = RowLayout(len(tokens), steps, k, mtp)
@@ -388,6 +402,7 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
         result.thin.append(reason)
     if settings.require_coverage and (reason := coverage_reason(k, accepted)) is not None:
         result.short.append(reason)
+    return log, summary
 
 
 def _left_at(run: Run, greedy: list[int]) -> int:

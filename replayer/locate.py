@@ -1,13 +1,20 @@
-"""From a difference to the first module that makes it (``vd locate GOLDEN --forward A --between B``).
+"""From a difference to the first module that makes it (``vd locate``, ``vd replay --locate``).
 
-Two forwards of one model run a golden's stored steps (its tokens, accept counts and rewinds, as a replay
-drives them) at each K; the first forward call whose rows differ between them (the prefill, or a step) is run
-again under both with every traced module's output recorded (`vd.protocol.ModuleTrace`), and the first module,
-in the order the forward computes them, whose output differs is named: everything before it is bit-identical,
-so it is where the difference starts. The path of the difference through the layers (per layer, its first
-differing module and the largest |Δ| there) comes with it. Nothing is judged against the golden: the golden
-gives the steps; the forwards are compared with each other (the common case: "my kernel differs from eager:
-where?").
+A forward runs a golden's stored steps (its tokens, accept counts and rewinds, as a replay drives them) at each
+K, and the first forward call whose rows differ (the prefill, the bootstrap decode, or a step) is found; then:
+
+* **against a traced golden** (``vd record --trace``): the calls up to it run again with every traced module's
+  output digested (`vd.tracing`), and the first call and module, in the order the forward computes them, whose
+  output rows' digests differ from the golden's are named, with the golden's and this run's max |x| and norm
+  there (the golden's values are not stored, so no |Δ|);
+* **between two forwards** (``--between B``): that call runs under both with every traced output kept, and the
+  first module whose output differs is named with the largest |Δ| between them.
+
+Everything before the named module is bit-identical, so it is where the difference starts. The path of the
+difference through the layers (per layer, its first differing module) comes with it. Only the points both
+traces hold are compared (a compiled step is traced at its compiled regions' edges: `vd.models.lean`). The
+traced pass runs the forward's kernels without CUDA graphs; ``reproduces`` says whether its rows equalled the
+plain pass's, without which its module outputs are not that forward's.
 """
 
 from __future__ import annotations
@@ -17,58 +24,79 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vd import protocol
+from vd.digest import summarise
 from vd.errors import UsageError
-from vd.loop import DrafterFeed, ReplayFeed, Run, run_verify
+from vd.layout import RowLayout
 from vd.models import check_device, load_model, require_forwards
 from vd.models.specs import golden_dir, stored
 from vd.protocol import VerifyModel
 from vd.store import Golden, Location, open_golden
+from vd.tracing import Call, Point, Traced, check_traceable, steps_run
 
 
 @dataclass(frozen=True, slots=True)
 class Module:
-    """One traced point at the located call: its path, what it is, and the largest |Δ| between the forwards."""
+    """One traced point where outputs differ: its path, what it is, and how they differ: the largest |Δ| (between
+    two forwards), or how many of its rows differ and the golden's and this run's max |x| and norm there."""
 
     name: str
     what: str
-    max_abs: float
+    max_abs: float | None = None
+    rows: tuple[int, int] = (0, 0)  # rows that differ, of the call's rows
+    absmax: tuple[float, float] | None = None  # (golden, now): the largest over the differing rows
+    norm: tuple[float, float] | None = None
 
     @property
     def layer(self) -> int | None:
-        m = re.search(r"\.layers\.(\d+)\.", self.name)
+        m = re.search(r"\.layers\.(\d+)(\.|$)", self.name)
         return int(m.group(1)) if m else None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "what": self.what, "layer": self.layer, "max_abs": self.max_abs,
+                "rows_differ": self.rows[0], "rows": self.rows[1],
+                "absmax": None if self.absmax is None else {"golden": self.absmax[0], "now": self.absmax[1]},
+                "norm": None if self.norm is None else {"golden": self.norm[0], "now": self.norm[1]}}
 
 
 @dataclass(frozen=True, slots=True)
 class Located:
-    """One K: the first call whose rows differ (``step`` None: the prefill; no call: ``found`` False), the first
-    module whose output differs there, how many points before it are identical, and per layer the first
-    differing module (the path of the difference)."""
+    """One K: the first call whose rows differ (``step`` None and ``call`` 0: the prefill; ``found`` False: none),
+    the call and first module whose output differs there (``module_step``: where the module first differs, which
+    can be before the rows do), how many points before it are identical, per layer the first differing module (the
+    path of the difference), and whether the traced pass reproduced the plain pass's rows."""
 
     k: int
     found: bool
     step: int | None = None
-    rows_max_abs: float = 0.0
+    call: str = ""
+    rows_max_abs: float | None = None
     first: Module | None = None
+    module_call: str = ""
     identical_before: int = 0
     path: tuple[Module, ...] = ()
+    reproduces: bool | None = None
+    note: str = ""
+    compared: int = 0  # points both traces hold
+    profile: tuple[tuple[str, str, int | None, float], ...] = ()  # every compared point: name, what, layer, size
 
     def to_json(self) -> dict:
-        def plain(m: Module | None):
-            return None if m is None else {"name": m.name, "what": m.what, "layer": m.layer, "max_abs": m.max_abs}
-
-        return {"k": self.k, "differs": self.found, "step": self.step, "rows_max_abs": self.rows_max_abs,
-                "first_module": plain(self.first), "identical_before": self.identical_before,
-                "path": [plain(m) for m in self.path]}
+        return {"k": self.k, "differs": self.found, "step": self.step, "call": self.call,
+                "rows_max_abs": self.rows_max_abs, "module_call": self.module_call,
+                "first_module": None if self.first is None else self.first.to_json(),
+                "identical_before": self.identical_before, "points_compared": self.compared,
+                "path": [m.to_json() for m in self.path], "traced_pass_reproduces": self.reproduces,
+                "note": self.note or None,
+                "profile": [{"name": n, "what": w, "layer": lay, "size": v} for n, w, lay, v in self.profile]}
 
 
 @dataclass(frozen=True, slots=True)
 class LocateReport:
     golden: str
-    forwards: tuple[str, str]
+    forwards: tuple[str, ...]  # one: against the golden's traces; two: between them
     ks: tuple[Located, ...] = field(default_factory=tuple)
 
     @property
@@ -76,124 +104,187 @@ class LocateReport:
         return any(x.found for x in self.ks)
 
     def to_json(self) -> dict:
-        return {"golden": self.golden, "forwards": list(self.forwards), "differs": self.found,
-                "verify": [x.to_json() for x in self.ks]}
+        return {"golden": self.golden, "forwards": list(self.forwards),
+                "against": "golden traces" if len(self.forwards) == 1 else "between forwards",
+                "differs": self.found, "verify": [x.to_json() for x in self.ks]}
 
 
-class _TracedAt:
-    """``model``'s forward with its modules traced (into ``points``) during the ``call``-th forward only."""
-
-    def __init__(self, model: VerifyModel, trace: protocol.ModuleTrace, call: int):
-        self.model, self.trace, self.call, self.calls = model, trace, call, 0
-        self.vocab_size, self.device, self.dtype = model.vocab_size, model.device, model.dtype
-        self.points: list[tuple[str, str, torch.Tensor]] = []
-
-    def reset(self) -> None:
-        self.calls = 0
-        self.model.reset()
-
-    def forward(self, tokens):
-        self.calls += 1
-        if self.calls - 1 != self.call:
-            return self.model.forward(tokens)
-        with self.trace.trace(lambda name, what, x: self.points.append((name, what, x))):
-            return self.model.forward(tokens)
-
-    def rewind(self, n: int) -> None:
-        self.model.rewind(n)
-
-    def __getattr__(self, name):  # identity, forwards, encode, the draft head: the model's
-        return getattr(self.model, name)
+def _calls(lay: RowLayout) -> list[tuple[str, np.ndarray, int | None]]:
+    """A run's forward calls in order: (name, their flat row indices in ``lay``, the step or None)."""
+    out: list[tuple[str, np.ndarray, int | None]] = [("the prefill", np.arange(lay.prompt), None)]
+    if lay.drafted:
+        out.append(("the bootstrap decode", np.array([lay.offset("draft")]), None))
+    out += [(f"step {s}", lay.offset("verify") + lay.step_rows("verify", s), s) for s in range(lay.steps)]
+    return out
 
 
-def _run(model, g: Golden, k: int, steps: int) -> Run:
-    log = g.log(k)
-    feed = ReplayFeed(log.steps[:steps], log.bootstrap, log.decoded)
-    return run_verify(model, g.prompt, k, steps, DrafterFeed(k, steps, feed) if g.info.drafted_at(k) else feed)
+def _first_call(lay: RowLayout, differ: np.ndarray) -> int | None:
+    """The first forward call (`_calls`) with a row flagged in ``differ``."""
+    return next((i for i, (_, rows, _) in enumerate(_calls(lay)) if differ[rows].any()), None)
 
 
-def _first_call(a: Run, b: Run) -> tuple[int, float] | None:
-    """The first forward call (0: the prefill, s + 1: step s) whose rows differ between two runs, and its |Δ|."""
-    for call, (x, y) in enumerate(zip([a.prefill, *a.rows], [b.prefill, *b.rows])):
-        if not torch.equal(x, y):
-            return call, (x.float() - y.float()).abs().max().item()
+def _traced(model: VerifyModel, g: Golden, k: int, upto: int, plain: np.ndarray, keep: bool) -> tuple[Traced, bool]:
+    """Calls 0 .. ``upto`` of K run again traced: the tracer, and whether the traced pass's rows of those calls
+    equal the plain pass's (``plain``: its rows' digests)."""
+    lay = g.layout(k)
+    steps = max(0, upto - lay.drafted)
+    traced = Traced(model, protocol.tracer(model), range(upto + 1), keep)  # type: ignore[arg-type]
+    run = steps_run(traced, g.prompt, g.log(k), steps, lay.drafted)
+    digests = summarise(run.rows_by_kind())[0]
+    short = RowLayout(lay.prompt, steps, k, lay.drafted)
+    mine = np.concatenate([rows for _, rows, _ in _calls(short)])
+    theirs = np.concatenate([rows for _, rows, _ in _calls(lay)[: upto + 1]])
+    return traced, bool(np.array_equal(digests[mine], plain[theirs]))
+
+
+def locate_k(model: VerifyModel, g: Golden, k: int, forwards: Sequence[str]) -> Located:
+    """The first module where ``forwards[0]`` parts from the golden's traces (one forward) or from
+    ``forwards[1]`` (two), on the golden's steps at ``k`` (`Located`)."""
+    drafted = g.info.drafted_at(k)
+    plain = []
+    for name in forwards:
+        model.set_forward(name)
+        plain.append(summarise(steps_run(model, g.prompt, g.log(k), g.layout(k).steps, drafted).rows_by_kind())[0])
+    if len(forwards) == 2:
+        return _between(model, g, k, forwards, plain)
+    return _against_golden(model, g, k, forwards[0], plain[0])
+
+
+def _between(model: VerifyModel, g: Golden, k: int, forwards: Sequence[str], plain: list[np.ndarray]) -> Located:
+    calls = _calls(g.layout(k))
+    hit = _first_call(g.layout(k), (plain[0] != plain[1]).any(1))
+    if hit is None:
+        return Located(k, False)
+    traces, same = [], True
+    for name, rows in zip(forwards, plain):
+        model.set_forward(name)
+        t, ok = _traced(model, g, k, hit, rows, keep=True)
+        traces.append(t.traced[hit])
+        same = same and ok
+    first, before, path, compared, profile = _compare_rows(*traces)
+    name, _, step = calls[hit]
+    logits = [dict(zip(c.points, c.rows)).get(("lm_head", "LM head")) for c in traces]
+    rows_max = (None if logits[0] is None or logits[1] is None
+                else (logits[0].float() - logits[1].float()).abs().max().item())
+    return Located(k, True, step, name, rows_max, first, name, before, path, same, compared=compared,
+                   profile=profile)
+
+
+def _against_golden(model: VerifyModel, g: Golden, k: int, forward: str, plain: np.ndarray) -> Located:
+    calls = _calls(g.layout(k))
+    differ = (plain != g.summary(k)[0]).any(1)
+    hit = _first_call(g.layout(k), differ)
+    if hit is None:
+        if differ.any():  # only the draft head's rows: its modules are not traced
+            return Located(k, True, note="only the draft head's rows differ; its modules are not traced")
+        return Located(k, False)
+    model.set_forward(forward)
+    traced, reproduces = _traced(model, g, k, hit, plain, keep=False)
+    gd, gs = g.trace(k)
+    name, _, step = calls[hit]
+    found = _compare_golden(g.trace_points(), gd, gs, traced, calls)
+    if found is None:
+        return Located(k, True, step, name, reproduces=reproduces,
+                       note="the rows differ but no traced module's output does")
+    at, first, before, path, compared, profile = found
+    return Located(k, True, step, name, None, first, calls[at][0], before, path, reproduces,
+                   compared=compared, profile=profile)
+
+
+def _compare_golden(points: list[Point], gd: np.ndarray, gs: np.ndarray, traced: Traced, calls) -> tuple | None:
+    """The first traced call (in order) where a point both traces hold differs from the golden's, and there the
+    first such point, how many are identical before it, per layer the first, how many points are compared, and
+    each compared point's |Δ max|x|| (0 where identical)."""
+    mine = traced.points()
+    index = {p: i for i, p in enumerate(mine)}
+    common = [(j, index[p]) for j, p in enumerate(points) if p in index]
+    for c in sorted(traced.traced):
+        d, s = traced.traced[c].arrays()
+        rows = calls[c][1]
+        first, before, path, profile = None, 0, [], []
+        seen: set = set()
+        for j, i in common:
+            bad = np.flatnonzero((gd[rows, j] != d[:, i]).any(1))
+            size = float(np.abs(gs[rows, j, 0] - s[:, i, 0]).max()) if bad.size else 0.0
+            m = Module(*points[j])
+            profile.append((m.name, m.what, m.layer, size))
+            if not bad.size:
+                before += first is None
+                continue
+            m = Module(points[j][0], points[j][1], None, (int(bad.size), len(rows)),
+                       (float(gs[rows[bad], j, 0].max()), float(s[bad, i, 0].max())),
+                       (float(gs[rows[bad], j, 1].max()), float(s[bad, i, 1].max())))
+            first = first or m
+            if m.layer not in seen:
+                seen.add(m.layer)
+                path.append(m)
+        if first is not None:
+            return c, first, before, tuple(path), len(common), tuple(profile)
     return None
 
 
-def _compare(pa: Sequence[tuple[str, str, torch.Tensor]], pb: Sequence[tuple[str, str, torch.Tensor]]
-             ) -> tuple[Module | None, int, tuple[Module, ...]]:
-    """The first point whose output differs, how many are identical before it, and per layer the first one."""
-    first, before, path, seen = None, 0, [], set()
-    for (name, what, x), (name_b, _, y) in zip(pa, pb):
-        if name != name_b:
-            raise UsageError(f"the two forwards traced other modules ({name} against {name_b}): cannot compare")
-        if x.shape == y.shape and torch.equal(x, y):
+def _compare_rows(a: Call, b: Call) -> tuple[Module | None, int, tuple[Module, ...], int, tuple]:
+    """Two forwards' kept outputs of one call: the first point both hold whose output differs, how many are
+    identical before it, per layer the first one, how many points are compared, each one's max |Δ|."""
+    index = {p: i for i, p in enumerate(b.points)}
+    first, before, path, seen, profile, compared = None, 0, [], set(), [], 0
+    for p, x in zip(a.points, a.rows):
+        if p not in index:
+            continue
+        compared += 1
+        y = b.rows[index[p]]
+        same = x.shape == y.shape and torch.equal(x, y)
+        size = 0.0 if same else (x.float() - y.float()).abs().max().item() if x.shape == y.shape else float("inf")
+        m = Module(p[0], p[1], size, (int((x != y).any(-1).sum()) if x.shape == y.shape else x.shape[0], x.shape[0]))
+        profile.append((m.name, m.what, m.layer, size))
+        if same:
             before += first is None
             continue
-        m = Module(name, what, (x.float() - y.float()).abs().max().item() if x.shape == y.shape else float("inf"))
         first = first or m
         if m.layer not in seen:
             seen.add(m.layer)
             path.append(m)
-    return first, before, tuple(path)
+    return first, before, tuple(path), compared, tuple(profile)
 
 
-def locate_k(model: VerifyModel, g: Golden, k: int, forwards: tuple[str, str]) -> Located:
-    """Forwards ``forwards`` through the golden's steps at ``k``; the first module where they part (`Located`)."""
-    runs = []
-    for name in forwards:
-        model.set_forward(name)
-        runs.append(_run(model, g, k, g.layout(k).steps))
-    hit = _first_call(*runs)
-    if hit is None:
-        return Located(k, False)
-    call, rows_max = hit
-    trace = protocol.tracer(model)
-    assert trace is not None, "locate checked the model traces before it ran"
-    traced = []
-    for name in forwards:
-        model.set_forward(name)
-        wrapped = _TracedAt(model, trace, call)
-        _run(wrapped, g, k, call)  # up to and including the call (call c is step c - 1: c steps)
-        traced.append(wrapped.points)
-    first, before, path = _compare(*traced)
-    return Located(k, True, None if call == 0 else call - 1, rows_max, first, before, path)
-
-
-def _model(g: Golden, spec: str | None, device: str | None, forwards: tuple[str, str]) -> VerifyModel:
-    """The golden's model (or ``spec``), checked to trace both forwards."""
+def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[str]) -> VerifyModel:
+    """The golden's model (or ``spec``), checked to trace each forward."""
     golden_spec, head = stored(g.meta["model"], golden_dir(g.location))
     model = load_model(spec or golden_spec, device=check_device(device or g.info.device), dtype=g.logical,
                        head=head if spec is None else None)
     require_forwards(model, list(forwards))
-    trace = protocol.tracer(model)
-    can = [] if trace is None else list(trace.trace_forwards())
-    missing = [f for f in forwards if f not in can]
-    if missing:
-        why = ("it cannot trace its modules (vd.protocol.ModuleTrace)" if trace is None else
-               f"it traces the modules of {', '.join(can) or 'no forward'} only")
-        raise UsageError(f"vd locate: forward {missing[0]!r} cannot be traced: {why}")
+    for f in forwards:
+        check_traceable(model, f, "vd locate")
     return model
 
 
-def locate(where: str | os.PathLike | Location, forward: str, between: str, *, model_spec: str | None = None,
-           ks: Sequence[int] = (), device: str | None = None, model: VerifyModel | None = None,
-           on_k: Callable[[Located], None] | None = None) -> LocateReport:
-    """``forward`` and ``between`` through the golden at ``where``, each K (or ``ks``); see the module."""
+def check_locatable(g: Golden, between: str | None) -> None:
+    """A golden ``vd locate`` can run on without ``--between``: one recorded with ``--trace``."""
+    if between is None and not g.traced:
+        raise UsageError(f"{g.url} holds no module traces: record it with vd record --trace, or compare two forwards "
+                         "here with vd locate --between NAME")
+
+
+def locate(where: str | os.PathLike | Location, forward: str, between: str | None = None, *,
+           model_spec: str | None = None, ks: Sequence[int] = (), device: str | None = None,
+           model: VerifyModel | None = None, on_k: Callable[[Located], None] | None = None) -> LocateReport:
+    """``forward`` through the golden at ``where``, each K (or ``ks``), against the golden's module traces or
+    against ``between``; see the module."""
     g = open_golden(where)
     try:
+        check_locatable(g, between)
         widths = tuple(ks) or tuple(g.ks)
         bad = [k for k in widths if k not in g.ks]
         if bad:
             raise UsageError(f"{g.url} has no K={bad[0]} (it holds {', '.join(map(str, g.ks))})")
-        pair = (forward, between)
-        m = model or _model(g, model_spec, device, pair)
+        forwards = (forward,) if between is None else (forward, between)
+        m = model or _model(g, model_spec, device, forwards)
         out = []
         with torch.inference_mode():
             for k in widths:
-                out.append(locate_k(m, g, k, pair))
+                out.append(locate_k(m, g, k, forwards))
                 if on_k is not None:
                     on_k(out[-1])
-        return LocateReport(g.url, pair, tuple(out))
+        return LocateReport(g.url, forwards, tuple(out))
     finally:
         g.close()

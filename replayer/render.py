@@ -309,8 +309,12 @@ def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequen
 
 
 def _write_page(path: Path, title: str, body: list[str]) -> None:
-    write_text(path, f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}"
-                          f"</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    write_text(path, _page(title, body))
+
+
+def _page(title: str, body: list[str]) -> str:
+    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}"
+            f"</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
 def _now() -> str:
@@ -351,6 +355,7 @@ def _section(plots: _Plots, name: str, report: Report, declared: str | None) -> 
     if report.decode is not None:
         out.append("<h3>Decode rows</h3>" + _axes_table(report.decode))
     out += [_k_block(plots, f"{_slug(name)}-k{k.k}", k) for k in report.verify]
+    out += [locate_section(plots, f"{_slug(name)}-{_slug(r.forwards[0])}", r) for r in report.located]
     out.append("</section>")
     return "\n".join(out)
 
@@ -432,3 +437,76 @@ def _k_table(v: KResult) -> str:
     rows = ["<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in words.k_table_row(j.comparison)) + "</tr>"
             for j in v.comparisons]
     return f"<table><tr>{head}</tr>" + "".join(rows) + "</table>"
+
+
+# -- locate ------------------------------------------------------------------------------------------
+
+
+def locate_page(report, command: str | Sequence[str] | None = None) -> str:
+    """``vd locate``'s page (a `vd.replayer.locate.LocateReport`): per K where the difference starts, the path
+    through the layers and the plot of every compared point's difference."""
+    name = golden_name(report.golden)
+    with _Plots() as plots:
+        body = [f"<h1>vd locate: {html.escape(name)}</h1>", _header(command, "written at", _now()),
+                locate_section(plots, _slug(name), report)]
+    return _page(f"vd locate {name}", body)
+
+
+def locate_section(plots: _Plots, fid: str, report) -> str:
+    """The located differences of one golden (``vd locate``, ``vd replay --locate``) as HTML."""
+    e = html.escape
+    against = ("the golden's module traces" if len(report.forwards) == 1
+               else f"forward {report.forwards[1]}")
+    out = [f"<h3>Where the difference starts: {e(report.forwards[0])} against {e(against)}</h3>"]
+    for x in report.ks:
+        out.append(_located_block(plots, f"{fid}-loc-k{x.k}", x, len(report.forwards) == 2))
+    return "\n".join(out)
+
+
+def _located_block(plots: _Plots, fid: str, x, between: bool) -> str:
+    e = html.escape
+    if not x.found or x.first is None:
+        text = "every row bit-identical" if not x.found else (x.note or "no traced module's output differs")
+        return f"<p><b>K={x.k}</b>: {e(text)}</p>"
+    f = x.first
+    head = (f"<p><b>K={x.k} {e(x.module_call)}</b>: first difference at <code>{e(f.name)}</code> ({e(f.what)}); "
+            f"{x.identical_before} traced outputs before it identical"
+            + ("" if x.reproduces is not False else " (warning: the traced pass did not reproduce the rows)") + "</p>")
+    rows = "".join(f"<tr><td>{'' if m.layer is None else m.layer}</td><td><code>{e(m.name)}</code></td>"
+                   f"<td>{e(m.what)}</td><td>{_size(m):.4g}</td></tr>" for m in x.path)
+    label = "max |Δ|" if between else "|Δ max |x||"
+    table = f"<table><tr><th>layer</th><th>first differing point</th><th>what</th><th>{label}</th></tr>{rows}</table>"
+    return head + _locate_plot(plots, fid, x, label) + table
+
+
+def _size(m) -> float:
+    """A located module's size of difference: max |Δ| between forwards, else the change of its max |x|."""
+    if m.max_abs is not None:
+        return m.max_abs
+    return abs(m.absmax[1] - m.absmax[0]) if m.absmax is not None else 0.0
+
+
+def _locate_plot(plots: _Plots, fid: str, x, label: str) -> str:
+    """Every compared point's difference in execution order (a point per traced output; layers shaded in turn),
+    the first differing one marked."""
+    fig, ax = plots.new(width=9.0)
+    sizes = [v for *_, v in x.profile]
+    layers = [lay for _, _, lay, _ in x.profile]
+    ax.plot(range(len(sizes)), sizes, lw=1, marker=".", ms=3, color=_COLORS[0], label=label)
+    start = None
+    for i, lay in enumerate(layers + [None]):
+        if start is not None and (lay != layers[start]):
+            if layers[start] is not None and layers[start] % 2:
+                ax.axvspan(start - 0.5, i - 0.5, color=_GREY, alpha=0.15, lw=0)
+            start = None
+        if start is None and lay is not None:
+            start = i
+    at = next((i for i, (n, w, _, _) in enumerate(x.profile) if (n, w) == (x.first.name, x.first.what)), None)
+    if at is not None:
+        ax.plot([at], [sizes[at]], ls="none", marker="o", ms=9, mfc="none", mec=_RED, mew=2, gid="first",
+                label=f"first: {x.first.name}")
+    ax.set(title=f"K={x.k} {x.module_call}: difference by traced point (layers shaded in turn)",
+           xlabel="traced point, in the order the forward computes them", ylabel=f"{label} (linear scale)")
+    ax.legend(loc="best", fontsize=7, frameon=False)
+    return _figure(fid, plots.svg(fig, fid), max(sizes, default=0.0), f"K={x.k}: {label} per traced point",
+                   True, "locate")

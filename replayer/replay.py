@@ -16,10 +16,13 @@ missing an accept count). The report is built last (`report_of`). This module le
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
 from collections.abc import Sequence
+
+import torch
 
 from vd import env, protocol
 from vd.errors import GoldenError
@@ -27,6 +30,7 @@ from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.replayer import words
+from vd.replayer.locate import LocateReport, locate_k
 from vd.replayer.report import (
     Determinism,
     Environments,
@@ -61,7 +65,8 @@ def replay(golden: str | os.PathLike | Location, settings: ReplaySettings = Repl
         outcomes = [replay_k(s, k, decoded) for k in s.ks]
         s.files.check_files()  # no damaged golden reaches a verdict
         notes = _save_candidate(s, outcomes)
-        return report_of(s, outcomes, notes, decode)
+        located = _located(s, outcomes) if s.settings.locate and s.golden.traced else ()
+        return dataclasses.replace(report_of(s, outcomes, notes, decode), located=located)
     except GoldenError:
         s.files.check_files()  # a damaged file, named, before whatever it broke
         raise
@@ -69,6 +74,21 @@ def replay(golden: str | os.PathLike | Location, settings: ReplaySettings = Repl
         if s.candidate is not None:
             s.candidate.abort()
         s.golden.close()  # a refresh in this process may then remove the version replayed
+
+
+def _located(s: Session, outcomes: Sequence[KOutcome]) -> tuple[LocateReport, ...]:
+    """``--locate``: per forward, at each K where its rows are not the golden's bit for bit, the first module whose
+    output differs from the golden's traces (`vd.replayer.locate`)."""
+    out = []
+    for name in s.forwards:
+        differ = [o.result.k for o in outcomes for j in o.result.comparisons
+                  if j.comparison.variant == name and not j.comparison.equal]
+        if differ:
+            s.progress.phase(f"locating {name}", 0)
+            with torch.inference_mode():
+                ks = tuple(locate_k(s.model, s.golden, k, (name,)) for k in differ)
+            out.append(LocateReport(s.golden.url, (name,), ks))
+    return tuple(out)
 
 
 def _save_candidate(s: Session, outcomes: Sequence[KOutcome]) -> list[str]:

@@ -367,6 +367,8 @@ class Report:
     decode: KResult | None = None
     # With --batch: the plan (n, slot: None for every slot in turn, seed) and the companions' prompt lengths.
     batch: Mapping[str, Any] | None = None
+    # With --locate: per forward whose rows differ, where the difference starts (`vd.replayer.locate.LocateReport`).
+    located: tuple[Any, ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -395,7 +397,8 @@ class Report:
                 "rows": plain(self.rows), "seconds": self.seconds, "phases": dict(self.phases),
                 "timing": plain(self.timing) or {}, "reader": self.reader,
                 "decode": None if self.decode is None else self.decode.to_json(),
-                "batch": None if self.batch is None else dict(self.batch)}
+                "batch": None if self.batch is None else dict(self.batch),
+                "locate": [r.to_json() for r in self.located]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from vd.progress import Progress
 from vd.protocol import VerifyModel
 from vd.replayer.candidate import CandidateWriter
 from vd.store import Golden, Location, Prefetcher, open_golden
+from vd.tracing import check_traceable
 
 PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "batch", "write", "finish")
 T = TypeVar("T")
@@ -65,6 +66,7 @@ class ReplaySettings:
     batch: int | None = None
     slot: int | None = None
     batch_seed: int | None = None
+    locate: bool = False  # where a forward's rows differ, name the first module (`vd.replayer.locate`)
 
 
 @dataclass(slots=True)
@@ -238,6 +240,11 @@ def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings) -> tuple[tuple[s
     require_forwards(model, [*forwards, *([s.decode_forward] if s.decode_forward else [])])
     if s.save_candidate is not None and len(forwards) > 1:
         raise UsageError("--save-candidate keeps one forward's rows; replay one --forward")
+    if s.locate and not g.traced:  # a suite's untraced golden: said, not refused (one golden is, by the CLI)
+        notes.append("--locate: this golden holds no module traces (record it with vd record --trace)")
+    elif s.locate:
+        for f in forwards:
+            check_traceable(model, f, "--locate")
     return forwards, offered, notes
 
 

@@ -73,6 +73,7 @@ def record(
     batch: o.RecordBatch = None,
     slot: o.Slot = None,
     batch_seed: o.BatchSeed = None,
+    trace: o.RecordTrace = False,
     reason: o.Reason = None,
     summary: o.Summary = None,
     suite: o.Suite = False,
@@ -135,7 +136,7 @@ _SETTINGS = {"model": "model", "prompt": "prompt", "k": "ks", "steps": "steps", 
              "head": "head", "device": "device", "dtype": "dtype", "threads": "threads", "allow_thin": "allow_thin",
              "allow_nonfinite": "allow_nonfinite",
              "deterministic": "deterministic", "tolerance": "tolerances", "require_coverage": "require_coverage",
-             "batch": "batch", "slot": "slot", "batch_seed": "batch_seed"}
+             "batch": "batch", "slot": "slot", "batch_seed": "batch_seed", "trace": "trace"}
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -212,6 +213,7 @@ def replay(
     junit: o.Junit = None,
     html: o.Html = None,
     save_candidate: o.SaveCandidate = None,
+    locate: o.Locate = False,
     suite: o.Suite = False,
     shard: o.Shard = None,
     config: o.Config = None,
@@ -226,7 +228,7 @@ def replay(
     asked = dict(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()), device=device,
                  threads=threads, allow_model_mismatch=allow_model_mismatch, tolerances=tuple(tolerance or ()),
                  require_coverage=require_coverage, rows=rows, save_candidate=save_candidate,
-                 decode_forward=decode_forward, batch=batch, slot=slot, batch_seed=batch_seed)
+                 decode_forward=decode_forward, batch=batch, slot=slot, batch_seed=batch_seed, locate=locate)
     if suite:
         from vd.cli import team
 
@@ -313,6 +315,11 @@ def _check_inputs(golden: str | None, asked: dict) -> None:
     forwards = list(asked["forwards"]) + ([asked["decode_forward"]] if asked["decode_forward"] else [])
     preflight.check_batch(asked["batch"], asked["slot"], asked["batch_seed"],
                           meta is not None and meta.get("feed") == "mtp")
+    if asked["locate"] and asked["batch"] is not None:
+        raise UsageError("--locate runs the sequence alone: it does not go with --batch")
+    if asked["locate"] and meta is not None and meta.get("trace") is None:
+        raise UsageError(f"--locate: {golden} holds no module traces: record it with vd record --trace, or compare two "
+                         "forwards with vd locate --between NAME")
     if golden is not None:
         check_replay(golden, meta, asked["ks"], asked["model"], forwards, asked["device"], asked["threads"])
     else:
@@ -334,6 +341,14 @@ def _replayed(result, data: dict) -> int:
     print_table(words.axes_table(result))
     for line in words.replay_lines(result):
         out.print(line)
+    if result.located:
+        from vd.cli.locate import located_lines
+
+        for r in result.located:
+            out.print(f"where {r.forwards[0]} parts from the golden's module traces:")
+            for x in r.ks:
+                for line in located_lines(x):
+                    out.print("  " + line)
     out.print(result.verdict, style="bold")
     if data.get("bundle"):
         out.print(words.bundle_line(data["bundle"]))

@@ -21,17 +21,20 @@ from vd.cli.common import (
     examples,
     out,
     write_json,
+    write_text,
 )
 from vd.errors import UsageError
 
-Between = Annotated[str | None, typer.Option("--between", metavar="NAME", help="The second forward: run the golden's "
-                                             "steps under both and name the first module whose output differs.")]
+Between = Annotated[str | None, typer.Option("--between", metavar="NAME", help="A second forward: run the golden's "
+                                             "steps under both and name the first module whose output differs "
+                                             "(default: against the golden's own traces, vd record --trace).")]
 LocateForward = Annotated[str | None, typer.Option("--forward", metavar="NAME", help="The first forward (default: "
                                                    "the golden's).")]
 
 
-@app.command(cls=Command, epilog=examples("vd locate goldens/smollm2.zarr --forward eager --between sdpa",
-                                            "vd locate g.zarr --between sdpa --k 3 --report locate.json"))
+@app.command(cls=Command, epilog=examples("vd locate traced.zarr --forward sdpa",
+                                            "vd locate goldens/smollm2.zarr --forward eager --between sdpa",
+                                            "vd locate g.zarr --between sdpa --k 3 --report locate.json --html l.html"))
 def locate(
     golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden whose steps to run ({GOLDEN_HELP}).")],
     between: Between = None,
@@ -40,28 +43,36 @@ def locate(
     k: o.ReplayWidths = None,
     device: o.ReplayDevice = None,
     report: o.ReportPath = None,
+    html: o.Html = None,
 ) -> int:
-    """Name the first module whose output differs between two forwards: exit 1 where one does, 0 where they agree.
+    """Name the first module whose output differs: exit 1 where one does, 0 where the rows agree.
 
-    Both forwards run the golden's stored steps at each K; at the first call whose rows differ, each traced
-    module's output (embeddings, per layer norms, q/k/v, attention, o_proj, residual, MLP; final norm, LM head)
-    is compared in the order the forward computes them. Forwards that run HF's modules (eager, SDPA) trace."""
+    The forward runs the golden's stored steps at each K; up to the first call whose rows differ, each traced
+    module's output (embeddings, per layer norms, q/k/v, attention, o_proj, residual, MLP, the layer's output;
+    final norm, LM head) is compared in the order the forward computes them: against the golden's own traces
+    (a golden recorded with vd record --trace), or with --between against a second forward run here."""
     meta = check_golden(golden)
-    if between is None:
-        raise UsageError("vd locate needs a second forward: --between NAME (a golden's own module traces, vd record "
-                         "--trace, are not built yet)")
     check_writable("--report", report, (golden,))
+    check_writable("--html", html, (golden,))
+    if between is None and meta is not None and meta.get("trace") is None:
+        raise UsageError(f"{golden} holds no module traces: record it with vd record --trace, or compare two forwards "
+                         "here with vd locate --between NAME")
     first = forward or (meta or {}).get("forward")
     if not isinstance(first, str):
         raise UsageError("--forward NAME: the golden does not say its forward")
     if model is not None:
-        check_model(model, [first, between])
+        check_model(model, [first] + ([between] if between else []))
     from vd.replayer.locate import locate as do_locate
 
     r = do_locate(golden, first, between, model_spec=model, ks=tuple(k or ()), device=device, on_k=_print)
     if report is not None:
         write_json(Path(report), r.to_json())
-    out.print(f"{first} and {between}: " + ("they differ (above)" if r.found else "every row bit-identical"))
+    if html is not None:
+        from vd.replayer.render import locate_page
+
+        write_text(Path(html), locate_page(r))
+    against = "the golden's traces" if between is None else between
+    out.print(f"{first} against {against}: " + ("they differ (above)" if r.found else "every row bit-identical"))
     return EXIT_FAIL if r.found else EXIT_PASS
 
 
@@ -73,12 +84,28 @@ def _print(x) -> None:
 def located_lines(x) -> list[str]:
     """One K of `vd.replayer.locate.Located` in lines: where the rows first differ, the first module, the path."""
     if not x.found:
-        return [f"K={x.k}: every row bit-identical between the two forwards"]
-    where = "the prefill" if x.step is None else f"step {x.step}"
+        return [f"K={x.k}: every row bit-identical"]
+    if not x.call:
+        return [f"K={x.k}: {x.note}"]
+    rows = "" if x.rows_max_abs is None else f" (rows: max |Δ| {x.rows_max_abs:.4g})"
     f = x.first
     if f is None:
-        return [f"K={x.k} {where}: the rows differ (max |Δ| {x.rows_max_abs:.4g}) but no traced module's output does"]
-    head = (f"K={x.k} {where}: first difference at {f.name} ({f.what}), max |Δ| {f.max_abs:.4g}; the "
-            f"{x.identical_before} traced outputs before it identical (rows: max |Δ| {x.rows_max_abs:.4g})")
-    return [head] + [f"  {'layer ' + str(m.layer) if m.layer is not None else 'after the layers'}: first at "
-                     f"{m.name} ({m.what}), max |Δ| {m.max_abs:.4g}" for m in x.path]
+        return [f"K={x.k} {x.call}: the rows differ{rows} but no traced module's output does"]
+    when = "" if x.module_call == x.call else f" (its rows differ first at {x.call})"
+    head = (f"K={x.k} {x.module_call}{when}: first difference at {f.name} ({f.what}), {_how(f)}; the "
+            f"{x.identical_before} traced outputs before it identical{rows}")
+    lines = [head] + [f"  {'layer ' + str(m.layer) if m.layer is not None else 'outside the layers'}: first at "
+                      f"{m.name} ({m.what}), {_how(m)}" for m in x.path]
+    if x.reproduces is False:
+        lines.append(f"  warning: the traced pass did not reproduce the forward's rows at K={x.k}: its module outputs "
+                     "may not be the forward's")
+    return lines
+
+
+def _how(m) -> str:
+    """How a module's outputs differ: max |Δ| (two forwards), or rows and max |x| / norm (against a golden)."""
+    if m.max_abs is not None:
+        return f"max |Δ| {m.max_abs:.4g}"
+    assert m.absmax is not None and m.norm is not None
+    return (f"{m.rows[0]} of {m.rows[1]} rows differ, max |x| {m.absmax[0]:.6g} -> {m.absmax[1]:.6g}, norm "
+            f"{m.norm[0]:.6g} -> {m.norm[1]:.6g}")

@@ -85,6 +85,11 @@ Slot = Annotated[int | None, typer.Option("--slot", metavar="I", help="With --ba
                                           "(default: every slot in turn).")]
 BatchSeed = Annotated[int | None, typer.Option("--batch-seed", metavar="S", help="With --batch: the seed of the other "
                                                "members' prompts (default 0).")]
+RecordTrace = Annotated[bool, typer.Option("--trace", help="Also store each traced module's output digests and "
+                                           "statistics at every step (vd locate then names the first module a "
+                                           "replay's difference starts at).")]
+Locate = Annotated[bool, typer.Option("--locate", help="Where a forward's rows differ, name the first module whose "
+                                      "output differs from the golden's traces (a golden recorded with --trace).")]
 ReplayForwards = Annotated[list[str] | None, typer.Option(metavar="NAME", help="Forward to replay; repeat for several "
                                                           "(default: the golden's).")]
 ReportPath = Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")]

@@ -29,6 +29,7 @@ import torch
 from vd.models.batch import BatchRunner, OneBatch
 from vd.models.device import CUDA_ONLY
 from vd.models.fingerprint import Fingerprinter, fingerprint
+from vd.models.lean import unsupported as lean_unsupported
 from vd.models.static import DEFAULT_CAPACITY, STATIC_FORWARDS, StaticRunner, capacity_for, static_forwards
 from vd.models.text import Codec
 from vd.models.trace import points as trace_points
@@ -283,7 +284,7 @@ class HFModel:
         """Append ``tokens`` under the selected forward: logits ``[n, V]`` and, if asked, the hidden
         states after the final norm ``[n, H]``."""
         if self._runner is not None:
-            return self._runner.forward(tokens)
+            return self._runner.forward(tokens, self._record)
         out = self._call(tokens, hidden=hidden)
         return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
 
@@ -292,15 +293,31 @@ class HFModel:
         """Append ``tokens``; positions follow the cache length. Returns ``[len(tokens), vocab]``."""
         return self._run(tokens)[0]
 
+    _record: Callable[[str, str, torch.Tensor], None] | None = None  # inside `trace`
+
     def trace_forwards(self) -> list[str]:
         """The forwards whose module outputs `trace` records: those that run HF's modules (eager and SDPA, pinned
-        or not); the static forwards run vd's lean step, which no module hook sees (`vd.models.trace`)."""
-        return [n for n in self.forwards() if n not in STATIC_FORWARDS] if trace_points(self.model) else []
+        or not; their hooks, `vd.models.trace`), and the static forwards that run vd's lean step, which hands
+        over the same points (a graphed one runs its kernels without the graph while traced; a compiled one
+        traces at its compiled regions' edges: `vd.models.lean`), or HF's modules uncompiled."""
+        if not trace_points(self.model):
+            return []
+        return [n for n in self.forwards() if n not in STATIC_FORWARDS or self._static_traces(n)]
 
+    def _static_traces(self, name: str) -> bool:
+        return lean_unsupported(self.model) is None or not name.startswith("compiled")
+
+    @contextlib.contextmanager
     def trace(self, record: Callable[[str, str, torch.Tensor], None]):
         """A context in which each forward hands each traced module's output to ``record``
-        (`vd.protocol.ModuleTrace`, `vd.models.trace`)."""
-        return traced(self.model, record)
+        (`vd.protocol.ModuleTrace`, `vd.models.trace`): HF's modules through hooks, a static forward's step
+        through the record it is handed."""
+        self._record = record
+        try:
+            with traced(self.model, record):
+                yield
+        finally:
+            self._record = None
 
     def rewind(self, n: int) -> None:
         """Drop the last ``n`` positions (`crop` takes a negative count in 5.2x; a static cache just

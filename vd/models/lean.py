@@ -69,11 +69,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def attn_in(x, w_norm, eps: float, wqkv, bqkv, cos, sin, hq: int, hkv: int, d: int):
+Record = Callable[[str, str, torch.Tensor], None]  # a traced point: (path under the layer, what it is, rows)
+
+
+def attn_in(x, w_norm, eps: float, wqkv, bqkv, cos, sin, hq: int, hkv: int, d: int, rec: Record | None = None):
     """Norm, the fused QKV projection and rotary: queries ``[1, hq, n, d]``, keys and values
-    ``[1, hkv, n, d]``."""
+    ``[1, hkv, n, d]``. ``rec`` (never under compile) sees the norm's and each projection's output: the
+    same kernels run with or without it."""
     n = x.shape[0]
-    qkv = F.linear(rms_norm(x, w_norm, eps), wqkv, bqkv)
+    h = rms_norm(x, w_norm, eps)
+    qkv = F.linear(h, wqkv, bqkv)
+    if rec is not None:
+        rec("input_layernorm", "input norm", h)
+        for name, lo, hi in (("q", 0, hq), ("k", hq, hq + hkv), ("v", hq + hkv, hq + 2 * hkv)):
+            rec(f"self_attn.{name}_proj", f"{name} projection", qkv[:, lo * d: hi * d])
     qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
     half = d // 2
     rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)  # HF's rotate_half
@@ -84,12 +93,29 @@ def attn_in(x, w_norm, eps: float, wqkv, bqkv, cos, sin, hq: int, hkv: int, d: i
     return q, k, v
 
 
-def attn_out_mlp(x, attn, wo, w_norm, eps: float, wgu, wd, inter: int):
-    """Output projection and residual, then norm, SiLU(gate) * up, down projection and residual."""
-    n = x.shape[0]
-    x = x + F.linear(attn[0].transpose(0, 1).reshape(n, -1), wo)
-    gu = F.linear(rms_norm(x, w_norm, eps), wgu)
-    return x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], wd)
+def attn_out_mlp(x, attn, wo, w_norm, eps: float, wgu, wd, inter: int, rec: Record | None = None):
+    """Output projection and residual, then norm, SiLU(gate) * up, down projection and residual. ``rec`` (never
+    under compile) sees each intermediate output: the same kernels run with or without it."""
+    if rec is None:
+        n = x.shape[0]
+        x = x + F.linear(attn[0].transpose(0, 1).reshape(n, -1), wo)
+        gu = F.linear(rms_norm(x, w_norm, eps), wgu)
+        return x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], wd)
+    a = attn[0].transpose(0, 1).reshape(x.shape[0], -1)
+    o = F.linear(a, wo)
+    x = x + o
+    h = rms_norm(x, w_norm, eps)
+    gu = F.linear(h, wgu)
+    down = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], wd)
+    for path, what, t in (("self_attn.o_proj", "attention output before o_proj", a),
+                          ("self_attn.o_proj", "attention output projection (o_proj)", o),
+                          ("post_attention_layernorm", "residual sum after attention", x),
+                          ("post_attention_layernorm", "post-attention norm", h),
+                          ("mlp.gate_proj", "MLP gate projection", gu[:, :inter]),
+                          ("mlp.up_proj", "MLP up projection", gu[:, inter:]),
+                          ("mlp.down_proj", "MLP down projection", down)):
+        rec(path, what, t)
+    return x + down
 
 
 def attn_out(attn, wo):
@@ -211,24 +237,41 @@ class LeanStack:
             a_out = self._reduced(*((self._attn_out, self._mlp) if fast else (attn_out, mlp)))
         return a_in, a_out
 
-    def step(self, inp: torch.Tensor, kv, *, fast: bool, hidden: bool):
+    def step(self, inp: torch.Tensor, kv, *, fast: bool, hidden: bool, record: Callable | None = None):
         """Tokens ``inp[:-1]`` at positions from ``inp[-1]``: (logits ``[n, V]``, hidden ``[n, H]`` or
-        None). ``fast`` runs the compiled regions (when compiled)."""
+        None). ``fast`` runs the compiled regions (when compiled). ``record(name, what, rows)`` (`trace`), if
+        given, sees the traced points as they are computed, under the names `vd.models.trace` gives HF's
+        modules: inside each layer's regions where they run as plain kernels, at the regions' edges where
+        compiled (their insides are fused)."""
         n = inp.shape[0] - 1
         pos, mask = kv.begin(inp[n], n, self.embed.dtype)
         a_in, a_out = self.regions(fast)
+        plain = a_in is attn_in and record is not None
         x = F.embedding(inp[:n], self.embed)
+        if record is not None:
+            record("model.embed_tokens", "embeddings", x)
         assert self.cos is not None and self.sin is not None, "allocate sizes the rotary tables before a step"
         cos, sin = self.cos[pos], self.sin[pos]
-        for w, layer in zip(self.layers, kv.cache.layers):
-            q, k, v = a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d)
+        for i, (w, layer) in enumerate(zip(self.layers, kv.cache.layers)):
+            rec = _under(record, f"model.layers.{i}.") if record is not None else None
+            q, k, v = (attn_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d, rec)
+                       if plain else a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d))
             layer.keys.index_copy_(2, pos, k)
             layer.values.index_copy_(2, pos, v)
             attn = F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=mask, scale=w.scale,
                                                   enable_gqa=True)
-            x = a_out(x, attn, w.wo, w.w_post, w.eps_post, w.wgu, w.wd, self.inter)
+            if rec is not None:
+                _edges(rec, q, k, v, attn, inside=plain)
+            x = (attn_out_mlp(x, attn, w.wo, w.w_post, w.eps_post, w.wgu, w.wd, self.inter, rec) if plain
+                 else a_out(x, attn, w.wo, w.w_post, w.eps_post, w.wgu, w.wd, self.inter))
+            if rec is not None:
+                rec("", "layer output (the residual stream)", x)
         h = rms_norm(x, self.norm, self.norm_eps)
-        return F.linear(h, self.lm_head), (h if hidden else None)
+        logits = F.linear(h, self.lm_head)
+        if record is not None:
+            record("model.norm", "final norm", h)
+            record("lm_head", "LM head", logits)
+        return logits, (h if hidden else None)
 
     def _reduced(self, out, mlp_fn):
         """`attn_out_mlp` for a tensor-parallel shard: each projection's share summed across ranks, then the
@@ -240,3 +283,20 @@ class LeanStack:
             return x + reduce(mlp_fn(x, w_norm, eps, wgu, wd, inter))
 
         return a_out
+
+
+def _under(record: Callable, prefix: str) -> Record:
+    """``record`` for the points of one layer: paths under ``prefix`` (the layer's own output: the prefix)."""
+    return lambda path, what, t: record((prefix + path) if path else prefix[:-1], what, t)
+
+
+def _edges(rec: Record, q, k, v, attn, inside: bool) -> None:
+    """The points at the edges of a layer's regions, each as ``[n, width]``: the rotated queries and keys and,
+    where the regions' insides are not traced (``inside`` False: compiled, fused), the values (the v
+    projection) and the attention's output before ``o_proj``."""
+    points = [("self_attn.rotary", "queries after rotary", q), ("self_attn.rotary", "keys after rotary", k)]
+    if not inside:
+        points += [("self_attn.v_proj", "v projection", v),
+                   ("self_attn.o_proj", "attention output before o_proj", attn)]
+    for path, what, t in points:
+        rec(path, what, t[0].transpose(0, 1).reshape(t.shape[2], -1))

@@ -337,15 +337,27 @@ class StaticRunner:
                 self._plain(inp)
             self._graphs.capture(n, (inp,), self._step_fn(n))
 
-    def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append ``tokens``; their logits rows and (if asked at construction) final hidden states."""
+    def traceable(self) -> bool:
+        """Whether `forward` can hand its traced points to a ``record``: the lean step's (plain or compiled), or
+        HF's modules run as plain kernels (their hooks see them: `vd.models.trace`), not HF's modules compiled."""
+        return self.lean is not None or not self.mode.startswith("compiled")
+
+    def forward(self, tokens: Sequence[int], record: Callable | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``tokens``; their logits rows and (if asked at construction) final hidden states. With
+        ``record`` (`traceable`), the step runs its kernels without a graph, the lean step handing each traced
+        point to ``record`` (the compiled step's at its regions' edges): the kernels a graph of it replays."""
         if self.kv is None:
             self.reset()
         kv, n = self._cache(), len(tokens)
         if self.length + n > kv.capacity:
             raise RuntimeError(f"the static KV cache holds {kv.capacity} positions; {self.length + n} "
                                "needed (prepare a larger capacity)")
-        if not kv.ready:  # HF's modules allocate the cache on their first step, run as eager kernels
+        if record is not None:
+            inp = self._staging.fill(tokens, self.length)
+            logits, hidden = (self.lean.step(inp, kv, fast=True, hidden=self.hidden, record=record)
+                              if self.lean is not None else self._plain(inp))
+        elif not kv.ready:  # HF's modules allocate the cache on their first step, run as eager kernels
             logits, hidden = self._plain(self._staging.fill(tokens, self.length))
         elif self._graphs is not None:
             self._ensure_graph(n)

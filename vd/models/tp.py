@@ -251,6 +251,10 @@ class TPModel(HFModel):
                          fingerprinter=self._fingerprint)
         self._leading = world.rank == 0
 
+    def trace_forwards(self) -> list[str]:
+        """None: a shard's step sums across ranks inside each layer, which the trace does not follow."""
+        return []
+
     def _lead(self, op: str, *args) -> None:
         if self._leading:
             self.world.broadcast((op, (self.key, *args)))

@@ -3,10 +3,12 @@
 The traced points follow the decoder's own structure, in the order a forward computes them: the embeddings;
 per layer the input norm, the q/k/v projections, the attention output before ``o_proj`` (an input hook on
 ``o_proj``), ``o_proj``, the residual sum after attention (the post-attention norm's input), the
-post-attention norm, and the MLP's gate/up/down projections (or, for a mixture of experts or any MLP without a
-``down_proj``, the MLP's combined output); then the final norm and the LM head. A module a given architecture
-lacks is left out. Hooks see what HF's modules compute, so only the forwards that run HF's modules are traced
-(eager and SDPA, pinned or not); vd's lean static step runs its own kernels and is not (`vd.models.lean`).
+post-attention norm, the MLP's gate/up/down projections (or, for a mixture of experts or any MLP without a
+``down_proj``, the MLP's combined output) and the layer's output; then the final norm and the LM head. A module
+a given architecture lacks is left out. Hooks see what HF's modules compute (eager and SDPA, pinned or not);
+vd's lean static step hands over the same points itself, under the same names (`vd.models.lean`), and where
+it is compiled the points at its compiled regions' edges (the rotated queries and keys, the values, the
+attention output, each layer's output).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def points(model: torch.nn.Module) -> list[Point]:
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and _get(layer, "mlp.down_proj") is None:
             out.append(Point(mlp, f"model.layers.{i}.mlp", "MLP output (the experts' combined output)"))
+        out.append(Point(layer, f"model.layers.{i}", "layer output (the residual stream)"))
     for m, name, what in ((_get(base, "norm"), "model.norm", "final norm"),
                           (getattr(model, "lm_head", None), "lm_head", "LM head")):
         if m is not None:

@@ -47,6 +47,9 @@ RUN_GROUP = "run"
 # kernels the recording ran (Inductor otherwise picks some kernel configurations by timing them, which
 # differs from machine to machine).
 INDUCTOR_ARTIFACTS = "inductor/artifacts.bin"
+# A recording with ``--trace`` stores, per K, each traced module's output digests and statistics row by row
+# (`vd.tracing`; the metadata's ``trace`` lists the points).
+TRACE_DIGESTS, TRACE_STATS = "trace_digests", "trace_stats"
 PLANES_SINCE = 4  # the first format storing row arrays as byte planes
 DIGESTS_SINCE = 3  # the first format storing each row's digest and statistics
 # About how much of the prefill's raw rows one chunk holds. The prefill is written once and read only where

@@ -112,6 +112,22 @@ class Golden:
         """K's small array ``name`` (`vd.store.format.small_shapes`)."""
         return self.array(f"k{k}/{name}", F.small_shapes(self.layout(k))[name], F.SMALL_DTYPES[name]).read()
 
+    @property
+    def traced(self) -> bool:
+        """Whether the golden holds module traces (``vd record --trace``)."""
+        return self.meta.get("trace") is not None
+
+    def trace_points(self) -> list[tuple[str, str]]:
+        return [(n, w) for n, w in self.meta["trace"]["points"]]
+
+    def trace(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """K's module traces: digests ``int64 [T, M, 6]`` and statistics ``float32 [T, M, 2]``, ``T`` its
+        prefill, bootstrap (drafter feed) and verify rows in call order, ``M`` the traced points."""
+        lay, m = self.layout(k), len(self.trace_points())
+        rows = lay.prompt + (1 if lay.drafted else 0) + lay.steps * lay.k
+        return (self.array(f"k{k}/{F.TRACE_DIGESTS}", (rows, m, 6), np.dtype("<i8")).read(),
+                self.array(f"k{k}/{F.TRACE_STATS}", (rows, m, 2), np.dtype("<f4")).read())
+
     def stored_prompt(self) -> list[int]:
         """The prompt array, checked against the metadata's copy of it."""
         def read():

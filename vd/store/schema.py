@@ -184,6 +184,10 @@ _TYPED = (
      '{"K": step, ...}'),
     ("batch", lambda v: isinstance(v, Mapping) and _ints([v.get("n")], 1, 65) and _ints([v.get("seed")], 0, 1 << 63)
      and (v.get("slot") is None or _ints([v.get("slot")], 0, v["n"])), '{"n": N, "slot": I or null, "seed": S}'),
+    ("trace", lambda v: isinstance(v, Mapping) and isinstance(v.get("points"), list) and 0 < len(v["points"]) <= 1 << 16
+     and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in v["points"])
+     and v.get("stats") == ["absmax", "norm"] and v.get("lanes") == 6,
+     '{"points": [[module, what], ...], "stats": ["absmax", "norm"], "lanes": 6}'),
     ("candidate", lambda v: isinstance(v, Mapping) and isinstance(v.get("control", {}), Mapping),
      "a candidate's description"),
     ("compiled", lambda v: isinstance(v, Mapping) and v.get("artifacts") == F.INDUCTOR_ARTIFACTS

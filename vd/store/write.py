@@ -178,6 +178,11 @@ class GoldenWriter:
         finally:
             self._futures = []
 
+    def add_trace(self, k: int, digests: np.ndarray, stats: np.ndarray) -> None:
+        """K's module traces (`vd.tracing`; FORMAT.md "Module traces"), one chunk each."""
+        self._small(f"k{k}/{F.TRACE_DIGESTS}", np.ascontiguousarray(digests, dtype="<i8"))
+        self._small(f"k{k}/{F.TRACE_STATS}", np.ascontiguousarray(stats, dtype="<f4"))
+
     def add_file(self, key: str, data: bytes) -> None:
         """A file of the golden beside its arrays (``key`` relative to its root), covered by its manifest."""
         self._put(self.staged / key, data)
