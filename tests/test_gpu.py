@@ -312,3 +312,25 @@ def test_graphed_batch_is_the_static_batch_bit_for_bit(spec):
         rows[name] = out
     for a, b in zip(rows["static"], rows["graphed"]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("recorded, replayed", [("graphed", "compiled-graphed"), ("compiled-graphed", "graphed")])
+def test_a_traced_graphed_or_compiled_golden_locates_the_other(cli, tmp_path, recorded, replayed):
+    """--trace on forwards that capture graphs or compile: the traced pass (their kernels without the graph; a
+    compiled step at its regions' edges) reproduced every row, or the recording would be refused; a replay under
+    the other forward locates where it parts, on a point both traces hold, or passes."""
+    path = tmp_path / "g.zarr"
+    code, out, err = cli("record", path, "--model", "tiny-qwen2", "--device", "cuda", "--steps", "8", "--forward",
+                         recorded, "--trace", "--allow-thin")
+    assert code == 0, err
+    code, out, err = cli("replay", path, "--forward", replayed, "--locate", "--report", tmp_path / "r.json")
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert code in (0, 1), err
+    for loc in r["locate"]:
+        for k in loc["verify"]:
+            assert k["traced_pass_reproduces"] and (k["first_module"] is not None or k["note"]), k
+    print(json.dumps([(k["k"], k["module_call"], k["first_module"]["name"] if k["first_module"] else k["note"])
+                      for loc in r["locate"] for k in loc["verify"]]))
+    if recorded == "graphed":  # the static step's kernels in a graph: its golden is the static step's
+        code, out, err = cli("replay", path, "--forward", "static", "--locate")
+        assert code == 0, out + err
