@@ -34,8 +34,8 @@ from vd.models import load_model
 from vd.recorder import RecordSettings, record
 from vd.replayer import ReplaySettings, replay
 from vd.replayer.locate import locate
-from vd.store import open_golden
 from vd.store import format as F
+from vd.store import open_golden
 
 
 def _machine(device: str) -> dict:
