@@ -1,6 +1,7 @@
-"""`vd locate --between`: the first module whose output differs between two forwards, on a golden's steps. A
-plug-in moves one module's output by one ULP (`tests/plugins/planted.py`); locate must name that module, where
-an independent computation with plain forward hooks agrees that nothing before it differs."""
+"""`vd record --trace`, `vd locate` (against a traced golden, and `--between` two forwards) and `vd replay
+--locate`: the first module whose output differs, on a golden's steps. A plug-in moves one module's output by one
+ULP (`tests/plugins/planted.py`); locate must name that module, where an independent computation with plain
+forward hooks agrees that nothing before it differs."""
 
 import json
 from pathlib import Path
@@ -15,10 +16,10 @@ PLANTED = str(Path(__file__).parent / "plugins" / "planted.py") + ":factory"
 
 @pytest.fixture(scope="module")
 def planted_golden(tmp_path_factory, cli):
-    """SmolLM2 in float32 (a one-ULP move reaches the logits), 2 steps at K=2."""
+    """SmolLM2 in float32 (a one-ULP move reaches the logits), 2 steps at K=2, recorded with --trace."""
     path = tmp_path_factory.mktemp("locate") / "g.zarr"
     code, _, err = cli("record", path, "--model", PLANTED, "--dtype", "float32", "--steps", "2", "--k", "2",
-                       "--allow-thin")
+                       "--allow-thin", "--trace")
     assert code == 0, err
     return path
 
@@ -70,6 +71,42 @@ def test_a_planted_difference_is_located_at_its_module(planted_golden, cli, tmp_
     assert [p["layer"] for p in k2["path"]][:1] == [layer] and k2["first_module"]["max_abs"] > 0
 
 
+@pytest.mark.parametrize("module, what", [
+    ("model.layers.7.mlp.down_proj", "MLP down projection"),
+    ("model.layers.12.self_attn.o_proj", "attention output projection (o_proj)"),
+    ("model.norm", "final norm"),
+])
+def test_a_planted_difference_is_located_against_the_golden_traces(planted_golden, cli, tmp_path, monkeypatch,
+                                                                   module, what):
+    monkeypatch.setenv("VD_PLANT", module)
+    code, out, err = cli("replay", planted_golden, "--model", PLANTED, "--forward", "planted", "--locate",
+                         "--report", tmp_path / "r.json", "--html", tmp_path / "r.html")
+    assert code == 1, out + err
+    (loc,) = json.loads((tmp_path / "r.json").read_text())["locate"]
+    (k2,) = loc["verify"]
+    assert loc["against"] == "golden traces" and k2["module_call"] == "the prefill" and k2["traced_pass_reproduces"]
+    first = k2["first_module"]
+    assert (first["name"], first["what"]) == (module, what) and first["rows_differ"] >= 1
+    assert first["absmax"]["golden"] != first["absmax"]["now"] or first["norm"]["golden"] != first["norm"]["now"]
+    assert f"first difference at {module} ({what})" in out
+    page = (tmp_path / "r.html").read_text()
+    assert "Where the difference starts" in page and '-loc-k2-first"' in page and module in page
+    code, out, err = cli("locate", planted_golden, "--model", PLANTED, "--forward", "planted")  # the same, alone
+    assert code == 1 and f"K=2 the prefill: first difference at {module} ({what})" in out, out + err
+
+
+def test_the_golden_own_forward_matches_its_traces(planted_golden, cli):
+    code, out, err = cli("locate", planted_golden, "--model", PLANTED)
+    assert code == 0 and "every row bit-identical" in out, out + err
+
+
+def test_a_traced_pass_that_does_not_reproduce_the_rows_is_refused(cli, tmp_path):
+    code, out, err = cli("record", tmp_path / "g.zarr", "--model", PLANTED, "--dtype", "float32", "--steps", "1",
+                         "--k", "2", "--allow-thin", "--forward", "unsteady", "--trace")
+    assert code == 2 and "--trace: forward 'unsteady' run again traced did not reproduce its own rows at K=2 " \
+        "(prefill row " in err and not (tmp_path / "g.zarr").exists(), err
+
+
 def test_nothing_before_the_located_module_differs_by_plain_hooks(planted_golden):
     from vd.store import open_golden
 
@@ -90,11 +127,86 @@ def test_two_equal_forwards_agree(tiny_golden, cli):
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "vd locate needs a second forward: --between NAME"),
-    (["--between", "static"], "forward 'static' cannot be traced: it traces the modules of eager, sdpa"),
+    ([], "holds no module traces: record it with vd record --trace, or compare two forwards here with vd locate "
+         "--between NAME"),
     (["--between", "eager", "--model", "tests/plugins/perturb.py:factory"],
      "cannot be traced: it cannot trace its modules"),
 ])
 def test_what_locate_cannot_do_is_refused(tiny_golden, cli, args, message):
     code, out, err = cli("locate", tiny_golden, *args)
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_sdpa_against_an_eager_smollm2_golden_is_located_where_plain_hooks_see_it(cli, tmp_path):
+    """The issue's CPU case: SmolLM2's eager golden with --trace, replayed under SDPA with --locate. Plain hooks
+    on every leaf module (not vd's tracing) find the first leaf whose output differs: ``o_proj``, whose input
+    (the attention's output, computed outside any module) is where locate says the difference starts."""
+    path = tmp_path / "g.zarr"
+    code, _, err = cli("record", path, "--steps", "2", "--k", "2", "--allow-thin", "--trace")
+    assert code == 0, err
+    code, out, err = cli("replay", path, "--forward", "sdpa", "--locate", "--report", tmp_path / "r.json")
+    assert code == 1, out + err
+    (k2,) = json.loads((tmp_path / "r.json").read_text())["locate"][0]["verify"]
+    first = k2["first_module"]
+    assert first["what"] == "attention output before o_proj" and k2["module_call"] == "the prefill"
+    m = load_model("smollm2", device=torch.device("cpu"), dtype=torch.bfloat16)
+    leaves = [(n, mod) for n, mod in m.model.named_modules() if n and not list(mod.children())]
+    from vd.store import open_golden
+
+    text = open_golden(path).meta["prompt_text"]
+    runs = [_leaf_outputs(m, leaves, name, text) for name in ("eager", "sdpa")]
+    plain = next(a[0] for a, b in zip(*runs) if not torch.equal(a[1], b[1]))
+    assert plain == first["name"], (plain, first)
+
+
+def test_the_lean_static_step_traces_the_points_hf_modules_do(cli, tmp_path):
+    """A static golden's traces: HF's points under the same names (plus the rotated queries and keys), so an
+    eager replay is compared on every point both hold, and parts at the attention (the lean step's SDPA)."""
+    path = tmp_path / "s.zarr"
+    code, _, err = cli("record", path, "--model", "tiny-llama", "--forward", "static", "--steps", "4", "--trace",
+                       "--allow-thin")
+    assert code == 0, err
+    from vd.store import open_golden
+
+    g = open_golden(path)
+    points = g.trace_points()
+    assert ("model.layers.0.self_attn.rotary", "queries after rotary") in points
+    assert ("model.layers.1", "layer output (the residual stream)") in points and points[-1] == ("lm_head", "LM head")
+    d, st = g.trace(2)
+    assert d.shape == (g.layout(2).prompt + 4 * 2, len(points), 6) and st.shape[:2] == d.shape[:2]
+    code, out, err = cli("locate", path, "--forward", "eager", "--k", "2", "--report", tmp_path / "l.json")
+    assert code == 1 and "first difference at model.layers.0.self_attn.o_proj (attention output before o_proj)" \
+        in out, out + err
+    k2 = json.loads((tmp_path / "l.json").read_text())["verify"][0]
+    assert k2["points_compared"] == len(points) - 2 * 2  # the rotary points, two per layer, eager has not
+
+
+def test_a_slim_golden_keeps_its_traces_and_a_damaged_trace_is_refused(cli, tmp_path):
+    path, slim = tmp_path / "g.zarr", tmp_path / "slim.zarr"
+    code, _, err = cli("record", path, "--model", "tiny-llama", "--steps", "4", "--k", "2", "--trace", "--allow-thin")
+    assert code == 0, err
+    code, _, err = cli("slim", path, slim)
+    assert code == 0, err
+    code, out, err = cli("locate", slim, "--forward", "sdpa")
+    assert code == 1 and "first difference at model.layers.0.self_attn.o_proj" in out, out + err
+    chunk = path / "k2" / "trace_digests" / "c" / "0" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 1
+    chunk.write_bytes(bytes(data))
+    for args in (["verify", path], ["locate", path, "--forward", "sdpa"]):
+        code, out, err = cli(*args)
+        assert code == 2 and "k2/trace_digests" in err, (args, out, err)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["record", "{tmp}/x.zarr", "--model", "tests/plugins/perturb.py:factory", "--trace", "--steps", "1"],
+     "--trace: forward "),
+    (["record", "{tmp}/x.zarr", "--model", "tiny-llama", "--trace", "--batch", "2"],
+     "--trace runs the sequence alone: it cannot trace a recording with --batch"),
+    (["replay", "{tiny}", "--locate"], "holds no module traces: record it with vd record --trace"),
+    (["replay", "{tiny}", "--locate", "--batch", "2"], "--locate runs the sequence alone: it does not go with --batch"),
+])
+def test_what_trace_and_locate_cannot_do_is_refused(tiny_golden, cli, tmp_path, args, message):
+    code, out, err = cli(*[a.format(tmp=tmp_path, tiny=tiny_golden) for a in args])
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "x.zarr").exists()

@@ -2,8 +2,10 @@
 output moved by one ULP (in each row, the element of largest magnitude, so that it can reach the logits) at every
 call; ``VD_PLANT`` names the module (default ``model.layers.7.mlp.down_proj``). Its weights are SmolLM2's, so it
 keeps SmolLM2's fingerprint: the same model, another build. It traces as the HF adapter does (delegated).
+Its forward ``unsteady`` plants only while traced: a traced pass that does not reproduce the forward's rows.
 """
 
+import contextlib
 import os
 
 import torch
@@ -16,12 +18,21 @@ class Planted:
         self.inner, self.module = inner, module
         self.vocab_size, self.device, self.dtype = inner.vocab_size, inner.device, inner.dtype
         self.identity, self.encode, self.decode = inner.identity, inner.encode, inner.decode
-        self.reset, self.rewind, self.trace = inner.reset, inner.rewind, inner.trace
-        self.on = False
+        self.reset, self.rewind = inner.reset, inner.rewind
+        self.on = self.unsteady = self.tracing = False
         inner.model.get_submodule(module).register_forward_hook(self._plant)
 
+    @contextlib.contextmanager
+    def trace(self, record):
+        self.tracing = True
+        try:
+            with self.inner.trace(record):
+                yield
+        finally:
+            self.tracing = False
+
     def _plant(self, module, args, output):
-        if not self.on:
+        if not (self.on or self.unsteady and self.tracing):
             return None
         out = output.clone()
         rows = out.view(-1, out.shape[-1])
@@ -32,21 +43,22 @@ class Planted:
 
     def forwards(self):
         return {"eager": "SmolLM2's eager forward",
-                "planted": f"the eager forward with {self.module}'s output one ULP off in each row"}
+                "planted": f"the eager forward with {self.module}'s output one ULP off in each row",
+                "unsteady": f"the eager forward with {self.module}'s output one ULP off while traced"}
 
     def default_forward(self):
         return "eager"
 
     def set_forward(self, name):
-        if name not in ("eager", "planted"):
+        if name not in self.forwards():
             raise KeyError(name)
-        self.on = name == "planted"
+        self.on, self.unsteady = name == "planted", name == "unsteady"
 
     def forward(self, tokens):
         return self.inner.forward(tokens)
 
     def trace_forwards(self):
-        return ["eager", "planted"]
+        return list(self.forwards())
 
 
 def factory(device, dtype):
