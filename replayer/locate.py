@@ -28,13 +28,18 @@ import numpy as np
 import torch
 
 from vd import protocol
+from vd.batch import BatchPlan, BatchView, batched
 from vd.digest import summarise
+from vd.equivalence import decode_map
 from vd.errors import UsageError
 from vd.layout import RowLayout
+from vd.loop import generated
 from vd.models import check_device, load_model, require_forwards
 from vd.models.specs import golden_dir, stored
+from vd.preflight import BATCH, DECODE, axis, batch_size
 from vd.protocol import VerifyModel
 from vd.store import Golden, Location, open_golden
+from vd.store.format import DECODE_K
 from vd.tracing import Call, Point, Traced, check_traceable, steps_run
 
 
@@ -140,6 +145,10 @@ def _traced(model: VerifyModel, g: Golden, k: int, upto: int, plain: np.ndarray,
 def locate_k(model: VerifyModel, g: Golden, k: int, forwards: Sequence[str]) -> Located:
     """The first module where ``forwards[0]`` parts from the golden's traces (one forward) or from
     ``forwards[1]`` (two), on the golden's steps at ``k`` (`Located`)."""
+    if len(forwards) == 2 and forwards[1] == DECODE:
+        return _decode_axis(model, g, k, forwards[0])
+    if len(forwards) == 2 and forwards[1].startswith(BATCH):
+        return _batch_axis(model, g, k, forwards[0], batch_size(forwards[1]))
     drafted = g.info.drafted_at(k)
     plain = []
     for name in forwards:
@@ -151,14 +160,37 @@ def locate_k(model: VerifyModel, g: Golden, k: int, forwards: Sequence[str]) -> 
 
 
 def _between(model: VerifyModel, g: Golden, k: int, forwards: Sequence[str], plain: list[np.ndarray]) -> Located:
+    def run(i: int) -> VerifyModel:
+        model.set_forward(forwards[i])
+        return model
+
+    return _two(g, k, run, plain)
+
+
+def _batch_axis(model: VerifyModel, g: Golden, k: int, forward: str, n: int) -> Located:
+    """``--between batch:N``: under ``forward``, the golden's sequence alone against it as one member of a batch of
+    ``n`` (`vd.batch`: every slot in turn, companions from seed 0), traced at the first call whose rows differ."""
+    if g.info.drafted_at(k):
+        raise UsageError("--between batch:N runs the reference feed's steps in a batch: a drafter golden has none")
+    model.set_forward(forward)
+    batched(model, forward)
+    view = BatchView(model, BatchPlan(n, None, 0), g.prompt, generated(g.info.steps, g.ks))
+    check_traceable(view, forward, f"--between batch:{n}")
+    lay = g.layout(k)
+    plain = [summarise(steps_run(m, g.prompt, g.log(k), lay.steps, False).rows_by_kind())[0] for m in (model, view)]
+    return _two(g, k, lambda i: (model, view)[i], plain)
+
+
+def _two(g: Golden, k: int, run: Callable[[int], VerifyModel], plain: list[np.ndarray]) -> Located:
+    """Two runs of the golden's steps (``run(0)``, ``run(1)``: the models that make them; ``plain``: their rows'
+    digests) traced at the first call whose rows differ, and compared point by point."""
     calls = _calls(g.layout(k))
     hit = _first_call(g.layout(k), (plain[0] != plain[1]).any(1))
     if hit is None:
         return Located(k, False)
     traces, same = [], True
-    for name, rows in zip(forwards, plain):
-        model.set_forward(name)
-        t, ok = _traced(model, g, k, hit, rows, keep=True)
+    for i, rows in enumerate(plain):
+        t, ok = _traced(run(i), g, k, hit, rows, keep=True)
         traces.append(t.traced[hit])
         same = same and ok
     first, before, path, compared, profile = _compare_rows(*traces)
@@ -167,6 +199,36 @@ def _between(model: VerifyModel, g: Golden, k: int, forwards: Sequence[str], pla
     rows_max = (None if logits[0] is None or logits[1] is None
                 else (logits[0].float() - logits[1].float()).abs().max().item())
     return Located(k, True, step, name, rows_max, first, name, before, path, same, compared=compared,
+                   profile=profile)
+
+
+def _decode_axis(model: VerifyModel, g: Golden, k: int, forward: str) -> Located:
+    """``--between decode``: under ``forward``, the first verify row (in step order) whose decode row (the same
+    tokens at the same positions, one-token decode: `vd.equivalence.decode_map`) differs from it, and the first
+    module whose output differs between that row of the verify call and the decode call."""
+    if not g.decoded:
+        raise UsageError(f"{g.url} stores no decode rows (recorded before format 7): --between decode needs them")
+    model.set_forward(forward)
+    lay, dlay = g.layout(k), g.layout(DECODE_K)
+    plain = summarise(steps_run(model, g.prompt, g.log(k), lay.steps, lay.drafted).rows_by_kind())[0]
+    dplain = summarise(steps_run(model, g.prompt, g.log(DECODE_K), dlay.steps, False).rows_by_kind())[0]
+    mapping = decode_map(g.log(k), lay.prompt, g.log(DECODE_K).tokens[:, 0].tolist(), dlay.steps)
+    at = np.flatnonzero(mapping >= 0)
+    differ = (plain[lay.offset("verify") + at] != dplain[dlay.offset("verify") + mapping[at]]).any(1)
+    if not differ.any():
+        return Located(k, False, note=f"{at.size} verify rows have a decode row; all bit-identical")
+    row = int(at[np.argmax(differ)])
+    s, i, j = row // k, row % k, int(mapping[row])
+    verify, ok_v = _traced(model, g, k, s + 1 + lay.drafted, plain, keep=True)
+    decode, ok_d = _traced(model, g, DECODE_K, j + 1, dplain, keep=True)
+    mine = verify.traced[s + 1 + lay.drafted]
+    one = Call(mine.points, rows=[r[i:i + 1] for r in mine.rows])
+    first, before, path, compared, profile = _compare_rows(one, decode.traced[j + 1])
+    logits = [dict(zip(c.points, c.rows)).get(("lm_head", "LM head")) for c in (one, decode.traced[j + 1])]
+    rows_max = (None if logits[0] is None or logits[1] is None
+                else (logits[0].float() - logits[1].float()).abs().max().item())
+    name = f"step {s} row {i} (against decode step {j})"
+    return Located(k, True, s, name, rows_max, first, name, before, path, ok_v and ok_d, compared=compared,
                    profile=profile)
 
 
@@ -252,7 +314,8 @@ def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[s
     golden_spec, head = stored(g.meta["model"], golden_dir(g.location))
     model = load_model(spec or golden_spec, device=check_device(device or g.info.device), dtype=g.logical,
                        head=head if spec is None else None)
-    require_forwards(model, list(forwards))
+    forwards = [f for f in forwards if not axis(f)]
+    require_forwards(model, forwards)
     for f in forwards:
         check_traceable(model, f, "vd locate")
     return model

@@ -137,13 +137,20 @@ def test_what_locate_cannot_do_is_refused(tiny_golden, cli, args, message):
     assert code == 2 and message in err and "Traceback" not in err, err
 
 
-def test_sdpa_against_an_eager_smollm2_golden_is_located_where_plain_hooks_see_it(cli, tmp_path):
+@pytest.fixture(scope="module")
+def smollm2_traced(tmp_path_factory, cli):
+    """The default model's eager golden (bf16), 4 steps at K=2, recorded with --trace."""
+    path = tmp_path_factory.mktemp("smol") / "g.zarr"
+    code, _, err = cli("record", path, "--steps", "4", "--k", "2", "--allow-thin", "--trace")
+    assert code == 0, err
+    return path
+
+
+def test_sdpa_against_an_eager_smollm2_golden_is_located_where_plain_hooks_see_it(smollm2_traced, cli, tmp_path):
     """The issue's CPU case: SmolLM2's eager golden with --trace, replayed under SDPA with --locate. Plain hooks
     on every leaf module (not vd's tracing) find the first leaf whose output differs: ``o_proj``, whose input
     (the attention's output, computed outside any module) is where locate says the difference starts."""
-    path = tmp_path / "g.zarr"
-    code, _, err = cli("record", path, "--steps", "2", "--k", "2", "--allow-thin", "--trace")
-    assert code == 0, err
+    path = smollm2_traced
     code, out, err = cli("replay", path, "--forward", "sdpa", "--locate", "--report", tmp_path / "r.json")
     assert code == 1, out + err
     (k2,) = json.loads((tmp_path / "r.json").read_text())["locate"][0]["verify"]
@@ -157,6 +164,21 @@ def test_sdpa_against_an_eager_smollm2_golden_is_located_where_plain_hooks_see_i
     runs = [_leaf_outputs(m, leaves, name, text) for name in ("eager", "sdpa")]
     plain = next(a[0] for a, b in zip(*runs) if not torch.equal(a[1], b[1]))
     assert plain == first["name"], (plain, first)
+
+
+def test_verify_against_decode_is_located(smollm2_traced, cli, tmp_path):
+    """--between decode: SDPA's K-token verify row against its one-token decode row of the same position parts
+    at an attention (its kernel depends on the number of queries); eager attention's do not part."""
+    code, out, err = cli("locate", smollm2_traced, "--forward", "sdpa", "--between", "decode",
+                         "--report", tmp_path / "l.json")
+    assert code == 1, out + err
+    (k2,) = json.loads((tmp_path / "l.json").read_text())["verify"]
+    assert k2["call"].startswith("step ") and "(against decode step " in k2["call"]
+    assert k2["first_module"]["what"] == "attention output before o_proj" and k2["traced_pass_reproduces"]
+    assert k2["identical_before"] > 0 and k2["first_module"]["max_abs"] > 0
+    assert "sdpa against its own decode rows: they differ" in out
+    code, out, err = cli("locate", smollm2_traced, "--forward", "eager", "--between", "decode")
+    assert code == 0 and "verify rows have a decode row; all bit-identical" in out, out + err
 
 
 def test_the_lean_static_step_traces_the_points_hf_modules_do(cli, tmp_path):
@@ -210,3 +232,47 @@ def test_what_trace_and_locate_cannot_do_is_refused(tiny_golden, cli, tmp_path, 
     code, out, err = cli(*[a.format(tmp=tmp_path, tiny=tiny_golden) for a in args])
     assert code == 2 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "x.zarr").exists()
+
+
+def test_a_batch_is_located_where_the_sequence_alone_parts(smollm2_traced, cli, tmp_path):
+    """--between batch:N: SDPA's rows of the sequence in a batch of two part from its rows alone at an attention
+    (bench_axes: SDPA is not batch-invariant on the CPU); eager attention's do not part."""
+    code, out, err = cli("locate", smollm2_traced, "--forward", "sdpa", "--between", "batch:2",
+                         "--report", tmp_path / "l.json")
+    assert code == 1, out + err
+    (k2,) = json.loads((tmp_path / "l.json").read_text())["verify"]
+    assert k2["first_module"]["what"] == "attention output before o_proj" and k2["traced_pass_reproduces"]
+    assert "sdpa against itself in a batch of 2: they differ" in out
+    code, out, err = cli("locate", smollm2_traced, "--forward", "eager", "--between", "batch:2")
+    assert code == 0 and "every row bit-identical" in out, out + err
+    code, out, err = cli("locate", smollm2_traced, "--between", "batch:1")
+    assert code == 2 and "batch:N takes a batch size N of 2 to 64" in err, err
+
+
+@pytest.mark.parametrize("forward", ["eager", "static"])
+def test_a_member_of_a_batch_traces_what_it_traces_alone(forward):
+    """The traces of the golden's sequence in a batch of two (HF's modules' hooks, or the lean batch step) are
+    its own rows of each point: where the forward is batch-invariant (eager and static on tiny-llama), every
+    point both traces hold is bit-identical to the sequence's traces alone."""
+    from vd.batch import BatchPlan, BatchView
+    from vd.tracing import Traced
+
+    m = load_model("tiny-llama", device=torch.device("cpu"), dtype=torch.bfloat16)
+    m.set_forward(forward)
+    prompt = m.encode("A member of a batch.")
+    view = BatchView(m, BatchPlan(2, 1, 0), prompt, 8)
+    calls = []
+    with torch.inference_mode():
+        for model in (m, view):
+            t = Traced(model, model if model is view else m, keep=True)
+            t.reset()
+            t.forward(prompt)
+            t.forward(prompt[:3])
+            calls.append(t.traced)
+    for c in (0, 1):
+        alone, member = calls[0][c], calls[1][c]
+        index = dict(zip(member.points, member.rows))
+        common = [(p, x) for p, x in zip(alone.points, alone.rows) if p in index]
+        assert len(common) == len(alone.points) > 20
+        for p, x in common:
+            assert torch.equal(x, index[p]), (c, p)

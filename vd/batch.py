@@ -20,7 +20,8 @@ the slot of every call since the last `reset` (call 0 is the prefill), for the r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,6 +138,7 @@ class BatchView:
         self.order: list[int] = []  # the member each slot holds (0: the golden's sequence)
         self.companions: list[_Companion] = []
         self.slots: list[int] = []
+        self._member = (0, 0)  # this call's slot and row count (`trace`)
 
     def describe(self) -> dict:
         """The plan and the companions' prompt lengths, as a golden's ``batch`` metadata and a report state them."""
@@ -182,8 +184,31 @@ class BatchView:
         self.slots.append(want)
         return want
 
+    def trace_forwards(self) -> list[str]:
+        """The forwards whose modules a batch of two or more traces (the model's traced forwards that run a batch;
+        its batch runner hands each point over for every member, ``[n, L, width]``): `trace` keeps this
+        sequence's rows."""
+        trace = protocol.tracer(self.model)
+        if trace is None or self.plan.n < 2:
+            return []
+        return [f for f in trace.trace_forwards() if f in self.batch.batch_forwards()]
+
+    @contextlib.contextmanager
+    def trace(self, record: Callable[[str, str, torch.Tensor], None]) -> Iterator[None]:
+        """`vd.protocol.ModuleTrace.trace` for this sequence: each point's rows of its slot, in each call."""
+        trace = protocol.tracer(self.model)
+        assert trace is not None, "trace_forwards says which forwards trace"
+
+        def member(name: str, what: str, x: torch.Tensor) -> None:
+            if x.dim() == 3 and x.shape[0] == self.plan.n:
+                record(name, what, x[self._member[0], : self._member[1]])
+
+        with trace.trace(member):
+            yield
+
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         slot = self._place()
+        self._member = (slot, len(tokens))
         prefill = len(self.slots) == 1
         k = None if prefill else len(tokens)
         inputs = [list(tokens) if m == 0 else self.companions[m - 1].tokens(k) for m in self.order]

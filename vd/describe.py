@@ -35,6 +35,9 @@ def describe(where: str | os.PathLike) -> Iterator[str]:
     if batch is not None:
         yield (f"batch     recorded as one member of a batch of {batch['n']} ({slots_text(batch['slot'])}, "
                f"companions from seed {batch['seed']}); every replay runs that batch again")
+    if g.traced:
+        yield (f"trace     module traces of {len(g.trace_points())} points per row at every K (vd record --trace): "
+               "vd locate names the first module a replay's difference starts at")
     yield f"policy    {Policy.parse((), g.meta.get('policy')).describe()}"
     yield from _environment(g.meta.get("environment") or {})
     yield f"storage   {g.location.nbytes() / 1e6:.1f} MB; {_rows_text(g)}"

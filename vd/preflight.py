@@ -269,3 +269,21 @@ def no_cuda(url: str, asked: str | None, recorded: str, cpu_forward_hint: str = 
         return UsageError(f"--device {asked}: this machine has no CUDA device ({url} was recorded on {recorded})")
     return UsageError(f"{url} was recorded on {recorded} and this machine has no CUDA device; pass --device cpu to "
                       f"replay it on the CPU{cpu_forward_hint}")
+
+
+# ``vd locate --between``: besides a second forward, an axis
+DECODE = "decode"  # a forward's verify rows against its own one-token decode rows
+BATCH = "batch:"  # ``--between batch:N``: the sequence alone against it as one member of a batch of N
+
+
+def batch_size(between: str) -> int:
+    """N of ``--between batch:N`` (2 .. 64), or a one-line `UsageError`."""
+    n = between[len(BATCH):]
+    if not n.isdigit() or not 2 <= int(n) <= 64:
+        raise UsageError(f"--between {between}: batch:N takes a batch size N of 2 to 64")
+    return int(n)
+
+
+def axis(between: str | None) -> bool:
+    """Whether ``--between`` names an axis (decode, batch:N) rather than a second forward."""
+    return between is not None and (between == DECODE or between.startswith(BATCH))

@@ -31,6 +31,8 @@ RECORDED = {  # name: the recording's arguments
     "reference.zip": ("--model", "tiny-llama", "--prompt", NON_ASCII),
     "mtp.zarr": MTP,
     "mtp.zip": MTP,
+    "traced.zarr": ("--model", "tiny-llama", "--trace"),
+    "traced-mtp.zip": (*MTP, "--trace"),
 }
 
 
@@ -175,6 +177,9 @@ def test_layout_and_codecs_are_format_md_s(golden):
         total = len(prompt) + s * k + (1 + s * (k - 1) if g.drafted_at(k) else 0)
         if g.version >= 3:
             small.update(digests=((total, 6), "int64"), stats=((total, 5), "float64"))
+        if "trace" in g.meta and k != 1:
+            t, m = len(prompt) + (1 if g.drafted_at(k) else 0) + s * k, len(g.meta["trace"]["points"])
+            small.update(trace_digests=((t, m, 6), "int64"), trace_stats=((t, m, 2), "float32"))
         names = {key.split("/")[1] for key in g.files if key.startswith(f"k{k}/") and key.count("/") >= 2}
         expected = set(small)
         if g.rows_stored:
@@ -402,3 +407,23 @@ def test_the_decode_map_and_its_identical_pairs_are_vd_s(made, cli, name):
         expected.append(f"{same} of {len(pairs)}")
     assert counts == expected
 
+
+
+@pytest.mark.parametrize("name", ["traced.zarr", "traced-mtp.zip"])
+def test_the_lm_head_trace_is_the_logits_rows(made, name):
+    """A traced golden's LM head point is its logits: its trace rows (the prefill's, the bootstrap decode's, the
+    steps', in call order) have the digests and the max |x| of the golden's rows, recomputed from the rows."""
+    g = S.Golden(made[name])
+    points = [tuple(p) for p in g.meta["trace"]["points"]]
+    assert points[-1] == ("lm_head", "LM head") and g.meta["trace"]["stats"] == ["absmax", "norm"]
+    head = len(points) - 1
+    bits = S.digest_bits(g.vocab * S.STORAGE[g.logical].itemsize // 2)
+    for k in g.ks:
+        rows = g.rows(k)
+        called = [rows["prefill"]] + ([rows["draft"][:1]] if g.drafted_at(k) else []) + [rows["verify"]]
+        ordered = np.concatenate(called)
+        d, st = g.array(f"k{k}/trace_digests"), g.array(f"k{k}/trace_stats")
+        assert np.array_equal(d[:, head], S.row_digests(ordered, bits)), f"k{k}"
+        absmax = np.abs(S.values(ordered, g.logical)).max(axis=1)
+        assert np.array_equal(st[:, head, 0], absmax.astype(np.float32)), f"k{k}"
+        assert (st[:, :, 1] >= st[:, :, 0] - 1e-6).all()  # a norm is at least the largest |x|

@@ -24,16 +24,21 @@ from vd.cli.common import (
     write_text,
 )
 from vd.errors import UsageError
+from vd.preflight import axis, batch_size
 
 Between = Annotated[str | None, typer.Option("--between", metavar="NAME", help="A second forward: run the golden's "
-                                             "steps under both and name the first module whose output differs "
-                                             "(default: against the golden's own traces, vd record --trace).")]
+                                             "steps under both and name the first module whose output differs; or "
+                                             "'decode': the forward's verify rows against its own one-token decode "
+                                             "rows of the same positions; or 'batch:N': the sequence alone against "
+                                             "it as one member of a batch of N (default: against the golden's own "
+                                             "traces, vd record --trace).")]
 LocateForward = Annotated[str | None, typer.Option("--forward", metavar="NAME", help="The first forward (default: "
                                                    "the golden's).")]
 
 
 @app.command(cls=Command, epilog=examples("vd locate traced.zarr --forward sdpa",
                                             "vd locate goldens/smollm2.zarr --forward eager --between sdpa",
+                                            "vd locate goldens/smollm2.zarr --forward sdpa --between decode",
                                             "vd locate g.zarr --between sdpa --k 3 --report locate.json --html l.html"))
 def locate(
     golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden whose steps to run ({GOLDEN_HELP}).")],
@@ -50,8 +55,11 @@ def locate(
     The forward runs the golden's stored steps at each K; up to the first call whose rows differ, each traced
     module's output (embeddings, per layer norms, q/k/v, attention, o_proj, residual, MLP, the layer's output;
     final norm, LM head) is compared in the order the forward computes them: against the golden's own traces
-    (a golden recorded with vd record --trace), or with --between against a second forward run here."""
+    (a golden recorded with vd record --trace), or with --between against a second forward run here, or with
+    --between decode between a verify row and the one-token decode row of the same position."""
     meta = check_golden(golden)
+    if between is not None and between.startswith("batch:"):
+        batch_size(between)
     check_writable("--report", report, (golden,))
     check_writable("--html", html, (golden,))
     if between is None and meta is not None and meta.get("trace") is None:
@@ -61,7 +69,7 @@ def locate(
     if not isinstance(first, str):
         raise UsageError("--forward NAME: the golden does not say its forward")
     if model is not None:
-        check_model(model, [first] + ([between] if between else []))
+        check_model(model, [first] + ([between] if between and not axis(between) else []))
     from vd.replayer.locate import locate as do_locate
 
     r = do_locate(golden, first, between, model_spec=model, ks=tuple(k or ()), device=device, on_k=_print)
@@ -71,9 +79,13 @@ def locate(
         from vd.replayer.render import locate_page
 
         write_text(Path(html), locate_page(r))
-    against = "the golden's traces" if between is None else between
+    against = ("the golden's traces" if between is None else "its own decode rows" if between == "decode"
+               else f"itself in a batch of {batch_size(between)}" if axis(between) else between)
     out.print(f"{first} against {against}: " + ("they differ (above)" if r.found else "every row bit-identical"))
     return EXIT_FAIL if r.found else EXIT_PASS
+
+
+PATH_LINES = 6  # layers of the path printed; the JSON report and the HTML page hold every one
 
 
 def _print(x) -> None:
@@ -84,7 +96,7 @@ def _print(x) -> None:
 def located_lines(x) -> list[str]:
     """One K of `vd.replayer.locate.Located` in lines: where the rows first differ, the first module, the path."""
     if not x.found:
-        return [f"K={x.k}: every row bit-identical"]
+        return [f"K={x.k}: " + (x.note or "every row bit-identical")]
     if not x.call:
         return [f"K={x.k}: {x.note}"]
     rows = "" if x.rows_max_abs is None else f" (rows: max |Δ| {x.rows_max_abs:.4g})"
@@ -95,7 +107,11 @@ def located_lines(x) -> list[str]:
     head = (f"K={x.k} {x.module_call}{when}: first difference at {f.name} ({f.what}), {_how(f)}; the "
             f"{x.identical_before} traced outputs before it identical{rows}")
     lines = [head] + [f"  {'layer ' + str(m.layer) if m.layer is not None else 'outside the layers'}: first at "
-                      f"{m.name} ({m.what}), {_how(m)}" for m in x.path]
+                      f"{m.name} ({m.what}), {_how(m)}" for m in x.path[:PATH_LINES]]
+    if len(x.path) > PATH_LINES:
+        last = x.path[-1]
+        lines.append(f"  ... {len(x.path) - PATH_LINES - 1} more layers (the JSON report holds each); last: "
+                     f"{last.name} ({last.what}), {_how(last)}")
     if x.reproduces is False:
         lines.append(f"  warning: the traced pass did not reproduce the forward's rows at K={x.k}: its module outputs "
                      "may not be the forward's")

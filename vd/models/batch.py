@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
-from vd.models.lean import LeanStack, rms_norm
+from vd.models.lean import LeanStack, attn_in, attn_out_mlp, layer_record, region_edges, rms_norm
 from vd.models.static import GRAPH_MAX, CacheLayer, GraphSet, capacity_for, maybe_compile
 
 if TYPE_CHECKING:
@@ -165,21 +165,38 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def lean_step(stack: LeanStack, tables: tuple[torch.Tensor, torch.Tensor], inp: torch.Tensor, kv: BatchKV, *,
-              fast: bool) -> torch.Tensor:
+              fast: bool, record: Callable | None = None) -> torch.Tensor:
     """vd's lean step over a batch: logits ``[n, L, V]``. The members' rows are flattened for the norms, GEMMs
-    and rotary (row-wise: a member's rows meet no other member's there) and attend per member."""
+    and rotary (row-wise: a member's rows meet no other member's there) and attend per member. ``record``, if
+    given, sees the traced points (`vd.models.lean.LeanStack.step`'s, the same kernels), each ``[n, L, width]``."""
     ids, pos, mask = kv.begin(inp, stack.embed.dtype)
-    n = ids.shape[0]
+    n, length = ids.shape
     a_in, a_out = stack.regions(fast)
+    plain = a_in is attn_in and record is not None
     x = F.embedding(ids.reshape(-1), stack.embed)  # [n * L, H]
+    if record is not None:
+        record("model.embed_tokens", "embeddings", x.view(n, length, -1))
     cos, sin = tables[0][pos.reshape(-1)], tables[1][pos.reshape(-1)]
-    for w, layer in zip(stack.layers, kv.layers):
-        q, k, v = a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, stack.hq, stack.hkv, stack.d)
+    for i, (w, layer) in enumerate(zip(stack.layers, kv.layers)):
+        rec = None if record is None else layer_record(lambda p, what, t: record(p, what, t.reshape(n, length, -1)),
+                                                 f"model.layers.{i}.")
+        q, k, v = (attn_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, stack.hq, stack.hkv, stack.d, rec)
+                   if plain else a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, stack.hq, stack.hkv, stack.d))
         keys, values = layer.write(_members(k, n), _members(v, n))
         attn = F.scaled_dot_product_attention(_members(q, n), keys, values, attn_mask=mask, scale=w.scale,
                                               enable_gqa=True)
-        x = a_out(x, _flat(attn), w.wo, w.w_post, w.eps_post, w.wgu, w.wd, stack.inter)
-    return F.linear(rms_norm(x, stack.norm, stack.norm_eps), stack.lm_head).view(n, ids.shape[1], -1)
+        if rec is not None:
+            region_edges(rec, q, k, v, _flat(attn), inside=plain)
+        x = (attn_out_mlp(x, _flat(attn), w.wo, w.w_post, w.eps_post, w.wgu, w.wd, stack.inter, rec) if plain
+             else a_out(x, _flat(attn), w.wo, w.w_post, w.eps_post, w.wgu, w.wd, stack.inter))
+        if rec is not None:
+            rec("", "layer output (the residual stream)", x)
+    h = rms_norm(x, stack.norm, stack.norm_eps)
+    logits = F.linear(h, stack.lm_head)
+    if record is not None:
+        record("model.norm", "final norm", h.view(n, length, -1))
+        record("lm_head", "LM head", logits.view(n, length, -1))
+    return logits.view(n, length, -1)
 
 
 class BatchRunner:
@@ -204,9 +221,13 @@ class BatchRunner:
             self.kv.allocate(stack.hkv, stack.d, self.dtype)
             self._plain: Callable = lambda inp: lean_step(stack, tables, inp, self.kv, fast=False)
             self._fast: Callable = lambda inp: lean_step(stack, tables, inp, self.kv, fast=True)
+            self._traced: Callable | None = lambda inp, rec: lean_step(stack, tables, inp, self.kv, fast=True,
+                                                                       record=rec)
         else:
             self._plain = self._hf_step
             self._fast = maybe_compile(self._hf_step, mode.startswith("compiled"))
+            # HF's modules uncompiled: their hooks trace (`vd.models.trace`); compiled ones are not traced
+            self._traced = None if mode.startswith("compiled") else lambda inp, rec: self._hf_step(inp)
         graphed = mode in ("graphed", "compiled-graphed") and self.device.type == "cuda"
         self._graphs = GraphSet(self._fast, self.device) if graphed else None
 
@@ -248,13 +269,18 @@ class BatchRunner:
         return self._graphs.replay(length)
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Member ``i`` appends ``tokens[i]``; its ``[len(tokens[i]), V]`` rows (new tensors), in slot order."""
+    def forward(self, tokens: Sequence[Sequence[int]], record: Callable | None = None) -> list[torch.Tensor]:
+        """Member ``i`` appends ``tokens[i]``; its ``[len(tokens[i]), V]`` rows (new tensors), in slot order.
+        With ``record`` the step runs its kernels without a graph, handing each traced point over ``[n, L,
+        width]`` (`vd.models.static.StaticRunner.forward`'s)."""
         _check_members(tokens, self.n)
         length = max(len(t) for t in tokens)
         if length == 0:
             return [torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device) for _ in tokens]
-        logits = self._logits(self._input(tokens, length), length)
+        if record is not None and self._traced is not None and self.kv.ready:
+            logits = self._traced(self._input(tokens, length).to(self.device), record)
+        else:
+            logits = self._logits(self._input(tokens, length), length)
         for i, ids in enumerate(tokens):
             self.lengths[i] += len(ids)
         return [logits[i, : len(ids)].clone() for i, ids in enumerate(tokens)]

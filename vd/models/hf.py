@@ -393,7 +393,8 @@ class HFModel:
     @torch.inference_mode()
     def forward_batch(self, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Member ``i`` appends ``tokens[i]`` (one model call); its ``[len(tokens[i]), V]`` rows, in slot order."""
-        return self._current_batch().forward(tokens)
+        b = self._current_batch()
+        return b.forward(tokens, self._record) if isinstance(b, BatchRunner) else b.forward(tokens)
 
     def rewind_batch(self, member: int, n: int) -> None:
         """Drop member ``member``'s last ``n`` positions."""

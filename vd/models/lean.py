@@ -253,7 +253,7 @@ class LeanStack:
         assert self.cos is not None and self.sin is not None, "allocate sizes the rotary tables before a step"
         cos, sin = self.cos[pos], self.sin[pos]
         for i, (w, layer) in enumerate(zip(self.layers, kv.cache.layers)):
-            rec = _under(record, f"model.layers.{i}.") if record is not None else None
+            rec = layer_record(record, f"model.layers.{i}.") if record is not None else None
             q, k, v = (attn_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d, rec)
                        if plain else a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d))
             layer.keys.index_copy_(2, pos, k)
@@ -261,7 +261,7 @@ class LeanStack:
             attn = F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=mask, scale=w.scale,
                                                   enable_gqa=True)
             if rec is not None:
-                _edges(rec, q, k, v, attn, inside=plain)
+                region_edges(rec, q, k, v, attn, inside=plain)
             x = (attn_out_mlp(x, attn, w.wo, w.w_post, w.eps_post, w.wgu, w.wd, self.inter, rec) if plain
                  else a_out(x, attn, w.wo, w.w_post, w.eps_post, w.wgu, w.wd, self.inter))
             if rec is not None:
@@ -285,12 +285,12 @@ class LeanStack:
         return a_out
 
 
-def _under(record: Callable, prefix: str) -> Record:
+def layer_record(record: Callable, prefix: str) -> Record:
     """``record`` for the points of one layer: paths under ``prefix`` (the layer's own output: the prefix)."""
     return lambda path, what, t: record((prefix + path) if path else prefix[:-1], what, t)
 
 
-def _edges(rec: Record, q, k, v, attn, inside: bool) -> None:
+def region_edges(rec: Record, q, k, v, attn, inside: bool) -> None:
     """The points at the edges of a layer's regions, each as ``[n, width]``: the rotated queries and keys and,
     where the regions' insides are not traced (``inside`` False: compiled, fused), the values (the v
     projection) and the attention's output before ``o_proj``."""
