@@ -275,16 +275,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         seconds["continuation"] = time.perf_counter() - t
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         result = RecordResult(None, {}, [], {}, seconds)
-        seconds["verify"] = seconds["store"] = 0.0
-        points: list = []
-        for k in settings.ks:
-            progress.phase(f"recording K={k}", settings.steps)
-            log, summary = _record_k(runner, writer, tokens, greedy, k, settings, progress, result)
-            if settings.trace:
-                t = time.perf_counter()
-                progress.phase(f"tracing K={k}", 0)
-                points = trace_k(model, forward, writer, tokens, log, summary, settings.feed == "mtp")
-                seconds["trace"] = seconds.get("trace", 0.0) + time.perf_counter() - t
+        points = _record_ks(runner, model, forward, writer, tokens, greedy, settings, progress, result)
         if result.short or (result.thin and not settings.allow_thin):
             if writer.journal is not None:
                 writer.journal.close(remove=True)  # refused: nothing to resume
@@ -310,6 +301,24 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     finally:
         stored.close()
     return result
+
+
+def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: GoldenWriter, tokens: list[int],
+               greedy: list[int], settings: RecordSettings, progress: Progress, result: RecordResult) -> list:
+    """Every K's run (`_record_k`) and, with ``--trace``, its traced pass (`vd.tracing.trace_k`); the traced
+    points (none without ``--trace``)."""
+    seconds = result.seconds
+    seconds["verify"] = seconds["store"] = 0.0
+    points: list = []
+    for k in settings.ks:
+        progress.phase(f"recording K={k}", settings.steps)
+        log, summary = _record_k(runner, writer, tokens, greedy, k, settings, progress, result)
+        if settings.trace:
+            t = time.perf_counter()
+            progress.phase(f"tracing K={k}", 0)
+            points = trace_k(model, forward, writer, tokens, log, summary, settings.feed == "mtp")
+            seconds["trace"] = seconds.get("trace", 0.0) + time.perf_counter() - t
+    return points
 
 
 def _runner(model: VerifyModel, settings: RecordSettings, forward: str, tokens: list[int]) -> VerifyModel:

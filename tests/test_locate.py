@@ -276,3 +276,24 @@ def test_a_member_of_a_batch_traces_what_it_traces_alone(forward):
         assert len(common) == len(alone.points) > 20
         for p, x in common:
             assert torch.equal(x, index[p]), (c, p)
+
+
+@pytest.mark.parametrize("spec, point", [
+    ("tiny-deepseek-mtp", ("model.layers.0.self_attn.kv_a_proj_with_mqa",
+                           "kv down-projection with the rotary key (MLA)")),
+    ("tiny-glm4moe-mtp", ("model.layers.1.mlp", "MLP output (the experts' combined output)")),
+])
+def test_mla_and_moe_decoders_trace_with_the_drafter_feed(cli, tmp_path, spec, point):
+    """DeepSeek-V3's MLA projections and a mixture of experts' combined output are traced; the drafter feed's
+    trace rows are the prefill's, the bootstrap decode's and the steps' (FORMAT.md "Module traces")."""
+    path = tmp_path / "g.zarr"
+    code, _, err = cli("record", path, "--model", spec, "--feed", "mtp", "--steps", "3", "--k", "2", "--trace",
+                       "--allow-thin")
+    assert code == 0, err
+    from vd.store import open_golden
+
+    g = open_golden(path)
+    assert point in g.trace_points()
+    assert g.trace(2)[0].shape[0] == g.layout(2).prompt + 1 + 3 * 2
+    code, out, err = cli("locate", path, "--forward", "sdpa")
+    assert code in (0, 1) and "Traceback" not in err, out + err

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                     x["between"]["verify"] = [_brief(v) for v in x["between"]["verify"]]
                     located.append(x)
     out = {"benchmark": "bench_trace", "command": " ".join(["python", *sys.argv]),
-           "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **started, "load_after": load_average(),
+           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **started, "load_after": load_average(),
            "machine": _machine(args.device), "model": args.model, "steps": args.steps, "k": args.k,
            "prompt": args.prompt, "reps": args.reps, "record": costs, "locate": located}
     args.out.write_text(json.dumps(out, indent=1) + "\n")

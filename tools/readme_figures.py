@@ -344,6 +344,27 @@ def render_bench_batch(d: dict) -> str:
          "first difference", "cost vs N runs alone"], rows)
 
 
+def render_bench_trace(d: dict) -> str:
+    """Per forward: whole recordings with and without --trace (seconds, ratio), the traced pass's seconds, the points
+    and the traces' share of the golden; then each traced golden replayed under another forward with --locate."""
+    rows = [[f"`{c['forward']}`", str(c["points"]), mmm(c["record_s"], 2), mmm(c["record_traced_s"], 2),
+             mmm(c["ratio"], 2), f"{c['traced_pass_s']['median']:.2f}",
+             f"{mb(c['trace_bytes'])} ({100 * c['trace_share']:.0f} %)"] for c in d["record"]]
+    located = []
+    for x in d["locate"]:
+        for loc in x["located"] or [{"verify": []}]:
+            ks = loc["verify"]
+            firsts = sorted({f"{k['module_call']}: `{k['first_module']['name']}` ({k['first_module']['what']})"
+                             for k in ks if k.get("first_module")}) or ["every row bit-identical"]
+            located.append([f"`{x['golden_forward']}`", f"`{x['replayed']}`", "; ".join(firsts),
+                            f"{x['replay_s']:.1f} / {x['replay_locate_s']:.1f}", f"{x['between_s']:.1f}"])
+    where = f"{d['model']}, {d['steps']} steps at K = {', '.join(map(str, d['k']))}, {d['reps']} repetitions"
+    return (made(d) + " " + where + ".\n\n" + table(
+        ["forward", "points", "record s (min / median / max)", "with --trace s", "ratio", "traced pass s (median)",
+         "traces (share of the golden)"], rows) + "\n\n" + table(
+        ["traced golden", "replayed", "located (every K)", "replay s / with --locate s", "--between s"], located))
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of the README: the file its figures come from and how they are written."""
@@ -367,6 +388,9 @@ BLOCKS = {
     "bench_batch": Block("tools/bench_axes.json", render_bench_batch),
     "bench_axes_h200": Block("tools/h200/bench_axes.json", render_bench_axes),
     "bench_batch_h200": Block("tools/h200/bench_axes.json", render_bench_batch),
+    "bench_trace": Block("tools/bench_trace.json", render_bench_trace),
+    "bench_trace_05b": Block("tools/h200/bench_trace_05b.json", render_bench_trace),
+    "bench_trace_8b": Block("tools/h200/bench_trace_8b.json", render_bench_trace),
 }
 
 

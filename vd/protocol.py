@@ -293,9 +293,12 @@ class ModuleTrace(Protocol):
     Read through `tracer`. Inside ``with model.trace(record):`` every `VerifyModel.forward` calls
     ``record(name, what, output)`` for each traced point in the order the forward computes them: ``name`` a
     module's path (``model.layers.3.mlp.down_proj``), ``what`` what it is (``MLP down-projection``), ``output``
-    its ``[len(tokens), ...]`` tensor for the call's tokens (the caller's to keep). Tracing must not change the
-    forward's rows. Only the forwards `trace_forwards` names are traced (those that run the traced modules; a
-    forward that runs its own step, such as vd's lean static step, cannot be).
+    its ``[len(tokens), ...]`` tensor for the call's tokens (a view the forward may reuse later: the caller copies
+    what it keeps; a value without one row per token is skipped). Tracing must not change the forward's rows. Only
+    the forwards `trace_forwards` names are traced: those whose kernels the trace follows (vd's HF adapter: HF's
+    modules through hooks, its lean static step through the record it is handed, graphed ones without the graph,
+    compiled ones at their regions' edges; `vd.models.trace`, `vd.models.lean`). The points a trace hands over
+    are the adapter's declaration of them: a golden recorded with ``--trace`` lists them.
     """
 
     def trace_forwards(self) -> Collection[str]:

@@ -32,31 +32,63 @@ TRACE_STATS = ("absmax", "norm")
 Point = tuple[str, str]  # (module path, what it is)
 
 
+PENDING_BYTES = 1 << 26  # a call's traced rows held before they are digested together (64 MB)
+
+
 @dataclass(slots=True)
 class Call:
-    """One traced forward call: its points in the order computed, their rows' digests ``[n, M, 6]`` (float64,
-    exact integers) and statistics ``[n, M, 2]`` on the model's device, and (where kept) the rows themselves."""
+    """One traced forward call: its points in the order computed, their rows' digests ``[n, 6]`` (float64, exact
+    integers) and statistics ``[n, 2]`` on the model's device, one pair per point, and (where kept) the rows.
+
+    Rows are digested in groups of one width (`_flush`: one matrix product and two reductions for every point of
+    that width, not a few kernels per point), at the end of the call or when `PENDING_BYTES` of them wait."""
 
     points: list[Point] = field(default_factory=list)
-    digests: list[torch.Tensor] = field(default_factory=list)
-    stats: list[torch.Tensor] = field(default_factory=list)
+    digests: list[torch.Tensor | None] = field(default_factory=list)
+    stats: list[torch.Tensor | None] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    pending_bytes: int = 0
 
-    def add(self, name: str, what: str, x: torch.Tensor, keep: bool) -> None:
+    def add(self, name: str, what: str, x: torch.Tensor, keep: bool, rows: int) -> None:
+        if x.dim() == 0 or x.shape[0] != rows:  # not one row per token of the call: not a traced point
+            return
         x = x.reshape(x.shape[0], -1) if x.dim() != 2 else x
         self.points.append((name, what))
-        self.digests.append(digest(x.contiguous()))
-        f = x.float()
-        self.stats.append(torch.stack([f.abs().amax(1), f.norm(dim=1)], 1))
+        self.digests.append(None)
+        self.stats.append(None)
+        x = x.detach().clone()  # the step may write over its intermediates (a cache, an in-place add) later on
+        self.pending.append((len(self.points) - 1, x))
+        self.pending_bytes += x.numel() * x.element_size()
         if keep:
-            self.rows.append(x.detach().clone())
+            self.rows.append(x)
+        if self.pending_bytes > PENDING_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Digest the rows waiting, width by width."""
+        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        for i, x in self.pending:
+            groups.setdefault((x.shape[1], x.dtype), []).append((i, x))
+        for group in groups.values():
+            both = torch.cat([x for _, x in group])
+            d = digest(both)
+            f = both.float()
+            st = torch.stack([f.abs().amax(1), f.norm(dim=1)], 1)
+            at = 0
+            for i, x in group:
+                n = x.shape[0]
+                self.digests[i], self.stats[i] = d[at:at + n], st[at:at + n]
+                at += n
+        self.pending, self.pending_bytes = [], 0
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Digests ``int64 [n, M, 6]`` and statistics ``float32 [n, M, 2]``, read back."""
+        self.flush()
         if not self.digests:
             return np.zeros((0, 0, LANES), np.int64), np.zeros((0, 0, len(TRACE_STATS)), np.float32)
-        d = torch.stack(self.digests, 1).cpu().numpy().astype(np.int64)
-        return d, torch.stack(self.stats, 1).cpu().numpy().astype(np.float32)
+        d = torch.stack(self.digests, 1).cpu().numpy().astype(np.int64)  # type: ignore[arg-type]
+        return d, torch.stack(self.stats, 1).cpu().numpy().astype(np.float32)  # type: ignore[arg-type]
 
 
 class Traced:
@@ -79,8 +111,10 @@ class Traced:
         if self.calls is not None and call not in self.calls:
             return self.model.forward(tokens)
         c = self.traced[call] = Call()
-        with self.trace.trace(lambda name, what, x: c.add(name, what, x, self.keep)):
-            return self.model.forward(tokens)
+        with self.trace.trace(lambda name, what, x: c.add(name, what, x, self.keep, len(tokens))):
+            rows = self.model.forward(tokens)
+        c.flush()
+        return rows
 
     def rewind(self, n: int) -> None:
         self.model.rewind(n)

@@ -36,6 +36,10 @@ _LAYER = (
     ("self_attn.q_proj", "q projection", False),
     ("self_attn.k_proj", "k projection", False),
     ("self_attn.v_proj", "v projection", False),
+    # MLA (DeepSeek-V3): its kv up-projection runs over the whole cache, not the step's rows, and is left out
+    ("self_attn.q_a_proj", "q down-projection (MLA)", False),
+    ("self_attn.q_b_proj", "q up-projection (MLA)", False),
+    ("self_attn.kv_a_proj_with_mqa", "kv down-projection with the rotary key (MLA)", False),
     ("self_attn.o_proj", "attention output before o_proj", True),
     ("self_attn.o_proj", "attention output projection (o_proj)", False),
     ("post_attention_layernorm", "residual sum after attention", True),
@@ -78,12 +82,15 @@ def points(model: torch.nn.Module) -> list[Point]:
 
 
 def _rows(x) -> torch.Tensor | None:
-    """A hooked value's tensor, its batch of one dropped: ``[n, ...]`` (None where it holds no tensor)."""
+    """A hooked value's tensor, its leading axes of one dropped: ``[n, ...]`` (a batch's ``[n, L, ...]``), None
+    where it holds no tensor."""
     if isinstance(x, tuple):
         x = x[0] if x else None
     if not isinstance(x, torch.Tensor):
         return None
-    return (x[0] if x.dim() >= 3 and x.shape[0] == 1 else x).detach().clone()
+    while x.dim() >= 3 and x.shape[0] == 1:  # a batch of one (MLA's key/value up-projection: two such axes)
+        x = x[0]
+    return x  # `vd.tracing.Call` copies what it keeps
 
 
 @contextlib.contextmanager
