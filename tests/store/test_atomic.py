@@ -124,3 +124,81 @@ def test_sigterm_cleans_up_like_a_failure(tmp_path):
     done = subprocess.run([sys.executable, "-m", "vd", "record", str(path), "--resume"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and path.is_dir() and _debris(path) == [], done.stderr
+
+
+def _wait_for(proc, path, state: str, timeout: float = 120) -> bool:
+    """Poll until a fallback publish of ``path`` is in ``state``: ``next`` (its new version at ``.g.zarr.next-*``,
+    the old golden still at the path) or ``empty`` (the old golden moved away, the path empty)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        nxt = any(d.startswith(".g.zarr.next-") for d in _debris(path))
+        if nxt and (path.exists() if state == "next" else not path.exists()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _fallback_campaign(tmp_path, per_state: int, random_kills: int, cli) -> dict[str, int]:
+    """Refreshes published by renames (`VD_PUBLISH_FALLBACK`), SIGKILLed in each state of the publish (paused
+    there, `VD_PUBLISH_PAUSE`) and at random moments; after each, the golden is recovered by the next reader
+    (``vd verify``, or opening it) or writer (the next refresh) and verifies, and no debris is left."""
+    path = tmp_path / "g.zarr"
+    assert subprocess.run(_refresh_cmd(path), capture_output=True).returncode == 0
+    rng, counts = random.Random(23), {"next": 0, "empty": 0, "random": 0}
+    plan = [s for s in ("next", "empty") for _ in range(per_state)] + ["random"] * random_kills
+    for i, state in enumerate(plan):
+        env = {**os.environ, atomic.FALLBACK: "1", **({atomic.PAUSE: "0.5"} if state != "random" else {})}
+        proc = subprocess.Popen(_refresh_cmd(path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        if state == "random":
+            time.sleep(rng.uniform(0.3, 4.0))
+        else:
+            assert _wait_for(proc, path, state), f"never reached {state}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=120)
+        counts[state] += 1
+        how = i % 3
+        if how == 0:  # the next reader, through the command line
+            code, out, err = cli("verify", path)
+            assert code == 0, (state, out, err)
+        elif how == 1:  # the next reader, through the API
+            g = open_golden(path)
+            g.check_files()
+            g.close()
+        else:  # the next writer: a refresh that completes
+            assert subprocess.run(_refresh_cmd(path), capture_output=True, env=env | {atomic.PAUSE: ""}).returncode == 0
+        g = open_golden(path)
+        g.check_files()
+        g.close()
+        with atomic.writer_lock(path):
+            pass
+        assert _debris(path) == [], (state, _debris(path))
+    return counts
+
+
+def test_a_fallback_publish_killed_in_each_state_loses_nothing(tmp_path, cli):
+    assert _fallback_campaign(tmp_path, 2, 1, cli) == {"next": 2, "empty": 2, "random": 1}
+
+
+@pytest.mark.campaign
+def test_fallback_publish_sigkill_campaign(tmp_path, cli):
+    counts = _fallback_campaign(tmp_path, 20, 10, cli)
+    assert sum(counts.values()) >= 50
+
+
+def test_recover_installs_the_version_a_dead_publish_left():
+    """The states of the fallback publish, made by hand: a `.next-*` beside an empty path is installed (by the
+    first of two recoverers); beside a golden, it is a publish that died before the old version moved, and the
+    next writer removes it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        target = Path(d) / "g.zarr"
+        nxt = Path(d) / ".g.zarr.next-1234abcd"
+        nxt.mkdir()
+        (nxt / "zarr.json").write_text("{}")
+        assert atomic.recover(target) and (target / "zarr.json").exists() and not nxt.exists()
+        assert not atomic.recover(target)  # nothing to do: a golden is at the path
+        nxt.mkdir()
+        with atomic.writer_lock(target):
+            pass
+        assert not nxt.exists() and (target / "zarr.json").exists()

@@ -7,7 +7,11 @@ uses them for directory and zip goldens).
   replaced versions no reader holds (``.NAME.replaced-*``).
 * **One step to publish**: a new version is swapped with the old in one ``renameat2(RENAME_EXCHANGE)``
   (`exchange`), so at every moment a complete golden is at its path, the old one or the new one. Where the
-  kernel or file system cannot exchange, two renames are used (a window of microseconds without a golden).
+  kernel or file system cannot exchange (or ``VD_PUBLISH_FALLBACK=1`` asks, as the tests do), three renames
+  (`_renames`): the complete new version to ``.NAME.next-*``, the old one away, the new one in. Between the
+  last two the path is empty for microseconds, and a process killed there leaves the new version at
+  ``.NAME.next-*``: the next reader or writer of the path installs it (`recover`), so a golden is never lost.
+  (A zip golden is one file, replaced by one ``rename``: always atomic.)
 * **Readers keep their version**: a reader opens the golden's directory once and reads every file relative to
   that descriptor, holding a shared ``flock`` on it (`hold`); the version a refresh swaps out stays on disk
   (renamed ``.NAME.replaced-*``) until no reader holds it, so a replay judges one version from start to end.
@@ -21,6 +25,7 @@ import errno
 import fcntl
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +33,8 @@ from pathlib import Path
 from vd.errors import GoldenError
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+FALLBACK = "VD_PUBLISH_FALLBACK"  # "1": publish by renames where the exchange would work (the tests force it)
+PAUSE = "VD_PUBLISH_PAUSE"  # seconds between the fallback's renames (the tests kill a writer between them)
 
 
 def _renameat2():
@@ -61,16 +68,47 @@ def replace(staged: Path, target: Path) -> Path | None:
         os.replace(staged, target)
         return None
     old = target.parent / f".{target.name}.replaced-{uuid.uuid4().hex[:8]}"
-    if exchange(staged, target):
+    if os.environ.get(FALLBACK) != "1" and exchange(staged, target):
         os.replace(staged, old)  # the old version, under a name readers never open
         return old
-    os.replace(target, old)
+    return _renames(staged, target, old)
+
+
+def _renames(staged: Path, target: Path, old: Path) -> Path:
+    """Publish without an exchange, recoverable at every moment (see the module's docstring): the old version's
+    new path."""
+    ready = target.parent / f".{target.name}.next-{uuid.uuid4().hex[:8]}"
+    os.replace(staged, ready)  # complete and about to be published: a writer that dies now leaves the old golden
+    _pause()
+    os.replace(target, old)  # from here until the next rename the path is empty: `recover` installs ``ready``
+    _pause()
     try:
-        os.replace(staged, target)
+        os.replace(ready, target)
     except OSError:
         os.replace(old, target)  # put the old golden back
         raise
     return old
+
+
+def _pause() -> None:
+    seconds = os.environ.get(PAUSE)
+    if seconds:
+        time.sleep(float(seconds))
+
+
+def recover(target: Path) -> bool:
+    """Where a fallback publish died with the path empty, install the complete version it left at
+    ``.NAME.next-*``; True when one was installed (two processes recovering at once: the first rename wins)."""
+    if os.path.lexists(target) or not target.parent.is_dir():
+        return False
+    for p in sorted(target.parent.glob(f".{target.name}.next-*")):
+        try:
+            os.rename(p, target)
+            return True
+        except OSError:  # another process installed it (or another one) first
+            if os.path.lexists(target):
+                return False
+    return False
 
 
 def hold(path: Path) -> int:
@@ -97,13 +135,16 @@ def unused(path: Path) -> bool:
 
 
 def clean(target: Path) -> None:
-    """Remove what earlier writers of ``target`` left: staging folders and files, and replaced versions no
-    reader holds. Call it holding the `writer_lock`."""
+    """Remove what earlier writers of ``target`` left: staging folders and files, versions a publish that died
+    did not put in place (installed instead where the path is empty: `recover`), and replaced versions no reader
+    holds. Call it holding the `writer_lock`."""
     if not target.parent.is_dir():
         return
+    recover(target)  # a fallback publish that died with the path empty: its new version goes in first
     for p in target.parent.glob(f".{target.name}.*"):
         kind = p.name[len(target.name) + 2:].split("-", 1)[0]
-        if kind == "partial" or kind == "replaced" and unused(p):
+        # a `.next-*` left with a golden at the path: its publish died before the old version moved
+        if kind in ("partial", "next") or kind == "replaced" and unused(p):
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:

@@ -22,8 +22,8 @@ from vd.dtypes import to_tensor
 from vd.errors import GoldenCorruptError, GoldenError, GoldenNotFoundError, NotAGoldenError, UsageError
 from vd.layout import RowLayout, StepLog
 from vd.preflight import golden_meta
+from vd.store import atomic, manifest
 from vd.store import format as F
-from vd.store import manifest
 from vd.store.chunks import Array, node
 from vd.store.location import Directory, Location, locate
 from vd.store.schema import Info, check_meta, check_run
@@ -352,6 +352,8 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
     ``rows``: for a slim golden, the full golden to read its rows from (`Golden.with_rows`)."""
     location = where if isinstance(where, Location) else locate(where)
     url = location.url
+    if isinstance(location, Directory) and atomic.recover(location.target):  # a publish that died mid-way
+        location.close()
     doc = location.get("zarr.json")
     if doc is None:
         state = location.state()
