@@ -67,6 +67,8 @@ class ReplaySettings:
     slot: int | None = None
     batch_seed: int | None = None
     locate: bool = False  # where a forward's rows differ, name the first module (`vd.replayer.locate`)
+    pin: str | None = None  # the content digest the golden must have (a suite declaration's ``pin``)
+    verify: bool = False  # read every row and check it against its digest and statistics first
 
 
 @dataclass(slots=True)
@@ -158,6 +160,17 @@ class Session:
         return self.recorded_batch or self.model
 
 
+def check_pin(g: Golden, pin: str | None) -> None:
+    """Refuse (`vd.errors.GoldenError`, exit 2) a golden whose content digest, computed from its step logs and row
+    digests (not read from its metadata), is not ``pin``."""
+    if pin is None:
+        return
+    have = g.content_digest()
+    if have != pin:
+        raise GoldenError(f"{g.url}: its content digest {have} is not the one its declaration pins ({pin}): it was "
+                          "changed outside a reviewed refresh (vd refresh updates the pin with the golden)")
+
+
 def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> Opened:
     """Open the golden (its metadata only) and check what the settings ask of it."""
     g = open_golden(where, rows=s.rows)
@@ -165,6 +178,10 @@ def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> O
     ks = tuple(s.ks) or tuple(g.ks)
     preflight.check_widths(g.url, ks, g.ks)
     preflight.check_batch(s.batch, s.slot, s.batch_seed, g.info.drafted)
+    check_pin(g, s.pin)
+    if s.verify:
+        for k in g.groups:
+            g.verify_rows(k) if g.rows_source is g else g.summary(k)
     policy = Policy.parse(s.tolerances, g.meta.get("policy"))
     needs = policy.needs_rows
     if g.rows_source is None and needs:

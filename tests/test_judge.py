@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vd.digest import summarise
-from vd.dtypes import to_storage
+from vd.dtypes import of_torch, to_storage
 from vd.layout import RowLayout, Step, StepLog
 from vd.loop import Run
 from vd.policy import Policy
@@ -34,7 +34,7 @@ def _side(gold: torch.Tensor, accepted: list[int], rows: bool = True) -> GoldenS
                   accepted=np.array(accepted, dtype=np.int32), step_ms=np.zeros(steps))
     stored = {kind: to_storage(t) for kind, t in flat.items()}
     load = (lambda kind, idx: stored[kind][idx]) if rows else None
-    return GoldenSide(log, layout, V, d, s, load, "test")
+    return GoldenSide(log, layout, V, d, s, load, "test", logical=of_torch(gold.dtype).name)
 
 
 def _run(rows: torch.Tensor, accepted: list[int]) -> Run:

@@ -214,6 +214,7 @@ def replay(
     html: o.Html = None,
     save_candidate: o.SaveCandidate = None,
     locate: o.Locate = False,
+    verify: o.ReplayVerify = False,
     suite: o.Suite = False,
     shard: o.Shard = None,
     config: o.Config = None,
@@ -228,7 +229,8 @@ def replay(
     asked = dict(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()), device=device,
                  threads=threads, allow_model_mismatch=allow_model_mismatch, tolerances=tuple(tolerance or ()),
                  require_coverage=require_coverage, rows=rows, save_candidate=save_candidate,
-                 decode_forward=decode_forward, batch=batch, slot=slot, batch_seed=batch_seed, locate=locate)
+                 decode_forward=decode_forward, batch=batch, slot=slot, batch_seed=batch_seed, locate=locate,
+                 verify=verify)
     if suite:
         from vd.cli import team
 
@@ -243,6 +245,7 @@ def _replay_golden(golden: str, asked: dict, report: Path | None, bundle: Path |
     """`replay` of one golden: the flags checked, the replay, its outputs written (or the error, where asked)."""
     try:
         _check_inputs(golden, asked)  # before anything heavy is imported
+        asked = {**asked, "pin": _declared_pin(golden)}
         with reading_environment() as environ:  # what the bundle's command.sh sets again
             result = _replay_one(golden, _settings(asked))
     except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
@@ -251,6 +254,19 @@ def _replay_golden(golden: str, asked: dict, report: Path | None, bundle: Path |
     args = {key: asked[key] for key in ("model", "head", "device", "threads", "rows", "allow_model_mismatch")}
     args["environ"] = environ  # with the flags above, what command.sh passes again
     return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
+
+
+def _declared_pin(golden: str) -> str | None:
+    """The pin a suite declaration (found from here) gives the golden at this path, if any. A declaration that
+    cannot be read pins nothing here: a replay by path does not depend on it (a suite replay refuses it)."""
+    from vd.cli.team import _entry_for
+    from vd.workflow.declare import DeclarationError
+
+    try:
+        entry = _entry_for(golden, None)
+    except DeclarationError:
+        return None
+    return None if entry is None else entry.pin
 
 
 def _settings(asked: dict):

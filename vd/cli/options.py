@@ -90,6 +90,9 @@ RecordTrace = Annotated[bool, typer.Option("--trace", help="Also store each trac
                                            "replay's difference starts at).")]
 Locate = Annotated[bool, typer.Option("--locate", help="Where a forward's rows differ, name the first module whose "
                                       "output differs from the golden's traces (a golden recorded with --trace).")]
+ReplayVerify = Annotated[bool, typer.Option("--verify", help="Read every stored row first and check it against its "
+                                            "digest and statistics (a replay otherwise reads only the rows whose "
+                                            "digests differ).")]
 ReplayForwards = Annotated[list[str] | None, typer.Option(metavar="NAME", help="Forward to replay; repeat for several "
                                                           "(default: the golden's).")]
 ReportPath = Annotated[Path | None, typer.Option(metavar="PATH", help="Write the JSON report here.")]

@@ -68,6 +68,9 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
 
     with reporting() as progress:
         outcomes = do_record(entries, refresh_existing=refresh, reason=reason or "first recording", progress=progress)
+    for e, o in zip(entries, outcomes):
+        if o.verdict in ("RECORDED", "REFRESHED"):
+            _repin(e, config, e.path)
     for o in outcomes:
         for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, o.reasons or ([o.error] if o.error
                                                                                               else [])):
@@ -154,7 +157,27 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     if summary is not None:
         write_text(summary, done.summary)
     out.print(f"refreshed {done.url} to version {done.version}")
+    _repin(entry, config, path)
     return EXIT_PASS
+
+
+def _repin(entry, config: Path | None, path: str) -> None:
+    """A refreshed golden whose declaration pins it: the pin set to its new content digest in the declaration
+    file, so the change is in the same review as the golden's (`vd.workflow.declare.set_pin`)."""
+    if entry is None or entry.pin is None:
+        return
+    from vd.store import open_golden
+    from vd.workflow.declare import set_pin
+
+    g = open_golden(path)
+    try:
+        digest = g.content_digest()
+    finally:
+        g.close()
+    if digest != entry.pin:
+        file = _suite(config).file
+        set_pin(file, entry, digest)
+        out.print(f"pin of {entry.name} in {file}: {digest}")
 
 
 def _existing(target: str, entry, config: Path | None) -> str:

@@ -27,7 +27,7 @@ from vd.store import format as F
 from vd.store.chunks import Array, node
 from vd.store.location import Directory, Location, locate
 from vd.store.schema import Info, check_meta, check_run
-from vd.store.side import GoldenSide, check_digests
+from vd.store.side import GoldenSide, check_digests, stats_differ
 
 
 class Golden:
@@ -185,7 +185,7 @@ class Golden:
             load = None if source is None else (lambda kind, idx: source.read_rows(k, kind, idx))
             d, s = summary if summary is not None else self.summary(k)
             return GoldenSide(log if log is not None else self.checked_log(k), self.layout(k), self.info.vocab, d, s,
-                              load, self.where(k))
+                              load, self.where(k), logical=self.logical)
         return self._once(("side", k), make)
 
     def read_rows(self, k: int, kind: str, idx: np.ndarray) -> np.ndarray:
@@ -246,7 +246,7 @@ class Golden:
                 return f"row {i}"
             stored_digests, stored_stats = self.summary(k)
             check_digests(digests, stored_digests, self.where(k), name)
-            differ = _stats_differ(stats, stored_stats)
+            differ = stats_differ(stats, stored_stats)
             if differ.any():
                 raise GoldenCorruptError(f"{self.where(k)}/stats: {int(differ.sum())} row(s) disagree with the stored "
                                          f"rows (first: {name(int(np.flatnonzero(differ)[0]))})")
@@ -305,17 +305,6 @@ class Golden:
         self._source = source
         self._cache = {key: v for key, v in self._cache.items() if not (isinstance(key, tuple) and key[0] == "side")}
         return self
-
-
-def _stats_differ(stats: np.ndarray, stored: np.ndarray) -> np.ndarray:
-    """Rows whose statistics computed here disagree with the stored ones: argmax, top-1, margin and largest
-    |logit| exactly (each a function of the row's values alone), the top-1 probability to 1e-4 relatively
-    (a sum over the vocabulary, whose order differs between a GPU, where a recording computes it, and here)."""
-    same = (stats == stored) | (np.isnan(stats) & np.isnan(stored))
-    p = _digest.STATS.index("top1_p")
-    with np.errstate(invalid="ignore"):
-        same[:, p] |= np.isclose(stats[:, p], stored[:, p], rtol=1e-4, atol=0.0)
-    return ~same.all(axis=1)
 
 
 def meta_logs(meta: Mapping) -> dict[int, StepLog]:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vd.digest import STATS, digest
-from vd.dtypes import int_bits
+from vd.digest import STATS, digest, stats_tensor
+from vd.dtypes import DTYPES, int_bits
 from vd.errors import GoldenCorruptError, GoldenError
 from vd.layout import RowLayout, StepLog
 
@@ -31,6 +31,17 @@ def check_digests(computed: np.ndarray, stored: np.ndarray, where: str, name: Ca
     if bad.size:
         raise GoldenCorruptError(f"{where}/digests: {bad.size} row(s) disagree with the stored rows "
                                  f"(first: {name(int(bad[0]))})")
+
+
+def stats_differ(stats: np.ndarray, stored: np.ndarray) -> np.ndarray:
+    """Rows whose statistics computed here disagree with the stored ones: argmax, top-1, margin and largest
+    |logit| exactly (each a function of the row's values alone), the top-1 probability to 1e-4 relatively
+    (a sum over the vocabulary, whose order differs between a GPU, where a recording computes it, and here)."""
+    same = (stats == stored) | (np.isnan(stats) & np.isnan(stored))
+    p = STATS.index("top1_p")
+    with np.errstate(invalid="ignore"):
+        same[:, p] |= np.isclose(stats[:, p], stored[:, p], rtol=1e-4, atol=0.0)
+    return ~same.all(axis=1)
 
 
 def median(a: np.ndarray) -> float:
@@ -52,11 +63,11 @@ class GoldenSide:
     """
 
     def __init__(self, log: StepLog, layout: RowLayout, vocab: int, digests: np.ndarray, stats: np.ndarray,
-                 load: Callable[[str, np.ndarray], np.ndarray] | None, where: str):
-        self.log, self.layout, self.vocab, self.where = log, layout, vocab, where
+                 load: Callable[[str, np.ndarray], np.ndarray] | None, where: str, *, logical: str):
+        self.log, self.layout, self.vocab, self.where, self.logical = log, layout, vocab, where, logical
         self.k, self.tokens, self.accepted = log.k, log.tokens, log.accepted
         self.counts = layout.counts
-        self.digests, self._load = digests, load
+        self.digests, self._load, self._stored_stats = digests, load, stats
         self._stats = {kind: {n: part[:, i] for i, n in enumerate(STATS)} for kind, part in layout.split(stats).items()}
         for by in self._stats.values():
             top = by["argmax"]
@@ -130,8 +141,16 @@ class GoldenSide:
         idx = np.asarray(idx, dtype=np.int64)
         rows = self._load(kind, idx)
         first = self.layout.offset(kind)
-        check_digests(digest(torch.from_numpy(int_bits(rows))).numpy(), self.digests[first + idx], self.where,
+        bits = torch.from_numpy(int_bits(rows))
+        check_digests(digest(bits).numpy(), self.digests[first + idx], self.where,
                       lambda i: f"{kind} row {int(idx[i])}")
+        # and the statistics a verdict reads without the rows (argmax, margin, ...): a golden resealed with them
+        # edited to hide a flip is refused where its rows are read
+        differ = stats_differ(stats_tensor(bits.view(DTYPES[self.logical].torch)).T.cpu().numpy(),
+                              self._stored_stats[first + idx])
+        if differ.any():
+            raise GoldenCorruptError(f"{self.where}/stats: {int(differ.sum())} row(s) disagree with the stored rows "
+                                     f"(first: {kind} row {int(idx[np.flatnonzero(differ)[0]])})")
         return rows
 
     def rows(self, kind: str, idx: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -18,6 +18,7 @@ This module imports neither torch nor a model, so declarations are checked in a 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -58,7 +59,12 @@ KEYS = {
     "policy": (lambda v: isinstance(v, str) or _strs(v), 'a SPEC or a list of "[KIND=]SPEC"'),
     "require_coverage": (lambda v: isinstance(v, bool), "true or false"),
     "allow_thin": (lambda v: isinstance(v, bool), "true or false"),
+    "trace": (lambda v: isinstance(v, bool), "true or false"),
+    "pin": (lambda v: isinstance(v, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", v) is not None,
+            'a content digest, "sha256:" and 64 hex digits (vd show prints it)'),
 }
+# Keys that say what a golden must be rather than how it is recorded (`Entry.declared` leaves them out).
+CHECKS = ("pin",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +87,13 @@ class Entry:
     policy: tuple[str, ...] | None = None
     require_coverage: bool | None = None
     allow_thin: bool | None = None
+    trace: bool | None = None
+    pin: str | None = None  # the content digest the golden must have (a replay refuses another; a refresh updates it)
 
     def declared(self) -> dict:
-        """The settings this entry states (its name and path left out)."""
+        """The recording settings this entry states (its name, path and pin left out)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("name", "path") and getattr(self, f.name) is not None}
+                if f.name not in ("name", "path", *CHECKS) and getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,3 +253,20 @@ def shard(entries: list[Entry], spec: str | None) -> list[Entry]:
         raise UsageError(f"--shard {spec}: I must be 1..N")
     ordered = sorted(entries, key=lambda e: e.name)
     return ordered[i - 1::n]
+
+
+def set_pin(file: Path, entry: Entry, digest: str) -> None:
+    """Write ``digest`` as ``entry``'s pin in the declaration ``file`` (a refresh of a pinned golden: the new pin in
+    the same review as the new golden). The old pin's text is replaced where it occurs once in the file (else
+    `DeclarationError`: the line to change is named), and the file read back must declare the new one."""
+    old = entry.pin
+    if old is None or old == digest:
+        return
+    text = file.read_text()
+    if text.count(f'"{old}"') + text.count(f"'{old}'") != 1:
+        raise DeclarationError(f"{file}: golden {entry.name!r}'s pin {old} appears more than once; set pin = "
+                               f'"{digest}" for it by hand')
+    quote = '"' if f'"{old}"' in text else "'"
+    file.write_text(text.replace(f"{quote}{old}{quote}", f"{quote}{digest}{quote}"))
+    if load_suite(file).entries[entry.name].pin != digest:
+        raise DeclarationError(f"{file}: could not update golden {entry.name!r}'s pin; set pin = \"{digest}\" by hand")

@@ -159,7 +159,9 @@ def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, re
 
 
 def for_entry(settings: ReplaySettings, entry: Entry) -> ReplaySettings:
-    """The settings one golden of a suite replays under: a candidate, where asked, as ``DIR/NAME.zarr``."""
+    """The settings one golden of a suite replays under: its declared pin, and a candidate, where asked, as
+    ``DIR/NAME.zarr``."""
+    settings = dataclasses.replace(settings, pin=entry.pin)
     if settings.save_candidate is None:
         return settings
     return dataclasses.replace(settings, save_candidate=str(Path(settings.save_candidate) / f"{entry.name}.zarr"))

@@ -1,0 +1,86 @@
+"""Goldens pinned by their content (issue 35, item 4): a resealed golden (its manifest and ID made again after an
+edit, which anyone can do) passes every check the golden carries itself; what it cannot pass is a content digest
+recorded somewhere reviewed (a suite declaration's ``pin``), a row read against its statistics, or ``vd replay
+--verify``, which reads every row."""
+
+import shutil
+
+import numpy as np
+import pytest
+import zarr
+from golden_edit import edit_meta, edit_rows
+
+from vd.store import open_golden
+
+
+@pytest.fixture
+def declared(tiny_golden, tmp_path):
+    """A copy of the session golden declared in a vd.toml beside it, pinned to its content digest."""
+    shutil.copytree(tiny_golden, tmp_path / "tiny.zarr")
+    pin = open_golden(tmp_path / "tiny.zarr").content_digest()
+    (tmp_path / "vd.toml").write_text(f'[goldens.tiny]\npath = "tiny.zarr"\nmodel = "tiny-llama"\nsteps = 8\n'
+                                      f'pin = "{pin}"\n')
+    return tmp_path, pin
+
+
+def _bump(rows: np.ndarray) -> None:
+    rows[3, 7] ^= 1  # one bit of one verify row
+
+
+def test_an_edited_and_resealed_golden_is_refused_by_its_pin(declared, cli, monkeypatch):
+    where, pin = declared
+    monkeypatch.chdir(where)
+    code, out, err = cli("replay", "--suite")
+    assert code == 0, out + err
+    edit_rows(where / "tiny.zarr", 2, "verify", _bump)  # digests, statistics, manifest and ID made again
+    assert cli("verify", "tiny.zarr")[0] == 0  # the golden vouches for itself
+    code, out, err = cli("replay", "--suite")
+    assert code == 2 and f"is not the one its declaration pins ({pin})" in out + err, out + err
+    code, out, err = cli("replay", "tiny.zarr")  # by its path: the declaration found from here still pins it
+    assert code == 2 and "is not the one its declaration pins" in err and err.count("\n") == 1, err
+
+
+def test_a_refresh_updates_the_pin_in_the_declaration(declared, cli, monkeypatch):
+    where, pin = declared
+    monkeypatch.chdir(where)
+    toml = where / "vd.toml"
+    wrong = "sha256:" + "0" * 64
+    toml.write_text(toml.read_text().replace(pin, wrong))
+    code, out, err = cli("replay", "--suite")
+    assert code == 2 and "pins" in out + err
+    code, out, err = cli("refresh", "tiny", "--reason", "accept the golden as it is")
+    assert code == 0, out + err
+    assert f'pin = "{pin}"' in toml.read_text() and f"pin of tiny in {toml}" in out
+    assert cli("replay", "--suite")[0] == 0
+
+
+def test_a_bad_pin_is_refused_at_declaration(declared, cli, monkeypatch):
+    where, _ = declared
+    monkeypatch.chdir(where)
+    (where / "vd.toml").write_text('[goldens.tiny]\npath = "tiny.zarr"\npin = "md5:abc"\n')
+    code, out, err = cli("replay", "--suite")
+    assert code == 2 and "key 'pin'" in err and 'a content digest, "sha256:"' in err, err
+
+
+def test_statistics_edited_to_hide_a_flip_are_refused_where_rows_are_read(tiny_copy, cli):
+    """The stored argmax of a verify row changed (as an edit hiding a flip would) and the golden resealed: a
+    replay that reads that row (another forward: every row differs) refuses it, naming the statistics."""
+    g = open_golden(tiny_copy)
+    at = len(g.prompt)  # the first verify row
+    g.close()
+    root = zarr.open_group(zarr.storage.LocalStore(tiny_copy), mode="r+")
+    stats = root["k2/stats"][...]
+    stats[at, 0] = (stats[at, 0] + 1) % 100
+    root["k2/stats"][...] = stats
+    edit_meta(tiny_copy, lambda m: None)  # resealed
+    code, out, err = cli("replay", tiny_copy, "--forward", "sdpa", "--k", "2")
+    assert code == 2 and "k2/stats: 1 row(s) disagree with the stored rows (first: verify row 0)" in err, out + err
+
+
+def test_replay_verify_reads_every_row(tiny_copy, cli):
+    """A row edited behind its digest and the golden resealed: the replay's forward reproduces the digest, so a
+    replay reads no row and passes; --verify reads them all and refuses the golden."""
+    edit_rows(tiny_copy, 3, "verify", _bump, digests=False)
+    assert cli("replay", tiny_copy, "--k", "3")[0] == 0
+    code, out, err = cli("replay", tiny_copy, "--k", "3", "--verify")
+    assert code == 2 and "k3/digests: 1 row(s) disagree with the stored rows (first: verify row 3)" in err, err
