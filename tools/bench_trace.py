@@ -30,6 +30,7 @@ import torch
 from figures import load_average, provenance, ratios, spread
 
 from vd import env
+from vd.errors import ModelOutputError
 from vd.models import load_model
 from vd.recorder import RecordSettings, record
 from vd.replayer import ReplaySettings, replay
@@ -52,9 +53,10 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _record_costs(model, args, forward: str, tmp: Path) -> tuple[dict, Path]:
-    """Recordings of ``forward`` without and with --trace, interleaved; their figures and the last traced golden."""
-    plain, traced, parts = [], [], []
+def _record_costs(model, args, forward: str, tmp: Path) -> tuple[dict, Path | None]:
+    """Recordings of ``forward`` without and with --trace, interleaved; their figures (with the refusals: a traced
+    pass that did not reproduce its rows) and the first traced golden (None where every one was refused)."""
+    plain, traced, parts, refused = [], [], [], []
     base = RecordSettings(model=args.model, prompt=args.prompt, ks=tuple(args.k), steps=args.steps, forward=forward,
                           device=args.device, allow_thin=True)
     kept = tmp / f"{forward}-traced.zarr"
@@ -62,22 +64,29 @@ def _record_costs(model, args, forward: str, tmp: Path) -> tuple[dict, Path]:
         for trace, out in ((False, plain), (True, traced)):
             path = tmp / f"{forward}-{rep}-{trace}.zarr"
             t = time.perf_counter()
-            r = record(path, replace(base, trace=trace), model=model)
+            try:
+                r = record(path, replace(base, trace=trace), model=model)
+            except ModelOutputError as e:  # the traced pass did not reproduce the rows: refused, as vd record does
+                refused.append(str(e))
+                continue
             out.append(time.perf_counter() - t)
             if trace:
                 parts.append(r.seconds.get("trace", 0.0))
-            if trace and rep == args.reps - 1:
+            if trace and not kept.exists():
                 shutil.move(path, kept)
             else:
                 shutil.rmtree(path)
+    if not traced:
+        return {"forward": forward, "record_s": spread(plain), "refused": refused}, None
     g = open_golden(kept)
     points = len(g.trace_points())
     g.close()
     total, trace_bytes = _size(kept), _trace_bytes(kept)
+    ratio = ratios(traced, plain) if len(traced) == len(plain) else spread([t / min(plain) for t in traced])
     return {"forward": forward, "record_s": spread(plain), "record_traced_s": spread(traced),
-            "traced_pass_s": spread(parts), "ratio": ratios(traced, plain), "points": points,
-            "golden_bytes_traced": total, "trace_bytes": trace_bytes,
-            "trace_share": trace_bytes / total}, kept
+            "traced_pass_s": spread(parts), "ratio": ratio, "points": points,
+            "golden_bytes_traced": total, "trace_bytes": trace_bytes, "trace_share": trace_bytes / total,
+            "refused": refused}, kept
 
 
 def _located(model, golden: Path, forward: str, other: str, args) -> dict:
@@ -118,10 +127,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as d:
         goldens = {}
         for forward in args.forwards:
-            c, goldens[forward] = _record_costs(model, args, forward, Path(d))
+            c, kept = _record_costs(model, args, forward, Path(d))
             costs.append(c)
+            if kept is None:
+                print(f"{forward}: --trace refused every time: {c['refused'][0]}", file=sys.stderr)
+                continue
+            goldens[forward] = kept
             print(f"{forward}: --trace {c['ratio']['median']:.2f}x the recording ({c['trace_bytes'] / 1e6:.2f} MB "
-                  f"of traces, {100 * c['trace_share']:.0f} % of the golden)", file=sys.stderr)
+                  f"of traces, {100 * c['trace_share']:.0f} % of the golden; refused {len(c['refused'])} of "
+                  f"{args.reps})", file=sys.stderr)
         for forward, golden in goldens.items():
             for other in args.forwards:
                 if other != forward:

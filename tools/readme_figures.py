@@ -347,9 +347,16 @@ def render_bench_batch(d: dict) -> str:
 def render_bench_trace(d: dict) -> str:
     """Per forward: whole recordings with and without --trace (seconds, ratio), the traced pass's seconds, the points
     and the traces' share of the golden; then each traced golden replayed under another forward with --locate."""
-    rows = [[f"`{c['forward']}`", str(c["points"]), mmm(c["record_s"], 2), mmm(c["record_traced_s"], 2),
-             mmm(c["ratio"], 2), f"{c['traced_pass_s']['median']:.2f}",
-             f"{mb(c['trace_bytes'])} ({100 * c['trace_share']:.0f} %)"] for c in d["record"]]
+    rows = []
+    for c in d["record"]:
+        refused = c.get("refused") or []
+        if "record_traced_s" not in c:
+            rows.append([f"`{c['forward']}`", "-", mmm(c["record_s"], 2), f"refused {len(refused)} of "
+                         f"{len(refused)}: {refused[0].split(': ', 1)[1] if refused else '-'}", "-", "-", "-"])
+            continue
+        rows.append([f"`{c['forward']}`", str(c["points"]), mmm(c["record_s"], 2), mmm(c["record_traced_s"], 2)
+                     + (f" (refused {len(refused)})" if refused else ""), mmm(c["ratio"], 2),
+                     f"{c['traced_pass_s']['median']:.2f}", f"{mb(c['trace_bytes'])} ({100 * c['trace_share']:.0f} %)"])
     located = []
     for x in d["locate"]:
         for loc in x["located"] or [{"verify": []}]:
@@ -391,6 +398,7 @@ BLOCKS = {
     "bench_trace": Block("tools/bench_trace.json", render_bench_trace),
     "bench_trace_05b": Block("tools/h200/bench_trace_05b.json", render_bench_trace),
     "bench_trace_8b": Block("tools/h200/bench_trace_8b.json", render_bench_trace),
+    "bench_trace_8b_first": Block("tools/h200/bench_trace_8b-first.json", render_bench_trace),
 }
 
 
