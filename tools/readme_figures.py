@@ -372,6 +372,13 @@ def render_bench_trace(d: dict) -> str:
         ["traced golden", "replayed", "located (every K)", "replay s / with --locate s", "--between s"], located))
 
 
+def render_bench_verify(d: dict) -> str:
+    """Whole ``vd replay`` processes of the default golden with and without ``--verify``."""
+    return (made(d) + f" A {mb(d['golden_bytes'])} golden: `vd replay` {mmm(d['replay_s'], 2)} s, with `--verify` "
+            f"{mmm(d['replay_verify_s'], 2)} s (min / median / max of {d['replay_s']['n']}); ratio "
+            f"{mmm(d['ratio'], 3)}, {d['extra_s']['median']:.2f} s more (median).")
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of the README: the file its figures come from and how they are written."""
@@ -396,6 +403,7 @@ BLOCKS = {
     "bench_axes_h200": Block("tools/h200/bench_axes.json", render_bench_axes),
     "bench_batch_h200": Block("tools/h200/bench_axes.json", render_bench_batch),
     "bench_trace": Block("tools/bench_trace.json", render_bench_trace),
+    "bench_verify": Block("tools/bench_verify.json", render_bench_verify),
     "bench_trace_05b": Block("tools/h200/bench_trace_05b.json", render_bench_trace),
     "bench_trace_8b": Block("tools/h200/bench_trace_8b.json", render_bench_trace),
     "bench_trace_8b_first": Block("tools/h200/bench_trace_8b-first.json", render_bench_trace),
