@@ -27,6 +27,7 @@ from pathlib import Path
 from vd.errors import UsageError
 
 FILES = ("vd.toml", "pyproject.toml")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a golden's name: it names files (NAME.zarr, NAME/)
 
 
 class DeclarationError(UsageError):
@@ -202,6 +203,10 @@ def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
     paths: dict[str, str] = {}
     for name, body in goldens.items():
         at = f"{prefix}goldens.{name}"
+        if not NAME.fullmatch(name) or ".." in name:
+            raise DeclarationError(f"{file}: [{at}]: a golden's name is a name, not a path: letters, digits, '.', '_' "
+                                   "and '-', at most 128, starting with a letter or digit (it names files: a "
+                                   "candidate NAME.zarr, a bundle NAME/)")
         values = {**defaults, **_table(file, body, at)}
         if "path" not in values:
             raise DeclarationError(f"{file}: [{at}] has no 'path'")
