@@ -642,6 +642,8 @@ MISBEHAVING = str(PLUGINS / "misbehaving.py")
     ("flat", "returned torch.bfloat16 rows of shape [512]"),
     ("float32", "returned torch.float32 rows of shape [66, 512]"),
     ("nan", "the model computed non-finite logits (NaN or Inf) at K=2: prefill row 0"),
+    ("vocabless", "misbehaving.py:vocabless: its vocab_size raised RuntimeError: the engine has no vocabulary loaded"),
+    ("textual_vocab", "misbehaving.py:textual_vocab: its vocab_size is '512', expected a positive int"),
 ])
 def test_a_misbehaving_engine_is_named_in_one_line(cli, tmp_path, factory, needle):
     out = tmp_path / "g.zarr"

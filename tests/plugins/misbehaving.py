@@ -108,3 +108,25 @@ class _Built(Misbehaving):
 
 def built(device, dtype):
     return _Built(load_model("tiny-llama", device=device, dtype=dtype), None)
+
+
+class _Vocabless(Misbehaving):
+    """tiny-llama whose ``vocab_size`` is a property that raises."""
+
+    def __init__(self, inner, change):
+        self.inner, self.change = inner, change
+        self.device, self.dtype = inner.device, inner.dtype
+
+    @property
+    def vocab_size(self):
+        raise RuntimeError("the engine has no vocabulary loaded")
+
+
+def vocabless(device, dtype):
+    return _Vocabless(load_model("tiny-llama", device=device, dtype=dtype), lambda rows: rows)
+
+
+def textual_vocab(device, dtype):
+    m = _make(lambda rows: rows)(device, dtype)
+    m.vocab_size = "512"
+    return m

@@ -114,6 +114,7 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
         raise
     except BaseException as e:  # the engine could not be built (or ended the process): bad input, named
         raise _plugin_error(spec, "factory", e) from e
+    _check_plain(model, spec)
     if not isinstance(model, VerifyModel):
         missing = [n for n in protocol_members() if not hasattr(model, n)]
         raise ModelSpecError(
@@ -137,6 +138,29 @@ _RUN_METHODS = ("identity", "forwards", "default_forward", "set_forward", "encod
 # What a method may raise as part of the protocol, passed on as raised: ``set_forward``'s KeyError for a name it
 # does not offer (vd checks names before calling it).
 _PROTOCOL_ERRORS: dict[str, tuple[type[BaseException], ...]] = {"set_forward": (KeyError,)}
+
+
+# The protocol's plain attributes, each with what it must be (read once, at load, so that a property that raises
+# or a value of another type is the plug-in's one-line fault rather than an internal error mid-run).
+_PLAIN = {"vocab_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive int"),
+          "device": (lambda v: type(v).__name__ == "device" and type(v).__module__ == "torch", "a torch.device"),
+          "dtype": (lambda v: type(v).__name__ == "dtype" and type(v).__module__ == "torch", "a torch.dtype")}
+
+
+def _check_plain(model: object, spec: str) -> None:
+    """A plug-in's plain attributes (`_PLAIN`) read and checked: one that raises, or holds another type, is a
+    `vd.errors.PluginError` naming it (exit 2); one that is missing is left to the protocol's check."""
+    for name, (ok, want) in _PLAIN.items():
+        try:
+            value = getattr(model, name)
+        except AttributeError:
+            continue
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            raise _plugin_error(spec, name, e) from e
+        if not ok(value):
+            raise PluginError(f"plug-in {spec}: its {name} is {value!r}, expected {want}")
 
 
 def _guard(model: VerifyModel, spec: str) -> None:
