@@ -10,6 +10,7 @@ detection control fired, which a promotion checks.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -30,6 +31,14 @@ from vd.store import format as F
 _NOT_INHERITED = (*F.WRITTEN, "history", "candidate", "compiled")  # compiled: this process's own artifacts
 
 
+def _is_candidate(location) -> bool:
+    """Whether the golden at ``location`` is a replay's candidate (its metadata has ``candidate``)."""
+    try:
+        return "candidate" in json.loads(location.get("zarr.json") or b"{}").get("attributes", {}).get("vd", {})
+    except (ValueError, AttributeError):
+        return False
+
+
 class CandidateWriter:
     """Keeps one forward's runs of a replay (`keep`, one per K) and publishes them as a golden (`publish`)."""
 
@@ -37,6 +46,9 @@ class CandidateWriter:
         location = locate(where)
         if location.url == golden.url:
             raise UsageError(f"--save-candidate {location.url} is the golden being replayed; name another path")
+        if location.state() == "golden" and not _is_candidate(location):  # on S3 too (a local one: the CLI's)
+            raise UsageError(f"--save-candidate {location.url} is a golden, not an earlier candidate; refusing to "
+                             "replace it (write it elsewhere)")
         check_target(location, refresh=True)  # an earlier candidate is replaced; anything else refused
         self.golden = golden
         self._lock: AbstractContextManager | None = location.writer()

@@ -365,6 +365,19 @@ def test_goldens_in_a_zip_file_and_on_s3(cli, tiny_golden, tmp_path, s3):
     assert cli("replay", s3)[0] == 0
 
 
+def test_no_output_lands_in_or_over_a_golden_on_s3(cli, tiny_golden, tmp_path, s3):
+    """Outputs on S3 get the local paths' guard: a recording, a slim form or a candidate inside an S3 golden's
+    prefix, and a candidate over an S3 golden that is not a candidate, are refused in one line; the golden stays."""
+    code, out, err = cli("record", s3, "--model", "tiny-llama", "--steps", "8")
+    assert code == 0, err
+    inside = f"{s3}/inner.zarr"
+    _one_line_error(*cli("record", inside, "--model", "tiny-llama", "--steps", "4"), f"is inside the golden {s3}")
+    _one_line_error(*cli("slim", tiny_golden, inside), f"is inside the golden {s3}")
+    _one_line_error(*cli("replay", tiny_golden, "--save-candidate", inside), f"is inside the golden {s3}")
+    _one_line_error(*cli("replay", tiny_golden, "--save-candidate", s3), "is a golden, not an earlier candidate")
+    assert cli("verify", s3)[0] == 0
+
+
 # -- usage errors before torch; help; version --------------------------------------------------------------
 _AUDIT = """
 import contextlib, io, json, sys

@@ -29,6 +29,7 @@ import torch
 from vd import digest as _digest
 from vd import preflight
 from vd.dtypes import to_storage, to_tensor
+from vd.errors import UsageError
 from vd.layout import RowLayout, StepLog
 from vd.store import format as F
 from vd.store import history, manifest, nodes
@@ -43,9 +44,27 @@ SLICE_BYTES = 32 << 20
 
 
 def check_target(location: Location, refresh: bool) -> None:
-    """Refuse a record destination before any work: an existing golden without ``refresh``, or anything
-    else already there (which even ``refresh`` never replaces)."""
+    """Refuse a record destination before any work: an existing golden without ``refresh``, anything else
+    already there (which even ``refresh`` never replaces), or an object-store prefix inside a golden (a local
+    path inside one is the command line's to refuse, before anything is imported: `vd.preflight.golden_over`)."""
+    above = golden_above(location.url)
+    if above is not None:
+        raise UsageError(f"{location.url} is inside the golden {above}; write it elsewhere")
     preflight.check_target(location.url, location.state(), refresh)
+
+
+def golden_above(url: str) -> str | None:
+    """The golden an ``s3://bucket/a/b/c`` prefix lies inside (``s3://bucket/a`` or ``s3://bucket/a/b``), if any;
+    None for a local path."""
+    if not url.startswith("s3://"):
+        return None
+    bucket, _, prefix = url[len("s3://"):].rstrip("/").partition("/")
+    parts = prefix.split("/")
+    for i in range(1, len(parts)):
+        above = f"s3://{bucket}/{'/'.join(parts[:i])}"
+        if locate(above).state() == "golden":
+            return above
+    return None
 
 
 class _RowArray:
