@@ -257,10 +257,10 @@ def _compare_golden(points: list[Point], gd: np.ndarray, gs: np.ndarray, traced:
     """The first traced call (in order) where a point both traces hold differs from the golden's, and there the
     first such point, how many are identical before it, per layer the first, how many points are compared, and
     each compared point's |Δ max|x|| (0 where identical)."""
-    mine = traced.points()
-    index = {p: i for i, p in enumerate(mine)}
-    common = [(j, index[p]) for j, p in enumerate(points) if p in index]
+    common: list[tuple[int, int]] = []
     for c in sorted(traced.traced):
+        index = {p: i for i, p in enumerate(traced.traced[c].points)}  # this call's own points
+        common = [(j, index[p]) for j, p in enumerate(points) if p in index]
         d, s = traced.traced[c].arrays()
         rows = calls[c][1]
         first, before, path, profile = None, 0, [], []

@@ -123,15 +123,24 @@ class Traced:
         return getattr(self.model, name)
 
     def points(self) -> list[Point]:
-        """The points every traced call traced (one list; `ValueError` where two calls traced others)."""
-        lists = {tuple(c.points) for c in self.traced.values()}
-        if len(lists) > 1:
-            raise ValueError("the traced calls traced different points")
-        return list(next(iter(lists))) if lists else []
+        """The points every traced call traced, in the first call's order (a point some call did not hand over,
+        such as one without a row per token there, is left out of every call)."""
+        calls = [self.traced[c] for c in sorted(self.traced)]
+        if not calls:
+            return []
+        common = set.intersection(*(set(c.points) for c in calls))
+        return [p for p in calls[0].points if p in common]
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every traced call's digests and statistics, call after call: ``[T, M, 6]``, ``[T, M, 2]``."""
-        parts = [self.traced[c].arrays() for c in sorted(self.traced)]
+        """Every traced call's digests and statistics at `points`, call after call: ``[T, M, 6]``, ``[T, M, 2]``."""
+        points = self.points()
+        parts = []
+        for c in sorted(self.traced):
+            call = self.traced[c]
+            d, st = call.arrays()
+            at = {p: i for i, p in enumerate(call.points)}
+            idx = [at[p] for p in points]
+            parts.append((d[:, idx], st[:, idx]))
         return np.concatenate([d for d, _ in parts]), np.concatenate([s for _, s in parts])
 
 

@@ -259,11 +259,11 @@ def _replay_golden(golden: str, asked: dict, report: Path | None, bundle: Path |
 def _declared_pin(golden: str) -> str | None:
     """The pin a suite declaration (found from here) gives the golden at this path, if any. A declaration that
     cannot be read pins nothing here: a replay by path does not depend on it (a suite replay refuses it)."""
-    from vd.cli.team import _entry_for
+    from vd.cli.team import entry_for
     from vd.workflow.declare import DeclarationError
 
     try:
-        entry = _entry_for(golden, None)
+        entry = entry_for(golden, None)
     except DeclarationError:
         return None
     return None if entry is None else entry.pin

@@ -39,7 +39,7 @@ def _suite(config: Path | None):
     return load_suite(config)
 
 
-def _entry_for(target: str, config: Path | None):
+def entry_for(target: str, config: Path | None):
     """The declared entry ``target`` names (a NAME, or a declared golden's path), if a suite declares it."""
     from vd.workflow.declare import DeclarationError, find, load_suite
 
@@ -139,7 +139,7 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     if allow_slim and candidate is None:
         raise UsageError("vd refresh: --allow-slim goes with --from CANDIDATE")
 
-    entry = _entry_for(target, config)
+    entry = entry_for(target, config)
     path = _existing(target, entry, config)
     check_writable("--summary", summary, (path, candidate))
     name = entry.name if entry is not None else None
@@ -246,7 +246,7 @@ def history(
     from vd.store import history as H
     from vd.store import open_golden
 
-    entry = _entry_for(target, config)
+    entry = entry_for(target, config)
     g = open_golden(entry.path if entry is not None else target)
     lines = H.lines(g.history)
     out.print(f"{g.url}: {len(g.history)} version(s), content {g.content_digest()}")
