@@ -195,9 +195,7 @@ def _two(g: Golden, k: int, run: Callable[[int], VerifyModel], plain: list[np.nd
         same = same and ok
     first, before, path, compared, profile = _compare_rows(*traces)
     name, _, step = calls[hit]
-    logits = [dict(zip(c.points, c.rows)).get(("lm_head", "LM head")) for c in traces]
-    rows_max = (None if logits[0] is None or logits[1] is None
-                else (logits[0].float() - logits[1].float()).abs().max().item())
+    rows_max = _logits_max(*traces)
     return Located(k, True, step, name, rows_max, first, name, before, path, same, compared=compared,
                    profile=profile)
 
@@ -224,9 +222,7 @@ def _decode_axis(model: VerifyModel, g: Golden, k: int, forward: str) -> Located
     mine = verify.traced[s + 1 + lay.drafted]
     one = Call(mine.points, rows=[r[i:i + 1] for r in mine.rows])
     first, before, path, compared, profile = _compare_rows(one, decode.traced[j + 1])
-    logits = [dict(zip(c.points, c.rows)).get(("lm_head", "LM head")) for c in (one, decode.traced[j + 1])]
-    rows_max = (None if logits[0] is None or logits[1] is None
-                else (logits[0].float() - logits[1].float()).abs().max().item())
+    rows_max = _logits_max(one, decode.traced[j + 1])
     name = f"step {s} row {i} (against decode step {j})"
     return Located(k, True, s, name, rows_max, first, name, before, path, ok_v and ok_d, compared=compared,
                    profile=profile)
@@ -283,6 +279,12 @@ def _compare_golden(points: list[Point], gd: np.ndarray, gs: np.ndarray, traced:
         if first is not None:
             return c, first, before, tuple(path), len(common), tuple(profile)
     return None
+
+
+def _logits_max(a: Call, b: Call) -> float | None:
+    """The largest |Δ| between two kept calls' LM head outputs (their rows), None where one did not trace it."""
+    x, y = (dict(zip(c.points, c.rows)).get(("lm_head", "LM head")) for c in (a, b))
+    return None if x is None or y is None else (x.float() - y.float()).abs().max().item()
 
 
 def _compare_rows(a: Call, b: Call) -> tuple[Module | None, int, tuple[Module, ...], int, tuple]:
