@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
-from vd.models.lean import LeanStack, attn_in, attn_out_mlp, layer_record, region_edges, rms_norm
+from vd.models.lean import LeanStack
 from vd.models.static import GRAPH_MAX, CacheLayer, GraphSet, capacity_for, maybe_compile
 
 if TYPE_CHECKING:
@@ -171,31 +171,16 @@ def lean_step(stack: LeanStack, tables: tuple[torch.Tensor, torch.Tensor], inp: 
     given, sees the traced points (`vd.models.lean.LeanStack.step`'s, the same kernels), each ``[n, L, width]``."""
     ids, pos, mask = kv.begin(inp, stack.embed.dtype)
     n, length = ids.shape
-    a_in, a_out = stack.regions(fast)
-    plain = a_in is attn_in and record is not None
-    x = F.embedding(ids.reshape(-1), stack.embed)  # [n * L, H]
-    if record is not None:
-        record("model.embed_tokens", "embeddings", x.view(n, length, -1))
-    cos, sin = tables[0][pos.reshape(-1)], tables[1][pos.reshape(-1)]
-    for i, (w, layer) in enumerate(zip(stack.layers, kv.layers)):
-        rec = None if record is None else layer_record(lambda p, what, t: record(p, what, t.reshape(n, length, -1)),
-                                                 f"model.layers.{i}.")
-        q, k, v = (attn_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, stack.hq, stack.hkv, stack.d, rec)
-                   if plain else a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, stack.hq, stack.hkv, stack.d))
+
+    def attend(layer, w, q, k, v):
         keys, values = layer.write(_members(k, n), _members(v, n))
-        attn = F.scaled_dot_product_attention(_members(q, n), keys, values, attn_mask=mask, scale=w.scale,
-                                              enable_gqa=True)
-        if rec is not None:
-            region_edges(rec, q, k, v, _flat(attn), inside=plain)
-        x = (attn_out_mlp(x, _flat(attn), w.wo, w.w_post, w.eps_post, w.wgu, w.wd, stack.inter, rec) if plain
-             else a_out(x, _flat(attn), w.wo, w.w_post, w.eps_post, w.wgu, w.wd, stack.inter))
-        if rec is not None:
-            rec("", "layer output (the residual stream)", x)
-    h = rms_norm(x, stack.norm, stack.norm_eps)
-    logits = F.linear(h, stack.lm_head)
-    if record is not None:
-        record("model.norm", "final norm", h.view(n, length, -1))
-        record("lm_head", "LM head", logits.view(n, length, -1))
+        return _flat(F.scaled_dot_product_attention(_members(q, n), keys, values, attn_mask=mask, scale=w.scale,
+                                                    enable_gqa=True))
+
+    members = None if record is None else (lambda p, what, t: record(p, what, t.reshape(n, length, -1)))
+    _, logits = stack.layers_forward(F.embedding(ids.reshape(-1), stack.embed),  # [n * L, H]
+                                     tables[0][pos.reshape(-1)], tables[1][pos.reshape(-1)], kv.layers, attend,
+                                     fast=fast, record=members)
     return logits.view(n, length, -1)
 
 

@@ -245,21 +245,34 @@ class LeanStack:
         compiled (their insides are fused)."""
         n = inp.shape[0] - 1
         pos, mask = kv.begin(inp[n], n, self.embed.dtype)
+        assert self.cos is not None and self.sin is not None, "allocate sizes the rotary tables before a step"
+
+        def attend(layer, w: _Weights, q, k, v):
+            layer.keys.index_copy_(2, pos, k)
+            layer.values.index_copy_(2, pos, v)
+            return F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=mask, scale=w.scale,
+                                                  enable_gqa=True)
+
+        h, logits = self.layers_forward(F.embedding(inp[:n], self.embed), self.cos[pos], self.sin[pos],
+                                        kv.cache.layers, attend, fast=fast, record=record)
+        return logits, (h if hidden else None)
+
+    def layers_forward(self, x: torch.Tensor, cos, sin, caches, attend: Callable, *, fast: bool,
+                       record: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``x`` ``[rows, H]`` (embedded) through every layer, the final norm and the LM head: (the normed
+        hidden states, the logits ``[rows, V]``); ``attend(cache, weights, q, k, v)`` writes a layer's keys and
+        values into its cache and returns its attention output ``[1, hq, rows, d]`` (one sequence's, or a batch's
+        members attending apart: `vd.models.batch.lean_step`). ``record`` as `step`'s, each point ``[rows,
+        width]``."""
         a_in, a_out = self.regions(fast)
         plain = a_in is attn_in and record is not None
-        x = F.embedding(inp[:n], self.embed)
         if record is not None:
             record("model.embed_tokens", "embeddings", x)
-        assert self.cos is not None and self.sin is not None, "allocate sizes the rotary tables before a step"
-        cos, sin = self.cos[pos], self.sin[pos]
-        for i, (w, layer) in enumerate(zip(self.layers, kv.cache.layers)):
+        for i, (w, cache) in enumerate(zip(self.layers, caches)):
             rec = layer_record(record, f"model.layers.{i}.") if record is not None else None
             q, k, v = (attn_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d, rec)
                        if plain else a_in(x, w.w_in, w.eps_in, w.wqkv, w.bqkv, cos, sin, self.hq, self.hkv, self.d))
-            layer.keys.index_copy_(2, pos, k)
-            layer.values.index_copy_(2, pos, v)
-            attn = F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=mask, scale=w.scale,
-                                                  enable_gqa=True)
+            attn = attend(cache, w, q, k, v)
             if rec is not None:
                 region_edges(rec, q, k, v, attn, inside=plain)
             x = (attn_out_mlp(x, attn, w.wo, w.w_post, w.eps_post, w.wgu, w.wd, self.inter, rec) if plain
@@ -271,7 +284,7 @@ class LeanStack:
         if record is not None:
             record("model.norm", "final norm", h)
             record("lm_head", "LM head", logits)
-        return logits, (h if hidden else None)
+        return h, logits
 
     def _reduced(self, out, mlp_fn):
         """`attn_out_mlp` for a tensor-parallel shard: each projection's share summed across ranks, then the
