@@ -10,7 +10,6 @@ detection control fired, which a promotion checks.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -23,20 +22,13 @@ from vd.errors import UsageError
 from vd.layout import StepLog
 from vd.loop import Run
 from vd.models.inductor import keep_artifacts
+from vd.preflight import golden_meta
 from vd.protocol import VerifyModel
 from vd.store import Golden, GoldenWriter, check_target, locate
 from vd.store import format as F
 
 # The golden's metadata a candidate does not inherit: the writer makes it anew, or it names the recording.
 _NOT_INHERITED = (*F.WRITTEN, "history", "candidate", "compiled")  # compiled: this process's own artifacts
-
-
-def _is_candidate(location) -> bool:
-    """Whether the golden at ``location`` is a replay's candidate (its metadata has ``candidate``)."""
-    try:
-        return "candidate" in json.loads(location.get("zarr.json") or b"{}").get("attributes", {}).get("vd", {})
-    except (ValueError, AttributeError):
-        return False
 
 
 class CandidateWriter:
@@ -46,7 +38,9 @@ class CandidateWriter:
         location = locate(where)
         if location.url == golden.url:
             raise UsageError(f"--save-candidate {location.url} is the golden being replayed; name another path")
-        if location.state() == "golden" and not _is_candidate(location):  # on S3 too (a local one: the CLI's)
+        # a golden there (on S3 too; a local one is the CLI's to refuse) must be an earlier candidate
+        if location.state() == "golden" and "candidate" not in golden_meta(location.get("zarr.json") or b"",
+                                                                          location.url):
             raise UsageError(f"--save-candidate {location.url} is a golden, not an earlier candidate; refusing to "
                              "replace it (write it elsewhere)")
         check_target(location, refresh=True)  # an earlier candidate is replaced; anything else refused

@@ -36,7 +36,7 @@ from vd.layout import RowLayout
 from vd.loop import generated
 from vd.models import check_device, load_model, require_forwards
 from vd.models.specs import golden_dir, stored
-from vd.preflight import BATCH, DECODE, axis, batch_size
+from vd.preflight import BATCH, DECODE, axis, batch_size, untraced
 from vd.protocol import VerifyModel
 from vd.store import Golden, Location, open_golden
 from vd.store.format import DECODE_K
@@ -128,6 +128,12 @@ def _first_call(lay: RowLayout, differ: np.ndarray) -> int | None:
     return next((i for i, (_, rows, _) in enumerate(_calls(lay)) if differ[rows].any()), None)
 
 
+def _digests(model: VerifyModel, g: Golden, k: int) -> np.ndarray:
+    """The row digests of K's stored steps (or the decode group's) run through ``model`` (`vd.tracing.steps_run`)."""
+    lay = g.layout(k)
+    return summarise(steps_run(model, g.prompt, g.log(k), lay.steps, lay.drafted).rows_by_kind())[0]
+
+
 def _traced(model: VerifyModel, g: Golden, k: int, upto: int, plain: np.ndarray, keep: bool) -> tuple[Traced, bool]:
     """Calls 0 .. ``upto`` of K run again traced: the tracer, and whether the traced pass's rows of those calls
     equal the plain pass's (``plain``: its rows' digests)."""
@@ -149,11 +155,10 @@ def locate_k(model: VerifyModel, g: Golden, k: int, forwards: Sequence[str]) -> 
         return _decode_axis(model, g, k, forwards[0])
     if len(forwards) == 2 and forwards[1].startswith(BATCH):
         return _batch_axis(model, g, k, forwards[0], batch_size(forwards[1]))
-    drafted = g.info.drafted_at(k)
     plain = []
     for name in forwards:
         model.set_forward(name)
-        plain.append(summarise(steps_run(model, g.prompt, g.log(k), g.layout(k).steps, drafted).rows_by_kind())[0])
+        plain.append(_digests(model, g, k))
     if len(forwards) == 2:
         return _between(model, g, k, forwards, plain)
     return _against_golden(model, g, k, forwards[0], plain[0])
@@ -176,8 +181,7 @@ def _batch_axis(model: VerifyModel, g: Golden, k: int, forward: str, n: int) -> 
     batched(model, forward)
     view = BatchView(model, BatchPlan(n, None, 0), g.prompt, generated(g.info.steps, g.ks))
     check_traceable(view, forward, f"--between batch:{n}")
-    lay = g.layout(k)
-    plain = [summarise(steps_run(m, g.prompt, g.log(k), lay.steps, False).rows_by_kind())[0] for m in (model, view)]
+    plain = [_digests(m, g, k) for m in (model, view)]
     return _two(g, k, lambda i: (model, view)[i], plain)
 
 
@@ -208,8 +212,7 @@ def _decode_axis(model: VerifyModel, g: Golden, k: int, forward: str) -> Located
         raise UsageError(f"{g.url} stores no decode rows (recorded before format 7): --between decode needs them")
     model.set_forward(forward)
     lay, dlay = g.layout(k), g.layout(DECODE_K)
-    plain = summarise(steps_run(model, g.prompt, g.log(k), lay.steps, lay.drafted).rows_by_kind())[0]
-    dplain = summarise(steps_run(model, g.prompt, g.log(DECODE_K), dlay.steps, False).rows_by_kind())[0]
+    plain, dplain = _digests(model, g, k), _digests(model, g, DECODE_K)
     mapping = decode_map(g.log(k), lay.prompt, g.log(DECODE_K).tokens[:, 0].tolist(), dlay.steps)
     at = np.flatnonzero(mapping >= 0)
     differ = (plain[lay.offset("verify") + at] != dplain[dlay.offset("verify") + mapping[at]]).any(1)
@@ -326,8 +329,7 @@ def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[s
 def check_locatable(g: Golden, between: str | None) -> None:
     """A golden ``vd locate`` can run on without ``--between``: one recorded with ``--trace``."""
     if between is None and not g.traced:
-        raise UsageError(f"{g.url} holds no module traces: record it with vd record --trace, or compare two forwards "
-                         "here with vd locate --between NAME")
+        raise untraced(g.url)
 
 
 def locate(where: str | os.PathLike | Location, forward: str, between: str | None = None, *,

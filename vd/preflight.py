@@ -292,11 +292,17 @@ BATCH = "batch:"  # ``--between batch:N``: the sequence alone against it as one 
 
 
 def batch_size(between: str) -> int:
-    """N of ``--between batch:N`` (2 .. 64), or a one-line `UsageError`."""
+    """N of ``--between batch:N`` (2 .. `MAX_BATCH`), or a one-line `UsageError`."""
     n = between[len(BATCH):]
-    if not n.isdigit() or not 2 <= int(n) <= 64:
-        raise UsageError(f"--between {between}: batch:N takes a batch size N of 2 to 64")
+    if not n.isdigit() or not 2 <= int(n) <= MAX_BATCH:
+        raise UsageError(f"--between {between}: batch:N takes a batch size N of 2 to {MAX_BATCH}")
     return int(n)
+
+
+def untraced(where: str, flag: str = "") -> UsageError:
+    """The refusal of ``vd locate`` (``flag`` empty) or ``--locate`` on a golden recorded without ``--trace``."""
+    return UsageError(f"{flag + ': ' if flag else ''}{where} holds no module traces: record it with vd record "
+                      "--trace, or compare two forwards here with vd locate --between NAME")
 
 
 def axis(between: str | None) -> bool:

@@ -334,8 +334,7 @@ def _check_inputs(golden: str | None, asked: dict) -> None:
     if asked["locate"] and asked["batch"] is not None:
         raise UsageError("--locate runs the sequence alone: it does not go with --batch")
     if asked["locate"] and meta is not None and meta.get("trace") is None:
-        raise UsageError(f"--locate: {golden} holds no module traces: record it with vd record --trace, or compare two "
-                         "forwards with vd locate --between NAME")
+        raise preflight.untraced(str(golden), "--locate")
     if golden is not None:
         check_replay(golden, meta, asked["ks"], asked["model"], forwards, asked["device"], asked["threads"])
     else:

@@ -24,7 +24,7 @@ from vd.cli.common import (
     write_text,
 )
 from vd.errors import UsageError
-from vd.preflight import axis, batch_size
+from vd.preflight import axis, batch_size, untraced
 
 Between = Annotated[str | None, typer.Option("--between", metavar="NAME", help="A second forward: run the golden's "
                                              "steps under both and name the first module whose output differs; or "
@@ -63,8 +63,7 @@ def locate(
     check_writable("--report", report, (golden,))
     check_writable("--html", html, (golden,))
     if between is None and meta is not None and meta.get("trace") is None:
-        raise UsageError(f"{golden} holds no module traces: record it with vd record --trace, or compare two forwards "
-                         "here with vd locate --between NAME")
+        raise untraced(golden)
     first = forward or (meta or {}).get("forward")
     if not isinstance(first, str):
         raise UsageError("--forward NAME: the golden does not say its forward")
