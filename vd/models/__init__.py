@@ -15,6 +15,7 @@ does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -60,6 +61,19 @@ def spec_kind(spec: str) -> str:
         f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), an existing path, "
         "or a plug-in module:factory / file.py:factory"
     )
+
+
+def import_code(spec: str) -> None:
+    """Import the code a SPEC's model runs on (transformers' causal LMs for presets and paths, llama.cpp's
+    bindings), so that a caller can time it apart from the build (`vd.replayer.report.Seconds`); a plug-in
+    imports its own in `load_model`."""
+    kind = spec_kind(spec)
+    if kind in ("preset", "path"):
+        import transformers.modeling_utils  # noqa: F401  what every HF model class imports first
+        from transformers import AutoModelForCausalLM  # noqa: F401
+    elif kind == "llamacpp":
+        with contextlib.suppress(ImportError):  # load_model says what is missing, in one line
+            import llama_cpp  # noqa: F401
 
 
 def check_forward_names(spec: str, names: list[str]) -> None:
@@ -213,10 +227,12 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     """Load the model a SPEC names, on ``device``, computing in ``dtype``; with ``head``, attach the
     MTP draft head that safetensors file holds (`vd.models.mtp.save_head` format)."""
     from vd.dtypes import parse_dtype
+    from vd.env import cap_kernel_caches
     from vd.models.hf import HFModel
     from vd.models.mtp import attach_head
     from vd.protocol import draft_head
 
+    cap_kernel_caches()  # before the model's first matmul
     dev = check_device(device)
     dt = parse_dtype(dtype).torch if isinstance(dtype, str) else dtype
     kind = spec_kind(spec)
