@@ -44,31 +44,41 @@ from vd.replayer.report import (
     Variant,
 )
 from vd.replayer.runs import KOutcome, control_steps, replay_decode, replay_k
-from vd.replayer.session import PHASES, Clock, ReplaySettings, Session, open_golden_for, set_up
+from vd.replayer.session import (
+    PHASES,
+    Clock,
+    Opened,
+    ReplaySettings,
+    Session,
+    open_for_replay,
+    open_golden_for,
+    set_up,
+)
 from vd.store import Location
 
-__all__ = ["PHASES", "ReplaySettings", "control_steps", "replay"]
+__all__ = ["PHASES", "ReplaySettings", "control_steps", "open_for_replay", "replay"]
 
 
-def replay(golden: str | os.PathLike | Location, settings: ReplaySettings = ReplaySettings(), *,
+def replay(golden: str | os.PathLike | Location | Opened, settings: ReplaySettings = ReplaySettings(), *,
            model: VerifyModel | None = None, progress: Progress = SILENT) -> Report:
-    """Replay the golden at ``golden`` (a directory, a ``.zip`` file or an ``s3://`` URL) and judge it.
+    """Replay the golden at ``golden`` (a directory, a ``.zip`` file or an ``s3://`` URL, or one opened and being
+    read already by `open_for_replay` with the same settings) and judge it.
 
     Bad input (a missing or damaged golden, an unknown model or forward, a fingerprint mismatch, a policy a
     slim golden cannot judge) raises a `vd.errors.VdError` before any comparison.
     """
     clock = Clock()
-    opened = clock.timed("open", lambda: open_golden_for(golden, settings))
+    opened = golden if isinstance(golden, Opened) else clock.timed("open", lambda: open_golden_for(golden, settings))
     s = set_up(opened, settings, model, progress, clock)
     try:
         decode, decoded = replay_decode(s)  # first: each K's verify rows are measured against these
         outcomes = [replay_k(s, k, decoded) for k in s.ks]
-        s.files.check_files()  # no damaged golden reaches a verdict
+        s.reader.check_files()  # no damaged golden reaches a verdict
         notes = _save_candidate(s, outcomes)
         located = _located(s, outcomes) if s.settings.locate and s.golden.traced else ()
         return dataclasses.replace(report_of(s, outcomes, notes, decode), located=located)
     except GoldenError:
-        s.files.check_files()  # a damaged file, named, before whatever it broke
+        s.reader.check_files()  # a damaged file, named, before whatever it broke
         raise
     finally:
         if s.candidate is not None:
@@ -134,7 +144,7 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
         rows=RowsSource(g.slim, None if source is None else source.url),
         seconds=sum(s.clock.phases[n] for n in PHASES if n not in ("open", "load", "setup", "write")),
         phases={**s.clock.phases, "finish": finish}, timing=_timing_of(s.clock, finish),
-        reader={**s.reader.summary(), "file_check_s": getattr(s.files, "seconds", None)},
+        reader=s.reader.summary(),
         failure_rows=next((o.failure for o in outcomes if o.failure is not None), None),
         decode=None if decode is None else decode.result,
         batch=None if s.batch is None else s.batch.describe())
@@ -153,7 +163,8 @@ def _timing_of(clock: Clock, finish: float) -> Seconds:
     p = clock.phases
     return Seconds(first_step=clock.first_step, open=p["open"], load=p["load"], setup=p["setup"],
                    prepare=p["prepare"], run=p["run"], control=p["control"], compare=p["compare"] + p["wait_golden"],
-                   write=p["write"] + finish)
+                   write=p["write"] + finish, started=clock.started, model_code=clock.within.get("model_code", 0.0),
+                   fingerprint=clock.within.get("fingerprint", 0.0))
 
 
 def _sensitivity(policy: Policy, logical: str, verify: Sequence[KResult]) -> dict[str, Sensitivity]:

@@ -321,7 +321,11 @@ class RowsSource:
 @dataclass(frozen=True, slots=True)
 class Seconds:
     """Where a replay's time went, by phase, and ``first_step``: from the process's start to its first
-    forward of a verify run (start-up, as a user waits for it; None where unknown)."""
+    forward of a run (start-up, as a user waits for it; None where unknown). ``started``: from the process's
+    start to the replay's (the interpreter, the CLI, torch and vd imported). Within ``load``, ``model_code``
+    imports the model's code (transformers, llama.cpp) and the rest builds it; within ``setup``,
+    ``fingerprint`` computes the model's fingerprint (hashing its weights, or a generated model's
+    checksums); ``prepare`` captures graphs and compiles."""
 
     first_step: float | None
     open: float
@@ -332,6 +336,9 @@ class Seconds:
     control: float
     compare: float
     write: float
+    started: float | None = None
+    model_code: float = 0.0
+    fingerprint: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

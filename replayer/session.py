@@ -1,18 +1,19 @@
 """What a replay sets up before its first run (`open_golden_for`, `set_up`): the golden opened and checked
 against what the settings ask, the model loaded (or given) and checked against the golden, the golden's
-reader and its files' check started, the forwards to replay and a candidate writer where one is asked for.
-The result, a `Session`, is what every run of the replay shares; `Clock` times the phases.
+reader started (it reads and hashes the golden while the model loads: `open_for_replay`), the forwards to
+replay and a candidate writer where one is asked for. The result, a `Session`, is what every run of the
+replay shares; `Clock` times the phases.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,7 +22,7 @@ from vd.batch import BatchPlan, BatchView, batched
 from vd.dtypes import of_torch
 from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
 from vd.loop import generated
-from vd.models import check_device, check_forward_names, load_model, require_forwards
+from vd.models import check_device, check_forward_names, import_code, load_model, require_forwards
 from vd.models.device import cpu_forward_hint
 from vd.models.inductor import compiles, held, load_artifacts
 from vd.models.specs import golden_dir, stored
@@ -73,10 +74,14 @@ class ReplaySettings:
 
 @dataclass(slots=True)
 class Clock:
-    """Seconds by phase (`PHASES`), and ``first_step``: from the process's start to its first verify run."""
+    """Seconds by phase (`PHASES`) and of parts within them (``within``: ``model_code`` in ``load``,
+    ``fingerprint`` in ``setup``), ``started``: from the process's start to the clock's (the replay's), and
+    ``first_step``: from the process's start to its first run."""
 
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     first_step: float | None = None
+    started: float | None = field(default_factory=env.process_age)
+    within: dict[str, float] = field(default_factory=dict)
 
     def timed(self, phase: str, work: Callable[[], T]) -> T:
         """``work()``, its seconds added to ``phase``."""
@@ -87,39 +92,6 @@ class Clock:
             self.phases[phase] += time.perf_counter() - t
 
 
-class FilesCheck(Protocol):
-    """What checks every file of a golden against its manifest, off the step's path (`check_files` waits
-    for it and raises what it found)."""
-
-    def check_files(self) -> None: ...
-
-
-class _FileCheck:
-    """Every file of the golden checked (`vd.store.read.Golden.check_files`) on a thread of its own, off the
-    step's path: while the model loads, or beside the run when the model is given. (On CUDA, where the
-    golden is read ahead, the `vd.store.prefetch.Prefetcher` hashes the files instead, a unit a file, in the
-    time the GPU leaves idle.)"""
-
-    def __init__(self, golden: Golden):
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-        self.thread = threading.Thread(target=self._run, args=(golden,), name="vd-file-check", daemon=True)
-        self.thread.start()
-
-    def _run(self, golden: Golden) -> None:
-        t = time.perf_counter()
-        try:
-            golden.check_files()
-        except BaseException as e:  # handed to the replay's thread by `check_files`
-            self.error = e
-        self.seconds = time.perf_counter() - t
-
-    def check_files(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 @dataclass(frozen=True, slots=True)
 class Opened:
     """The golden (its metadata read and checked), the verify widths to replay and the policy to judge by."""
@@ -127,12 +99,13 @@ class Opened:
     golden: Golden
     ks: tuple[int, ...]
     policy: Policy
+    reader: Prefetcher | None = None  # started by `open_for_replay`: the golden read and hashed beside the caller
 
 
 @dataclass(frozen=True, slots=True)
 class Session:
     """Everything a replay's runs share: the golden, what was asked, the model and its forwards, the golden's
-    reader and its files' check, the candidate writer (None unless asked for), progress and the clock; and
+    reader (which also checks its files), the candidate writer (None unless asked for), progress and the clock; and
     what the report says of the setup (``notes``, the recording's environment and determinism)."""
 
     golden: Golden
@@ -143,7 +116,6 @@ class Session:
     forwards: tuple[str, ...]
     offered: Mapping[str, str]
     reader: Prefetcher
-    files: FilesCheck
     candidate: CandidateWriter | None
     progress: Progress
     clock: Clock
@@ -205,15 +177,17 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
     artifacts = _artifacts(g, s)  # before anything compiles
     if model is None:
         progress.phase("loading model", 0)
-        reader, model = clock.timed("load", lambda: _load_model(g, s))
+        reader, model = clock.timed("load", lambda: _load_model(opened, s, clock))
     else:
-        reader = Prefetcher(g, model.device, files=True)
-    files = reader if reader.hashing else _FileCheck(g)
+        reader = opened.reader or _reader(g, model.device)
     try:
+        t_fp = time.perf_counter()
+        _ = model.identity().fingerprint  # computed once (a model keeps it): timed apart, checked in _forwards
+        clock.within["fingerprint"] = time.perf_counter() - t_fp
         forwards, offered, notes = _forwards(g, model, s)
         candidate = CandidateWriter(s.save_candidate, g) if s.save_candidate is not None else None
     except GoldenError:
-        files.check_files()  # a damaged file, named, before whatever it broke
+        reader.check_files()  # a damaged file, named, before whatever it broke
         raise
     clock.phases["setup"] = time.perf_counter() - t - clock.phases["load"]
     asked = BatchPlan(s.batch, s.slot, s.batch_seed or 0) if s.batch is not None else None
@@ -221,7 +195,7 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
     if recorded is not None:
         notes.append(f"the golden was recorded as one member of a batch of {recorded['n']}: its runs replay it in "
                      "that batch again (the same companions and slots)")
-    return Session(g, s, opened.policy, opened.ks, model, forwards, offered, reader, files, candidate, progress,
+    return Session(g, s, opened.policy, opened.ks, model, forwards, offered, reader, candidate, progress,
                    clock, tuple(notes + artifacts), recorded_env, determinism, _batch(g, model, forwards, s, asked),
                    _batch(g, model, forwards, s, _recorded_plan(recorded)))
 
@@ -284,8 +258,24 @@ def _artifacts(g: Golden, s: ReplaySettings) -> list[str]:
             f"{about.get('torch')})"]
 
 
-def _load_model(g: Golden, s: ReplaySettings) -> tuple[Prefetcher, VerifyModel]:
-    """The golden's reader, started (on CUDA the golden is read while the weights load), and the model."""
+def open_for_replay(where: str | os.PathLike | Location, s: ReplaySettings, device: torch.device) -> Opened:
+    """Open the golden (`open_golden_for`) and start reading it for a replay on ``device``: its small arrays
+    (on CUDA) and every file's hash, on a thread (`vd.store.prefetch`). The CLI's order, where this runs while
+    the model loads; a caller holding a loaded model may open here first and hand the result to
+    `vd.replayer.replay`, whose runs then find the golden read (`Prefetcher.ready` waits for what is left)."""
+    opened = open_golden_for(where, s)
+    return dataclasses.replace(opened, reader=_reader(opened.golden, device))
+
+
+def _reader(g: Golden, device: torch.device) -> Prefetcher:
+    reader = Prefetcher(g, device, files=True)
+    reader.start_thread()
+    return reader
+
+
+def _load_model(opened: Opened, s: ReplaySettings, clock: Clock) -> tuple[Prefetcher, VerifyModel]:
+    """The golden's reader, started (the golden is read and hashed while the weights load), and the model."""
+    g = opened.golden
     spec, stored_head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
     check_forward_names(s.model or spec, list(s.forwards))  # before the model loads
     dev = s.device or g.info.device
@@ -293,8 +283,10 @@ def _load_model(g: Golden, s: ReplaySettings) -> tuple[Prefetcher, VerifyModel]:
         raise preflight.no_cuda(g.url, s.device, g.info.device, cpu_forward_hint(g.info.forward, s.forwards))
     head = s.head if s.head is not None or s.model is not None else stored_head
     device = check_device(dev)
-    reader = Prefetcher(g, device, files=True)
-    reader.start_thread()
+    reader = opened.reader or _reader(g, device)
+    t = time.perf_counter()
+    import_code(s.model or spec)
+    clock.within["model_code"] = time.perf_counter() - t
     return reader, load_model(s.model or spec, device=device, dtype=g.logical, head=head)
 
 

@@ -166,21 +166,21 @@ class TestCudaGraphedConformance(ModelConformance, DraftHeadConformance):
 
 
 def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(tiny_golden, rows_golden):
-    """On CUDA a golden's small arrays are read in units (in idle time, on the thread, or when a K is
-    judged) and its digests copied to the device on the side stream: the same side as reading in line on
+    """On CUDA a golden's small arrays are read in units (on the thread, before a run by ``ready``, or when a K
+    is judged) and its digests copied to the device on the side stream: the same side as reading in line on
     the CPU. A golden without digests has them computed from its rows."""
     import numpy as np
 
     cuda = torch.device("cuda")
     for path in (tiny_golden, rows_golden):
         inline = open_golden(path)
-        for how in ("demand", "idle", "thread"):
+        for how in ("demand", "ready", "thread"):
             p = Prefetcher(open_golden(path), cuda)
             if how == "thread":
                 p.start_thread()
-            if how == "idle":
-                while p.idle(30.0):
-                    pass
+            if how == "ready":
+                p.ready()
+                assert not p.units
             for k in (2, 3, 4):
                 side, want = p.side(k), inline.side(k)
                 assert np.array_equal(side.digests, want.digests) and side.log.same_steps(want.log)
@@ -189,30 +189,9 @@ def test_prefetched_golden_on_cuda_gives_what_reading_in_line_does(tiny_golden, 
                 assert not side.differ(got.to(cuda)).any()  # the golden's own rows do not differ on the GPU
             where = {w for w, _, _ in p.timeline}
             if path == tiny_golden:
-                assert where <= {"thread", "drain"} if how == "thread" else where == {
-                    "demand": {"drain"}, "idle": {"idle"}}[how], where
+                assert where <= {"thread", "drain"} if how == "thread" else where == {"drain"}, where
             else:
                 assert not where  # nothing is read ahead for a golden without digests
-
-
-def test_a_run_hands_its_idle_time_over_until_told_nothing_is_left():
-    """`vd.loop.run_verify` times each step with CUDA events and calls ``idle`` with what the GPU has
-    left, the first time with 0; once ``idle`` returns False it no longer times or calls it."""
-    from vd.loop import ReferenceFeed, continuation, run_verify
-
-    m = load_model("tiny-llama", device="cuda")
-    m.set_forward("graphed")
-    prompt = m.encode("a prompt")
-    greedy = continuation(m, prompt, 4 * 8 + 1)
-    calls = []
-
-    def idle(seconds):
-        calls.append(seconds)
-        return len(calls) < 3
-
-    run = run_verify(m, prompt, 4, 8, ReferenceFeed(greedy), idle=idle)
-    assert len(run.steps) == 8 and len(calls) == 3
-    assert calls[0] == 0.0 and all(c >= 0.0 for c in calls)
 
 
 def test_comparison_queued_during_the_last_step_is_the_comparison_after_the_run(tmp_path):
@@ -235,7 +214,8 @@ def test_comparison_queued_during_the_last_step_is_the_comparison_after_the_run(
     for fwd in ("graphed", "eager"):
         m.set_forward(fwd)
         queued = []
-        run = run_verify(m, g.prompt, 3, 6, ReplayFeed(log.steps, log.bootstrap), idle=p.idle,
+        p.ready()
+        run = run_verify(m, g.prompt, 3, 6, ReplayFeed(log.steps, log.bootstrap),
                          on_last=lambda r, rows, into=queued: into.append(Queued(p.side(3), r, rows)))
         assert len(queued) == 1
         a = compare_run(fwd, p.side(3), run, g.logical, policy, queued[0]).to_json()

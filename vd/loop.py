@@ -349,42 +349,6 @@ def _log(run: Run, s: int, tokens: Sequence[int], rows: torch.Tensor, na: int, c
         on_step(s)
 
 
-IDLE_SHARE = 0.8  # of the last step's GPU time, handed to ``idle`` while the next runs (`_IdleClock`)
-
-
-class _IdleClock:
-    """Hands the time the GPU stays busy with each step to ``idle`` (`run_verify`): CUDA events time each
-    step's forward, and while the next one runs, `IDLE_SHARE` of the last one's GPU time, less the time
-    issuing this one took, is offered. Stops timing once ``idle`` says nothing is left (False)."""
-
-    def __init__(self, idle: Callable[[float], bool] | None, device: torch.device):
-        self.idle, self.on = idle, idle is not None and device.type == "cuda"
-        if self.on:
-            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.stream = torch.cuda.current_stream(device)  # looked up once, not at each record()
-            self.gpu_s, self.more = 0.0, True
-
-    def started(self) -> None:
-        if self.on:
-            self.begin.record(self.stream)
-
-    def issued(self) -> None:
-        """The step's forward is issued: mark its end on the stream."""
-        if self.on:
-            self.end.record(self.stream)
-
-    def hand_over(self, t0: float) -> None:
-        """Offer what is left of the GPU's time for the step issued at ``t0``."""
-        if self.on and self.idle is not None:  # on: there is an idle
-            self.more = self.idle(IDLE_SHARE * max(0.0, self.gpu_s - (time.perf_counter() - t0)))
-
-    def finished(self) -> None:
-        """The step's result is read back (its events have passed)."""
-        if self.on:
-            self.gpu_s = self.begin.elapsed_time(self.end) / 1e3
-            self.on = self.more is not False
-
-
 def _prefill(model: VerifyModel, prompt: Sequence[int], k: int, hold: Hold | None) -> tuple[torch.Tensor, Run]:
     """Start a sequence with ``prompt``: its rows ``[P, V]`` and the run holding them, which watches the rows
     of an adapter whose class does not vouch for them (`vd.protocol.owns_rows`)."""
@@ -396,24 +360,20 @@ def _prefill(model: VerifyModel, prompt: Sequence[int], k: int, hold: Hold | Non
     return prefill, run
 
 
-def _issue(model: VerifyModel, run: Run, clock: _IdleClock, tokens: Sequence[int]) -> torch.Tensor:
+def _issue(model: VerifyModel, run: Run, tokens: Sequence[int]) -> torch.Tensor:
     """Issue one verify forward: its rows ``[K, V]``, refused unless the protocol's and in memory of their own."""
-    clock.started()
     rows = checked(model, tokens, model.forward(tokens))  # [K, V]
     run.own(model, rows)
     if run.returned is not None:
         run.returned.append(digest(rows))
-    clock.issued()
     return rows
 
 
-def _read_back(run: Run, clock: _IdleClock, rows: torch.Tensor, t0: float) -> list[int]:
-    """The argmax of each of a step's rows, read back to the host once the GPU's idle time is handed over; the
-    step's time since ``t0`` (its forward's issue) is logged."""
-    clock.hand_over(t0)
+def _read_back(run: Run, rows: torch.Tensor, t0: float) -> list[int]:
+    """The argmax of each of a step's rows, read back to the host; the step's time since ``t0`` (its forward's
+    issue) is logged."""
     outs = _argmax(rows)  # reads back to the host, so the forward has finished
     run.step_ms.append((time.perf_counter() - t0) * 1e3)
-    clock.finished()
     return outs
 
 
@@ -425,21 +385,18 @@ def run_verify(
     steps: int,
     feed: Feed,
     on_step: Callable[[int], None] | None = None,
-    idle: Callable[[float], bool] | None = None,
     on_last: Callable[[Run, torch.Tensor], None] | None = None,
     hold: Hold | None = None,
 ) -> Run:
     """Prefill ``prompt``, then ``steps`` verify steps of width ``k`` as ``feed`` chooses them.
 
-    ``idle(seconds)`` is offered, on CUDA, the time the GPU stays busy with each step (`_IdleClock`: a
-    replay reads its golden there). ``on_last(run, rows)`` is called once the last step's forward is issued,
+    ``on_last(run, rows)`` is called once the last step's forward is issued,
     before its result is read back, with the run so far and that step's rows (a replay queues its comparison
     behind it); the rows held then stay held (a ``hold`` lets none go after it).
     ``on_step(s)`` ticks once step ``s`` is logged. ``hold``: how many rows the run holds before it lets
     them go (`Hold`; None: it keeps every row).
     """
     prefill, run = _prefill(model, prompt, k, hold)
-    clock = _IdleClock(idle, prefill.device)
     last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
     p = 0  # generated tokens committed so far
     logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)
@@ -447,13 +404,13 @@ def run_verify(
         tokens = feed.tokens(s, last, p, k, model.vocab_size)
         assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
         t0 = time.perf_counter()
-        rows = _issue(model, run, clock, tokens)  # [K, V]
+        rows = _issue(model, run, tokens)  # [K, V]
         if logged is not None:
             _log(run, *logged, on_step)
         if on_last is not None and s == steps - 1:
             on_last(run, rows)
             run.hold = None  # what is held now is on_last's: nothing more is let go
-        outs = _read_back(run, clock, rows, t0)
+        outs = _read_back(run, rows, t0)
         computed = accepted(tokens, outs)
         na = feed.accept(s, computed)
         model.rewind(k - 1 - na)  # as a scheduler does: the rejected rows go, [last, accepted drafts] stay

@@ -4,7 +4,7 @@ Arrays vd writes (a plain numeric dtype, chunks along the first axis, default ``
 little-endian, optionally Zstd or Blosc, then CRC32C) are read straight from their keys through the
 golden's `vd.store.location.Location`: a chunk's bytes, its CRC32C checked, decoded. That is the same for
 a directory, a zip file and an object store, costs no event-loop round trip (a GPU replay reads the small
-arrays in the time its steps leave idle: `vd.store.prefetch`), and refuses a missing chunk instead of
+arrays while its model loads: `vd.store.prefetch`), and refuses a missing chunk instead of
 reading zeros as zarr 3.1 does. Any other array (a golden rewritten by another zarr tool) is read
 through zarr itself, with its chunks counted first.
 """

@@ -115,7 +115,7 @@ class Directory:
                 self._inside.add(rel)
 
     def get(self, key):
-        # What LocalStore.get does, without its event-loop round trip (a GPU replay reads in idle time).
+        # What LocalStore.get does, without its event-loop round trip (a GPU replay reads many small arrays).
         fd = self._held()
         if fd is None:
             return None

@@ -1,19 +1,19 @@
-"""A golden read beside a GPU replay without slowing it (`Prefetcher`).
+"""A golden read and checked before a replay runs (`Prefetcher`), so that nothing of it runs beside the steps.
 
 A replay compares its rows by digest, so what it needs of a golden before judging a K is small: the K's
 step log arrays (checked against the metadata's copy the run started from), the prompt array, and the
-rows' digests and statistics, the digests copied to the GPU. Read on a thread beside the run, that
-reading would take the interpreter lock from the run's own Python between its steps; read after the run,
-the GPU would wait for it. So the reading is cut into units (read one array, check the log, make the
-comparison side), and the run hands over the time the GPU stays busy with each step
-(`vd.loop.run_verify`'s ``idle``): the units expected to end within it run there, on the replay's own
-thread, each kind of unit timed to refine the expectation (a running mean over the process). While a
-replay loads its model, a thread may run units (`start_thread`); `pause` stops it before graphs are
-captured. Whatever is left when a K is judged runs then (`side`).
+rows' digests and statistics, the digests copied to the GPU; and every file is hashed against the
+golden's manifest. That work is cut into units (read one array, check the log, make the comparison side,
+hash one file). A thread runs them while the model loads (`start_thread`, the CLI's order: the golden is
+opened, read and hashed while the weights are built); `pause` stops it before graphs are captured, and
+`ready` runs whatever is left on the replay's own thread before its first run. So no unit runs while steps
+run: work beside a step, on its thread or another taking the interpreter lock between its launches, made
+small graphed steps measurably slower (issue 34: the replay ratio of the 0.5B shape went from 1.08 to
+1.14-2.39 when files were hashed in the steps' idle time).
 
-On the CPU nothing is read ahead: a thread would take the cores the model runs on, and there is no idle
-time to hand over; each K is read in the caller's thread when it is asked for. A golden without stored
-digests has its rows read and digested when a K is asked for, on either device.
+On the CPU the K's arrays are not read ahead (each K is read in the caller's thread when it is asked for:
+milliseconds, and between runs); its files are hashed by the thread all the same. A golden without
+stored digests has its rows read and digested when a K is asked for, on either device.
 """
 
 from __future__ import annotations
@@ -34,19 +34,14 @@ from vd.store.read import Golden
 from vd.store.side import GoldenSide
 from vd.streams import side_stream
 
-UNIT_S = 1e-3  # seconds a unit of a kind not timed yet is expected to take
-HASH_S_PER_BYTE = 1e-9  # a file's hash, per byte, until timed (reading and SHA-256 at 1 GB/s)
 FILES = -1  # the pseudo-K of the file-hashing units
-BIG_FILE = 1 << 18  # files of this size or more are hashed on a thread of their own (`Prefetcher._hash`)
-_EXPECT: dict[str, float] = {}  # seconds a unit of each kind took: a running mean over this process's readers
 
 
 @dataclass(slots=True)
 class _Unit:
-    kind: str  # "read", "check", "side", "hash": how long it takes is learnt per kind
+    kind: str  # "read", "check", "side", "hash"
     k: int
     fn: Callable[[], object]  # what it returns is not kept
-    nbytes: int = 0  # a hash unit's file size: its time is learnt per byte (files range from 100 B to 40 MB)
 
 
 @dataclass
@@ -58,30 +53,25 @@ class _K:
 
 
 class Prefetcher:
-    """Reads ``golden``'s K sides for a replay on ``device`` unit by unit (see the module's docstring)."""
+    """Reads ``golden``'s K sides and hashes its files for a replay on ``device`` (see the module's docstring)."""
 
     def __init__(self, golden: Golden, device: torch.device, ahead: bool | None = None, files: bool = False):
-        """``ahead``: read in units at all (default: on CUDA); a golden without stored digests never is.
-        ``files``: reading ahead, also hash every file against the golden's manifest, a unit a file, after
-        the K's units (`check_files`)."""
+        """``ahead``: read the K's arrays in units at all (default: on CUDA); a golden without stored digests
+        never is. ``files``: also hash every file against the golden's manifest, a unit a file, after the K's
+        units (`check_files`)."""
         self.golden, self.device = golden, device
         self.ks = {k: _K() for k in (*golden.groups, FILES)}
         self.ahead = ahead = (device.type == "cuda" if ahead is None else ahead) and golden.info.digested
         self.units: deque[_Unit] = deque(u for k in golden.groups for u in self._plan(k)) if ahead else deque()
-        listed = golden.manifest if ahead and files else None
+        listed = golden.manifest if files else None
         self.hashing = listed is not None
+        if listed is not None:
+            self.units.extend(_Unit("hash", FILES, partial(golden.check_file, key)) for key in listed)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
-        self.hasher: threading.Thread | None = None
-        if listed is not None:
-            big = [key for key, (size, _) in listed.items() if size >= BIG_FILE]
-            self.units.extend(_Unit("hash", FILES, partial(golden.check_file, key), size)
-                              for key, (size, _) in listed.items() if size < BIG_FILE)
-            if big:
-                self.hasher = threading.Thread(target=self._hash, args=(big,), name="vd-hash", daemon=True)
-                self.hasher.start()
-        if golden.info.digested:
+        self.thread: threading.Thread | None = None
+        if ahead:
             from vd.digest import weights
 
             weights(golden.meta["digest"]["words"], device)  # tens of ms the first time in a process
@@ -106,7 +96,7 @@ class Prefetcher:
 
     # -- who runs units ---------------------------------------------------------------------------
     def start_thread(self) -> None:
-        """Run units on a thread until they are all done or another runner stops it."""
+        """Run units on a thread until they are all done or `pause` stops it."""
         self.stop.clear()
 
         def work():
@@ -116,48 +106,33 @@ class Prefetcher:
                         return
                     self._run(self.units[0], "thread")
 
-        threading.Thread(target=work, name="vd-golden", daemon=True).start()
+        self.thread = threading.Thread(target=work, name="vd-golden", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        """Wait for the thread to run every unit (`start_thread`), as a model's load would (a benchmark
+        handing a loaded model in waits here, beside nothing, to place the reading where the CLI does)."""
+        if self.thread is not None:
+            self.thread.join()
 
     def pause(self) -> None:
-        """Stop the thread and wait out its unit: nothing of this reader touches the GPU until the next
-        `idle` or `side` (a model can capture its graphs)."""
+        """Stop the thread and wait out its unit: nothing of this reader touches the GPU until `ready` or
+        `side` (a model can capture its graphs)."""
         self.stop.set()
         with self.lock:
             pass
 
-    def idle(self, seconds: float) -> bool:
-        """The GPU is busy for about ``seconds`` more: run the units expected to end within that time, in
-        order. False once no unit is left (a run need not hand its time over any more)."""
+    def ready(self) -> None:
+        """Every unit left run now, on the caller's thread (a replay's, before its first run): after this the
+        reader does nothing more until the runs are judged. Errors are kept for `side` and `check_files`."""
         self.stop.set()
-        until = time.perf_counter() + seconds
-        if not self.lock.acquire(blocking=False):
-            return True
-        try:
-            while self.units and time.perf_counter() + self._expect(self.units[0]) <= until:
-                self._run(self.units[0], "idle")
-            return bool(self.units)
-        finally:
-            self.lock.release()
-
-    def _hash(self, keys: list[str]) -> None:
-        """The large files checked on a thread of their own: reading a file and hashing it let go of the
-        interpreter lock, so the run's thread hardly notices."""
-        for key in keys:
-            t = time.perf_counter()
-            try:
-                self.golden.check_file(key)
-            except Exception as e:
-                self.ks[FILES].error = self.ks[FILES].error or e
-                return
-            finally:
-                self.timeline.append(("hasher", "hash", time.perf_counter() - t))
+        with self.lock:
+            while self.units:
+                self._run(self.units[0], "drain")
 
     def check_files(self) -> None:
-        """The file units left run now (and the large files' thread waited for); the first damaged file found
-        raises (`vd.store.manifest`)."""
+        """The file units left run now; the first damaged file found raises (`vd.store.manifest`)."""
         self.side_units(FILES)
-        if self.hasher is not None:
-            self.hasher.join()
         error = self.ks[FILES].error
         if error is not None:
             raise error
@@ -177,17 +152,9 @@ class Prefetcher:
             raise kk.error
         return kk.side if kk.side is not None else self.golden.side(k)
 
-    @staticmethod
-    def _expect(u: _Unit) -> float:
-        """Seconds ``u`` is expected to take: its kind's running mean, per byte for a file's hash (a large
-        file is then left for after the run rather than overrunning a step's idle time)."""
-        if u.nbytes:
-            return UNIT_S + u.nbytes * _EXPECT.get("hash/byte", HASH_S_PER_BYTE)
-        return _EXPECT.get(u.kind, UNIT_S)
-
     def _run(self, u: _Unit, who: str) -> None:
-        """Run ``u`` (queued) and take it off the queue; an error is kept for the K's `side`, as reading in
-        line would raise it there, and the K's other units dropped."""
+        """Run ``u`` (queued) and take it off the queue; an error is kept for the K's `side` (or for
+        `check_files`), as reading in line would raise it there, and the K's other units dropped."""
         t = time.perf_counter()
         try:
             with torch.inference_mode():  # as the run that may call it: its tensors stay usable in both
@@ -198,18 +165,12 @@ class Prefetcher:
             self.units = deque(x for x in self.units if x.k != u.k)
         else:
             self.units.remove(u)
-        dt = time.perf_counter() - t
-        self.timeline.append((who, u.kind, dt))
-        # A running mean that one slow unit moves at most 1.6x: a unit expected to take longer than a step
-        # would run only after the run, with every unit queued behind it.
-        key, dt = ("hash/byte", max(dt - UNIT_S, 0.0) / u.nbytes) if u.nbytes else (u.kind, dt)
-        old = _EXPECT.get(key, HASH_S_PER_BYTE if u.nbytes else UNIT_S)
-        _EXPECT[key] = 0.7 * old + 0.3 * min(dt, 3 * old)
+        self.timeline.append((who, u.kind, time.perf_counter() - t))
 
     def summary(self) -> dict:
-        """Units and seconds by who ran them: the thread while the model loaded, a run's idle time, when a K
-        was judged (``drain``), or the large files' thread (``hasher``)."""
-        out = {w: {"units": 0, "seconds": 0.0} for w in ("thread", "idle", "drain", "hasher")}
+        """Units and seconds by who ran them: the thread (while the model loaded) or the replay's own thread
+        before its first run or when a K was judged (``drain``)."""
+        out = {w: {"units": 0, "seconds": 0.0} for w in ("thread", "drain")}
         for who, _, sec in self.timeline:
             out[who]["units"] += 1
             out[who]["seconds"] += sec
