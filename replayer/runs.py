@@ -9,6 +9,8 @@ session and those decode rows.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,22 +48,37 @@ class KOutcome:
 
 class KeptDecode:
     """A forward's decode rows kept as its decode run lets them go, for the verify-against-decode axis: their
-    digests and argmaxes on the run's device, the rows on the host (read back for the pairs that differ)."""
+    digests and argmaxes on the run's device; the rows themselves in a temporary file (read back for the pairs
+    that differ). In memory they grew a 256-step replay by 100 MB (S x max K rows), where the file keeps the
+    process's memory flat in steps; the file goes when the rows do."""
 
     def __init__(self):
         self.digests: list[torch.Tensor] = []
         self.argmax: list[torch.Tensor] = []
-        self.host: list[np.ndarray] = []
+        self.file = tempfile.TemporaryFile(prefix="vd-decode-rows-")
+        self.n, self.width, self.dtype = 0, 0, np.dtype(np.int16)
 
     def observe(self, kind: str, start: int, rows: torch.Tensor) -> None:
         if kind == "verify":
             self.digests.append(digest(rows))
             self.argmax.append(stats_tensor(rows)[0].to(torch.int64))
-            self.host.append(int_bits(to_storage(rows)))
+            bits = np.ascontiguousarray(int_bits(to_storage(rows)))
+            self.n, self.width, self.dtype = self.n + bits.shape[0], bits.shape[1], bits.dtype
+            self.file.write(bits.tobytes())
+
+    def rows(self, idx: np.ndarray) -> torch.Tensor:
+        """Rows ``idx`` (storage bits ``[len(idx), V]``), read back from the file."""
+        self.file.flush()
+        size = self.width * self.dtype.itemsize
+        out = np.empty((len(idx), self.width), self.dtype)
+        for j, i in enumerate(np.asarray(idx).tolist()):
+            if not 0 <= i < self.n:
+                raise IndexError(f"decode row {i} of {self.n}")
+            out[j] = np.frombuffer(os.pread(self.file.fileno(), size, i * size), self.dtype)
+        return torch.from_numpy(out)
 
     def result(self) -> DecodeRows:
-        host = np.concatenate(self.host) if self.host else np.zeros((0, 0), np.int16)
-        return DecodeRows(torch.cat(self.digests), torch.cat(self.argmax), lambda idx: torch.from_numpy(host[idx]))
+        return DecodeRows(torch.cat(self.digests), torch.cat(self.argmax), self.rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +238,8 @@ def _forward(s: Session, k: int, name: str, steps: list[Step],
     g = s.golden
     # A reference replay decodes one token at a time only where the golden stores decode rows.
     prepare(s.model, len(g.prompt), g.info.steps, g.ks, decode=g.info.drafted or g.decoded)
+    s.reader.ready()  # what is left of the golden's reading and hashing, before the run: none of it beside a step
+    s.reader.check_files()  # a damaged file, named, before a run it would be judged by
     s.clock.phases["prepare"] += time.perf_counter() - t
     return _execute(s, k, steps, name, s.clock, keep=s.candidate is not None, observe=observe)
 
@@ -247,9 +266,9 @@ def _execute(s: Session, k: int, steps: list[Step], variant: str, clock: Clock, 
     log, n = g.log(k), g.layout(k).steps
     feed = ReplayFeed(steps, log.bootstrap, log.decoded)
     run = run_verify(model, g.prompt, k, n, DrafterFeed(k, n, feed) if g.info.drafted_at(k) else feed,
-                     on_step=s.progress.step, idle=reader.idle, on_last=on_last, hold=hold)
+                     on_step=s.progress.step, on_last=on_last, hold=hold)
     t2 = time.perf_counter()
-    side = reader.side(k)  # made in the run's idle time on CUDA
+    side = reader.side(k)  # made before the run on CUDA (`Prefetcher.ready`)
     t3 = time.perf_counter()
     c = compare_run(variant, side, run, g.logical, s.policy, queued[0] if queued else None, measurer)
     for name, dt in (("run", t2 - t1), ("wait_golden", t3 - t2), ("compare", time.perf_counter() - t3)):
