@@ -34,6 +34,7 @@ from figures import load_average, provenance, spread
 from vd import env
 from vd.models import load_model
 from vd.store import open_golden
+from vd.store.format import DECODE_K
 
 
 def run(args: list[str], cache: Path) -> dict:
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="replays measured for start-up")
     ap.add_argument("--device", default="cpu", help="where the model runs (cuda: an H200's start-up, say)")
     ap.add_argument("--forward", default=None, help="the forward to record with (default: the model's)")
+    ap.add_argument("--prompt", default=None, help="the prompt to record (default: vd's)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vd-bench-process-"))
@@ -73,7 +75,7 @@ def main() -> None:
     for steps in [int(s) for s in a.steps.split(",")]:
         golden = work / f"g{steps}.zarr"
         how = ["--model", a.model, "--steps", str(steps), "--device", a.device,
-               *(["--forward", a.forward] if a.forward else [])]
+               *(["--forward", a.forward] if a.forward else []), *(["--prompt", a.prompt] if a.prompt else [])]
         rec = run(["record", str(golden), *how], cache)
         if "first_conversion" not in result:
             result["first_conversion"] = rec  # the first process converted the GGUF into the cache
@@ -101,8 +103,8 @@ def main() -> None:
         starts.append({**json.loads(report.read_text())["timing"], "wall_s": p["wall_s"]})
         print(f"replay {i}: first step {starts[-1]['first_step']:.2f} s after start", flush=True)
     result["startup"] = {"samples": starts,
-                         **{k: spread([s[k] for s in starts]) for k in ("first_step", "load", "setup", "prepare",
-                                                                        "wall_s")},
+                         **{k: spread([s[k] for s in starts]) for k in ("first_step", "started", "load", "model_code",
+                                                                        "setup", "fingerprint", "prepare", "wall_s")},
                          "setup_and_prepare": spread([s["setup"] + s["prepare"] for s in starts])}
     result["startup"]["imports_s"] = imports()
     result["load_after"] = load_average()
@@ -114,14 +116,21 @@ _MODEL: list = []
 
 
 def bare_s(golden: Path, a) -> float:
-    """Seconds this process takes to run ``golden``'s steps (every K) as a bare loop of the same forward: what
-    a replay's ``run`` costs without vd, so its time per step can be told from the model's."""
+    """Seconds this process takes to run ``golden``'s model calls (its one-token decodes, then every K's verify
+    steps) as a bare loop of the same forward: what a replay's ``run`` costs without vd, so its time per step
+    can be told from the model's."""
     if not _MODEL:
         _MODEL.append(load_model(a.model, device=a.device))
     model, g = _MODEL[0], open_golden(golden)
     model.set_forward(a.forward or g.info.forward)
     prompt = g.prompt
     t = time.perf_counter()
+    if g.decoded:  # the golden's one-token decodes, as its replay runs them first
+        with torch.inference_mode():
+            model.reset()
+            last = int(model.forward(prompt)[-1].argmax())
+            for _ in range(g.layout(DECODE_K).steps):
+                last = int(model.forward([last])[0].argmax())
     bare_verify(model, prompt, g)
     if model.device.type == "cuda":
         torch.cuda.synchronize()

@@ -31,14 +31,15 @@ def load_average() -> list[float]:
 
 
 def commit() -> str | None:
-    """The checkout's commit (short), ``-dirty`` when tracked files differ from it; None outside a git checkout."""
+    """The checkout's commit (short), ``-dirty`` when tracked files differ from it; outside a git checkout (a
+    lent GPU machine gets the working tree without .git) ``VD_COMMIT`` as the caller set it, else None."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     try:
         head = git("rev-parse", "--short", "HEAD")
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("VD_COMMIT") or None
 
 
 def cpu_model() -> str:

@@ -379,6 +379,18 @@ def render_bench_verify(d: dict) -> str:
             f"{mmm(d['ratio'], 3)}, {d['extra_s']['median']:.2f} s more (median).")
 
 
+def render_gpu_tests(d: dict | None) -> str:
+    if d is None:
+        return "The GPU tests have not been run with `tools/gpu_tests.py` yet."
+    counts = ", ".join(f"{d[n]} {n}" for n in ("passed", "failed", "skipped") if d.get(n))
+    lines = [f"Last GPU run ({d.get('gpu') or NOT_RECORDED}, {when(d.get('date'))}, commit {commit_of(d)}, "
+             f"`{d['command']}`): **{counts}** (`{d.get('summary', '')}`)."]
+    lines += [f"- failed: `{f['test']}`" + (f": {f['message'][0]}" if f.get("message") else "")
+              for f in d.get("failures", [])]
+    lines += [f"- skipped: `{x['test']}`: {x['reason']}" for x in d.get("skips", [])]
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of the README: the file its figures come from and how they are written."""
@@ -392,6 +404,7 @@ BLOCKS = {
     "test_time": Block("tools/test_time.json", render_test_time, optional=True),
     "startup": Block("tools/bench_process.json", render_startup),
     "bench_gpu": Block("tools/bench_gpu.json", render_bench_gpu),
+    "gpu_tests": Block("tools/h200/gpu_tests.json", render_gpu_tests, optional=True),
     "bench_codec": Block("tools/bench_codec.json", render_bench_codec),
     "bench_codec_8b": Block("tools/h200/bench_codec_8b.json", render_bench_codec),
     "golden_size": Block("tools/bench_cpu.json", render_golden_size),

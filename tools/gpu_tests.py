@@ -1,0 +1,74 @@
+"""Run the GPU tests and keep their outcome where the README reads it (`tools/readme_figures.py`):
+
+    python3 tools/gpu_tests.py --out tools/h200/gpu_tests.json [-- PYTEST ARGS]
+
+Runs ``python3 -m pytest -m gpu`` (plus any arguments after ``--``) with a JUnit XML report, and writes the
+counts (passed, failed, skipped, deselected), each failure's test id and first line, each skip's reason, the
+GPU, the commit and the command. Exits with pytest's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from figures import ROOT, provenance
+
+
+def outcomes(junit: Path) -> dict:
+    """Counts and the failures' and skips' ids and first lines, from a JUnit XML report."""
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert suite is not None, f"{junit} holds no testsuite"
+    out: dict = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skips": []}
+    for case in suite.iter("testcase"):
+        tid = f"{case.get('classname')}::{case.get('name')}"
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skip = case.find("skipped")
+        if bad is not None:
+            out["failed"] += 1
+            out["failures"].append({"test": tid, "message": (bad.get("message") or "").splitlines()[:1]})
+        elif skip is not None:
+            out["skipped"] += 1
+            out["skips"].append({"test": tid, "reason": skip.get("message") or ""})
+        else:
+            out["passed"] += 1
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("pytest_args", nargs="*")
+    a = ap.parse_args()
+    junit = Path(tempfile.mkdtemp(prefix="vd-gpu-tests-")) / "junit.xml"
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={junit}",
+            *a.pytest_args]
+    started = provenance()
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    tail = done.stdout.strip().splitlines()[-1:] or [""]
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001  the summary is kept whatever torch says
+        gpu = None
+    result = {"command": "python3 tools/gpu_tests.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+              "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **started, "gpu": gpu,
+              "exit": done.returncode, "summary": tail[0],
+              **(outcomes(junit) if junit.exists() else {"error": done.stderr[-2000:]})}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(done.stdout[-4000:])
+    sys.exit(done.returncode)
+
+
+if __name__ == "__main__":
+    main()
