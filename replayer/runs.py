@@ -21,8 +21,8 @@ import torch
 from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
 from vd.digest import digest, stats_tensor
-from vd.dtypes import int_bits, to_storage
-from vd.equivalence import Accumulator, DecodeRows, Equivalence, decode_map, of_golden
+from vd.dtypes import int_bits, int_view, to_storage
+from vd.equivalence import Accumulator, DecodeRows, Equivalence, decode_map
 from vd.layout import Step
 from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, run_verify
 from vd.protocol import VerifyModel
@@ -31,7 +31,7 @@ from vd.replayer.comparison import Comparison
 from vd.replayer.judge import Queued, compare_run
 from vd.replayer.measure import Measurer
 from vd.replayer.report import BatchAxis, Control, EquivalenceAxis, FailureRows, Judged, KResult, Reason, Timing
-from vd.replayer.session import Clock, Session
+from vd.replayer.session import OWN_EQUIVALENCE, Clock, Session
 from vd.store.format import DECODE_K
 from vd.store.side import GoldenSide
 
@@ -48,26 +48,40 @@ class KOutcome:
 
 class KeptDecode:
     """A forward's decode rows kept as its decode run lets them go, for the verify-against-decode axis: their
-    digests and argmaxes on the run's device; the rows themselves in a temporary file (read back for the pairs
-    that differ). In memory they grew a 256-step replay by 100 MB (S x max K rows), where the file keeps the
-    process's memory flat in steps; the file goes when the rows do."""
+    digests and argmaxes on the run's device, and the rows, read back for the pairs that differ. On a GPU the
+    rows stay there (no copy either way; 16 MB for 16 steps of the 8B shape); on the CPU they go to a temporary
+    file, where in memory they grew a 256-step replay by 100 MB (S x max K rows): the process's memory stays
+    flat in steps, and the file goes when the rows do."""
 
     def __init__(self):
         self.digests: list[torch.Tensor] = []
         self.argmax: list[torch.Tensor] = []
-        self.file = tempfile.TemporaryFile(prefix="vd-decode-rows-")
+        self.device_rows: list[torch.Tensor] = []
+        self.file = None
         self.n, self.width, self.dtype = 0, 0, np.dtype(np.int16)
 
     def observe(self, kind: str, start: int, rows: torch.Tensor) -> None:
-        if kind == "verify":
-            self.digests.append(digest(rows))
-            self.argmax.append(stats_tensor(rows)[0].to(torch.int64))
-            bits = np.ascontiguousarray(int_bits(to_storage(rows)))
-            self.n, self.width, self.dtype = self.n + bits.shape[0], bits.shape[1], bits.dtype
-            self.file.write(bits.tobytes())
+        if kind != "verify":
+            return
+        self.digests.append(digest(rows))
+        self.argmax.append(stats_tensor(rows)[0].to(torch.int64))
+        if rows.device.type != "cpu":
+            self.device_rows.append(rows)  # a run's rows are its own (`vd.loop.Run.own`): kept as they are
+            return
+        bits = np.ascontiguousarray(int_bits(to_storage(rows)))
+        if self.file is None:
+            self.file = tempfile.TemporaryFile(prefix="vd-decode-rows-")
+        self.n, self.width, self.dtype = self.n + bits.shape[0], bits.shape[1], bits.dtype
+        self.file.write(bits.tobytes())
 
     def rows(self, idx: np.ndarray) -> torch.Tensor:
-        """Rows ``idx`` (storage bits ``[len(idx), V]``), read back from the file."""
+        """Rows ``idx``: on the GPU as computed, on the CPU their storage bits ``[len(idx), V]`` read back."""
+        if self.device_rows:
+            if len(self.device_rows) > 1:
+                self.device_rows = [torch.cat(self.device_rows)]
+            kept = self.device_rows[0]
+            return int_view(kept[torch.from_numpy(np.asarray(idx)).to(kept.device)])
+        assert self.file is not None, "no decode rows were kept"
         self.file.flush()
         size = self.width * self.dtype.itemsize
         out = np.empty((len(idx), self.width), self.dtype)
@@ -168,8 +182,8 @@ def _accumulator(s: Session, k: int, decode: DecodeRows | None) -> _Observed | N
 def _axis(s: Session, k: int, equivalent: list[tuple[str, Equivalence]]) -> EquivalenceAxis | None:
     """K's verify-against-decode axis: the golden's own (from its stored digests, rows read only where a pair
     differs) and each forward's; None where the golden stores no decode rows."""
-    own = of_golden(s.golden, k, s.policy.equivalence)
-    if own is None:
+    own = s.reader.value(k, OWN_EQUIVALENCE) if s.golden.decoded else None  # read with the golden (`set_up`)
+    if not isinstance(own, Equivalence):
         return None
     return EquivalenceAxis(own, tuple(equivalent), s.settings.decode_forward)
 

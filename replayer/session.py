@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from vd import env, preflight, protocol
 from vd.batch import BatchPlan, BatchView, batched
 from vd.dtypes import of_torch
+from vd.equivalence import of_golden
 from vd.errors import GoldenCorruptError, GoldenError, ModelMismatchError, UsageError
 from vd.loop import generated
 from vd.models import check_device, check_forward_names, import_code, load_model, require_forwards
@@ -179,7 +181,7 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
         progress.phase("loading model", 0)
         reader, model = clock.timed("load", lambda: _load_model(opened, s, clock))
     else:
-        reader = opened.reader or _reader(g, model.device)
+        reader = opened.reader or _reader(opened, model.device)
     try:
         t_fp = time.perf_counter()
         _ = model.identity().fingerprint  # computed once (a model keeps it): timed apart, checked in _forwards
@@ -264,11 +266,21 @@ def open_for_replay(where: str | os.PathLike | Location, s: ReplaySettings, devi
     the model loads; a caller holding a loaded model may open here first and hand the result to
     `vd.replayer.replay`, whose runs then find the golden read (`Prefetcher.ready` waits for what is left)."""
     opened = open_golden_for(where, s)
-    return dataclasses.replace(opened, reader=_reader(opened.golden, device))
+    return dataclasses.replace(opened, reader=_reader(opened, device))
 
 
-def _reader(g: Golden, device: torch.device) -> Prefetcher:
+OWN_EQUIVALENCE = "own equivalence"  # the reader's unit: the golden's verify rows against its decode rows
+
+
+def _reader(opened: Opened, device: torch.device) -> Prefetcher:
+    """The golden's reader, started: its arrays, every file's hash, and at each K the golden's own verify rows
+    against its decode rows (`vd.equivalence.of_golden`: where they differ, rows read and decoded), all
+    derived from the golden alone, so read with it rather than after the runs."""
+    g = opened.golden
     reader = Prefetcher(g, device, files=True)
+    if g.decoded:
+        for k in opened.ks:
+            reader.add(OWN_EQUIVALENCE, k, partial(of_golden, g, k, opened.policy.equivalence))
     reader.start_thread()
     return reader
 
@@ -283,7 +295,7 @@ def _load_model(opened: Opened, s: ReplaySettings, clock: Clock) -> tuple[Prefet
         raise preflight.no_cuda(g.url, s.device, g.info.device, cpu_forward_hint(g.info.forward, s.forwards))
     head = s.head if s.head is not None or s.model is not None else stored_head
     device = check_device(dev)
-    reader = opened.reader or _reader(g, device)
+    reader = opened.reader or _reader(opened, device)
     t = time.perf_counter()
     import_code(s.model or spec)
     clock.within["model_code"] = time.perf_counter() - t

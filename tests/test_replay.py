@@ -44,10 +44,11 @@ def test_replay_reads_rows_only_where_digests_differ(tiny_copy, tiny_model, read
     assert reads == []
     edit_rows(tiny_copy, 2, "verify", lambda r: r.__setitem__((2, 7), r[2, 7] ^ 1))  # step 1, row 0
     r = replay(tiny_copy, ReplaySettings(control=False), model=tiny_model)
-    # The differing row to measure it, then step 1's rows for the first-divergence bundle; then, for the golden's
-    # own verify-vs-decode axis, that row and its decode row (decode step 2), whose digests now differ.
-    assert r.verdict == "FAIL" and reads == [(2, "verify", [2]), (2, "verify", [2, 3]), (2, "verify", [2]),
-                                             (1, "verify", [2])]
+    # Read with the golden, before the runs: for its own verify-vs-decode axis, that row and its decode row (decode
+    # step 2), whose digests now differ; then the differing row to measure it, and step 1's rows for the
+    # first-divergence bundle.
+    assert r.verdict == "FAIL" and reads == [(2, "verify", [2]), (1, "verify", [2]), (2, "verify", [2]),
+                                             (2, "verify", [2, 3])]
     c = r.verify[0].comparisons[0].comparison
     assert c.mismatched_step_list == (1,) and c.first_mismatch.index == 7
     reads.clear()

@@ -39,7 +39,7 @@ FILES = -1  # the pseudo-K of the file-hashing units
 
 @dataclass(slots=True)
 class _Unit:
-    kind: str  # "read", "check", "side", "hash"
+    kind: str  # "read", "check", "side", "hash", or the name of a unit `Prefetcher.add` queued
     k: int
     fn: Callable[[], object]  # what it returns is not kept
 
@@ -50,6 +50,7 @@ class _K:
     log: StepLog | None = None  # the step log read from ``arrays``, checked
     side: GoldenSide | None = None
     error: BaseException | None = None
+    values: dict[str, object] = field(default_factory=dict)  # what units added by `add` computed
 
 
 class Prefetcher:
@@ -93,6 +94,23 @@ class Prefetcher:
         side = self.golden.side(k, kk.log, (kk.arrays["digests"], kk.arrays["stats"]))
         side.prepare(self.device, side_stream(self.device) if self.device.type == "cuda" else None)
         self.ks[k].side = side
+
+    def add(self, name: str, k: int, fn: Callable[[], object]) -> None:
+        """One more unit of K's reading: ``fn()`` (something a replay derives from the golden alone, such as
+        its own verify-against-decode figures), run after the units queued so far, its value kept for
+        `value`; an error it raises is K's, as `side` raises it."""
+        self.units.append(_Unit(name, k, partial(self._keep, k, name, fn)))
+
+    def _keep(self, k: int, name: str, fn: Callable[[], object]) -> None:
+        self.ks[k].values[name] = fn()
+
+    def value(self, k: int, name: str) -> object:
+        """What unit ``name`` of K computed (run now if it has not run yet)."""
+        self.side_units(k)
+        kk = self.ks[k]
+        if kk.error is not None:
+            raise kk.error
+        return kk.values[name]
 
     # -- who runs units ---------------------------------------------------------------------------
     def start_thread(self) -> None:
