@@ -147,7 +147,7 @@ def check_pin(g: Golden, pin: str | None) -> None:
 
 def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> Opened:
     """Open the golden (its metadata only) and check what the settings ask of it."""
-    g = open_golden(where, rows=s.rows)
+    g = open_golden(where, rows=s.rows, sizes=False)  # the files' listing is checked by the reader (`_reader`)
     preflight.check_threads(s.threads)
     ks = tuple(s.ks) or tuple(g.ks)
     preflight.check_widths(g.url, ks, g.ks)

@@ -23,8 +23,8 @@ def _same_side(a, b) -> None:
 
 def test_ready_runs_every_unit_and_gives_what_reading_in_line_does(tiny_golden):
     p = Prefetcher(open_golden(tiny_golden), CPU, ahead=True, files=True)
-    hashes = len(open_golden(tiny_golden).manifest)
-    assert len(p.units) == 4 * 7 + hashes  # 7 units per group (three K's and the decode group), a file each
+    hashes = len(open_golden(tiny_golden).manifest) + 1  # a unit a file, and the files' listing first
+    assert len(p.units) == 4 * 7 + hashes and p.units[0].kind == "sizes"  # 7 units per group (3 K's and decode)
     p.ready()  # as a replay does before its first run
     assert not p.units and p.summary()["drain"]["units"] == len(p.timeline) == 4 * 7 + hashes
     p.check_files()
@@ -87,7 +87,7 @@ def test_files_are_hashed_by_the_thread_and_a_damaged_one_raises_at_check_files(
     if damaged:
         flip_byte(tiny_copy / big)
     p = Prefetcher(open_golden(tiny_copy), CPU, files=True)  # the CPU: files only, the K's read when asked
-    assert [u.kind for u in p.units] == ["hash"] * len(golden.manifest)
+    assert [u.kind for u in p.units] == ["sizes"] + ["hash"] * len(golden.manifest)
     p.start_thread()
     deadline = time.monotonic() + 30
     while p.units and time.monotonic() < deadline:
@@ -97,4 +97,4 @@ def test_files_are_hashed_by_the_thread_and_a_damaged_one_raises_at_check_files(
             p.check_files()
     else:
         p.check_files()
-        assert p.summary()["thread"]["units"] == len(golden.manifest) and not p.units
+        assert p.summary()["thread"]["units"] == len(golden.manifest) + 1 and not p.units

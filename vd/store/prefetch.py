@@ -66,7 +66,8 @@ class Prefetcher:
         self.units: deque[_Unit] = deque(u for k in golden.groups for u in self._plan(k)) if ahead else deque()
         listed = golden.manifest if files else None
         self.hashing = listed is not None
-        if listed is not None:
+        if listed is not None:  # each file's hash after the K's units; the listing first of all (what `open_golden`
+            self.units.appendleft(_Unit("sizes", FILES, golden.check_sizes))  # checks unless a replay defers it)
             self.units.extend(_Unit("hash", FILES, partial(golden.check_file, key)) for key in listed)
         self.lock = threading.Lock()
         self.stop = threading.Event()

@@ -276,6 +276,12 @@ class Golden:
             else:
                 self.verify_rows(k)
 
+    def check_sizes(self) -> None:
+        """Every file the manifest lists there at its size, and no other (`vd.store.manifest.check_sizes`): what
+        `open_golden` checks unless told not to (a replay's reader checks it first, while the model loads)."""
+        if self.manifest is not None:
+            manifest.check_sizes(self.location.sizes(), self.manifest, self.url)
+
     def check_file(self, key: str) -> None:
         """One file of the manifest read and checked against its size and hash (one it does not list: refused)."""
         listed = None if self.manifest is None else self.manifest.get(key)
@@ -335,9 +341,12 @@ def _run_meta(location: Location, url: str) -> Mapping:
     return run
 
 
-def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike | None = None) -> Golden:
+def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike | None = None,
+                sizes: bool = True) -> Golden:
     """Open the golden at ``where`` (a directory, a ``.zip`` file or an ``s3://`` URL) and check its metadata;
-    raise a `vd.errors.GoldenError` subclass naming what is wrong. Only the root ``zarr.json`` is read here.
+    raise a `vd.errors.GoldenError` subclass naming what is wrong. Only the root ``zarr.json`` is read here, and
+    (``sizes``) the listing of its files checked against the manifest (`Golden.check_sizes`: a missing or
+    truncated file, before any model; a replay leaves it to its reader, which checks it while the model loads).
     ``rows``: for a slim golden, the full golden to read its rows from (`Golden.with_rows`)."""
     location = where if isinstance(where, Location) else locate(where)
     url = location.url
@@ -357,7 +366,8 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
     listed = None
     if info.version >= F.MANIFEST_SINCE:
         listed = manifest.check_meta(meta, url)  # the metadata as written, hashed to the golden's ID
-        manifest.check_sizes(location.sizes(), listed, url)  # a missing or truncated file, before any model
+        if sizes:
+            manifest.check_sizes(location.sizes(), listed, url)  # a missing or truncated file, before any model
     if info.version >= F.VOLATILE_SINCE:
         meta = F.join_volatile(meta, _run_meta(location, url))
     tokens = meta.get("prompt_tokens")
