@@ -270,9 +270,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     runner = _runner(model, settings, forward, tokens)
     # The writer never works beside a run: it writes what each run lets go, before the next starts.
     with GoldenWriter(location, refresh=refresh) as writer:
-        t = time.perf_counter()
-        greedy = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress)
-        seconds["continuation"] = time.perf_counter() - t
+        greedy = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, seconds)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         result = RecordResult(None, {}, [], {}, seconds)
         points = _record_ks(runner, model, forward, writer, tokens, greedy, settings, progress, result)
@@ -295,11 +293,13 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         writer.journal.close(remove=True)  # published: nothing left to resume
     seconds["write"] = time.perf_counter() - t
     result.location = location
+    t = time.perf_counter()
     stored = open_golden(location)
     try:
         result.equivalence = {k: e for k in settings.ks if (e := of_golden(stored, k)) is not None}
     finally:
         stored.close()
+    seconds["equivalence"] = time.perf_counter() - t  # the golden's own verify-vs-decode figures, read back
     return result
 
 
@@ -308,7 +308,8 @@ def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: Go
     """Every K's run (`_record_k`) and, with ``--trace``, its traced pass (`vd.tracing.trace_k`); the traced
     points (none without ``--trace``)."""
     seconds = result.seconds
-    seconds["verify"] = seconds["store"] = 0.0
+    seconds["verify"] = 0.0
+    seconds.setdefault("store", 0.0)
     points: list = []
     for k in settings.ks:
         progress.phase(f"recording K={k}", settings.steps)
@@ -362,20 +363,24 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
     return model
 
 
-def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], steps: int, progress: Progress
-                   ) -> list[int]:
+def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], steps: int, progress: Progress,
+                   seconds: dict[str, float]) -> list[int]:
     """The greedy continuation by one-token decode: a run at K = 1 (each step verifies the token the last one
     chose, accepting nothing, as plain decode does), its rows written to ``writer`` as the decode group
-    (`vd.store.format.DECODE_K`); the continuation's ``steps + 1`` tokens."""
+    (`vd.store.format.DECODE_K`); the continuation's ``steps + 1`` tokens. Its run's seconds into
+    ``seconds["continuation"]``, the writes after it into ``seconds["store"]``."""
+    t = time.perf_counter()
     progress.phase("greedy continuation", steps)
     layout = RowLayout(len(tokens), steps, F.DECODE_K)
     settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype))
     run = run_verify(model, tokens, F.DECODE_K, steps, ReferenceFeed([]), on_step=progress.step,
                      hold=Hold(hold_bytes(model.device), settled.add),
                      on_last=settled.queue if model.device.type == "cuda" else None)
+    t, seconds["continuation"] = time.perf_counter(), time.perf_counter() - t
     greedy = [*run.committed(), run.last]
     log, summary, _ = _finished(run, True, settled)
     settled.rows.finish(log, summary, None)
+    seconds["store"] = seconds.get("store", 0.0) + time.perf_counter() - t
     return greedy
 
 

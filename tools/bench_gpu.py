@@ -14,11 +14,12 @@ noise as much as vd's cost.
 * ``step_ms``: median verify step (CUDA events around one ``forward`` of K tokens).
 * ``floor_ms``: the model's weight bytes over the device-to-device copy bandwidth measured here
   (bytes read plus written per second): a verify step must stream every weight once.
-* ``record_ratio``: `vd.recorder.record` without the store's tail (the greedy continuation, the writer
+* ``record_ratio``: `vd.recorder.record` without the store's work (the greedy continuation's run, the writer
   opened, the K run with its rows held on the GPU and summarised behind its last step) over the bare decode
-  plus verify loop; ``record_tail_ms`` the store's tail after the run (the rows it held written: bounded by
-  `vd.loop.hold_bytes`, then the publish: metadata, manifest, the golden put in place), and
-  ``record_total_ratio`` both over the bare loop.
+  plus verify loop; ``record_tail_ms`` the store's work after each run (the decode rows written after the
+  continuation's run, each K's rows after its run: bounded by `vd.loop.hold_bytes`; then the publish:
+  metadata, manifest, the golden put in place; then the golden's own verify-vs-decode figures read back
+  from it), and ``record_total_ratio`` both over the bare loop.
 * ``replay_ratio``: `vd.replayer.replay` without the detection control over a bare loop of the same model
   calls (the golden's one-token decodes, then its verify steps). Timed: opening the golden
   (`vd.replayer.open_for_replay`), the setup, the decode and verify runs, the comparison by row digests on
@@ -122,7 +123,7 @@ def bare_verify(model, prompt, steps, timed: bool = False) -> tuple[float, list[
     return time.perf_counter() - t0, step_ms
 
 
-def timed_replay(path: Path, settings: ReplaySettings, model) -> tuple[float, float, dict]:
+def timed_replay(path: Path, settings: ReplaySettings, model) -> tuple[float, float, float, dict]:
     """One replay as the CLI places its work: the golden opened and its reading started, the reading waited for
     untimed (the CLI's model load hides it), then the replay. (Seconds timed, the reading's seconds, the report.)"""
     sync(model.device)
@@ -134,7 +135,7 @@ def timed_replay(path: Path, settings: ReplaySettings, model) -> tuple[float, fl
     read_s = time.perf_counter() - t
     t = time.perf_counter()
     r = replay(opened, settings, model=model).to_json()
-    return opened_s + time.perf_counter() - t, read_s, r
+    return opened_s + time.perf_counter() - t, opened_s, read_s, r
 
 
 def bare_replay(model, prompt, path: Path) -> float:
@@ -246,8 +247,9 @@ def main() -> None:
                     samples.setdefault(f"record_{name}_s", []).append(sec)
                 bare_s, _ = bare_verify(model, prompt, steps)
                 samples["bare_record_s"].append(bare_decode(model, prompt, args.steps * k + 1) + bare_s)
-                replay_s, read_s, r = timed_replay(path, replay_settings, model)
+                replay_s, opened_s, read_s, r = timed_replay(path, replay_settings, model)
                 samples["replay_s"].append(replay_s)
+                samples.setdefault("replay_opened_s", []).append(opened_s)
                 samples.setdefault("replay_read_s", []).append(read_s)
                 for name, sec in r["phases"].items():  # where replay's own time went
                     samples.setdefault(f"replay_{name}_s", []).append(sec)
@@ -255,7 +257,8 @@ def main() -> None:
                 samples["step_ms"].extend(bare_verify(model, prompt, steps, timed=True)[1])
             med = {n: statistics.median(v) for n, v in samples.items()}
             graphed = bool(r["graphs"] == "graphed")
-            tail_s = [a + b for a, b in zip(samples["record_store_s"], samples["record_write_s"])]
+            tail_s = [a + b + c for a, b, c in zip(samples["record_store_s"], samples["record_write_s"],
+                                                   samples["record_equivalence_s"])]
             loop_s = [a - b for a, b in zip(samples["record_s"], tail_s)]
             figures = {
                 "step_ms": spread(samples["step_ms"]),
