@@ -250,13 +250,17 @@ def agreement(r: Rows) -> Agreement | None:
     (`vd.replayer.comparison.Agreement`); None for a slim golden, whose rows are not at hand."""
     if not r.measured or not r.differ.size:
         return None
+    same_top1 = float((r.golden_argmax == r.got_argmax).mean())
+    if not r.differ.any():  # every measure of a row that does not differ is 0: the percentiles below would be too
+        return Agreement(kl_mean=0.0, kl_median=0.0, kl_p99=0.0, kl_max=0.0, same_top1=same_top1, dp_mean=0.0,
+                         dp_p1=0.0, dp_p5=0.0, dp_p50=0.0, dp_p95=0.0, dp_p99=0.0)
     kl, dp = np.nan_to_num(r.kl, nan=0.0), np.nan_to_num(r.dp, nan=0.0)
 
     def pct(a: np.ndarray, q: float) -> float:
         return float(np.percentile(a, q))
 
     return Agreement(kl_mean=float(kl.mean()), kl_median=pct(kl, 50), kl_p99=pct(kl, 99), kl_max=float(kl.max()),
-                     same_top1=float((r.golden_argmax == r.got_argmax).mean()), dp_mean=float(dp.mean()),
+                     same_top1=same_top1, dp_mean=float(dp.mean()),
                      dp_p1=pct(dp, 1), dp_p5=pct(dp, 5), dp_p50=pct(dp, 50), dp_p95=pct(dp, 95), dp_p99=pct(dp, 99))
 
 

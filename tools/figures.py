@@ -31,15 +31,19 @@ def load_average() -> list[float]:
 
 
 def commit() -> str | None:
-    """The checkout's commit (short), ``-dirty`` when tracked files differ from it; outside a git checkout (a
-    lent GPU machine gets the working tree without .git) ``VD_COMMIT`` as the caller set it, else None."""
+    """``VD_COMMIT`` where the caller set it (a lent GPU machine's copy of the working tree carries a .git that
+    is not the checkout's), else the checkout's commit (short), ``-dirty`` when tracked files differ from it;
+    None outside a git checkout."""
+    if os.environ.get("VD_COMMIT"):
+        return os.environ["VD_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     try:
         head = git("rev-parse", "--short", "HEAD")
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("VD_COMMIT") or None
+        return None
 
 
 def cpu_model() -> str:

@@ -150,11 +150,11 @@ class Accumulator:
         argmax = stats_tensor(got)[0].to(torch.int64).cpu().numpy()
         ref = self.decode.argmax.cpu().numpy()[dec]
         self._count(at, same, argmax != ref)
-        if not same.all():
-            differ = np.flatnonzero(~same)
-            vals, ok, _ = measure_differing(self.decode.rows(dec[differ]).to(rows.device), got[differ], self.logical,
+        differ = np.flatnonzero(~same)
+        for part in _blocks(differ):  # a block at a time: the measures' float temporaries stay flat in steps
+            vals, ok, _ = measure_differing(self.decode.rows(dec[part]).to(rows.device), got[part], self.logical,
                                             self.spec or Spec("exact", "exact"))
-            self._measured(at[differ], vals, ok)
+            self._measured(at[part], vals, ok)
 
     def _count(self, at: np.ndarray, same: np.ndarray, flipped: np.ndarray) -> None:
         t = self.tally
@@ -193,7 +193,14 @@ def unknown(rows: int, identical: int, flips: tuple[Place, ...], first: Place | 
     return Equivalence(rows, identical, nan, nan, nan, nan, flips, first, measured=False)
 
 
-MEASURE_ROWS = 64  # pairs of a golden's rows read and measured at once (`of_golden`): 64 x 2 x 152k-vocab rows, 39 MB
+# Pairs of rows measured at once (`Accumulator.add`, `of_golden`): the measures make a handful of float32 and
+# float64 copies of each block (32 rows of a 152k vocabulary: about 20 MB each); measured a hold's worth at once
+# (16 MB of bf16 rows on the CPU) they grew a 256-step SmolLM2 replay's peak by a sixth over a 16-step one.
+MEASURE_ROWS = 32
+
+
+def _blocks(idx: np.ndarray) -> list[np.ndarray]:
+    return [idx[i:i + MEASURE_ROWS] for i in range(0, idx.size, MEASURE_ROWS)]
 
 
 def of_golden(golden: Golden, k: int, spec: Spec | None = None) -> Equivalence | None:
@@ -219,7 +226,7 @@ def of_golden(golden: Golden, k: int, spec: Spec | None = None) -> Equivalence |
     if not side.has_rows:
         r = acc.result()
         return unknown(r.rows, r.identical, r.flips, r.first)
-    for part in np.array_split(differ, -(-differ.size // MEASURE_ROWS)):  # a block at a time: memory flat in steps
+    for part in _blocks(differ):  # a block at a time: memory flat in steps
         got = torch.from_numpy(int_bits(side.host_rows("verify", at[part]))).view(DTYPES[golden.logical].torch)
         ref = torch.from_numpy(int_bits(dec_side.host_rows("verify", dec[part])))
         vals, ok, _ = measure_differing(ref, got, golden.logical, spec or Spec("exact", "exact"))

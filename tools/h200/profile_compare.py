@@ -1,0 +1,79 @@
+"""Where a GPU replay's time goes after its runs (issue 34): cProfile over the comparison and the axes of
+``--reps`` replays of a 16-step golden, the golden read beforehand as the CLI does (`open_for_replay`).
+
+    python3 tools/h200/profile_compare.py --model qwen2.5-0.5b-shape --forward graphed --out $OUT/profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkout  # noqa: F401,E402
+import torch  # noqa: E402
+
+import vd.replayer.runs as R  # noqa: E402
+from vd.loop import prepare  # noqa: E402
+from vd.models import load_model  # noqa: E402
+from vd.recorder import RecordSettings, record  # noqa: E402
+from vd.replayer import ReplaySettings, open_for_replay, replay  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-0.5b-shape")
+    ap.add_argument("--forward", default="graphed")
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    m = load_model(a.model, device=torch.device("cuda"), dtype="bfloat16")
+    m.set_forward(a.forward)
+    path = Path(tempfile.mkdtemp()) / "g.zarr"
+    prompt = "Verify."
+    prepare(m, len(m.encode(prompt)), 16, (a.k,))
+    record(path, RecordSettings(model=a.model, prompt=prompt, ks=(a.k,), steps=16, forward=a.forward,
+                                allow_thin=True), model=m)
+    st = ReplaySettings(control=False, forwards=(a.forward,))
+
+    def one():
+        o = open_for_replay(path, st, m.device)
+        o.reader.wait()
+        t = time.perf_counter()
+        r = replay(o, st, model=m)
+        j = r.to_json()
+        return time.perf_counter() - t, r, j
+
+    for _ in range(3):
+        one()
+    pr = cProfile.Profile()
+    for name in ("compare_run", "_axis"):
+        orig = getattr(R, name)
+
+        def wrapped(*args, _orig=orig, **kw):
+            pr.enable()
+            try:
+                return _orig(*args, **kw)
+            finally:
+                pr.disable()
+        setattr(R, name, wrapped)
+    lines = []
+    for _ in range(a.reps):
+        sec, r, _ = one()
+        lines.append(f"replay {sec * 1e3:.2f} ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r.phases.items() if v))
+    out = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(pr, stream=out).sort_stats(key).print_stats(35)
+    a.out.write_text("\n".join(lines) + "\n" + out.getvalue())
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
