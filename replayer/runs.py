@@ -20,7 +20,7 @@ import torch
 
 from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
-from vd.digest import digest, stats_tensor
+from vd.digest import argmax_rows, digest
 from vd.dtypes import int_bits, int_view, to_storage
 from vd.equivalence import Accumulator, DecodeRows, Equivalence, decode_map
 from vd.layout import Step
@@ -64,7 +64,7 @@ class KeptDecode:
         if kind != "verify":
             return
         self.digests.append(digest(rows))
-        self.argmax.append(stats_tensor(rows)[0].to(torch.int64))
+        self.argmax.append(argmax_rows(rows))
         if rows.device.type != "cpu":
             self.device_rows.append(rows)  # a run's rows are its own (`vd.loop.Run.own`): kept as they are
             return

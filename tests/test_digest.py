@@ -74,3 +74,22 @@ def test_summarise_in_blocks_equals_all_at_once(monkeypatch):
     parts = D.summarise({"prefill": prefill, "verify": steps})
     assert all(np.array_equal(a, b) for a, b in zip(whole, parts))
     assert parts[0].shape == (11 + 36, D.LANES)
+
+
+def test_argmax_rows_is_the_first_statistic():
+    """`argmax_rows` (what the verify-vs-decode axis needs) gives `stats_tensor`'s argmax without its other
+    statistics, for every stored dtype and with a tie (the first index)."""
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(50, 1000, generator=g) * 3).to(dt)
+        x[3, 10] = x[3, 20] = x[3].max() + 1
+        assert torch.equal(D.argmax_rows(x), D.stats_tensor(x)[0].to(torch.int64)), dt
+        assert int(D.argmax_rows(x)[3]) == 10
+
+
+def test_stats_tensor_in_blocks_is_the_whole_rows(monkeypatch):
+    """`stats_tensor` over more rows than a block holds gives what one pass over them gives."""
+    rows = (torch.randn(40, 3000, generator=torch.Generator().manual_seed(1)) * 5).to(torch.bfloat16)
+    whole = D.stats_tensor(rows)
+    monkeypatch.setattr(D, "CPU_BLOCK_BYTES", 8 * 3000 * 7)  # 7 rows a block
+    assert torch.equal(D.stats_tensor(rows), whole)

@@ -107,11 +107,21 @@ def stats_tensor(rows: torch.Tensor) -> torch.Tensor:
     """Per row of logits ``[R, V]`` (any float dtype): argmax, top-1 value, top-1/top-2 margin, largest
     |logit| and top-1 probability, as one float64 tensor ``[len(STATS), R]`` on the rows' device. A
     golden stores them for its rows (a replay's report and decision checks use them without reading the
-    rows: `vd.replayer.judge`)."""
+    rows: `vd.replayer.judge`). Computed a bounded block of rows at a time (`block_bytes`): each block makes a
+    few float32 copies of itself, which on the CPU count in the process's peak memory."""
+    block = max(1, block_bytes(rows.device) // (8 * max(1, rows.shape[1])))
+    if rows.shape[0] > block:
+        return torch.cat([stats_tensor(rows[i:i + block]) for i in range(0, rows.shape[0], block)], dim=1)
     g = rows.float()
     top = g.topk(min(2, g.shape[1]), dim=1).values
     return torch.stack([g.argmax(1).double(), top[:, 0].double(), (top[:, 0] - top[:, -1]).double(),
                         g.abs().amax(1).double(), (1.0 / torch.exp(g - top[:, :1]).sum(1)).double()])
+
+
+def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (int64, on the rows' device): `stats_tensor`'s first statistic without the others (a
+    dtype's values convert to float32 exactly, so the first largest value is the same index either way)."""
+    return rows.argmax(dim=1)
 
 
 def stats_dict(stacked: np.ndarray) -> dict[str, np.ndarray]:

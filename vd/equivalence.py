@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vd.digest import digest, stats_tensor
+from vd.digest import argmax_rows, digest
 from vd.dtypes import DTYPES, int_bits
 from vd.layout import StepLog
 from vd.policy import Spec
@@ -109,7 +109,7 @@ def decode_map(log: StepLog, prompt: int, greedy: Sequence[int], decode_steps: i
 @dataclass(slots=True)
 class DecodeRows:
     """A run's decode rows as the equivalence needs them: their digests and argmaxes on the device where the
-    verify rows are (`digest`, `vd.digest.stats_tensor`), and the rows (``rows(idx)``) for the pairs that differ."""
+    verify rows are (`digest`, `vd.digest.argmax_rows`), and the rows (``rows(idx)``) for the pairs that differ."""
 
     digests: torch.Tensor  # [D, LANES]
     argmax: torch.Tensor  # [D]
@@ -147,7 +147,7 @@ class Accumulator:
         at, dec = idx[mapped], self.mapping[idx[mapped]]
         got = rows[torch.from_numpy(at - start).to(rows.device)]
         same = (digest(got) == self.decode.digests[torch.from_numpy(dec).to(rows.device)]).all(dim=1).cpu().numpy()
-        argmax = stats_tensor(got)[0].to(torch.int64).cpu().numpy()
+        argmax = argmax_rows(got).cpu().numpy()
         ref = self.decode.argmax.cpu().numpy()[dec]
         self._count(at, same, argmax != ref)
         differ = np.flatnonzero(~same)
