@@ -31,3 +31,21 @@ def test_every_earlier_format_migrates_with_its_numbers_unchanged(tmp_path, name
     assert now.verdict == "PASS" or now.environment.numerics_differences, [x.text for x in now.reasons]
     with pytest.raises(UsageError, match="in the current format"):
         migrate(tmp_path / "new.zarr", tmp_path / "again.zarr")
+
+
+def test_a_damaged_chunk_of_a_golden_without_a_manifest_is_found_by_a_replay(tmp_path):
+    """A golden from before format 6 has no manifest to hash its files against: a replay checks its every chunk
+    and row instead (on the reader, before its first run), so a byte flipped in a row chunk that a passing
+    replay would never read still fails it, naming the chunk."""
+    import shutil
+
+    from golden_edit import flip_byte
+
+    from vd.errors import GoldenCorruptError
+
+    path = tmp_path / "v5.zarr"
+    shutil.copytree(DATA / "tiny-llama-mtp-v5.zarr", path)
+    assert open_golden(path).manifest is None
+    flip_byte(path / "k2" / "logits.lo" / "c" / "1" / "0" / "0" / "0")
+    with pytest.raises(GoldenCorruptError, match=r"k2/logits\.lo"):
+        replay(path, ReplaySettings(ks=(2,), control=False))

@@ -64,11 +64,8 @@ class Prefetcher:
         self.ks = {k: _K() for k in (*golden.groups, FILES)}
         self.ahead = ahead = (device.type == "cuda" if ahead is None else ahead) and golden.info.digested
         self.units: deque[_Unit] = deque(u for k in golden.groups for u in self._plan(k)) if ahead else deque()
-        listed = golden.manifest if files else None
-        self.hashing = listed is not None
-        if listed is not None:  # each file's hash after the K's units; the listing first of all (what `open_golden`
-            self.units.appendleft(_Unit("sizes", FILES, golden.check_sizes))  # checks unless a replay defers it)
-            self.units.extend(_Unit("hash", FILES, partial(golden.check_file, key)) for key in listed)
+        if files:
+            self._plan_files(golden)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.timeline: list[tuple[str, str, float]] = []  # (who ran it, unit kind, seconds) of every unit
@@ -77,6 +74,21 @@ class Prefetcher:
             from vd.digest import weights
 
             weights(golden.meta["digest"]["words"], device)  # tens of ms the first time in a process
+
+    def _plan_files(self, golden: Golden) -> None:
+        """The file units (`Golden.check_files`, cut a file a unit): the listing first of all (what `open_golden`
+        checks unless a replay defers it), each file's hash after the K's units; a golden without a manifest
+        (before format 6) has its every chunk and row checked instead, and a slim golden's full golden is checked
+        as `check_files` checks it."""
+        listed = golden.manifest
+        if listed is not None:
+            self.units.appendleft(_Unit("sizes", FILES, golden.check_sizes))
+            self.units.extend(_Unit("hash", FILES, partial(golden.check_file, key)) for key in listed)
+        else:
+            self.units.append(_Unit("contents", FILES, golden.check_contents))
+        source = golden.rows_source
+        if source is not None and source is not golden:
+            self.units.append(_Unit("rows source", FILES, source.check_files))
 
     def _plan(self, k: int) -> list[_Unit]:
         names = [*F.step_log_arrays(self.golden.info.version), *F.SUMMARY]
