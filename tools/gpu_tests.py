@@ -34,7 +34,8 @@ def outcomes(junit: Path) -> dict:
         skip = case.find("skipped")
         if bad is not None:
             out["failed"] += 1
-            out["failures"].append({"test": tid, "message": (bad.get("message") or "").splitlines()[:1]})
+            first = (bad.get("message") or "").splitlines()[:1]
+            out["failures"].append({"test": tid, "message": [m[:2000] for m in first]})
         elif skip is not None:
             out["skipped"] += 1
             out["skips"].append({"test": tid, "reason": skip.get("message") or ""})

@@ -379,13 +379,18 @@ def render_bench_verify(d: dict) -> str:
             f"{mmm(d['ratio'], 3)}, {d['extra_s']['median']:.2f} s more (median).")
 
 
+def _short(text: str, width: int = 160) -> str:
+    """A failure's first line, cut to ``width`` characters (an assertion may print a whole report)."""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def render_gpu_tests(d: dict | None) -> str:
     if d is None:
         return "The GPU tests have not been run with `tools/gpu_tests.py` yet."
     counts = ", ".join(f"{d[n]} {n}" for n in ("passed", "failed", "skipped") if d.get(n))
     lines = [f"Last GPU run ({d.get('gpu') or NOT_RECORDED}, {when(d.get('date'))}, commit {commit_of(d)}, "
              f"`{d['command']}`): **{counts}** (`{d.get('summary', '')}`)."]
-    lines += [f"- failed: `{f['test']}`" + (f": {f['message'][0]}" if f.get("message") else "")
+    lines += [f"- failed: `{f['test']}`" + (f": {_short(f['message'][0])}" if f.get("message") else "")
               for f in d.get("failures", [])]
     lines += [f"- skipped: `{x['test']}`: {x['reason']}" for x in d.get("skips", [])]
     return "\n".join(lines)
