@@ -171,15 +171,18 @@ def render_bench_process(d: dict) -> str:
               f"{duration(first['wall_s'])}, {first['peak_mb']:.0f} MB at its peak.")
 
 
-STARTUP_ROWS = {"first_step": ("process start to the first verify step", 2, 1, "s"),
+STARTUP_ROWS = {"first_step": ("process start to the first step", 2, 1, "s"),
+                "started": ("of which reaching the replay (Python, the CLI, torch, vd)", 2, 1, "s"),
                 "load": ("of which loading the model", 2, 1, "s"),
+                "model_code": ("of that, importing the model's code (transformers)", 2, 1, "s"),
                 "setup_and_prepare": ("of which setting up and preparing the forward", 1, 1e3, "ms"),
                 "wall_s": ("the whole `vd replay` process", 2, 1, "s")}
 
 
 def render_startup(d: dict) -> str:
     s = d["startup"]
-    rows = [[what, f"{mmm(s[k], digits, scale)} {unit}"] for k, (what, digits, scale, unit) in STARTUP_ROWS.items()]
+    rows = [[what, f"{mmm(s[k], digits, scale)} {unit}"] for k, (what, digits, scale, unit) in STARTUP_ROWS.items()
+            if k in s]  # runs before issue 34 have no started or model_code
     imports = "; ".join(f"{name} {sec:.2f} s" for name, sec in s["imports_s"].items())
     return (made(d) + f" The second and later `vd replay` of the default golden ({len(s['samples'])} processes, "
             f"converted-weights cache warm):\n\n" + table(["phase", "min / median / max"], rows)
