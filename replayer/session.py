@@ -178,8 +178,7 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
                                            os.cpu_count() or 1))
     artifacts = _artifacts(g, s)  # before anything compiles
     if model is None:
-        progress.phase("loading model", 0)
-        reader, model = clock.timed("load", lambda: _load_model(opened, s, clock))
+        reader, model = clock.timed("load", lambda: _load_model(opened, s, clock, progress))
     else:
         reader = opened.reader or _reader(opened, model.device)
     try:
@@ -285,8 +284,11 @@ def _reader(opened: Opened, device: torch.device) -> Prefetcher:
     return reader
 
 
-def _load_model(opened: Opened, s: ReplaySettings, clock: Clock) -> tuple[Prefetcher, VerifyModel]:
-    """The golden's reader, started (the golden is read and hashed while the weights load), and the model."""
+def _load_model(opened: Opened, s: ReplaySettings, clock: Clock, progress: Progress
+                ) -> tuple[Prefetcher, VerifyModel]:
+    """The golden's reader, started (the golden is read and hashed while the weights load), and the model. The
+    golden's file listing is checked first: a missing, truncated or special file is refused before any model
+    loads (a caller that hands a model in leaves that check to the reader, with the rest)."""
     g = opened.golden
     spec, stored_head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
     check_forward_names(s.model or spec, list(s.forwards))  # before the model loads
@@ -296,6 +298,8 @@ def _load_model(opened: Opened, s: ReplaySettings, clock: Clock) -> tuple[Prefet
     head = s.head if s.head is not None or s.model is not None else stored_head
     device = check_device(dev)
     reader = opened.reader or _reader(opened, device)
+    reader.check_listing()
+    progress.phase("loading model", 0)
     t = time.perf_counter()
     import_code(s.model or spec)
     clock.within["model_code"] = time.perf_counter() - t

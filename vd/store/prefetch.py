@@ -161,6 +161,20 @@ class Prefetcher:
             while self.units:
                 self._run(self.units[0], "drain")
 
+    def check_listing(self) -> None:
+        """The file listing's unit (`Golden.check_sizes`) run now if it has not run, and its finding raised: what
+        `open_golden` checks before any model loads, for a replay that loads its model (`start_thread` runs it
+        first anyway)."""
+        self.stop.set()
+        with self.lock:
+            unit = next((u for u in self.units if u.kind == "sizes"), None)
+            if unit is not None:
+                self._run(unit, "drain")
+        self.start_thread()  # the rest while the model loads
+        error = self.ks[FILES].error
+        if error is not None:
+            raise error
+
     def check_files(self) -> None:
         """The file units left run now; the first damaged file found raises (`vd.store.manifest`)."""
         self.side_units(FILES)
