@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from figures import ROOT, provenance
+from figures import ROOT, cpu_model, load_average, provenance
 
 
 def outcomes(junit: Path) -> dict:
@@ -55,14 +56,18 @@ def main() -> None:
     started = provenance()
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
     tail = done.stdout.strip().splitlines()[-1:] or [""]
+    gpu = gpu_id = None
     try:
         import torch
 
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+            gpu_id = str(getattr(torch.cuda.get_device_properties(0), "uuid", "")) or None
     except Exception:  # noqa: BLE001  the summary is kept whatever torch says
-        gpu = None
+        pass
     result = {"command": "python3 tools/gpu_tests.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-              "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **started, "gpu": gpu,
+              "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **started, "load_after": load_average(),
+              "machine": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count()}, "gpu": gpu, "gpu_id": gpu_id,
               "exit": done.returncode, "summary": tail[0],
               **(outcomes(junit) if junit.exists() else {"error": done.stderr[-2000:]})}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -391,8 +391,7 @@ def render_gpu_tests(d: dict | None) -> str:
     if d is None:
         return "The GPU tests have not been run with `tools/gpu_tests.py` yet."
     counts = ", ".join(f"{d[n]} {n}" for n in ("passed", "failed", "skipped") if d.get(n))
-    lines = [f"Last GPU run ({d.get('gpu') or NOT_RECORDED}, {when(d.get('date'))}, commit {commit_of(d)}, "
-             f"`{d['command']}`): **{counts}** (`{d.get('summary', '')}`)."]
+    lines = [made(d) + f" The last GPU run: **{counts}** (`{d.get('summary', '')}`)."]
     lines += [f"- failed: `{f['test']}`" + (f": {_short(f['message'][0])}" if f.get("message") else "")
               for f in d.get("failures", [])]
     lines += [f"- skipped: `{x['test']}`: {x['reason']}" for x in d.get("skips", [])]
