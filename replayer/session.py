@@ -182,10 +182,7 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
     else:
         reader = opened.reader or _reader(opened, model.device)
     try:
-        t_fp = time.perf_counter()
-        _ = model.identity().fingerprint  # computed once (a model keeps it): timed apart, checked in _forwards
-        clock.within["fingerprint"] = time.perf_counter() - t_fp
-        forwards, offered, notes = _forwards(g, model, s)
+        forwards, offered, notes = _forwards(g, model, s, clock.within)
         candidate = CandidateWriter(s.save_candidate, g) if s.save_candidate is not None else None
     except GoldenError:
         reader.check_files()  # a damaged file, named, before whatever it broke
@@ -217,14 +214,15 @@ def _batch(g: Golden, model: VerifyModel, forwards: tuple[str, ...], s: ReplaySe
     return BatchView(model, plan, g.prompt, generated(g.info.steps, g.ks))  # the decode group's steps stay within
 
 
-def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings) -> tuple[tuple[str, ...], Mapping[str, str],
-                                                                          list[str]]:
-    """The forwards to replay, those the model offers, and the notes the model's check leaves."""
+def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings, seconds: dict[str, float]
+              ) -> tuple[tuple[str, ...], Mapping[str, str], list[str]]:
+    """The forwards to replay, those the model offers, and the notes the model's check leaves (the
+    fingerprint's seconds into ``seconds``)."""
     offered = model.forwards()
     lacks = None if s.forwards or g.info.forward in offered else (  # e.g. a CUDA golden on a CPU
         f"--forward NAME: the golden was recorded with forward {g.info.forward!r}, which this model on "
         f"{model.device.type} does not offer (it offers {', '.join(offered)})")
-    notes = check_model(g, model, s.allow_model_mismatch, lacks)
+    notes = check_model(g, model, s.allow_model_mismatch, lacks, seconds=seconds)
     if lacks is not None:
         raise UsageError(f"pass {lacks}")
     forwards = tuple(s.forwards) or (g.info.forward,)
@@ -306,9 +304,11 @@ def _load_model(opened: Opened, s: ReplaySettings, clock: Clock, progress: Progr
     return reader, load_model(s.model or spec, device=device, dtype=g.logical, head=head)
 
 
-def check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool, lacks: str | None = None) -> list[str]:
+def check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool, lacks: str | None = None, *,
+                seconds: dict[str, float] | None = None) -> list[str]:
     """Refuse a model that cannot be compared; a different fingerprint only with ``allow_mismatch``. ``lacks``:
-    the other flag the replay needs (a forward), named in the same error so one attempt learns both."""
+    the other flag the replay needs (a forward), named in the same error so one attempt learns both.
+    ``seconds["fingerprint"]``: how long the model's fingerprints took (the report's timing)."""
     if model.vocab_size != golden.info.vocab:
         raise ModelMismatchError(f"model has vocab {model.vocab_size}, golden {golden.url} has {golden.info.vocab}")
     computes = of_torch(model.dtype).name
@@ -317,7 +317,11 @@ def check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool, lacks:
                                  "a replay compares rows of the golden's dtype (load the model in it, or replay a "
                                  f"golden recorded in {computes})")
     notes = []
-    for what, got, want in _fingerprints(golden, model):
+    t = time.perf_counter()
+    pairs = _fingerprints(golden, model)
+    if seconds is not None:
+        seconds["fingerprint"] = time.perf_counter() - t
+    for what, got, want in pairs:
         if got == want:
             continue
         if not allow_mismatch:

@@ -29,6 +29,7 @@ from pathlib import Path
 import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 from bench_cpu import bare_verify
+from bench_gpu import bare_decode
 from figures import load_average, provenance, spread
 
 from vd import env
@@ -125,12 +126,8 @@ def bare_s(golden: Path, a) -> float:
     model.set_forward(a.forward or g.info.forward)
     prompt = g.prompt
     t = time.perf_counter()
-    if g.decoded:  # the golden's one-token decodes, as its replay runs them first
-        with torch.inference_mode():
-            model.reset()
-            last = int(model.forward(prompt)[-1].argmax())
-            for _ in range(g.layout(DECODE_K).steps):
-                last = int(model.forward([last])[0].argmax())
+    if g.decoded:  # the golden's one-token decodes (the prefill and one per step), as its replay runs them first
+        bare_decode(model, prompt, g.layout(DECODE_K).steps + 1)
     bare_verify(model, prompt, g)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
