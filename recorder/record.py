@@ -27,7 +27,7 @@ from vd.batch import BatchPlan, BatchView, batched
 from vd.coverage import coverage_reason, thin_reason
 from vd.digest import Summary
 from vd.dtypes import of_torch
-from vd.equivalence import Equivalence, of_golden
+from vd.equivalence import Accumulator, Equivalence, KeptDecode, decode_map, of_golden
 from vd.equivalence import describe as describe_equivalence
 from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
@@ -268,12 +268,13 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         raise UsageError("the prompt encodes to no tokens")
     prepare(model, len(tokens), settings.steps, settings.ks)
     runner = _runner(model, settings, forward, tokens)
-    # The writer never works beside a run: it writes what each run lets go, before the next starts.
-    with GoldenWriter(location, refresh=refresh) as writer:
-        greedy = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, seconds)
+    # On a GPU the writer finishes each run's rows behind the next run (its threads touch host copies only);
+    # on the CPU it writes what each run lets go before the next starts, leaving the cores to the run.
+    with GoldenWriter(location, refresh=refresh, behind=model.device.type == "cuda") as writer:
+        greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, seconds)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         result = RecordResult(None, {}, [], {}, seconds)
-        points = _record_ks(runner, model, forward, writer, tokens, greedy, settings, progress, result)
+        points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result)
         if result.short or (result.thin and not settings.allow_thin):
             if writer.journal is not None:
                 writer.journal.close(remove=True)  # refused: nothing to resume
@@ -294,26 +295,29 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     seconds["write"] = time.perf_counter() - t
     result.location = location
     t = time.perf_counter()
-    stored = open_golden(location)
-    try:
-        result.equivalence = {k: e for k in settings.ks if (e := of_golden(stored, k)) is not None}
-    finally:
-        stored.close()
-    seconds["equivalence"] = time.perf_counter() - t  # the golden's own verify-vs-decode figures, read back
+    if missing := [k for k in settings.ks if k not in result.equivalence]:  # runs that let verify rows go
+        stored = open_golden(location)
+        try:
+            result.equivalence.update({k: e for k in missing if (e := of_golden(stored, k)) is not None})
+        finally:
+            stored.close()
+    result.equivalence = {k: result.equivalence[k] for k in settings.ks if k in result.equivalence}
+    seconds["equivalence"] = time.perf_counter() - t  # the golden's own verify-vs-decode figures read back
     return result
 
 
 def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: GoldenWriter, tokens: list[int],
-               greedy: list[int], settings: RecordSettings, progress: Progress, result: RecordResult) -> list:
-    """Every K's run (`_record_k`) and, with ``--trace``, its traced pass (`vd.tracing.trace_k`); the traced
-    points (none without ``--trace``)."""
+               continuation: tuple[list[int], KeptDecode], settings: RecordSettings, progress: Progress,
+               result: RecordResult) -> list:
+    """Every K's run (`_record_k`, against the greedy ``continuation`` and its kept decode rows) and, with
+    ``--trace``, its traced pass (`vd.tracing.trace_k`); the traced points (none without ``--trace``)."""
     seconds = result.seconds
     seconds["verify"] = 0.0
     seconds.setdefault("store", 0.0)
     points: list = []
     for k in settings.ks:
         progress.phase(f"recording K={k}", settings.steps)
-        log, summary = _record_k(runner, writer, tokens, greedy, k, settings, progress, result)
+        log, summary = _record_k(runner, writer, tokens, continuation, k, settings, progress, result)
         if settings.trace:
             t = time.perf_counter()
             progress.phase(f"tracing K={k}", 0)
@@ -364,15 +368,16 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
 
 
 def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], steps: int, progress: Progress,
-                   seconds: dict[str, float]) -> list[int]:
+                   seconds: dict[str, float]) -> tuple[list[int], KeptDecode]:
     """The greedy continuation by one-token decode: a run at K = 1 (each step verifies the token the last one
     chose, accepting nothing, as plain decode does), its rows written to ``writer`` as the decode group
-    (`vd.store.format.DECODE_K`); the continuation's ``steps + 1`` tokens. Its run's seconds into
-    ``seconds["continuation"]``, the writes after it into ``seconds["store"]``."""
+    (`vd.store.format.DECODE_K`) and kept for the verify-against-decode figures (`_own_equivalence`); the
+    continuation's ``steps + 1`` tokens and those rows. Its run's seconds into ``seconds["continuation"]``, the
+    writes after it into ``seconds["store"]``."""
     t = time.perf_counter()
     progress.phase("greedy continuation", steps)
     layout = RowLayout(len(tokens), steps, F.DECODE_K)
-    settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype))
+    settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype), KeptDecode())
     run = run_verify(model, tokens, F.DECODE_K, steps, ReferenceFeed([]), on_step=progress.step,
                      hold=Hold(hold_bytes(model.device), settled.add),
                      on_last=settled.queue if model.device.type == "cuda" else None)
@@ -381,16 +386,17 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
     log, summary, _ = _finished(run, True, settled)
     settled.rows.finish(log, summary, None)
     seconds["store"] = seconds.get("store", 0.0) + time.perf_counter() - t
-    return greedy
+    assert settled.kept is not None
+    return greedy, settled.kept
 
 
-def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greedy: list[int], k: int,
-              settings: RecordSettings, progress: Progress, result: RecordResult
-              ) -> tuple[StepLog, tuple[np.ndarray, np.ndarray]]:
-    """One K's run, its rows written to ``writer`` as the run lets them go and once it ends, its accept counts
-    and checks into ``result``; its time into ``result.seconds``: the run's (``verify``) and the writes after
-    it (``store``). Its step log and its rows' digests and statistics."""
-    steps, mtp = settings.steps, settings.feed == "mtp"
+def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
+              continuation: tuple[list[int], KeptDecode], k: int, settings: RecordSettings, progress: Progress,
+              result: RecordResult) -> tuple[StepLog, tuple[np.ndarray, np.ndarray]]:
+    """One K's run, its rows written to ``writer`` as the run lets them go and once it ends, its accept counts,
+    checks and verify-against-decode figures into ``result``; its time into ``result.seconds``: the run's
+    (``verify``) and the writes after it (``store``). Its step log and its rows' digests and statistics."""
+    greedy, steps, mtp = continuation[0], settings.steps, settings.feed == "mtp"
     chooser = DrafterFeed(k, steps) if mtp else ReferenceFeed(greedy)
     layout = RowLayout(len(tokens), steps, k, mtp)
     settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype))
@@ -401,12 +407,15 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int], greed
     t, result.seconds["verify"] = time.perf_counter(), result.seconds["verify"] + time.perf_counter() - t
     committed = run.committed()
     same = committed == greedy[:len(committed)]
-    # Written here, between runs: the writer's threads touch no GPU (a CUDA call of theirs during a graph
-    # captured mid-run, such as a draft head's first propose of a shape, would invalidate that capture).
+    # Handed to the writer here, between runs, this thread copying the rows to the host: the writer's threads
+    # touch no GPU (a CUDA call of theirs during a graph captured mid-run, such as a draft head's first
+    # propose of a shape, would invalidate that capture), so they may finish behind the next run.
     log, summary, drafts = _finished(run, same, settled)
     if not settings.allow_nonfinite:
         _refuse_nonfinite(layout, summary[1], k)
     settled.rows.finish(log, summary, drafts)
+    if (own := _own_equivalence(log, settled, len(tokens), continuation, of_torch(model.dtype).name)) is not None:
+        result.equivalence[k] = own
     result.seconds["store"] += time.perf_counter() - t
     accepted = log.accepted.tolist()
     result.accepted[k], result.committed_is_greedy[k] = accepted, same
@@ -447,15 +456,20 @@ def _refuse_nonfinite(layout: RowLayout, stats: np.ndarray, k: int) -> None:
 
 class _Settled:
     """Where a recording's rows go as its run lets them go (`vd.loop.Hold`) and once it ends: their digests
-    and statistics into a `vd.digest.Summary`, the rows themselves to the store (`vd.store.write.KRows`)."""
+    and statistics into a `vd.digest.Summary`, the rows themselves to the store (`vd.store.write.KRows`) and,
+    for the decode run, to ``kept`` (`vd.equivalence.KeptDecode`). ``last``: the rows held at the run's end,
+    by kind (their first row, the rows)."""
 
-    def __init__(self, layout: RowLayout, rows: KRows):
+    def __init__(self, layout: RowLayout, rows: KRows, kept: KeptDecode | None = None):
         self.summary = Summary(list(layout.counts))
-        self.rows = rows
+        self.rows, self.kept = rows, kept
+        self.last: dict[str, tuple[int, torch.Tensor]] = {}
 
     def add(self, kind: str, start: int, rows: torch.Tensor) -> None:
         self.summary.add({kind: rows})
         self.rows.write(kind, start, rows)
+        if self.kept is not None:
+            self.kept.observe(kind, start, rows)
 
     def queue(self, run: Run, last: torch.Tensor) -> None:
         """On CUDA, while the last step runs: the rows still held summarised on a side stream behind it."""
@@ -476,9 +490,28 @@ def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[n
         settled.summary.add({kind: rows for kind, _, rows in held})
     for kind, start, rows in held:
         settled.rows.write(kind, start, rows)
+        if settled.kept is not None:
+            settled.kept.observe(kind, start, rows)
+        settled.last[kind] = (start, rows)
     if run.bootstrap_row is None:
         return log, settled.summary.result(), None
     return log, settled.summary.result(), np.array(run.drafts, dtype=np.int32).reshape(len(run.steps), run.k - 1)
+
+
+def _own_equivalence(log: StepLog, settled: _Settled, prompt: int, continuation: tuple[list[int], KeptDecode],
+                     logical: str) -> Equivalence | None:
+    """A K's verify rows against the decode rows of the same positions, measured on the run's device as a
+    replay measures its candidate's (`vd.equivalence.Accumulator`), from the rows the run held at its end: the
+    golden's own figures without reading it back. None for a run that let verify rows go before its end (one
+    longer than its hold, `vd.loop.hold_bytes`): `_record` reads those from the published golden
+    (`vd.equivalence.of_golden`), as a replay does."""
+    start, rows = settled.last.get("verify", (-1, None))
+    if start != 0 or rows is None:
+        return None
+    greedy, decode = continuation
+    acc = Accumulator(log.k, decode_map(log, prompt, greedy, decode.count), decode.result(), logical, None)
+    acc.add(0, rows)
+    return acc.result()
 
 
 def _meta(model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int], thin: list[str],

@@ -9,20 +9,16 @@ session and those decode rows.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
-from vd.digest import argmax_rows, digest
-from vd.dtypes import int_bits, int_view, to_storage
-from vd.equivalence import Accumulator, DecodeRows, Equivalence, decode_map
+from vd.dtypes import to_storage
+from vd.equivalence import Accumulator, DecodeRows, Equivalence, KeptDecode, decode_map
 from vd.layout import Step
 from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, run_verify
 from vd.protocol import VerifyModel
@@ -44,55 +40,6 @@ class KOutcome:
     result: KResult
     reasons: tuple[Reason, ...]
     failure: FailureRows | None
-
-
-class KeptDecode:
-    """A forward's decode rows kept as its decode run lets them go, for the verify-against-decode axis: their
-    digests and argmaxes on the run's device, and the rows, read back for the pairs that differ. On a GPU the
-    rows stay there (no copy either way; 16 MB for 16 steps of the 8B shape); on the CPU they go to a temporary
-    file, where in memory they grew a 256-step replay by 100 MB (S x max K rows): the process's memory stays
-    flat in steps, and the file goes when the rows do."""
-
-    def __init__(self):
-        self.digests: list[torch.Tensor] = []
-        self.argmax: list[torch.Tensor] = []
-        self.device_rows: list[torch.Tensor] = []
-        self.file = None
-        self.n, self.width, self.dtype = 0, 0, np.dtype(np.int16)
-
-    def observe(self, kind: str, start: int, rows: torch.Tensor) -> None:
-        if kind != "verify":
-            return
-        self.digests.append(digest(rows))
-        self.argmax.append(argmax_rows(rows))
-        if rows.device.type != "cpu":
-            self.device_rows.append(rows)  # a run's rows are its own (`vd.loop.Run.own`): kept as they are
-            return
-        bits = np.ascontiguousarray(int_bits(to_storage(rows)))
-        if self.file is None:
-            self.file = tempfile.TemporaryFile(prefix="vd-decode-rows-")
-        self.n, self.width, self.dtype = self.n + bits.shape[0], bits.shape[1], bits.dtype
-        self.file.write(bits.tobytes())
-
-    def rows(self, idx: np.ndarray) -> torch.Tensor:
-        """Rows ``idx``: on the GPU as computed, on the CPU their storage bits ``[len(idx), V]`` read back."""
-        if self.device_rows:
-            if len(self.device_rows) > 1:
-                self.device_rows = [torch.cat(self.device_rows)]
-            kept = self.device_rows[0]
-            return int_view(kept[torch.from_numpy(np.asarray(idx)).to(kept.device)])
-        assert self.file is not None, "no decode rows were kept"
-        self.file.flush()
-        size = self.width * self.dtype.itemsize
-        out = np.empty((len(idx), self.width), self.dtype)
-        for j, i in enumerate(np.asarray(idx).tolist()):
-            if not 0 <= i < self.n:
-                raise IndexError(f"decode row {i} of {self.n}")
-            out[j] = np.frombuffer(os.pread(self.file.fileno(), size, i * size), self.dtype)
-        return torch.from_numpy(out)
-
-    def result(self) -> DecodeRows:
-        return DecodeRows(torch.cat(self.digests), torch.cat(self.argmax), self.rows)
 
 
 @dataclass(frozen=True, slots=True)

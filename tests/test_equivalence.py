@@ -92,3 +92,32 @@ def test_a_golden_without_decode_rows_says_the_axis_is_not_recorded(cli, tmp_pat
     assert "verify vs decode: not recorded" in out, out + err
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["decode"] is None and r["verify"][0]["equivalence"] is None
+
+
+def test_a_recordings_own_figures_measured_from_its_held_rows_are_the_stored_goldens(tmp_path, monkeypatch):
+    """The recorder measures each K's verify rows against the decode rows it kept while the run still holds
+    them (no read-back); a run that let its rows go before its end (a hold of one byte) is measured from the
+    published golden instead. Either way the figures are what `of_golden` reads from the golden."""
+    import importlib
+
+    from vd.equivalence import of_golden
+
+    R = importlib.import_module("vd.recorder.record")  # the module (the package exports its `record`)
+
+    read_back: list[int] = []
+
+    def counted(golden, k, spec=None):
+        read_back.append(k)
+        return of_golden(golden, k, spec)
+
+    monkeypatch.setattr(R, "of_golden", counted)
+    settings = R.RecordSettings(model=STEPWISE, steps=6, ks=(2, 3))
+    held = R.record(tmp_path / "held.zarr", settings)
+    assert read_back == [] and sorted(held.equivalence) == [2, 3]
+    monkeypatch.setattr(R, "hold_bytes", lambda device: 1)
+    let_go = R.record(tmp_path / "let-go.zarr", settings)
+    assert read_back == [2, 3]
+    for path, result in ((tmp_path / "held.zarr", held), (tmp_path / "let-go.zarr", let_go)):
+        g = open_golden(path)
+        assert result.equivalence == {k: of_golden(g, k) for k in (2, 3)}
+    assert held.equivalence[3].identical == held.equivalence[3].rows - 1  # the one element the plug-in changes
