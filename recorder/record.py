@@ -268,9 +268,10 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         raise UsageError("the prompt encodes to no tokens")
     prepare(model, len(tokens), settings.steps, settings.ks)
     runner = _runner(model, settings, forward, tokens)
-    # On a GPU the writer finishes each run's rows behind the next run (its threads touch host copies only);
-    # on the CPU it writes what each run lets go before the next starts, leaving the cores to the run.
-    with GoldenWriter(location, refresh=refresh, behind=model.device.type == "cuda") as writer:
+    # The writer never works beside a run: it writes what each run lets go, before the next starts. (Finishing
+    # a run's rows behind the next one shortened the tail but slowed the runs, whose step times the golden
+    # keeps: tools/h200/record-behind-ab.json.)
+    with GoldenWriter(location, refresh=refresh) as writer:
         greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, seconds)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         result = RecordResult(None, {}, [], {}, seconds)
@@ -407,9 +408,8 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
     t, result.seconds["verify"] = time.perf_counter(), result.seconds["verify"] + time.perf_counter() - t
     committed = run.committed()
     same = committed == greedy[:len(committed)]
-    # Handed to the writer here, between runs, this thread copying the rows to the host: the writer's threads
-    # touch no GPU (a CUDA call of theirs during a graph captured mid-run, such as a draft head's first
-    # propose of a shape, would invalidate that capture), so they may finish behind the next run.
+    # Written here, between runs: the writer's threads touch no GPU (a CUDA call of theirs during a graph
+    # captured mid-run, such as a draft head's first propose of a shape, would invalidate that capture).
     log, summary, drafts = _finished(run, same, settled)
     if not settings.allow_nonfinite:
         _refuse_nonfinite(layout, summary[1], k)

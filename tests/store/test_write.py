@@ -6,7 +6,6 @@ import torch
 import zarr
 from store_data import PROMPT, V, k_data, meta, write
 
-from vd.digest import summarise
 from vd.dtypes import to_storage
 from vd.errors import GoldenError, GoldenExistsError
 from vd.store import FORMAT_VERSION, GoldenWriter, open_golden
@@ -43,6 +42,7 @@ def test_rows_written_as_a_run_lets_them_go_store_what_a_whole_k_does(tmp_path, 
     with the smallest ``SLICE_BYTES``) and `GoldenWriter.add` (a whole K) store the same golden, drafter
     rows included."""
     import vd.store.write as W
+    from vd.digest import summarise
 
     monkeypatch.setattr(W, "SLICE_BYTES", hold)
     layout, log, rows = k_data(3, steps=3, drafted=True)
@@ -66,41 +66,6 @@ def test_rows_written_as_a_run_lets_them_go_store_what_a_whole_k_does(tmp_path, 
     assert all(np.array_equal(a.verify_rows(3)[kind], to_storage(t)) for kind, t in tensors.items())
     assert all(np.array_equal(a.verify_rows(3)[kind], b.verify_rows(3)[kind]) for kind in tensors)
     assert a.meta["manifest"] == b.meta["manifest"]  # the same files, byte for byte
-
-
-def test_a_writer_behind_its_runs_returns_before_its_chunks_land_and_publishes_them_all(tmp_path, monkeypatch):
-    """`GoldenWriter(behind=True)` (a GPU recording's): `KRows.write` returns while its chunks are still being
-    written (here held back until released), and `publish` waits for them: the golden is the one a writer
-    that waits writes, file for file."""
-    import threading
-
-    import vd.store.write as W
-
-    layout, log, rows = k_data(3, steps=3)
-    tensors = {kind: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for kind, a in rows.items()}
-    release, write_chunk = threading.Event(), W._RowArray.write_chunk
-
-    def held_back(self, index, data):
-        assert release.wait(10), "the chunk was never released"
-        write_chunk(self, index, data)
-
-    monkeypatch.setattr(W._RowArray, "write_chunk", held_back)
-    with GoldenWriter(tmp_path / "behind.zarr", behind=True) as w:
-        k_rows = w.rows(layout, V, torch.bfloat16)
-        for kind, t in tensors.items():
-            k_rows.write(kind, 0, t)  # returns with every chunk still held back
-        landed = [f for f in (w.staged / "k3").rglob("*") if f.is_file()]
-        assert not landed and any(not f.done() for f in w._futures)
-        release.set()
-        k_rows.finish(log, summarise(tensors))
-        w.publish(meta((3,)), PROMPT)
-    monkeypatch.setattr(W._RowArray, "write_chunk", write_chunk)
-    with GoldenWriter(tmp_path / "waits.zarr") as w:
-        w.add(layout, log, rows)
-        w.publish(meta((3,)), PROMPT)
-    a, b = open_golden(tmp_path / "behind.zarr"), open_golden(tmp_path / "waits.zarr")
-    assert a.meta["manifest"] == b.meta["manifest"]
-    assert all(np.array_equal(a.verify_rows(3)[kind], to_storage(t)) for kind, t in tensors.items())
 
 
 def test_refuses_overwrite_and_refresh_replaces(tmp_path):

@@ -1,13 +1,10 @@
 """Writing a golden (`GoldenWriter`): staged in a local directory while it is recorded, published complete.
 
 A K's rows are written as its run lets them go (`KRows.write`: the run's `vd.loop.Hold` settles, and the
-run's end): copied to the host a slice at a time by the caller's thread, each chunk encoded and written on
-the writer's threads (zstd, CRC32C and SHA-256 run without the interpreter lock). By default every chunk is
-waited for before ``write`` returns, so the store never works beside a run (on the CPU the run's own threads
-need the cores). A writer ``behind`` its runs (a recording on a GPU) lets the chunks finish while the next
-run steps, up to `BEHIND_BYTES` of them in flight, and waits for them at the publish: the writer's threads
-hold host copies only and make no CUDA call, so they cannot disturb a graph the run captures. What the store
-then costs after the last run is that run's rows (bounded by what it holds, `vd.loop.hold_bytes`) plus the
+run's end): copied to the host a slice at a time, each chunk encoded and written on the writer's threads
+(zstd, CRC32C and SHA-256 run without the interpreter lock), every chunk waited for before ``write`` returns.
+So the store never works beside a run: a recording's step loop runs as fast as a bare one, and what the
+store costs is a tail after each run, bounded by what the run holds (`vd.loop.hold_bytes`), plus the
 publish. Metadata is written as zarr's own documents (`vd.store.nodes`), without zarr's event loop.
 `GoldenWriter.publish` writes the prompt and the metadata, ``complete`` set last, and hands the staged
 golden to its `vd.store.location.Location`, which puts it in place whole. Nothing reaches the destination
@@ -40,12 +37,10 @@ from vd.store.chunks import chunk_key, encode_chunk
 from vd.store.journal import Journal
 from vd.store.location import Location, locate
 
-# Threads encoding and writing chunks (beside a run only for a writer ``behind`` its runs): on an H200 host
+# Threads encoding and writing chunks (never beside a run: `KRows.write` waits for them): on an H200 host
 # (16 cores) a 0.5B K=2 run's 12 MB of rows took 37 ms on 4, 31 on 8 and 39 on 16
 # (tools/h200/writer-threads.json).
 WRITERS = max(1, min(8, os.cpu_count() or 2))
-# Host bytes of rows a writer behind its runs leaves in flight before it waits for them.
-BEHIND_BYTES = 256 << 20
 # Rows copied to the host at a time by `KRows.write` (whole chunks): the host memory a GPU run's rows take.
 SLICE_BYTES = 32 << 20
 
@@ -113,18 +108,15 @@ def _row_arrays(where: Path, layout: RowLayout, vocab: int, itemsize: int, put: 
 class GoldenWriter:
     """Writes a golden for ``where`` (a path or URL: `vd.store.location.locate`), one K at a time, then
     publishes it (see the module's docstring). ``background``: chunks are encoded on the writer's threads,
-    several at once (else in the caller); ``behind`` (with ``background``): ``KRows.write`` returns once its
-    rows are on the host, their chunks finished behind the caller's next work, by `publish` at the latest.
+    several at once (else in the caller).
 
     `rows` takes a K's rows as its run lets them go; `add` a whole K at once.
     """
 
-    def __init__(self, where: str | os.PathLike | Location, *, refresh: bool = False, background: bool = True,
-                 behind: bool = False):
+    def __init__(self, where: str | os.PathLike | Location, *, refresh: bool = False, background: bool = True):
         self.location = where if isinstance(where, Location) else locate(where)
         check_target(self.location, refresh)
-        self.refresh, self.background, self.behind = refresh, background, behind and background
-        self._in_flight = 0  # bytes of rows submitted and not waited for
+        self.refresh, self.background = refresh, background
         self.staged = self.location.staging()
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="vd-writer")
         self._futures: list[Future[None]] = []
@@ -200,19 +192,12 @@ class GoldenWriter:
         if self.journal is not None:
             self.journal.finished(k, log.tokens, log.accepted)
 
-    def _submitted(self, nbytes: int) -> None:
-        """A slice of ``nbytes`` of rows submitted: wait for every chunk in flight, unless the writer works
-        behind its runs and holds less than `BEHIND_BYTES` of them."""
-        self._in_flight += nbytes
-        if not self.behind or self._in_flight > BEHIND_BYTES:
-            self._drain()
-
     def _drain(self) -> None:
         try:
             for f in self._futures:
                 f.result()
         finally:
-            self._futures, self._in_flight = [], 0
+            self._futures = []
 
     def add_trace(self, k: int, digests: np.ndarray, stats: np.ndarray) -> None:
         """K's module traces (`vd.tracing`; FORMAT.md "Module traces"), one chunk each."""
@@ -303,7 +288,7 @@ class KRows:
 
     def write(self, kind: str, start: int, rows: torch.Tensor | np.ndarray) -> None:
         """Rows ``[n, V]`` of ``kind`` from the kind's row ``start`` (whole steps; on any device, or as stored),
-        written before this returns (a writer ``behind`` its runs: copied to the host, written later)."""
+        written before this returns."""
         journal = self.writer.journal
         whole = journal.digest if journal is not None and kind == "prefill" else None  # one block, all slices
         h, spans = None, F.chunk_spans(self.layout, kind, start, rows.shape[0], self.vocab, self.itemsize)
@@ -321,7 +306,7 @@ class KRows:
                 self.writer._submit(self._chunk, name, index, stored[a - lo:b - lo])
             if whole is not None:
                 h = whole(stored, h)
-            self.writer._submitted(stored.nbytes)
+            self.writer._drain()
         if journal is not None and h is not None:  # (h is hashed only with a journal)
             journal.block(self.layout.k, None, h.hexdigest())
         self.written[kind] += rows.shape[0]
