@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -296,15 +296,21 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     seconds["write"] = time.perf_counter() - t
     result.location = location
     t = time.perf_counter()
-    if missing := [k for k in settings.ks if k not in result.equivalence]:  # runs that let verify rows go
+    _read_back_equivalence(location, settings.ks, result)
+    seconds["equivalence"] = time.perf_counter() - t  # the golden's own verify-vs-decode figures read back
+    return result
+
+
+def _read_back_equivalence(location: Location, ks: Sequence[int], result: RecordResult) -> None:
+    """The verify-vs-decode figures of the K runs that let verify rows go before their end (the others were
+    measured from the rows they held), read back from the published golden; ``result.equivalence`` in K order."""
+    if missing := [k for k in ks if k not in result.equivalence]:
         stored = open_golden(location)
         try:
             result.equivalence.update({k: e for k in missing if (e := of_golden(stored, k)) is not None})
         finally:
             stored.close()
-    result.equivalence = {k: result.equivalence[k] for k in settings.ks if k in result.equivalence}
-    seconds["equivalence"] = time.perf_counter() - t  # the golden's own verify-vs-decode figures read back
-    return result
+    result.equivalence = {k: result.equivalence[k] for k in ks if k in result.equivalence}
 
 
 def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: GoldenWriter, tokens: list[int],
