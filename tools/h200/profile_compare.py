@@ -1,5 +1,7 @@
 """Where a GPU replay's time goes after its runs (issue 34): cProfile over the comparison and the axes of
 ``--reps`` replays of a 16-step golden, the golden read beforehand as the CLI does (`open_for_replay`).
+``--whole``: over everything a replay does but its runs (the golden's opening, the setup, the comparison, the
+report and its JSON), the profiler off while `vd.loop.run_verify` steps.
 
     python3 tools/h200/profile_compare.py --model qwen2.5-0.5b-shape --forward graphed --out $OUT/profile.txt
 """
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--whole", action="store_true")
     a = ap.parse_args()
     m = load_model(a.model, device=torch.device("cuda"), dtype="bfloat16")
     m.set_forward(a.forward)
@@ -43,36 +46,52 @@ def main() -> None:
                                 allow_thin=True), model=m)
     st = ReplaySettings(control=False, forwards=(a.forward,))
 
+    pr = cProfile.Profile()
+    on = [False]
+
     def one():
+        if on[0]:
+            pr.enable()
         o = open_for_replay(path, st, m.device)
+        if on[0]:
+            pr.disable()
         o.reader.wait()
         t = time.perf_counter()
+        if on[0] and a.whole:
+            pr.enable()
         r = replay(o, st, model=m)
         j = r.to_json()
+        if on[0] and a.whole:
+            pr.disable()
         return time.perf_counter() - t, r, j
 
     for _ in range(3):
         one()
-    pr = cProfile.Profile()
-    for name in ("compare_run", "_axis"):
-        orig = getattr(R, name)
-
-        def wrapped(*args, _orig=orig, **kw):
-            pr.enable()
-            try:
-                return _orig(*args, **kw)
-            finally:
-                pr.disable()
-        setattr(R, name, wrapped)
+    on[0] = a.whole
+    _instrument(pr, a.whole)
     lines = []
     for _ in range(a.reps):
         sec, r, _ = one()
         lines.append(f"replay {sec * 1e3:.2f} ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r.phases.items() if v))
     out = io.StringIO()
     for key in ("tottime", "cumulative"):
-        pstats.Stats(pr, stream=out).sort_stats(key).print_stats(35)
+        pstats.Stats(pr, stream=out).sort_stats(key).print_stats(50)
     a.out.write_text("\n".join(lines) + "\n" + out.getvalue())
     print("\n".join(lines))
+
+
+def _instrument(pr: cProfile.Profile, whole: bool) -> None:
+    """The profiler on within the comparison and the axes, or (``whole``) off within the runs."""
+    for mod, name in ((R, "compare_run"), (R, "_axis")) if not whole else ((R, "run_verify"),):
+        orig = getattr(mod, name)
+
+        def wrapped(*args, _orig=orig, **kw):
+            (pr.enable if not whole else pr.disable)()
+            try:
+                return _orig(*args, **kw)
+            finally:
+                (pr.disable if not whole else pr.enable)()
+        setattr(mod, name, wrapped)
 
 
 if __name__ == "__main__":
