@@ -136,3 +136,36 @@ def test_rows_measured_a_block_at_a_time_judge_as_all_at_once(monkeypatch):
     blocks = compare_run("x", side(), _run(cand, accepted), "bfloat16", policy)
     assert whole.rows == blocks.rows and whole.summary == blocks.summary and whole.positions == blocks.positions
     assert whole.mismatched_steps == 6 and len(whole.rows) > 2
+
+
+def test_plain_gives_what_dataclasses_asdict_gives():
+    """A report's dataclasses become JSON-ready values as `dataclasses.asdict` makes them (plain's fast walk:
+    nested dataclasses, tuples, lists, dicts, NumPy scalars, a named tuple), and None stays None."""
+    import collections
+    import dataclasses
+
+    from vd.replayer.comparison import plain
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        x: float
+        n: np.int64
+        tag: str | None
+
+    @dataclasses.dataclass(frozen=True)
+    class Outer:
+        inner: Inner
+        many: tuple[Inner, ...]
+        listed: list
+        by: dict
+        pair: Pair
+        flag: bool
+
+    i = Inner(0.5, np.int64(3), None)
+    value = Outer(i, (i, Inner(float("nan"), np.int64(-1), "t")), [1, [i]], {"k": i, 2: (i,)}, Pair(i, 4), True)
+    got, want = plain(value), dataclasses.asdict(value)
+    assert repr(got) == repr(want)
+    assert type(got["many"]) is tuple and type(got["pair"]) is Pair and type(got["listed"][1][0]) is dict
+    assert plain(None) is None
