@@ -13,6 +13,7 @@ import os
 import platform
 import socket
 import subprocess
+import time
 from importlib import metadata
 
 import torch
@@ -215,12 +216,21 @@ def apply_determinism(settings: dict | None) -> None:
 
 
 def process_age() -> float | None:
-    """Seconds since this process started (Linux's /proc; None elsewhere): how long start-up took."""
+    """Seconds since this process started (Linux's /proc; None elsewhere): how long start-up took. /proc is read
+    once; later calls count from there on the monotonic clock (a replay asks twice, and a process replaying a
+    suite asks per golden)."""
+    born = _born()
+    return None if born is None else max(0.0, time.monotonic() - born)
+
+
+@functools.cache
+def _born() -> float | None:
+    """When this process started, on `time.monotonic`'s clock."""
     try:
         with open("/proc/self/stat") as f:
             started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, in clock ticks after boot
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+        return time.monotonic() - max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None
