@@ -28,6 +28,10 @@ noise as much as vd's cost.
   is loaded, waits for the same thread beside nothing (``replay_read_s``, the reading's own seconds, is
   kept per repetition). Nothing of vd's runs while the steps run. ``reader`` says where the last replay's
   reading ran; ``samples`` keeps each replay's ``phases``.
+* Each repetition records over the last one's golden (``--refresh``), and the version it replaces is removed
+  on a thread (`vd.store.local.Directory.publish`; a `vd record` process waits for it at exit): the bench waits
+  for that removal untimed after each recording (``refresh_removal_s`` in ``samples``), so it never runs
+  beside the bare loops or the replay (until 1c6bd26 it did, holding the interpreter while they ran).
 * Warm-up: per forward and K, one recording and one replay run before the timed repetitions (graph
   capture, compilation, the first digest weights); every timed repetition counts, the first included.
 * ``import_s``, ``cuda_init_s``, ``load_s`` (the model's build alone) and ``fingerprint_s``: start-up.
@@ -62,6 +66,7 @@ from vd.recorder import RecordSettings, record  # noqa: E402
 from vd.replayer import ReplaySettings, open_for_replay, replay  # noqa: E402
 from vd.store import locate, open_golden  # noqa: E402
 from vd.store.format import DECODE_K  # noqa: E402
+from vd.store.local import finish_removals  # noqa: E402
 
 PROMPT = "Speculative decoding: draft, then verify."
 
@@ -235,6 +240,7 @@ def main() -> None:
             settings = RecordSettings(model=args.model, prompt=args.prompt, ks=(k,), steps=args.steps, forward=fwd,
                                       allow_thin=True)
             rec = record(path, settings, refresh=True, model=model)  # warm-up: the first record compiles too
+            finish_removals()
             steps = open_golden(path).checked_log(k).steps
             replay_settings = ReplaySettings(forwards=(fwd,), control=False)
             timed_replay(path, replay_settings, model)  # warm-up
@@ -243,6 +249,9 @@ def main() -> None:
                 t = time.perf_counter()
                 done = record(path, settings, refresh=True, model=model)
                 samples["record_s"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                finish_removals()  # the version the refresh replaced, removed on a thread: not beside what is timed
+                samples.setdefault("refresh_removal_s", []).append(time.perf_counter() - t)
                 for name, sec in done.seconds.items():  # where record's own time went
                     samples.setdefault(f"record_{name}_s", []).append(sec)
                 bare_s, _ = bare_verify(model, prompt, steps)
