@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vd.digest import argmax_rows, digest
+from vd.digest import argmax_rows, block_bytes, digest
 from vd.dtypes import DTYPES, int_bits, int_view, to_storage
 from vd.layout import StepLog
 from vd.policy import Spec
@@ -207,7 +207,7 @@ class Accumulator:
         ref = self.decode.argmax.cpu().numpy()[dec]
         self._count(at, same, argmax != ref)
         differ = np.flatnonzero(~same)
-        for part in _blocks(differ):  # a block at a time: the measures' float temporaries stay flat in steps
+        for part in _blocks(differ, rows.device, rows.shape[1]):  # the measures' temporaries flat in steps
             vals, ok, _ = measure_differing(self.decode.rows(dec[part]).to(rows.device), got[part], self.logical,
                                             self.spec or Spec("exact", "exact"))
             self._measured(at[part], vals, ok)
@@ -251,12 +251,17 @@ def unknown(rows: int, identical: int, flips: tuple[Place, ...], first: Place | 
 
 # Pairs of rows measured at once (`Accumulator.add`, `of_golden`): the measures make a handful of float32 and
 # float64 copies of each block (32 rows of a 152k vocabulary: about 20 MB each); measured a hold's worth at once
-# (16 MB of bf16 rows on the CPU) they grew a 256-step SmolLM2 replay's peak by a sixth over a 16-step one.
+# (16 MB of bf16 rows on the CPU) they grew a 256-step SmolLM2 replay's peak by a sixth over a 16-step one. On a
+# GPU, 32 rows a block (each block a read-back: fewer is faster); on the CPU, whose copies count in the process's
+# peak memory, as many as `vd.digest.CPU_BLOCK_BYTES` allow at 16 bytes a value, as the replay's own comparison
+# (`vd.replayer.measure`): 32 rows of SmolLM2 put a 64-step replay's peak 115 MB above 10 rows' (on an AMD EPYC
+# host, where its verify rows differ from its decode rows and are measured).
 MEASURE_ROWS = 32
 
 
-def _blocks(idx: np.ndarray) -> list[np.ndarray]:
-    return [idx[i:i + MEASURE_ROWS] for i in range(0, idx.size, MEASURE_ROWS)]
+def _blocks(idx: np.ndarray, device: torch.device, vocab: int) -> list[np.ndarray]:
+    n = MEASURE_ROWS if device.type == "cuda" else max(1, min(MEASURE_ROWS, block_bytes(device) // (16 * vocab)))
+    return [idx[i:i + n] for i in range(0, idx.size, n)]
 
 
 def of_golden(golden: Golden, k: int, spec: Spec | None = None) -> Equivalence | None:
@@ -282,7 +287,7 @@ def of_golden(golden: Golden, k: int, spec: Spec | None = None) -> Equivalence |
     if not side.has_rows:
         r = acc.result()
         return unknown(r.rows, r.identical, r.flips, r.first)
-    for part in _blocks(differ):  # a block at a time: memory flat in steps
+    for part in _blocks(differ, torch.device("cpu"), golden.info.vocab):  # a block at a time: memory flat in steps
         got = torch.from_numpy(int_bits(side.host_rows("verify", at[part]))).view(DTYPES[golden.logical].torch)
         ref = torch.from_numpy(int_bits(dec_side.host_rows("verify", dec[part])))
         vals, ok, _ = measure_differing(ref, got, golden.logical, spec or Spec("exact", "exact"))
