@@ -254,8 +254,8 @@ def unknown(rows: int, identical: int, flips: tuple[Place, ...], first: Place | 
 # (16 MB of bf16 rows on the CPU) they grew a 256-step SmolLM2 replay's peak by a sixth over a 16-step one. On a
 # GPU, 32 rows a block (each block a read-back: fewer is faster); on the CPU, whose copies count in the process's
 # peak memory, as many as `vd.digest.CPU_BLOCK_BYTES` allow at 16 bytes a value, as the replay's own comparison
-# (`vd.replayer.measure`): 32 rows of SmolLM2 put a 64-step replay's peak 115 MB above 10 rows' (on an AMD EPYC
-# host, where its verify rows differ from its decode rows and are measured).
+# (`vd.replayer.measure`): with 32 SmolLM2 rows a 64-step replay peaked at 868-904 MB, with 8-10 at 789-824 (on
+# an AMD EPYC host, where its verify rows differ from its decode rows and are measured).
 MEASURE_ROWS = 32
 
 
