@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vd.digest import STATS, block_bytes, stats_tensor
+from vd.digest import STATS, stats_tensor
 from vd.policy import Policy, Spec
-from vd.rowmath import MEASURES, POSITION_BINS, measure_differing
+from vd.rowmath import MEASURES, POSITION_BINS, measure_differing, rows_per_block
 from vd.store.side import GoldenSide
 
 
@@ -128,7 +128,7 @@ class _Tally:
         assert got_stats is not None
         local = np.flatnonzero(differ)
         self.measured = side.has_rows
-        per_block = max(1, block_bytes(got.device) // (16 * got.shape[1]))  # float copies stay bounded
+        per_block = rows_per_block(got.device, got.shape[1])  # float copies stay bounded
         for part in np.array_split(local, -(-local.size // per_block)):
             cand = got[torch.from_numpy(part).to(got.device)]
             at = part + start

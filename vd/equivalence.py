@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vd.digest import argmax_rows, block_bytes, digest
+from vd.digest import argmax_rows, digest
 from vd.dtypes import DTYPES, int_bits, int_view, to_storage
 from vd.layout import StepLog
 from vd.policy import Spec
-from vd.rowmath import measure_differing
+from vd.rowmath import measure_differing, rows_per_block
 from vd.store.format import DECODE_K
 
 if TYPE_CHECKING:
@@ -253,14 +253,14 @@ def unknown(rows: int, identical: int, flips: tuple[Place, ...], first: Place | 
 # float64 copies of each block (32 rows of a 152k vocabulary: about 20 MB each); measured a hold's worth at once
 # (16 MB of bf16 rows on the CPU) they grew a 256-step SmolLM2 replay's peak by a sixth over a 16-step one. On a
 # GPU, 32 rows a block (each block a read-back: fewer is faster); on the CPU, whose copies count in the process's
-# peak memory, as many as `vd.digest.CPU_BLOCK_BYTES` allow at 16 bytes a value, as the replay's own comparison
-# (`vd.replayer.measure`): with 32 SmolLM2 rows a 64-step replay peaked at 868-904 MB, with 8-10 at 789-824 (on
-# an AMD EPYC host, where its verify rows differ from its decode rows and are measured).
+# peak memory, as many as the replay's own comparison takes (`vd.rowmath.rows_per_block`): with 32 SmolLM2 rows a
+# 64-step replay peaked at 868-904 MB, with 8-10 at 789-824 (on an AMD EPYC host, where its verify rows differ
+# from its decode rows and are measured).
 MEASURE_ROWS = 32
 
 
 def _blocks(idx: np.ndarray, device: torch.device, vocab: int) -> list[np.ndarray]:
-    n = MEASURE_ROWS if device.type == "cuda" else max(1, min(MEASURE_ROWS, block_bytes(device) // (16 * vocab)))
+    n = MEASURE_ROWS if device.type == "cuda" else min(MEASURE_ROWS, rows_per_block(device, vocab))
     return [idx[i:i + n] for i in range(0, idx.size, n)]
 
 

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import torch
 
+from vd.digest import block_bytes
 from vd.dtypes import DTYPES, int_view
 from vd.policy import Spec
 
@@ -31,6 +32,12 @@ def ulp_of(x: float, logical: str) -> float:
     """One unit in the last place of ``x`` in the logical dtype."""
     x = abs(x) if math.isfinite(x) and x != 0 else 2.0 ** -126
     return 2.0 ** (math.floor(math.log2(x)) - DTYPES[logical].mantissa_bits)
+
+
+def rows_per_block(device: torch.device, vocab: int) -> int:
+    """How many rows `measure_differing` takes at once on ``device``: its float copies (about 16 bytes a value)
+    within `vd.digest.block_bytes`."""
+    return max(1, block_bytes(device) // (16 * vocab))
 
 
 def measure_differing(gb: torch.Tensor, got: torch.Tensor, logical: str, spec: Spec
