@@ -47,31 +47,30 @@ def main() -> None:
     st = ReplaySettings(control=False, forwards=(a.forward,))
 
     pr = cProfile.Profile()
-    on = [False]
 
-    def one():
-        if on[0]:
+    def one(profile: bool = False):
+        """One replay; ``profile``: the profiler on over all of it (the runs excepted: `_instrument`)."""
+        if profile:
             pr.enable()
         o = open_for_replay(path, st, m.device)
-        if on[0]:
+        if profile:
             pr.disable()
         o.reader.wait()
         t = time.perf_counter()
-        if on[0] and a.whole:
+        if profile:
             pr.enable()
         r = replay(o, st, model=m)
         j = r.to_json()
-        if on[0] and a.whole:
+        if profile:
             pr.disable()
         return time.perf_counter() - t, r, j
 
     for _ in range(3):
         one()
-    on[0] = a.whole
     _instrument(pr, a.whole)
     lines = []
     for _ in range(a.reps):
-        sec, r, _ = one()
+        sec, r, _ = one(a.whole)
         lines.append(f"replay {sec * 1e3:.2f} ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r.phases.items() if v))
     out = io.StringIO()
     for key in ("tottime", "cumulative"):
@@ -82,16 +81,18 @@ def main() -> None:
 
 def _instrument(pr: cProfile.Profile, whole: bool) -> None:
     """The profiler on within the comparison and the axes, or (``whole``) off within the runs."""
-    for mod, name in ((R, "compare_run"), (R, "_axis")) if not whole else ((R, "run_verify"),):
-        orig = getattr(mod, name)
+    names, enter, leave = (("run_verify",), pr.disable, pr.enable) if whole else \
+        (("compare_run", "_axis"), pr.enable, pr.disable)
+    for name in names:
+        orig = getattr(R, name)
 
         def wrapped(*args, _orig=orig, **kw):
-            (pr.enable if not whole else pr.disable)()
+            enter()
             try:
                 return _orig(*args, **kw)
             finally:
-                (pr.disable if not whole else pr.enable)()
-        setattr(mod, name, wrapped)
+                leave()
+        setattr(R, name, wrapped)
 
 
 if __name__ == "__main__":
