@@ -164,7 +164,7 @@ def _timing_of(clock: Clock, finish: float) -> Seconds:
     return Seconds(first_step=clock.first_step, open=p["open"], load=p["load"], setup=p["setup"],
                    prepare=p["prepare"], run=p["run"], control=p["control"], compare=p["compare"] + p["wait_golden"],
                    write=p["write"] + finish, started=clock.started, model_code=clock.within.get("model_code", 0.0),
-                   fingerprint=clock.within.get("fingerprint", 0.0))
+                   fingerprint=clock.within.get("fingerprint", 0.0), warm=env.forked_warm())
 
 
 def _sensitivity(policy: Policy, logical: str, verify: Sequence[KResult]) -> dict[str, Sensitivity]:

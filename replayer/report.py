@@ -325,7 +325,9 @@ class Seconds:
     start to the replay's (the interpreter, the CLI, torch and vd imported). Within ``load``, ``model_code``
     imports the model's code (transformers, llama.cpp) and the rest builds it; within ``setup``,
     ``fingerprint`` computes the model's fingerprint (hashing its weights, or a generated model's
-    checksums); ``prepare`` captures graphs and compiles."""
+    checksums); ``prepare`` captures graphs and compiles. ``warm``: the process was forked from a warm server
+    (`vd.warm`), so its imports were done before the command started (``started`` counts from the command's
+    own start)."""
 
     first_step: float | None
     open: float
@@ -339,6 +341,7 @@ class Seconds:
     started: float | None = None
     model_code: float = 0.0
     fingerprint: float = 0.0
+    warm: bool = False
 
 
 @dataclass(frozen=True, slots=True)

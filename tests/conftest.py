@@ -81,6 +81,21 @@ def weights_cache(tmp_path_factory) -> Path:
         os.environ["VD_CACHE_DIR"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_folder(tmp_path_factory) -> Path:
+    """A folder of the session's own for `vd warm` servers (`vd.warm`), so a server the user runs never
+    serves the tests' `vd` processes; the tests that start one start it in a folder of their own."""
+    where = tmp_path_factory.mktemp("vd-warm")
+    where.chmod(0o700)
+    before = os.environ.get("VD_WARM_DIR")
+    os.environ["VD_WARM_DIR"] = str(where)
+    yield where
+    if before is None:
+        os.environ.pop("VD_WARM_DIR", None)
+    else:
+        os.environ["VD_WARM_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default model, loaded once (about 30 s on 2 cores)."""

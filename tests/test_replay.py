@@ -218,10 +218,11 @@ def test_drafter_golden_with_static_forward_determinism_and_phases(cli, tmp_path
     assert r["phases"]["run"] > 0 and all(v >= 0 for v in r["phases"].values())
     t = r["timing"]  # the phases; the model was loaded here, and the process started before it
     assert set(t) == {"first_step", "open", "load", "setup", "prepare", "run", "control", "compare", "write", "started",
-                      "model_code", "fingerprint"}
+                      "model_code", "fingerprint", "warm"}
     assert t["load"] > 0 and t["run"] > 0 and t["control"] > 0 and t["first_step"] > t["load"] + t["setup"]
     # the parts within: transformers imported within the load, the fingerprint within the setup
     assert 0 <= t["model_code"] <= t["load"] and 0 < t["fingerprint"] <= t["setup"] and t["started"] >= 0
+    assert t["warm"] is False  # run in this process, not forked from a warm server
     with pytest.raises(UsageError, match=r"no verify width \[5\]"):
         replay(path, ReplaySettings(ks=(5,)))
 

@@ -38,11 +38,13 @@ from vd.store import open_golden
 from vd.store.format import DECODE_K
 
 
-def run(args: list[str], cache: Path) -> dict:
-    """One `vd` process: its wall time, peak memory (MB) and exit code."""
+def run(args: list[str], cache: Path, warm: Path | None = None) -> dict:
+    """One `vd` process: its wall time, peak memory (MB) and exit code. With ``warm`` (a `vd warm` server's
+    folder) the command is forked from that server (its peak memory is then the command's process alone)."""
     t = time.perf_counter()
+    where = {"VD_WARM_DIR": str(warm)} if warm is not None else {"VD_WARM": "off"}
     proc = subprocess.Popen([sys.executable, "-m", "vd", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "VD_CACHE_DIR": str(cache)})
+                            env={**os.environ, "VD_CACHE_DIR": str(cache), **where})
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
     code = os.waitstatus_to_exitcode(status)
@@ -97,20 +99,36 @@ def main() -> None:
     result["peak_over_smallest"] = {n: {"record": r["record"]["peak_mb"] / base["record"]["peak_mb"],
                                         "replay": r["replay"]["peak_mb"] / base["replay"]["peak_mb"]}
                                     for n, r in rows.items()}
-    starts = []
-    for i in range(a.reps):
-        report = work / f"start{i}.json"
-        p = run(["replay", str(golden_first), "--report", str(report)], cache)
-        starts.append({**json.loads(report.read_text())["timing"], "wall_s": p["wall_s"]})
-        print(f"replay {i}: first step {starts[-1]['first_step']:.2f} s after start", flush=True)
-    result["startup"] = {"samples": starts,
-                         **{k: spread([s[k] for s in starts]) for k in ("first_step", "started", "load", "model_code",
-                                                                        "setup", "fingerprint", "prepare", "wall_s")},
-                         "setup_and_prepare": spread([s["setup"] + s["prepare"] for s in starts])}
+    result["startup"] = startup(golden_first, cache, a.reps, None)
     result["startup"]["imports_s"] = imports()
+    server = work / "warm"
+    ready = subprocess.run([sys.executable, "-m", "vd", "warm", "--json"], check=True, capture_output=True,
+                           env={**os.environ, "VD_CACHE_DIR": str(cache), "VD_WARM_DIR": str(server)})
+    try:
+        result["startup_warm"] = {"server": json.loads(ready.stdout), **startup(golden_first, cache, a.reps, server)}
+    finally:
+        subprocess.run([sys.executable, "-m", "vd", "warm", "--stop"], env={**os.environ, "VD_WARM_DIR": str(server)},
+                       capture_output=True)
     result["load_after"] = load_average()
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")
+
+
+def startup(golden: Path, cache: Path, reps: int, warm: Path | None) -> dict:
+    """Start-up of ``reps`` replays of ``golden``, each a `vd` process (forked from the server in ``warm``)."""
+    starts = []
+    for i in range(reps):
+        report = Path(tempfile.mkdtemp(prefix="vd-start-")) / "report.json"
+        p = run(["replay", str(golden), "--report", str(report)], cache, warm)
+        starts.append({**json.loads(report.read_text())["timing"], "wall_s": p["wall_s"]})
+        if starts[-1]["warm"] != (warm is not None):
+            raise SystemExit(f"replay {i} ran {'forked from' if starts[-1]['warm'] else 'outside'} the warm server")
+        print(f"replay {i}{' (warm)' if warm else ''}: first step {starts[-1]['first_step']:.2f} s after start",
+              flush=True)
+    return {"samples": starts,
+            **{k: spread([s[k] for s in starts]) for k in ("first_step", "started", "load", "model_code", "setup",
+                                                          "fingerprint", "prepare", "wall_s")},
+            "setup_and_prepare": spread([s["setup"] + s["prepare"] for s in starts])}
 
 
 _MODEL: list = []

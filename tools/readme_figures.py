@@ -180,13 +180,18 @@ STARTUP_ROWS = {"first_step": ("process start to the first step", 2, 1, "s"),
 
 
 def render_startup(d: dict) -> str:
-    s = d["startup"]
-    rows = [[what, f"{mmm(s[k], digits, scale)} {unit}"] for k, (what, digits, scale, unit) in STARTUP_ROWS.items()
+    s, w = d["startup"], d.get("startup_warm")  # w: the same replays forked from a `vd warm` server
+    rows = [[what, f"{mmm(s[k], digits, scale)} {unit}"] + ([f"{mmm(w[k], digits, scale)} {unit}"] if w else [])
+            for k, (what, digits, scale, unit) in STARTUP_ROWS.items()
             if k in s]  # runs before issue 34 have no started or model_code
     imports = "; ".join(f"{name} {sec:.2f} s" for name, sec in s["imports_s"].items())
+    header = ["phase", "min / median / max"] if not w else ["phase", "own process: min / median / max",
+                                                            "forked from `vd warm`: min / median / max"]
+    warm = "" if not w else (f" The server's own imports took {w['server']['imports_s']:.2f} s, once, before "
+                             "the commands forked from it.")
     return (made(d) + f" The second and later `vd replay` of the default golden ({len(s['samples'])} processes, "
-            f"converted-weights cache warm):\n\n" + table(["phase", "min / median / max"], rows)
-            + f"\n\nA fresh interpreter's imports (median of 3): {imports}.")
+            f"converted-weights cache warm):\n\n" + table(header, rows)
+            + f"\n\nA fresh interpreter's imports (median of 3): {imports}.{warm}")
 
 
 def render_bench_stores(d: dict) -> str:

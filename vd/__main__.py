@@ -1,6 +1,5 @@
-"""``python -m vd``: the ``vd`` command line (`vd.cli`, the layer above this package; nothing imports
-this module)."""
+"""``python -m vd``: the ``vd`` command line (`vd.launch`, then `vd.cli`; nothing imports this module)."""
 
-from vd.cli import main
+from vd.launch import main
 
 main()

@@ -19,7 +19,7 @@ from importlib import metadata
 import torch
 
 import vd
-from vd import protocol
+from vd import protocol, warm
 from vd.protocol import VerifyModel
 
 # Fields whose difference can change the numbers, in the order a reader should see them.
@@ -216,21 +216,20 @@ def apply_determinism(settings: dict | None) -> None:
 
 
 def process_age() -> float | None:
-    """Seconds since this process started (Linux's /proc; None elsewhere): how long start-up took. /proc is read
-    once; later calls count from there on the monotonic clock (a replay asks twice, and a process replaying a
-    suite asks per golden)."""
-    born = _born()
+    """Seconds since this process started (Linux's /proc; None elsewhere): how long start-up took. In a child
+    of a warm server (`vd.warm`) the process is the command's that it runs for. /proc is read once; later calls
+    count from there on the monotonic clock (a replay asks twice, and a process replaying a suite asks per
+    golden)."""
+    born = warm._ORIGIN[0] if warm._ORIGIN else _born()
     return None if born is None else max(0.0, time.monotonic() - born)
+
+
+def forked_warm() -> bool:
+    """This process is a warm server's child (`vd.warm`): its imports were done before the command started."""
+    return bool(warm._ORIGIN)
 
 
 @functools.cache
 def _born() -> float | None:
     """When this process started, on `time.monotonic`'s clock."""
-    try:
-        with open("/proc/self/stat") as f:
-            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, in clock ticks after boot
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.monotonic() - max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
+    return warm.process_start()

@@ -9,6 +9,7 @@ from vd.cli import (
     cache,  # noqa: F401  (registers vd cache info|clear)
     locate,  # noqa: F401  (registers vd locate)
     team,  # noqa: F401  (registers refresh, history and status, listed after app's commands)
+    warm,  # noqa: F401  (registers vd warm)
 )
 
 __all__ = ["app", "main"]

@@ -1,0 +1,174 @@
+"""`vd warm` (`vd.warm`, `vd.workflow.warm`): a real server started as a user starts it, and `vd` commands run
+as processes, forked from it or on their own; their results, exit codes, errors and signals compared."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import vd
+from vd import warm
+
+PLUGINS = Path(__file__).parent.parent / "plugins"
+
+
+def vd_run(args, env, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=600, **kw)
+
+
+def start_server(where: Path) -> tuple[dict, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "VD_WARM"} | {"VD_WARM_DIR": str(where)}
+    done = vd_run(["warm", "--json", "--idle", "600"], env)
+    assert done.returncode == 0, done.stderr
+    return env, json.loads(done.stdout)
+
+
+def stop_server(env: dict, pid: int) -> None:
+    vd_run(["warm", "--stop"], env)
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server for this module's commands: the environment that reaches it, and its status when it started."""
+    env, info = start_server(tmp_path_factory.mktemp("warm"))
+    yield env, info
+    stop_server(env, info["pid"])
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def comparisons(report: Path) -> dict:
+    r = json.loads(report.read_text())
+    return {"verdict": r["verdict"], "reasons": r["reasons"],
+            "verify": [[v["k"], v["accepted"], v["comparisons"], v["detection_control"], v["equivalence"]]
+                       for v in r["verify"]]}
+
+
+def test_a_replay_forked_from_the_server_is_the_replay_it_would_have_been(server, tiny_golden, tmp_path):
+    env, info = server
+    forked = vd_run(["replay", tiny_golden, "--report", tmp_path / "forked.json"], env)
+    own = vd_run(["replay", tiny_golden, "--report", tmp_path / "own.json"], {**env, "VD_WARM": "off"})
+    assert forked.returncode == own.returncode == 0, forked.stderr + own.stderr
+    assert forked.stderr.count("warm server not used") == 0
+    assert json.loads((tmp_path / "forked.json").read_text())["timing"]["warm"] is True
+    assert json.loads((tmp_path / "own.json").read_text())["timing"]["warm"] is False
+    assert comparisons(tmp_path / "forked.json") == comparisons(tmp_path / "own.json")
+    assert forked.stdout.splitlines()[-1] == own.stdout.splitlines()[-1] == "PASS"
+    status = json.loads(vd_run(["warm", "--status", "--json"], env).stdout)
+    assert status["pid"] == info["pid"] and status["served"] >= 1
+
+
+def test_a_recording_forked_from_the_server_replays_in_a_process_of_its_own(server, tmp_path):
+    env, _ = server
+    golden = tmp_path / "forked.zarr"
+    done = vd_run(["record", golden, "--model", "tiny-llama", "--steps", "6"], env)
+    assert done.returncode == 0 and "warm server not used" not in done.stderr, done.stderr
+    again = vd_run(["replay", golden, "--report", tmp_path / "r.json"], {**env, "VD_WARM": "off"})
+    assert again.returncode == 0, again.stdout + again.stderr  # every row byte for byte
+
+
+def test_exit_codes_errors_environment_and_program_name_are_the_commands(server, tiny_golden, tmp_path):
+    env, _ = server
+    bad = vd_run(["replay", tmp_path / "none.zarr"], env)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [f"vd: error: {tmp_path / 'none.zarr'} "
+                                                                       "does not exist"]
+    # a plug-in file and a variable read at run time (the step it perturbs): the command's, not the server's
+    failed = vd_run(["replay", tiny_golden, "--model", f"{PLUGINS / 'perturb.py'}:factory", "--report",
+                     tmp_path / "r.json"], {**env, "VD_PERTURB_STEP": "5"})
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert failed.returncode == 1 and r["timing"]["warm"] is True
+    assert all(v["comparisons"][0]["mismatched_step_list"] == [5] for v in r["verify"])
+    assert vd_run(["--help"], env).stdout.splitlines()[1].strip().startswith("Usage: python -m vd [OPTIONS]")
+    here = vd_run(["show", "tiny.zarr"], env, cwd=tiny_golden.parent)  # the command's working folder
+    assert here.returncode == 0 and here.stdout.startswith("tiny.zarr"), here.stderr
+
+
+def test_a_command_with_other_start_up_settings_runs_in_its_own_process(server, tiny_golden, tmp_path):
+    env, _ = server
+    done = vd_run(["replay", tiny_golden, "--k", "2", "--report", tmp_path / "r.json"],
+                  {**env, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[0].startswith("vd: warm server not used: OMP_NUM_THREADS differs from the "
+                                                  "server's environment")
+    assert json.loads((tmp_path / "r.json").read_text())["timing"]["warm"] is False
+
+
+def test_sigterm_to_the_command_ends_its_child_as_it_would_the_process(server, tmp_path):
+    """What a CI timeout sends: the command forwards it, the child cleans its staging folder up and ends with
+    143, and the server serves on."""
+    env, info = server
+    golden = tmp_path / "long.zarr"
+    proc = subprocess.Popen([sys.executable, "-m", "vd", "record", str(golden)],  # the default model: seconds
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the child is at its steps
+        if line.startswith("vd: greedy continuation ("):
+            break
+    assert children(info["pid"]), "no child forked"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    assert not golden.exists() and not [p for p in tmp_path.iterdir() if p.name != "long.zarr"]
+    for _ in range(100):
+        if not children(info["pid"]):
+            break
+        time.sleep(0.1)
+    assert not children(info["pid"])
+    assert json.loads(vd_run(["warm", "--status", "--json"], env).stdout)["pid"] == info["pid"]
+
+
+def test_the_server_stops_when_vds_code_changes(tmp_path):
+    env, info = start_server(tmp_path / "warm")
+    again = vd_run(["warm"], env)
+    assert again.returncode == 0 and f"pid {info['pid']} already runs" in again.stdout
+    source = Path(vd.__file__).parent / "layout.py"
+    before = source.stat()
+    try:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+        done = vd_run(["models"], env)
+    finally:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+        stop_server(env, info["pid"])
+    assert done.returncode == 0 and "tiny-llama" in done.stdout
+    assert done.stderr.splitlines()[0] == ("vd: warm server not used: vd's, torch's or transformers' files changed "
+                                           "since it started; it stops (`vd warm` again)")
+    assert vd_run(["warm", "--status"], env).stdout.startswith("no warm server runs")
+
+
+def test_a_folder_others_can_enter_is_refused(tmp_path):
+    where = tmp_path / "open"
+    where.mkdir(mode=0o755)
+    where.chmod(0o755)
+    done = vd_run(["warm"], {**os.environ, "VD_WARM_DIR": str(where)})
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"vd: error: {where} must be a folder only you can enter (mode 0700) to hold vd's warm socket"]
+
+
+def test_what_must_match():
+    assert warm.start_env({"OMP_NUM_THREADS": "2", "HOME": "/h", "LC_ALL": "C", "VD_CACHE_DIR": "x"}) == {
+        "OMP_NUM_THREADS": "2", "LC_ALL": "C"}
+    assert warm.differences({"OMP_NUM_THREADS": "2", "LANG": "C"}, {"OMP_NUM_THREADS": "2", "TMPDIR": "/t"}) == [
+        "LANG", "TMPDIR"]

@@ -1,0 +1,230 @@
+"""The server behind `vd warm` (`vd.warm` says what it is for and what it decided): import what a `vd`
+command imports, listen on the installation's socket, and fork a child per command that passes the checks.
+
+    python -m vd.workflow.warm --idle 3600      (what `vd warm` starts, in its own session)
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import importlib
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+import types
+
+from vd import warm
+
+# What a `vd record` or `vd replay` imports before its first step (the CLI itself is imported in each child:
+# its consoles look at the command's terminal).
+WARM_MODULES = ("torch", "numpy", "zarr", "msgpack", "typer", "rich.console", "rich.table",
+                "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+                "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+                "vd.env", "vd.models.hf", "vd.models.checkpoints", "vd.models.generated", "vd.store",
+                "vd.recorder", "vd.replayer", "vd.replayer.render", "vd.workflow.suite")
+
+
+class Server:
+    """One installation's warm server: its socket, what it started with, and what it has served."""
+
+    def __init__(self, listener: socket.socket, start_env: dict[str, str], imports_s: float, idle_s: float):
+        self.listener, self.start_env, self.imports_s, self.idle_s = listener, start_env, imports_s, idle_s
+        self.code = warm.code_state()
+        self.started = self.last = time.monotonic()
+        self.served = 0
+        self.stopping = False
+
+    def serve(self) -> None:
+        self.listener.settimeout(min(self.idle_s, 60.0))
+        while not self.stopping and time.monotonic() - self.last < self.idle_s:
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(10.0)
+                self.handle(conn)
+
+    def handle(self, conn: socket.socket) -> None:
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+        try:
+            request, fds = warm._receive(conn)
+        except (OSError, ValueError) as e:
+            print(f"bad request: {e}", flush=True)
+            return
+        try:
+            if uid != os.getuid():
+                warm._reply(conn, {"refused": "the warm server serves the user who started it"})
+            elif request.get("op") == "run":
+                self.run(conn, request, fds)
+            elif request.get("op") in ("status", "stop"):
+                self.stopping = request["op"] == "stop"
+                warm._reply(conn, self.status())
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        return {"pid": os.getpid(), "age_s": now - self.started, "idle_s": now - self.last, "served": self.served,
+                "imports_s": self.imports_s, "idle_limit_s": self.idle_s, "python": sys.executable,
+                "stopping": self.stopping}
+
+    def refusal(self, request: dict) -> str | None:
+        changed = warm.differences(self.start_env, warm.start_env(request["env"]))
+        if changed:
+            names = f"{', '.join(changed[:4])}{' and more' if len(changed) > 4 else ''}"
+            return (f"{names} {'differs' if len(changed) == 1 else 'differ'} from the server's environment "
+                    "(`vd warm --stop`, then `vd warm` in this one)")
+        if warm.code_state() != self.code:
+            self.stopping = True
+            return "vd's, torch's or transformers' files changed since it started; it stops (`vd warm` again)"
+        if threading.active_count() != 1 or _cuda_started():
+            self.stopping = True
+            return "the server is no longer a clean process to fork; it stops"
+        return None
+
+    def run(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
+        self.last = time.monotonic()
+        why = self.refusal(request)
+        if why is None and len(fds) != 3:
+            why = "the command's stdin, stdout and stderr did not arrive"
+        if why is not None:
+            warm._reply(conn, {"refused": why})
+            return
+        self.served += 1
+        if os.fork() == 0:
+            _child(self.listener, conn, request, fds)
+
+
+def _cuda_started() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def _child(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """Become the command (never returns): its stdio, folder, environment, arguments and start time, then
+    `vd.cli.main`; its exit code goes back over ``conn``."""
+    code = 3
+    try:
+        listener.close()
+        conn.settimeout(None)
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        fds.clear()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        time.tzset()
+        sys.argv, sys.path[:] = list(request["argv"]), list(request["path"])
+        sys.modules["__main__"] = _main_module(*request.get("main", (None, None)))
+        _stdio()
+        warm._ORIGIN[:] = [request.get("origin")]
+        warm._reply(conn, {"pid": os.getpid()})
+        code = _run()
+    except BaseException:  # noqa: BLE001  the child must report and end whatever happened
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            warm._reply(conn, {"exit": code})
+        os._exit(code)
+
+
+def _main_module(package: str | None, file: str | None) -> types.ModuleType:
+    """A ``__main__`` as the command's (the server's is `vd.workflow.warm`): click names the program from it."""
+    main = types.ModuleType("__main__")
+    main.__package__ = package
+    if file is not None:
+        main.__file__ = file
+    return main
+
+
+def _stdio() -> None:
+    """Text streams over the command's descriptors, buffered as Python buffers its own at start-up."""
+    encoding, errors = sys.stdout.encoding, sys.stdout.errors
+    sys.stdin = open(0, encoding=sys.stdin.encoding, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", encoding=encoding, errors=errors, closefd=False,  # noqa: SIM115
+                      buffering=1 if os.isatty(1) else -1)
+    sys.stderr = open(2, "w", encoding=sys.stderr.encoding, errors="backslashreplace",  # noqa: SIM115
+                      closefd=False, buffering=1)
+
+
+def _run() -> int:
+    """`vd.cli.main` as the interpreter would run it: its exit code, then its threads joined and its exit
+    handlers run, as at a process's end."""
+    try:
+        from vd.cli import main
+
+        main()
+        code = 0
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001  an uncaught error ends a process with a traceback and 1
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does first at exit
+        atexit._run_exitfuncs()
+    return code
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="vd's warm server (started by `vd warm`)")
+    ap.add_argument("--idle", type=float, default=warm.IDLE_S)
+    a = ap.parse_args()
+    start_env = warm.start_env(dict(os.environ))  # before this process adds its own
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch's CUDA checks without initialising CUDA
+    t = time.perf_counter()
+    for name in WARM_MODULES:
+        with contextlib.suppress(ImportError):  # a model family this transformers lacks
+            importlib.import_module(name)
+    imports_s = time.perf_counter() - t
+    if threading.active_count() != 1 or _cuda_started():
+        sys.exit("vd warm: importing left threads or CUDA started; a server could not fork cleanly")
+    path = warm.socket_path()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # `vd warm` found no server answering there
+    listener.bind(str(path))
+    listener.listen(16)
+    bound = os.stat(path).st_ino
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reap themselves
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    print(f"vd warm: pid {os.getpid()} serving {path} (imports {imports_s:.2f} s)", flush=True)
+    try:
+        Server(listener, start_env, imports_s, a.idle).serve()
+    finally:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == bound:  # not a later server's
+                path.unlink()
+        print("vd warm: stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()
