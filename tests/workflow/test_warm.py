@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -172,3 +173,25 @@ def test_what_must_match():
         "OMP_NUM_THREADS": "2", "LC_ALL": "C"}
     assert warm.differences({"OMP_NUM_THREADS": "2", "LANG": "C"}, {"OMP_NUM_THREADS": "2", "TMPDIR": "/t"}) == [
         "LANG", "TMPDIR"]
+
+
+def test_a_server_refuses_to_fork_once_the_cuda_driver_runs():
+    """The CUDA driver's threads are named ``cuda...``: a thread renamed so stands for one."""
+    from vd.workflow.warm import _cuda_started
+
+    named, release = threading.Event(), threading.Event()
+
+    def driver_like() -> None:
+        Path("/proc/thread-self/comm").write_text("cuda-probe")
+        named.set()
+        release.wait(30)
+
+    assert not _cuda_started()
+    t = threading.Thread(target=driver_like)
+    t.start()
+    try:
+        assert named.wait(30) and _cuda_started()
+    finally:
+        release.set()
+        t.join()
+    assert not _cuda_started()

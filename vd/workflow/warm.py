@@ -19,16 +19,16 @@ import threading
 import time
 import traceback
 import types
+import warnings
 
 from vd import warm
 
 # What a `vd record` or `vd replay` imports before its first step (the CLI itself is imported in each child:
-# its consoles look at the command's terminal), and what a compiled forward imports (Inductor, Triton: 1.7 s
-# on the CPU host). None of it starts a thread of Python's or initialises CUDA (checked before serving).
+# its consoles look at the command's terminal). Not Inductor: importing torch._inductor.compile_fx on an H200
+# host started the CUDA driver (a `cuda...` thread), after which a fork is not safe.
 WARM_MODULES = ("torch", "numpy", "zarr", "msgpack", "typer", "rich.console", "rich.table",
                 "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
                 "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-                "torch._inductor.compile_fx", "triton",
                 "vd.env", "vd.models.hf", "vd.models.checkpoints", "vd.models.generated", "vd.store",
                 "vd.recorder", "vd.replayer", "vd.replayer.render", "vd.workflow.suite")
 
@@ -107,8 +107,16 @@ class Server:
 
 
 def _cuda_started() -> bool:
+    """CUDA initialised by torch, or the CUDA driver started by anything (its threads are named ``cuda...``):
+    a forked child could not use it."""
     torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read())
+    return any(name.startswith("cuda") for name in names)
 
 
 def _child(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int]) -> None:
@@ -217,6 +225,9 @@ def main() -> None:
     listener.listen(16)
     bound = os.stat(path).st_ino
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reap themselves
+    # Python warns at every fork of a process with threads: here only native BLAS pools (torch's, 15 on an
+    # H200 host), which re-create themselves in a child; Python's own threads and CUDA are checked above.
+    warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded", DeprecationWarning)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     print(f"vd warm: pid {os.getpid()} serving {path} (imports {imports_s:.2f} s)", flush=True)
     try:
