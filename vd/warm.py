@@ -175,6 +175,33 @@ def connect(timeout: float | None = 2.0) -> socket.socket | None:
     return sock
 
 
+# Resource limits a command's process would have (`ulimit`), applied in its child: memory, files, stack, core.
+LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_NOFILE", "RLIMIT_STACK", "RLIMIT_CORE", "RLIMIT_CPU")
+
+
+def limits() -> dict[str, list[int]]:
+    import resource
+
+    return {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS if hasattr(resource, name)}
+
+
+def unreachable_limits(server: dict[str, list[int]], command: dict[str, list[int]]) -> list[str]:
+    """The limits a child could not take: above the server's hard limit (only lowering is allowed)."""
+    import resource
+
+    def above(value: int, hard: int) -> bool:
+        return hard != resource.RLIM_INFINITY and (value == resource.RLIM_INFINITY or value > hard)
+
+    return sorted(name for name, (soft, hard) in command.items()
+                  if name in server and (above(soft, server[name][1]) or above(hard, server[name][1])))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def forward(argv: list[str]) -> int | None:
     """Run this command in a child of the warm server: its exit code, or None when no server runs or the one
     running refused (then it says why on stderr, and the caller runs the command itself)."""
@@ -188,7 +215,8 @@ def forward(argv: list[str]) -> int | None:
             main = sys.modules["__main__"]  # how the command was started, as click names it in its help
             request = {"op": "run", "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path,
                        "origin": process_start(), "main": [getattr(main, "__package__", None),
-                                                          getattr(main, "__file__", None)]}
+                                                          getattr(main, "__file__", None)],
+                       "umask": _umask(), "limits": limits()}
             _send(sock, request, [0, 1, 2])
             sock.settimeout(None)
             lines = sock.makefile("rb")
@@ -256,6 +284,9 @@ def start(idle_s: float = IDLE_S, wait_s: float = 600.0) -> dict:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            answer = ask("status")  # another `vd warm` started one first
+            if answer is not None:
+                return {**answer, "already": True}
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise RuntimeError(f"the warm server ended (exit {proc.returncode}): {tail[0]} (log: {log})")
         answer = ask("status")

@@ -195,3 +195,29 @@ def test_a_server_refuses_to_fork_once_the_cuda_driver_runs():
         release.set()
         t.join()
     assert not _cuda_started()
+
+
+def test_the_commands_umask_and_a_second_server(server, tmp_path):
+    """A recording forked from the server creates its files under the command's umask; a second server for
+    the same installation does not start beside the first."""
+    env, info = server
+    golden = tmp_path / "private.zarr"
+    done = subprocess.run(f"umask 077 && exec {sys.executable} -m vd record {golden} --model tiny-llama --steps 6",
+                          shell=True, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "warm server not used" not in done.stderr, done.stderr
+    modes = {p.stat().st_mode & 0o777 for p in golden.rglob("*")}
+    assert modes and all(m & 0o077 == 0 for m in modes), sorted(map(oct, modes))
+    second = subprocess.run([sys.executable, "-m", "vd.workflow.warm"], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert second.returncode == 1 and "another server for this installation" in second.stderr
+    assert json.loads(vd_run(["warm", "--status", "--json"], env).stdout)["pid"] == info["pid"]
+
+
+def test_limits_a_child_could_not_take():
+    import resource
+
+    inf = resource.RLIM_INFINITY
+    server = {"RLIMIT_NOFILE": [1024, 4096], "RLIMIT_AS": [inf, inf]}
+    assert warm.unreachable_limits(server, {"RLIMIT_NOFILE": [512, 4096], "RLIMIT_AS": [2**30, 2**30]}) == []
+    assert warm.unreachable_limits(server, {"RLIMIT_NOFILE": [1024, 8192]}) == ["RLIMIT_NOFILE"]
+    assert warm.unreachable_limits(server, {"RLIMIT_NOFILE": [inf, inf]}) == ["RLIMIT_NOFILE"]

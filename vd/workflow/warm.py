@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import fcntl
 import importlib
 import os
+import resource
 import signal
 import socket
 import struct
@@ -20,6 +22,8 @@ import time
 import traceback
 import types
 import warnings
+from pathlib import Path
+from typing import IO
 
 from vd import warm
 
@@ -36,8 +40,10 @@ WARM_MODULES = ("torch", "numpy", "zarr", "msgpack", "typer", "rich.console", "r
 class Server:
     """One installation's warm server: its socket, what it started with, and what it has served."""
 
-    def __init__(self, listener: socket.socket, start_env: dict[str, str], imports_s: float, idle_s: float):
-        self.listener, self.start_env, self.imports_s, self.idle_s = listener, start_env, imports_s, idle_s
+    def __init__(self, listener: socket.socket, lock: IO, start_env: dict[str, str], imports_s: float,
+                 idle_s: float):
+        self.listener, self.lock, self.start_env = listener, lock, start_env
+        self.imports_s, self.idle_s = imports_s, idle_s
         self.code = warm.code_state()
         self.started = self.last = time.monotonic()
         self.served = 0
@@ -85,6 +91,9 @@ class Server:
             names = f"{', '.join(changed[:4])}{' and more' if len(changed) > 4 else ''}"
             return (f"{names} {'differs' if len(changed) == 1 else 'differ'} from the server's environment "
                     "(`vd warm --stop`, then `vd warm` in this one)")
+        beyond = warm.unreachable_limits(warm.limits(), request.get("limits", {}))
+        if beyond:
+            return f"the command's {', '.join(beyond)} exceed the server's hard limits (`vd warm` under them)"
         if warm.code_state() != self.code:
             self.stopping = True
             return "vd's, torch's or transformers' files changed since it started; it stops (`vd warm` again)"
@@ -103,7 +112,7 @@ class Server:
             return
         self.served += 1
         if os.fork() == 0:
-            _child(self.listener, conn, request, fds)
+            _child((self.listener, self.lock), conn, request, fds)
 
 
 def _cuda_started() -> bool:
@@ -119,12 +128,13 @@ def _cuda_started() -> bool:
     return any(name.startswith("cuda") for name in names)
 
 
-def _child(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int]) -> None:
-    """Become the command (never returns): its stdio, folder, environment, arguments and start time, then
-    `vd.cli.main`; its exit code goes back over ``conn``."""
+def _child(server: tuple[socket.socket, IO], conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """Become the command (never returns): its stdio, folder, umask, limits, environment, arguments and start
+    time, then `vd.cli.main`; its exit code goes back over ``conn``."""
     code = 3
     try:
-        listener.close()
+        for held in server:  # the socket, and the lock a later server must be able to take
+            held.close()
         conn.settimeout(None)
         for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
@@ -134,6 +144,9 @@ def _child(listener: socket.socket, conn: socket.socket, request: dict, fds: lis
             os.close(fd)
         fds.clear()
         os.chdir(request["cwd"])
+        os.umask(request.get("umask", 0o022))
+        for name, (soft, hard) in request.get("limits", {}).items():
+            resource.setrlimit(getattr(resource, name), (soft, hard))  # checked reachable before the fork
         os.environ.clear()
         os.environ.update(request["env"])
         time.tzset()
@@ -204,10 +217,24 @@ def _exit_code(value: object) -> int:
     return 1
 
 
+def _locked(path: Path) -> IO:
+    """The installation's lock file, held: one server at a time (a stopping one is waited for, 10 s)."""
+    lock = open(path, "w")  # noqa: SIM115  held until the process ends
+    for _ in range(100):
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError:
+            time.sleep(0.1)
+    sys.exit("vd warm: another server for this installation is starting or running")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="vd's warm server (started by `vd warm`)")
     ap.add_argument("--idle", type=float, default=warm.IDLE_S)
     a = ap.parse_args()
+    path = warm.socket_path()
+    lock = _locked(path.with_suffix(".lock"))  # held for the server's life
     start_env = warm.start_env(dict(os.environ))  # before this process adds its own
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch's CUDA checks without initialising CUDA
     t = time.perf_counter()
@@ -217,7 +244,6 @@ def main() -> None:
     imports_s = time.perf_counter() - t
     if threading.active_count() != 1 or _cuda_started():
         sys.exit("vd warm: importing left threads or CUDA started; a server could not fork cleanly")
-    path = warm.socket_path()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # `vd warm` found no server answering there
@@ -231,7 +257,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     print(f"vd warm: pid {os.getpid()} serving {path} (imports {imports_s:.2f} s)", flush=True)
     try:
-        Server(listener, start_env, imports_s, a.idle).serve()
+        Server(listener, lock, start_env, imports_s, a.idle).serve()
     finally:
         with contextlib.suppress(OSError):
             if os.stat(path).st_ino == bound:  # not a later server's
