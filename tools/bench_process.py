@@ -101,14 +101,7 @@ def main() -> None:
                                     for n, r in rows.items()}
     result["startup"] = startup(golden_first, cache, a.reps, None)
     result["startup"]["imports_s"] = imports()
-    server = work / "warm"
-    ready = subprocess.run([sys.executable, "-m", "vd", "warm", "--json"], check=True, capture_output=True,
-                           env={**os.environ, "VD_CACHE_DIR": str(cache), "VD_WARM_DIR": str(server)})
-    try:
-        result["startup_warm"] = {"server": json.loads(ready.stdout), **startup(golden_first, cache, a.reps, server)}
-    finally:
-        subprocess.run([sys.executable, "-m", "vd", "warm", "--stop"], env={**os.environ, "VD_WARM_DIR": str(server)},
-                       capture_output=True)
+    result["startup_warm"] = startup_warm(golden_first, cache, a.reps, work / "warm")
     result["load_after"] = load_average()
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")
@@ -129,6 +122,17 @@ def startup(golden: Path, cache: Path, reps: int, warm: Path | None) -> dict:
             **{k: spread([s[k] for s in starts]) for k in ("first_step", "started", "load", "model_code", "setup",
                                                           "fingerprint", "prepare", "wall_s")},
             "setup_and_prepare": spread([s["setup"] + s["prepare"] for s in starts])}
+
+
+def startup_warm(golden: Path, cache: Path, reps: int, server: Path) -> dict:
+    """`startup` forked from a `vd warm` server started for it (in ``server``), with the server's status."""
+    ready = subprocess.run([sys.executable, "-m", "vd", "warm", "--json"], check=True, capture_output=True,
+                           env={**os.environ, "VD_CACHE_DIR": str(cache), "VD_WARM_DIR": str(server)})
+    try:
+        return {"server": json.loads(ready.stdout), **startup(golden, cache, reps, server)}
+    finally:
+        subprocess.run([sys.executable, "-m", "vd", "warm", "--stop"], env={**os.environ, "VD_WARM_DIR": str(server)},
+                       capture_output=True)
 
 
 _MODEL: list = []

@@ -220,13 +220,13 @@ def process_age() -> float | None:
     of a warm server (`vd.warm`) the process is the command's that it runs for. /proc is read once; later calls
     count from there on the monotonic clock (a replay asks twice, and a process replaying a suite asks per
     golden)."""
-    born = warm._ORIGIN[0] if warm._ORIGIN else _born()
+    born = warm.process_start() if warm.forked() else _born()
     return None if born is None else max(0.0, time.monotonic() - born)
 
 
 def forked_warm() -> bool:
     """This process is a warm server's child (`vd.warm`): its imports were done before the command started."""
-    return bool(warm._ORIGIN)
+    return warm.forked()
 
 
 @functools.cache

@@ -118,14 +118,14 @@ def differences(server: dict[str, str], command: dict[str, str]) -> list[str]:
 
 # --- the protocol: a length-prefixed JSON request (with the command's stdio), JSON lines back ---------------
 
-def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
+def send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
     data = json.dumps(message).encode()
     frame = struct.pack("!I", len(data)) + data
     sent = socket.send_fds(sock, [frame], fds) if fds else 0
     sock.sendall(frame[sent:])
 
 
-def _receive(sock: socket.socket) -> tuple[dict, list[int]]:
+def receive(sock: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _, _ = socket.recv_fds(sock, 65536, 3)
     if len(data) < 4:
         raise ConnectionError("short request")
@@ -139,11 +139,21 @@ def _receive(sock: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), list(fds)
 
 
-def _reply(sock: socket.socket, message: dict) -> None:
+def reply(sock: socket.socket, message: dict) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
 
 
 # --- the command's side ------------------------------------------------------------------------------------
+
+def adopt(origin: float | None) -> None:
+    """In a server's child: this process is the command whose process started at ``origin`` (monotonic)."""
+    _ORIGIN[:] = [origin]
+
+
+def forked() -> bool:
+    """This process is a warm server's child, running a command for it."""
+    return bool(_ORIGIN)
+
 
 def process_start() -> float | None:
     """When this `vd` command's process started, on `time.monotonic`'s clock: its own start, or, in a child a
@@ -217,7 +227,7 @@ def forward(argv: list[str]) -> int | None:
                        "origin": process_start(), "main": [getattr(main, "__package__", None),
                                                           getattr(main, "__file__", None)],
                        "umask": _umask(), "limits": limits()}
-            _send(sock, request, [0, 1, 2])
+            send(sock, request, [0, 1, 2])
             sock.settimeout(None)
             lines = sock.makefile("rb")
             first = json.loads(lines.readline() or b"{}")
@@ -257,7 +267,7 @@ def ask(op: str) -> dict | None:
     if sock is None:
         return None
     with sock:
-        _send(sock, {"op": op})
+        send(sock, {"op": op})
         line = sock.makefile("rb").readline()
     return json.loads(line) if line else None
 

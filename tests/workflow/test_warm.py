@@ -177,7 +177,7 @@ def test_what_must_match():
 
 def test_a_server_refuses_to_fork_once_the_cuda_driver_runs():
     """The CUDA driver's threads are named ``cuda...``: a thread renamed so stands for one."""
-    from vd.workflow.warm import _cuda_started
+    from vd.workflow.warm import cuda_started
 
     named, release = threading.Event(), threading.Event()
 
@@ -186,15 +186,15 @@ def test_a_server_refuses_to_fork_once_the_cuda_driver_runs():
         named.set()
         release.wait(30)
 
-    assert not _cuda_started()
+    assert not cuda_started()
     t = threading.Thread(target=driver_like)
     t.start()
     try:
-        assert named.wait(30) and _cuda_started()
+        assert named.wait(30) and cuda_started()
     finally:
         release.set()
         t.join()
-    assert not _cuda_started()
+    assert not cuda_started()
 
 
 def test_the_commands_umask_and_a_second_server(server, tmp_path):

@@ -63,18 +63,18 @@ class Server:
     def handle(self, conn: socket.socket) -> None:
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
         try:
-            request, fds = warm._receive(conn)
+            request, fds = warm.receive(conn)
         except (OSError, ValueError) as e:
             print(f"bad request: {e}", flush=True)
             return
         try:
             if uid != os.getuid():
-                warm._reply(conn, {"refused": "the warm server serves the user who started it"})
+                warm.reply(conn, {"refused": "the warm server serves the user who started it"})
             elif request.get("op") == "run":
                 self.run(conn, request, fds)
             elif request.get("op") in ("status", "stop"):
                 self.stopping = request["op"] == "stop"
-                warm._reply(conn, self.status())
+                warm.reply(conn, self.status())
         finally:
             for fd in fds:
                 os.close(fd)
@@ -97,7 +97,7 @@ class Server:
         if warm.code_state() != self.code:
             self.stopping = True
             return "vd's, torch's or transformers' files changed since it started; it stops (`vd warm` again)"
-        if threading.active_count() != 1 or _cuda_started():
+        if threading.active_count() != 1 or cuda_started():
             self.stopping = True
             return "the server is no longer a clean process to fork; it stops"
         return None
@@ -108,14 +108,19 @@ class Server:
         if why is None and len(fds) != 3:
             why = "the command's stdin, stdout and stderr did not arrive"
         if why is not None:
-            warm._reply(conn, {"refused": why})
+            warm.reply(conn, {"refused": why})
             return
-        self.served += 1
-        if os.fork() == 0:
+        try:
+            pid = os.fork()
+        except OSError as e:  # out of processes or memory: the command runs on its own
+            warm.reply(conn, {"refused": f"it could not fork ({e.strerror})"})
+            return
+        if pid == 0:
             _child((self.listener, self.lock), conn, request, fds)
+        self.served += 1
 
 
-def _cuda_started() -> bool:
+def cuda_started() -> bool:
     """CUDA initialised by torch, or the CUDA driver started by anything (its threads are named ``cuda...``):
     a forked child could not use it."""
     torch = sys.modules.get("torch")
@@ -153,8 +158,8 @@ def _child(server: tuple[socket.socket, IO], conn: socket.socket, request: dict,
         sys.argv, sys.path[:] = list(request["argv"]), list(request["path"])
         sys.modules["__main__"] = _main_module(*request.get("main", (None, None)))
         _stdio()
-        warm._ORIGIN[:] = [request.get("origin")]
-        warm._reply(conn, {"pid": os.getpid()})
+        warm.adopt(request.get("origin"))
+        warm.reply(conn, {"pid": os.getpid()})
         code = _run()
     except BaseException:  # noqa: BLE001  the child must report and end whatever happened
         with contextlib.suppress(BaseException):
@@ -163,7 +168,7 @@ def _child(server: tuple[socket.socket, IO], conn: socket.socket, request: dict,
         with contextlib.suppress(BaseException):
             sys.stdout.flush()
             sys.stderr.flush()
-            warm._reply(conn, {"exit": code})
+            warm.reply(conn, {"exit": code})
         os._exit(code)
 
 
@@ -242,7 +247,7 @@ def main() -> None:
         with contextlib.suppress(ImportError):  # a model family this transformers lacks
             importlib.import_module(name)
     imports_s = time.perf_counter() - t
-    if threading.active_count() != 1 or _cuda_started():
+    if threading.active_count() != 1 or cuda_started():
         sys.exit("vd warm: importing left threads or CUDA started; a server could not fork cleanly")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
