@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vd import env, protocol
+from vd import env, protocol, warm
 from vd.errors import GoldenError
 from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
@@ -164,7 +164,7 @@ def _timing_of(clock: Clock, finish: float) -> Seconds:
     return Seconds(first_step=clock.first_step, open=p["open"], load=p["load"], setup=p["setup"],
                    prepare=p["prepare"], run=p["run"], control=p["control"], compare=p["compare"] + p["wait_golden"],
                    write=p["write"] + finish, started=clock.started, model_code=clock.within.get("model_code", 0.0),
-                   fingerprint=clock.within.get("fingerprint", 0.0), warm=env.forked_warm())
+                   fingerprint=clock.within.get("fingerprint", 0.0), warm=warm.forked())
 
 
 def _sensitivity(policy: Policy, logical: str, verify: Sequence[KResult]) -> dict[str, Sensitivity]:

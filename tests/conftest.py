@@ -68,32 +68,31 @@ def rows_golden(tiny_golden, tmp_path) -> Path:
     return dst
 
 
+def _session_folder(tmp_path_factory, variable: str, name: str):
+    """A folder of the session's own (mode 0700) named by ``variable`` for the session, the user's value back
+    after it."""
+    where = tmp_path_factory.mktemp(name)
+    where.chmod(0o700)
+    before = os.environ.get(variable)
+    os.environ[variable] = str(where)
+    yield where
+    if before is None:
+        os.environ.pop(variable, None)
+    else:
+        os.environ[variable] = before
+
+
 @pytest.fixture(scope="session", autouse=True)
 def weights_cache(tmp_path_factory) -> Path:
     """A converted-weights cache of the session's own (`vd.models.weights`), not the user's."""
-    where = tmp_path_factory.mktemp("vd-cache")
-    before = os.environ.get("VD_CACHE_DIR")
-    os.environ["VD_CACHE_DIR"] = str(where)
-    yield where
-    if before is None:
-        os.environ.pop("VD_CACHE_DIR", None)
-    else:
-        os.environ["VD_CACHE_DIR"] = before
+    yield from _session_folder(tmp_path_factory, "VD_CACHE_DIR", "vd-cache")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_folder(tmp_path_factory) -> Path:
     """A folder of the session's own for `vd warm` servers (`vd.warm`), so a server the user runs never
     serves the tests' `vd` processes; the tests that start one start it in a folder of their own."""
-    where = tmp_path_factory.mktemp("vd-warm")
-    where.chmod(0o700)
-    before = os.environ.get("VD_WARM_DIR")
-    os.environ["VD_WARM_DIR"] = str(where)
-    yield where
-    if before is None:
-        os.environ.pop("VD_WARM_DIR", None)
-    else:
-        os.environ["VD_WARM_DIR"] = before
+    yield from _session_folder(tmp_path_factory, "VD_WARM_DIR", "vd-warm")
 
 
 @pytest.fixture(scope="session")

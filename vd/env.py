@@ -220,16 +220,5 @@ def process_age() -> float | None:
     of a warm server (`vd.warm`) the process is the command's that it runs for. /proc is read once; later calls
     count from there on the monotonic clock (a replay asks twice, and a process replaying a suite asks per
     golden)."""
-    born = warm.process_start() if warm.forked() else _born()
+    born = warm.process_start()
     return None if born is None else max(0.0, time.monotonic() - born)
-
-
-def forked_warm() -> bool:
-    """This process is a warm server's child (`vd.warm`): its imports were done before the command started."""
-    return warm.forked()
-
-
-@functools.cache
-def _born() -> float | None:
-    """When this process started, on `time.monotonic`'s clock."""
-    return warm.process_start()

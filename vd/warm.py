@@ -31,6 +31,7 @@ Decisions, where the issue was silent:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -48,10 +49,6 @@ IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "ONEDNN_", "DNNL_",
                "LC_", "TMPDIR", "TEMP", "TMP")
 IDLE_S = 3600.0
 _ORIGIN: list[float | None] = []  # in a server's child: when the command's own process started (monotonic clock)
-
-
-class Refused(Exception):
-    """The server will not run this command (the reason, one line); the command runs in its own process."""
 
 
 # --- where a server lives --------------------------------------------------------------------------------
@@ -158,8 +155,12 @@ def forked() -> bool:
 def process_start() -> float | None:
     """When this `vd` command's process started, on `time.monotonic`'s clock: its own start, or, in a child a
     warm server forked for it, the command's (None where /proc cannot say)."""
-    if _ORIGIN:
-        return _ORIGIN[0]
+    return _ORIGIN[0] if _ORIGIN else _own_start()
+
+
+@functools.cache
+def _own_start() -> float | None:
+    """When this process started, on `time.monotonic`'s clock, from /proc (read once)."""
     try:
         with open("/proc/self/stat") as f:
             started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, in clock ticks after boot

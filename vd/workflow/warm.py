@@ -97,7 +97,7 @@ class Server:
         if warm.code_state() != self.code:
             self.stopping = True
             return "vd's, torch's or transformers' files changed since it started; it stops (`vd warm` again)"
-        if threading.active_count() != 1 or cuda_started():
+        if not forkable():
             self.stopping = True
             return "the server is no longer a clean process to fork; it stops"
         return None
@@ -118,6 +118,11 @@ class Server:
         if pid == 0:
             _child((self.listener, self.lock), conn, request, fds)
         self.served += 1
+
+
+def forkable() -> bool:
+    """No thread of Python's but this one, and no CUDA: a child forked now is a fresh process."""
+    return threading.active_count() == 1 and not cuda_started()
 
 
 def cuda_started() -> bool:
@@ -247,14 +252,13 @@ def main() -> None:
         with contextlib.suppress(ImportError):  # a model family this transformers lacks
             importlib.import_module(name)
     imports_s = time.perf_counter() - t
-    if threading.active_count() != 1 or cuda_started():
+    if not forkable():
         sys.exit("vd warm: importing left threads or CUDA started; a server could not fork cleanly")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # `vd warm` found no server answering there
     listener.bind(str(path))
     listener.listen(16)
-    bound = os.stat(path).st_ino
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reap themselves
     # Python warns at every fork of a process with threads: here only native BLAS pools (torch's, 15 on an
     # H200 host), which re-create themselves in a child; Python's own threads and CUDA are checked above.
@@ -264,9 +268,8 @@ def main() -> None:
     try:
         Server(listener, lock, start_env, imports_s, a.idle).serve()
     finally:
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == bound:  # not a later server's
-                path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # no later server has bound it: the lock is held until this process ends
         print("vd warm: stopped", flush=True)
 
 
