@@ -193,18 +193,25 @@ class Accumulator:
     def __init__(self, k: int, mapping: np.ndarray, decode: DecodeRows, logical: str, spec: Spec | None):
         self.k, self.mapping, self.decode, self.logical, self.spec = k, mapping, decode, logical, spec
         self.tally = _Tally()
+        # The verify rows that have a decode row, and theirs, on the host and (copied now, before the run, not
+        # after it when each copy would wait for the device) where the decode rows are.
+        self.at = np.flatnonzero(mapping >= 0)
+        self.dec = mapping[self.at]
+        device = decode.digests.device
+        self.at_on, self.dec_on = (torch.from_numpy(self.at).to(device), torch.from_numpy(self.dec).to(device))
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """Verify rows ``start .. start + len(rows)`` (``[n, V]``, on the device of the decode digests)."""
-        idx = np.arange(start, start + rows.shape[0])
-        mapped = self.mapping[idx] >= 0
-        if not mapped.any():
+        lo, hi = np.searchsorted(self.at, [start, start + rows.shape[0]])
+        if lo == hi:
             return
-        at, dec = idx[mapped], self.mapping[idx[mapped]]
-        got = rows[torch.from_numpy(at - start).to(rows.device)]
-        same = (digest(got) == self.decode.digests[torch.from_numpy(dec).to(rows.device)]).all(dim=1).cpu().numpy()
-        argmax = argmax_rows(got).cpu().numpy()
-        ref = self.decode.argmax.cpu().numpy()[dec]
+        at, dec = self.at[lo:hi], self.dec[lo:hi]
+        got = rows[self.at_on[lo:hi] - start]
+        on = self.dec_on[lo:hi]
+        equal = (digest(got) == self.decode.digests[on]).all(dim=1)
+        # one read-back for the three (each is a wait for the device)
+        eq, argmax, ref = torch.stack([equal.long(), argmax_rows(got), self.decode.argmax[on]]).cpu().numpy()
+        same = eq.astype(bool)
         self._count(at, same, argmax != ref)
         differ = np.flatnonzero(~same)
         for part in _blocks(differ, rows.device, rows.shape[1]):  # the measures' temporaries flat in steps

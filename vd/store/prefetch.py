@@ -131,6 +131,10 @@ class Prefetcher:
         self.stop.clear()
 
         def work():
+            # The starter first: `Thread.start` returns only once this thread runs, and a thread that went
+            # straight on in Python would keep the interpreter lock for up to its switch interval (5 ms),
+            # the starter (a replay's opening) waiting behind it.
+            time.sleep(0)
             while not self.stop.is_set():
                 with self.lock:
                     if not self.units or self.stop.is_set():
