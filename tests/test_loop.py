@@ -91,3 +91,26 @@ def test_held_rows_lay_every_kind_out_in_order_and_a_replay_needs_no_read_back_t
     forced = ReplayFeed(run.steps, run.bootstrap, run.committed_before[0])
     again = run_verify(m, prompt, 3, 5, DrafterFeed(3, 5, forced))
     assert again.steps == run.steps and torch.equal(torch.cat(list(again.rows_by_kind().values())), flat)
+
+
+def test_the_collector_is_paused_over_a_run_and_restored_after(fp32_model, monkeypatch):
+    """No cyclic collection stops a step loop: the collector is off while forwards run and as it was after
+    (also after a run that fails, and left off where the caller had it off)."""
+    import gc
+
+    seen = []
+    forward = fp32_model.forward
+    monkeypatch.setattr(fp32_model, "forward", lambda tokens: seen.append(gc.isenabled()) or forward(tokens))
+    prompt = fp32_model.encode("a quiet loop")
+    greedy = continuation(fp32_model, prompt, 2 * 4 + 1)
+    assert gc.isenabled() and seen and not any(seen)
+    seen.clear()
+    with pytest.raises(AssertionError):  # the feed hands out too few tokens: the run fails mid-way
+        run_verify(fp32_model, prompt, 3, 4, ReplayFeed([Step((1, 2), 0)] * 4, greedy[0]))
+    assert gc.isenabled() and seen and not any(seen)
+    gc.disable()
+    try:
+        run_verify(fp32_model, prompt, 2, 4, ReferenceFeed(greedy))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -17,8 +17,10 @@ The loop leaves out storage and comparison: it returns the rows it computed.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -380,6 +382,22 @@ def _read_back(run: Run, rows: torch.Tensor, t0: float) -> list[int]:
     return outs
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused (as it was after): a collection that falls inside a run stops
+    its step loop for as long as it walks the heap (a process holding torch and transformers tracks some 400
+    thousand objects), time a golden would keep as its steps' and a replay would judge. Objects the loop frees
+    go by reference counting as ever; what cycles it makes wait for the collector's next pass after the run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@gc_paused()
 @torch.inference_mode()
 def run_verify(
     model: VerifyModel,

@@ -81,6 +81,7 @@ def test_a_replay_forked_from_the_server_is_the_replay_it_would_have_been(server
     assert forked.stdout.splitlines()[-1] == own.stdout.splitlines()[-1] == "PASS"
     status = json.loads(vd_run(["warm", "--status", "--json"], env).stdout)
     assert status["pid"] == info["pid"] and status["served"] >= 1
+    assert status["frozen_objects"] > 100_000  # what the imports made, out of the children's collections
 
 
 def test_a_recording_forked_from_the_server_replays_in_a_process_of_its_own(server, tmp_path):

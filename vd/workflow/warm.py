@@ -10,6 +10,7 @@ import argparse
 import atexit
 import contextlib
 import fcntl
+import gc
 import importlib
 import os
 import resource
@@ -83,7 +84,7 @@ class Server:
         now = time.monotonic()
         return {"pid": os.getpid(), "age_s": now - self.started, "idle_s": now - self.last, "served": self.served,
                 "imports_s": self.imports_s, "idle_limit_s": self.idle_s, "python": sys.executable,
-                "stopping": self.stopping}
+                "stopping": self.stopping, "frozen_objects": gc.get_freeze_count()}
 
     def refusal(self, request: dict) -> str | None:
         changed = warm.differences(self.start_env, warm.start_env(request["env"]))
@@ -252,6 +253,11 @@ def main() -> None:
         with contextlib.suppress(ImportError):  # a model family this transformers lacks
             importlib.import_module(name)
     imports_s = time.perf_counter() - t
+    # What the imports made lives as long as the server, and each child shares it: out of the collector's
+    # reach (Python's advice for a process that forks without exec), a child's collections walk only its own
+    # objects instead of the 400 thousand or so imported, and touch none of the pages they share.
+    gc.collect()
+    gc.freeze()
     if not forkable():
         sys.exit("vd warm: importing left threads or CUDA started; a server could not fork cleanly")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
