@@ -24,16 +24,18 @@ import torch
 from figures import load_average, provenance, ratios, spread
 
 from vd import env
-from vd.loop import continuation
+from vd.loop import continuation, gc_paused
 from vd.models import load_model
 from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
 from vd.replayer import ReplaySettings, replay
 from vd.store import locate, open_golden, slim
 
 
+@gc_paused()  # as vd's runs (`vd.loop.run_verify`)
 @torch.inference_mode()
 def bare_verify(model, prompt, golden) -> None:
-    """Prefill then the golden's steps: forward, argmax, rewind. Nothing stored, nothing compared."""
+    """Prefill then the golden's steps: forward, argmax, rewind. Nothing stored, nothing compared; Python's
+    cyclic collector paused, as over vd's runs."""
     for k in golden.ks:
         log = golden.checked_log(k)
         model.reset()

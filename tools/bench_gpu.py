@@ -32,6 +32,8 @@ noise as much as vd's cost.
   on a thread (`vd.store.local.Directory.publish`; a `vd record` process waits for it at exit): the bench waits
   for that removal untimed after each recording (``refresh_removal_s`` in ``samples``), so it never runs
   beside the bare loops or the replay (until 1c6bd26 it did, holding the interpreter while they ran).
+* The bare loops run with Python's cyclic collector paused, as `vd.loop.run_verify` runs vd's steps: no
+  collection of what vd's work left falls inside either side of a ratio.
 * Warm-up: per forward and K, one recording and one replay run before the timed repetitions (graph
   capture, compilation, the first digest weights); every timed repetition counts, the first included.
 * ``import_s``, ``cuda_init_s``, ``load_s`` (the model's build alone) and ``fingerprint_s``: start-up.
@@ -60,7 +62,7 @@ import torch
 from figures import load_average, provenance, ratios, spread
 
 from vd import env  # noqa: E402
-from vd.loop import prepare  # noqa: E402
+from vd.loop import gc_paused, prepare  # noqa: E402
 from vd.models import load_model  # noqa: E402
 from vd.recorder import RecordSettings, record  # noqa: E402
 from vd.replayer import ReplaySettings, open_for_replay, replay  # noqa: E402
@@ -104,6 +106,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+@gc_paused()  # as vd's runs: no collection inside either side of a ratio
 @torch.inference_mode()
 def bare_verify(model, prompt, steps, timed: bool = False) -> tuple[float, list[float]]:
     """The same verify calls as a replay, nothing else: seconds and (``timed``: CUDA events around each
@@ -152,6 +155,7 @@ def bare_replay(model, prompt, path: Path) -> float:
     return (bare_decode(model, prompt, decodes) if decodes else 0.0) + bare_verify(model, prompt, steps)[0]
 
 
+@gc_paused()
 @torch.inference_mode()
 def bare_decode(model, prompt, n) -> float:
     sync(model.device)
