@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -81,14 +81,19 @@ class Prefetcher:
         (before format 6) has its every chunk and row checked instead, and a slim golden's full golden is checked
         as `check_files` checks it."""
         listed = golden.manifest
-        if listed is not None:
-            self.units.appendleft(_Unit("sizes", FILES, golden.check_sizes))
-            self.units.extend(_Unit("hash", FILES, partial(golden.check_file, key)) for key in listed)
+        if listed is not None:  # the hash units queued by the listing's own unit, on the thread that runs it
+            self.units.appendleft(_Unit("sizes", FILES, partial(self._listing, listed)))
         else:
             self.units.append(_Unit("contents", FILES, golden.check_contents))
         source = golden.rows_source
         if source is not None and source is not golden:
             self.units.append(_Unit("rows source", FILES, source.check_files))
+
+    def _listing(self, listed: Mapping[str, list]) -> None:
+        """The file listing checked (`Golden.check_sizes`), then a unit per listed file to hash, after the units
+        queued so far."""
+        self.golden.check_sizes()
+        self.units.extend(_Unit("hash", FILES, partial(self.golden.check_file, key)) for key in listed)
 
     def _plan(self, k: int) -> list[_Unit]:
         names = [*F.step_log_arrays(self.golden.info.version), *F.SUMMARY]
