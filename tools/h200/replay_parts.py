@@ -65,6 +65,41 @@ def wrap(owner, name: str, label: str) -> None:
     setattr(owner, name, timed)
 
 
+SUMMED = ("open", "run", "queued", "measure", "judge", "axis", "report", "json", "check_files")
+
+
+def one(m, path: Path, st: ReplaySettings) -> dict[str, float]:
+    """One replay timed as `tools/bench_gpu.py` times it, by part (seconds)."""
+    ACC.clear()
+    if m.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    o = open_for_replay(path, st, m.device)
+    t1 = time.perf_counter()
+    o.reader.wait()  # untimed: the CLI's model load hides it
+    t2 = time.perf_counter()
+    r = RP.replay(o, st, model=m)
+    t3 = time.perf_counter()
+    r.to_json()
+    t4 = time.perf_counter()
+    parts = {"open": t1 - t0, **ACC, "json": t4 - t3, "total": (t1 - t0) + (t4 - t2)}
+    parts["other"] = parts["total"] - sum(v for k, v in parts.items() if k in SUMMED)
+    assert r.verdict == "PASS", r.reasons
+    return parts
+
+
+def golden(m, model: str, forward: str, k: int, prompt: str) -> tuple[Path, int, list]:
+    """A 16-step golden of ``m`` at ``k``: its path, its decode steps and its verify steps."""
+    path = Path(tempfile.mkdtemp()) / "g.zarr"
+    prepare(m, len(m.encode(prompt)), 16, (k,))
+    record(path, RecordSettings(model=model, prompt=prompt, ks=(k,), steps=16, forward=forward, allow_thin=True),
+           model=m)
+    g = open_golden(path)
+    decodes, steps = g.layout(DECODE_K).steps + 1, g.checked_log(k).steps
+    g.close()
+    return path, decodes, steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-0.5b-shape")
@@ -79,48 +114,18 @@ def main() -> None:
 
     m = load_model(a.model, device=torch.device(a.device), dtype="bfloat16")
     m.set_forward(a.forward)
-    prompt_text = "Verify."
-    prompt = m.encode(prompt_text)
-    path = Path(tempfile.mkdtemp()) / "g.zarr"
-    prepare(m, len(prompt), 16, (a.k,))
-    record(path, RecordSettings(model=a.model, prompt=prompt_text, ks=(a.k,), steps=16, forward=a.forward,
-                                allow_thin=True), model=m)
-    g = open_golden(path)
-    decodes, steps = g.layout(DECODE_K).steps + 1, g.checked_log(a.k).steps
-    g.close()
+    prompt = m.encode("Verify.")
+    path, decodes, steps = golden(m, a.model, a.forward, a.k, "Verify.")
     st = ReplaySettings(control=False, forwards=(a.forward,))
     for owner, name, label in ((R, "run_verify", "run"), (J.Queued, "result", "queued"), (M.Measurer, "add", "measure"),
                                (J, "_judged", "judge"), (R, "_axis", "axis"), (RP, "report_of", "report"),
-                               (Prefetcher, "check_files", "check_files")):
+                               (Prefetcher, "check_files", "check_files"), *INNER):  # INNER: shown, not summed
         wrap(owner, name, label)
-    for owner, name, label in INNER:  # within the parts above, or around them: shown, not summed
-        wrap(owner, name, label)
-
-    def one() -> dict[str, float]:
-        ACC.clear()
-        if m.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        o = open_for_replay(path, st, m.device)
-        t1 = time.perf_counter()
-        o.reader.wait()
-        t2 = time.perf_counter()
-        r = RP.replay(o, st, model=m)
-        t3 = time.perf_counter()
-        r.to_json()
-        t4 = time.perf_counter()
-        parts = {"open": t1 - t0, **ACC, "json": t4 - t3, "total": (t1 - t0) + (t4 - t2)}
-        parts["other"] = parts["total"] - sum(v for k, v in parts.items() if k in
-                                              ("open", "run", "queued", "measure", "judge", "axis", "report", "json",
-                                               "check_files"))
-        assert r.verdict == "PASS", r.reasons
-        return parts
-
     for _ in range(3):
-        one()
+        one(m, path, st)
     samples: dict[str, list[float]] = collections.defaultdict(list)
     for _ in range(a.reps):
-        for k, v in one().items():
+        for k, v in one(m, path, st).items():
             samples[k].append(v * 1e3)
         samples["bare"].append((bare_decode(m, prompt, decodes) + bare_verify(m, prompt, steps)[0]) * 1e3)
     med = {k: round(statistics.median(v), 3) for k, v in samples.items()}
