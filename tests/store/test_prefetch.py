@@ -24,7 +24,10 @@ def _same_side(a, b) -> None:
 def test_ready_runs_every_unit_and_gives_what_reading_in_line_does(tiny_golden):
     p = Prefetcher(open_golden(tiny_golden), CPU, ahead=True, files=True)
     hashes = len(open_golden(tiny_golden).manifest) + 1  # a unit a file, and the files' listing first
-    assert len(p.units) == 4 * 7 + hashes and p.units[0].kind == "sizes"  # 7 units per group (3 K's and decode)
+    # 7 units per group (3 K's and decode), the listing first; the listing's unit queues the hashes after them
+    assert len(p.units) == 4 * 7 + 1 and p.units[0].kind == "sizes"
+    p._run(p.units[0], "drain")
+    assert [u.kind for u in p.units][4 * 7:] == ["hash"] * (hashes - 1)
     p.ready()  # as a replay does before its first run
     assert not p.units and p.summary()["drain"]["units"] == len(p.timeline) == 4 * 7 + hashes
     p.check_files()
@@ -80,14 +83,14 @@ def test_rows_are_not_read_ahead_but_when_a_comparison_asks(tiny_copy):
 
 @pytest.mark.parametrize("damaged", [False, True])
 def test_files_are_hashed_by_the_thread_and_a_damaged_one_raises_at_check_files(tiny_copy, damaged):
-    """Every file of the manifest is a unit of its own, run by the thread after the K's units; `check_files`
-    runs what is left and raises the first damaged file found, naming it."""
+    """Every file of the manifest is a unit of its own, queued by the listing's unit and run by the thread after
+    the K's units; `check_files` runs what is left and raises the first damaged file found, naming it."""
     golden = open_golden(tiny_copy)
     big = max(golden.manifest, key=lambda key: golden.manifest[key][0])
     if damaged:
         flip_byte(tiny_copy / big)
     p = Prefetcher(open_golden(tiny_copy), CPU, files=True)  # the CPU: files only, the K's read when asked
-    assert [u.kind for u in p.units] == ["sizes"] + ["hash"] * len(golden.manifest)
+    assert [u.kind for u in p.units] == ["sizes"]  # its hash units are queued by the listing's own unit
     p.start_thread()
     deadline = time.monotonic() + 30
     while p.units and time.monotonic() < deadline:
