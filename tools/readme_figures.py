@@ -222,6 +222,8 @@ CODECS = {"raw": "raw bytes, copied",
           "planes_hi_zstd2_lo_raw": "high plane zstd-2, other bytes stored",
           "planes_hi_zstd3_lo_raw": "high plane zstd-3, other bytes stored",
           "planes_hi_blosc_zstd1_lo_raw": "high plane Blosc zstd-1, 128 KiB blocks",
+          "planes_hi_blosc_lz4_5_bitshuffle_lo_raw": "high plane Blosc LZ4, bit shuffle, 128 KiB blocks",
+          "planes_hi_blosc_zstd1_bitshuffle_lo_raw": "high plane Blosc zstd-1, bit shuffle, 128 KiB blocks",
           "tplanes_hi_zstd1_lo_raw": "planes of each vocabulary index's K rows together"}
 
 
