@@ -126,7 +126,7 @@ def candidates(itemsize: int) -> list[Candidate]:
         planes("planes_zstd1_both", Zstd(level=1), Zstd(level=1)),
         *(planes(f"planes_hi_zstd{str(lv).replace('-', 'neg')}_lo_raw", Zstd(level=lv)) for lv in (-1, 1, 2, 3)),
         planes("planes_hi_blosc_zstd1_lo_raw", Blosc("zstd", 1, Blosc.NOSHUFFLE, blocksize=1 << 17)),
-        # issue 34, target 3: a faster high plane (bit-shuffled bytes, LZ4), which vd's reader reads already
+        # issue 34, target 3: a faster high plane (bit-shuffled, Blosc LZ4 or zstd-1), which vd's reader reads
         planes("planes_hi_blosc_lz4_5_bitshuffle_lo_raw", Blosc("lz4", 5, Blosc.BITSHUFFLE, blocksize=1 << 17)),
         planes("planes_hi_blosc_zstd1_bitshuffle_lo_raw", Blosc("zstd", 1, Blosc.BITSHUFFLE, blocksize=1 << 17)),
         planes("tplanes_hi_zstd1_lo_raw", Zstd(level=1), transposed=True),
