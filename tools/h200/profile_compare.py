@@ -28,22 +28,33 @@ from vd.recorder import RecordSettings, record  # noqa: E402
 from vd.replayer import ReplaySettings, open_for_replay, replay  # noqa: E402
 
 
-def main() -> None:
+def arguments(reps: int) -> argparse.ArgumentParser:
+    """The options of the H200 replay scripts (this one and `replay_parts.py`): model, forward, K, repetitions."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-0.5b-shape")
     ap.add_argument("--forward", default="graphed")
     ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--out", type=Path, required=True)
+    return ap
+
+
+def golden(m, model: str, forward: str, k: int, prompt: str = "Verify.") -> Path:
+    """A 16-step golden of the loaded model ``m`` at ``k`` alone, recorded by ``forward`` in a new folder."""
+    path = Path(tempfile.mkdtemp()) / "g.zarr"
+    prepare(m, len(m.encode(prompt)), 16, (k,))
+    record(path, RecordSettings(model=model, prompt=prompt, ks=(k,), steps=16, forward=forward, allow_thin=True),
+           model=m)
+    return path
+
+
+def main() -> None:
+    ap = arguments(reps=5)
     ap.add_argument("--whole", action="store_true")
     a = ap.parse_args()
     m = load_model(a.model, device=torch.device("cuda"), dtype="bfloat16")
     m.set_forward(a.forward)
-    path = Path(tempfile.mkdtemp()) / "g.zarr"
-    prompt = "Verify."
-    prepare(m, len(m.encode(prompt)), 16, (a.k,))
-    record(path, RecordSettings(model=a.model, prompt=prompt, ks=(a.k,), steps=16, forward=a.forward,
-                                allow_thin=True), model=m)
+    path = golden(m, a.model, a.forward, a.k)
     st = ReplaySettings(control=False, forwards=(a.forward,))
 
     pr = cProfile.Profile()

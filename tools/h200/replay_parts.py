@@ -14,27 +14,25 @@ last step), ``measure`` (`Measurer.add`), ``judge`` (`judge._judged`), ``axis`` 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import importlib
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_compare, also under `python3 -P`
 import checkout  # noqa: F401,E402
 import torch  # noqa: E402
+from profile_compare import arguments, golden  # noqa: E402
 
 import vd.equivalence as E  # noqa: E402
 import vd.replayer.judge as J  # noqa: E402
 import vd.replayer.measure as M  # noqa: E402
 import vd.replayer.runs as R  # noqa: E402
-from vd.loop import prepare  # noqa: E402
 from vd.models import load_model  # noqa: E402
-from vd.recorder import RecordSettings, record  # noqa: E402
 from vd.replayer import ReplaySettings, open_for_replay  # noqa: E402
 from vd.store import open_golden  # noqa: E402
 from vd.store.format import DECODE_K  # noqa: E402
@@ -88,25 +86,16 @@ def one(m, path: Path, st: ReplaySettings) -> dict[str, float]:
     return parts
 
 
-def golden(m, model: str, forward: str, k: int, prompt: str) -> tuple[Path, int, list]:
-    """A 16-step golden of ``m`` at ``k``: its path, its decode steps and its verify steps."""
-    path = Path(tempfile.mkdtemp()) / "g.zarr"
-    prepare(m, len(m.encode(prompt)), 16, (k,))
-    record(path, RecordSettings(model=model, prompt=prompt, ks=(k,), steps=16, forward=forward, allow_thin=True),
-           model=m)
+def steps_of(path: Path, k: int) -> tuple[int, list]:
+    """The golden's decode steps (its one-token decodes) and its verify steps at ``k``."""
     g = open_golden(path)
     decodes, steps = g.layout(DECODE_K).steps + 1, g.checked_log(k).steps
     g.close()
-    return path, decodes, steps
+    return decodes, steps
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen2.5-0.5b-shape")
-    ap.add_argument("--forward", default="graphed")
-    ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = arguments(reps=7)
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -115,7 +104,8 @@ def main() -> None:
     m = load_model(a.model, device=torch.device(a.device), dtype="bfloat16")
     m.set_forward(a.forward)
     prompt = m.encode("Verify.")
-    path, decodes, steps = golden(m, a.model, a.forward, a.k, "Verify.")
+    path = golden(m, a.model, a.forward, a.k)
+    decodes, steps = steps_of(path, a.k)
     st = ReplaySettings(control=False, forwards=(a.forward,))
     for owner, name, label in ((R, "run_verify", "run"), (J.Queued, "result", "queued"), (M.Measurer, "add", "measure"),
                                (J, "_judged", "judge"), (R, "_axis", "axis"), (RP, "report_of", "report"),
