@@ -191,7 +191,7 @@ class Accumulator:
     reported, not judged)."""
 
     def __init__(self, k: int, mapping: np.ndarray, decode: DecodeRows, logical: str, spec: Spec | None):
-        self.k, self.mapping, self.decode, self.logical, self.spec = k, mapping, decode, logical, spec
+        self.k, self.decode, self.logical, self.spec = k, decode, logical, spec
         self.tally = _Tally()
         # The verify rows that have a decode row, and theirs, on the host and (copied now, before the run, not
         # after it when each copy would wait for the device) where the decode rows are.
@@ -280,13 +280,12 @@ def of_golden(golden: Golden, k: int, spec: Spec | None = None) -> Equivalence |
     side, dec_side = golden.side(k), golden.side(DECODE_K)
     greedy = dec_side.log.tokens[:, 0].tolist()
     mapping = decode_map(side.log, len(golden.prompt), greedy, dec_side.layout.steps)
-    at = np.flatnonzero(mapping >= 0)
-    dec = mapping[at]
+    acc = Accumulator(k, mapping, DecodeRows(torch.zeros(0), torch.zeros(0), lambda idx: torch.zeros(0)),
+                      golden.logical, spec)
+    at, dec = acc.at, acc.dec  # the verify rows that have a decode row, and theirs
     v0, d0 = side.layout.offset("verify"), dec_side.layout.offset("verify")
     same = (side.digests[v0 + at] == dec_side.digests[d0 + dec]).all(axis=1)
     flipped = side.stats("verify")["argmax"][at] != dec_side.stats("verify")["argmax"][dec]
-    acc = Accumulator(k, mapping, DecodeRows(torch.zeros(0), torch.zeros(0), lambda idx: torch.zeros(0)),
-                      golden.logical, spec)
     acc._count(at, same, flipped)
     differ = np.flatnonzero(~same)
     if not differ.size:
