@@ -41,6 +41,7 @@ from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
+from vd.store.processes import pool_for
 from vd.store.read import open_golden
 from vd.store.write import KRows
 from vd.tracing import check_traceable, trace_k, trace_meta
@@ -256,7 +257,10 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
             progress: Progress, reason: str, resuming: tuple) -> RecordResult:
     seconds: dict[str, float] = {}
     t = time.perf_counter()
+    # The writer processes (a CUDA recording's) start first: they import while the model loads.
+    pool_for(model.device if model is not None else settings.device)
     model = _model(settings, model, progress)
+    pool = pool_for(model.device)
     seconds["load"] = time.perf_counter() - t
     forward = settings.forward or model.default_forward()
     require_forwards(model, [forward])
@@ -268,10 +272,10 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         raise UsageError("the prompt encodes to no tokens")
     prepare(model, len(tokens), settings.steps, settings.ks)
     runner = _runner(model, settings, forward, tokens)
-    # The writer never works beside a run: it writes what each run lets go, before the next starts. (Finishing
-    # a run's rows behind the next one shortened the tail but slowed the runs, whose step times the golden
-    # keeps: tools/h200/record-behind-ab.json.)
-    with GoldenWriter(location, refresh=refresh) as writer:
+    # On threads the writer never works beside a run (finishing a run's rows behind the next one slowed the
+    # runs, whose step times the golden keeps: tools/h200/record-behind-ab.json); writer processes do, sharing
+    # no interpreter lock with them (`vd.store.processes`).
+    with GoldenWriter(location, refresh=refresh, pool=pool) as writer:
         greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, seconds)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         result = RecordResult(None, {}, [], {}, seconds)

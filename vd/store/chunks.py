@@ -18,27 +18,14 @@ import numcodecs
 import numpy as np
 import zarr
 
+from vd.chunkfiles import chunk_key as chunk_key
+from vd.chunkfiles import encode_chunk as encode_chunk
 from vd.errors import GoldenCorruptError
 from vd.store.location import Location
 
 _PLAIN_TYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                 "float32", "float64"}
 _CHAINS = {("bytes", "crc32c"): None, ("bytes", "zstd", "crc32c"): "zstd", ("bytes", "blosc", "crc32c"): "blosc"}
-
-
-def chunk_key(index: int, ndim: int) -> str:
-    """The key of chunk ``index`` along the first axis of an array of ``ndim`` dimensions chunked along that
-    axis only (zarr's default chunk key encoding, ``/`` separated)."""
-    return "/".join(["c", str(index), *("0" * (ndim - 1))])
-
-
-def encode_chunk(values: np.ndarray, compressor: str | None) -> bytes:
-    """A chunk's stored bytes as zarr writes them for the codecs vd writes: the values' little-endian bytes,
-    Zstd level 1 when ``compressor`` is ``"zstd"``, then their CRC32C (`Array` reads them back)."""
-    data = np.ascontiguousarray(values).tobytes()
-    if compressor == "zstd":
-        data = numcodecs.Zstd(level=1).encode(data)
-    return data + google_crc32c.value(data).to_bytes(4, "little")
 
 
 def node(location: Location, rel: str, where: str) -> dict:

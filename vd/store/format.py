@@ -30,6 +30,7 @@ import numpy as np
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from vd import digest as _digest
+from vd.chunkfiles import split_planes as split_planes  # (the writer processes' too)
 from vd.dtypes import DTYPES
 from vd.layout import RowLayout, StepLog
 from vd.preflight import FORMAT as FORMAT  # the root metadata's format name (read without zarr there)
@@ -81,16 +82,6 @@ def hi_codecs() -> list:
 def plain_codecs() -> list:
     """The low planes and the small arrays: values as they are, then a CRC32C."""
     return [Crc32cCodec()]
-
-
-def split_planes(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A stored row array as its (high byte, other bytes) planes: ``[...]`` and ``[..., itemsize - 1]``."""
-    n = a.dtype.itemsize
-    u = a.view(f"<u{n}")
-    hi = (u >> (8 * n - 8)).astype(np.uint8)  # a shift and a cast: faster than copying a strided view
-    if n == 2:
-        return hi, u.astype(np.uint8)[..., None]
-    return hi, np.ascontiguousarray(u.view(np.uint8).reshape(*a.shape, n)[..., :-1])
 
 
 def join_planes(hi: np.ndarray, lo: np.ndarray, storage: np.dtype) -> np.ndarray:

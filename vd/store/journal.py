@@ -79,6 +79,13 @@ def read(path: Path) -> tuple[dict, list[dict]]:
     return header, blocks
 
 
+def differs(k: int, s: int | None) -> GoldenError:
+    """The error for a block computed again that is not the journaled one."""
+    where = "the prefill" if s is None else f"step {s}"
+    return GoldenError(f"the resumed recording differs from its journal at K={k}, {where}: another model, build or a "
+                       "nondeterministic kernel; record afresh (without --resume)")
+
+
 class Journal:
     """Appends frames to the journal at ``path`` (thread-safe: the writer threads append); with ``expected``
     (a resumed recording's journal frames), checks each block against its journaled digests."""
@@ -91,13 +98,15 @@ class Journal:
         self.expected = {(f["k"], f.get("s")): f["sha256"] for f in expected or () if "sha256" in f}
         self.checked = 0
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "wb")  # a new recording's journal replaces a stale one
+        # A new recording's journal replaces a stale one; appended to (O_APPEND), as the recording's writer
+        # processes append their blocks' frames too (`vd.chunkfiles`), each frame one write.
+        self.file = open(path, "ab", buffering=0)
+        self.file.truncate(0)
         self._append({"journal": 1, **header})
 
     def _append(self, frame: Mapping) -> None:
         with self.lock:
             self.file.write(msgpack.packb(dict(frame), use_bin_type=True))
-            self.file.flush()
 
     @staticmethod
     def digest(stored: np.ndarray, into=None):
@@ -112,9 +121,7 @@ class Journal:
         want = self.expected.get((k, s))
         if want is not None:
             if want != digest:
-                where = "the prefill" if s is None else f"step {s}"
-                raise GoldenError(f"the resumed recording differs from its journal at K={k}, {where}: another model, "
-                                  "build or a nondeterministic kernel; record afresh (without --resume)")
+                raise differs(k, s)
             self.checked += 1
         self._append({"k": k, "s": s, "sha256": digest})
 

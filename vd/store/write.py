@@ -28,6 +28,7 @@ import torch
 
 from vd import digest as _digest
 from vd import preflight
+from vd.chunkfiles import row_chunk
 from vd.dtypes import to_storage, to_tensor
 from vd.errors import UsageError
 from vd.layout import RowLayout, StepLog
@@ -35,7 +36,9 @@ from vd.store import format as F
 from vd.store import history, manifest, nodes
 from vd.store.chunks import chunk_key, encode_chunk
 from vd.store.journal import Journal
+from vd.store.journal import differs as journal_differs
 from vd.store.location import Location, locate
+from vd.store.processes import WriterError, WriterPool
 
 # Threads encoding and writing chunks (never beside a run: `KRows.write` waits for them): on an H200 host
 # (16 cores) a 0.5B K=2 run's 12 MB of rows took 37 ms on 4, 31 on 8 and 39 on 16
@@ -43,6 +46,7 @@ from vd.store.location import Location, locate
 WRITERS = max(1, min(8, os.cpu_count() or 2))
 # Rows copied to the host at a time by `KRows.write` (whole chunks): the host memory a GPU run's rows take.
 SLICE_BYTES = 32 << 20
+_OS_ERRORS = {"OSError", *(c.__name__ for c in OSError.__subclasses__())}
 
 
 def check_target(location: Location, refresh: bool) -> None:
@@ -79,14 +83,9 @@ class _RowArray:
         self.put = put  # writes a file of the staged golden (`GoldenWriter._put`)
 
     def write_chunk(self, index: int, data: np.ndarray) -> None:
-        """Chunk ``index`` along the first axis: ``data`` as stored (a short last chunk padded with the fill
-        value, as zarr stores it)."""
-        data = data.reshape(-1, *self.shape[1:])
-        if len(data) < self.rows:
-            data = np.concatenate([data, np.zeros((self.rows - len(data), *data.shape[1:]), data.dtype)])
-        hi, lo = F.split_planes(data)
-        for (plane, compressor), part in zip(((".hi", "zstd"), (".lo", None)), (hi, lo)):
-            self.put(self.where / f"{self.name}{plane}" / chunk_key(index, part.ndim), encode_chunk(part, compressor))
+        """Chunk ``index`` along the first axis: ``data`` as stored (`vd.chunkfiles.row_chunk`)."""
+        for key, part in row_chunk(self.name, index, data, self.rows, self.shape):
+            self.put(self.where / key, part)
 
     def create(self) -> None:
         """The two planes' zarr metadata (their chunks are `write_chunk`'s)."""
@@ -113,10 +112,13 @@ class GoldenWriter:
     `rows` takes a K's rows as its run lets them go; `add` a whole K at once.
     """
 
-    def __init__(self, where: str | os.PathLike | Location, *, refresh: bool = False, background: bool = True):
+    def __init__(self, where: str | os.PathLike | Location, *, refresh: bool = False, background: bool = True,
+                 pool: WriterPool | None = None):
         self.location = where if isinstance(where, Location) else locate(where)
         check_target(self.location, refresh)
         self.refresh, self.background = refresh, background
+        self.pool = pool  # writer processes (`vd.store.processes`): rows are written beside the next run
+        self._jobs: list[tuple[int, int]] = []  # (pool job id, K) sent, answers not taken
         self.staged = self.location.staging()
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="vd-writer")
         self._futures: list[Future[None]] = []
@@ -198,6 +200,25 @@ class GoldenWriter:
                 f.result()
         finally:
             self._futures = []
+        if self._jobs:
+            jobs, self._jobs = self._jobs, []
+            assert self.pool is not None
+            answers = self.pool.collect([i for i, _ in jobs])
+            for (_, k), answer in zip(jobs, answers):
+                self._take(k, answer)
+
+    def _take(self, k: int, answer: dict) -> None:
+        """A writer process's answer to a job of K ``k``: the files it wrote, the blocks it hashed."""
+        if "error" in answer:
+            kind, message, trace = answer["error"]
+            if kind == "Differs":
+                raise journal_differs(k, message)
+            if kind in _OS_ERRORS:  # a refusal of the system's (space, permissions): bad input, as on a thread
+                raise OSError(message)
+            raise WriterError(f"a writer process failed: {kind}: {message}\n{trace}")
+        self.known.update(answer["files"])
+        if self.journal is not None:  # (the process appended the blocks' frames)
+            self.journal.checked += answer["checked"]
 
     def add_trace(self, k: int, digests: np.ndarray, stats: np.ndarray) -> None:
         """K's module traces (`vd.tracing`; FORMAT.md "Module traces"), one chunk each."""
@@ -292,24 +313,59 @@ class KRows:
         journal = self.writer.journal
         whole = journal.digest if journal is not None and kind == "prefill" else None  # one block, all slices
         h, spans = None, F.chunk_spans(self.layout, kind, start, rows.shape[0], self.vocab, self.itemsize)
-        while spans:
-            take: list[tuple[str, int, int, int]] = []
-            size = 0
-            while spans and (not take or size + (spans[0][3] - spans[0][2]) * self.vocab * self.itemsize
-                             <= SLICE_BYTES):
-                take.append(spans.pop(0))
-                size += (take[-1][3] - take[-1][2]) * self.vocab * self.itemsize
+        slices = self._slices(spans)
+        for take in slices:
             lo, hi = take[0][2], take[-1][3]
-            part = rows[lo:hi]
-            stored = to_storage(part) if isinstance(part, torch.Tensor) else np.ascontiguousarray(part)
-            for name, index, a, b in take:
-                self.writer._submit(self._chunk, name, index, stored[a - lo:b - lo])
-            if whole is not None:
+            if self.writer.pool is not None:
+                digest = ("chunk" if journal is not None and kind == "verify" else
+                          "whole" if whole is not None and len(slices) == 1 else None)
+                stored = self._send(take, rows[lo:hi], digest)
+            else:
+                part = rows[lo:hi]
+                stored = to_storage(part) if isinstance(part, torch.Tensor) else np.ascontiguousarray(part)
+                for name, index, a, b in take:
+                    self.writer._submit(self._chunk, name, index, stored[a - lo:b - lo])
+            if whole is not None and (self.writer.pool is None or len(slices) > 1):
                 h = whole(stored, h)
-            self.writer._drain()
+            if self.writer.pool is None:
+                self.writer._drain()
         if journal is not None and h is not None:  # (h is hashed only with a journal)
             journal.block(self.layout.k, None, h.hexdigest())
         self.written[kind] += rows.shape[0]
+
+    def _slices(self, spans: list[tuple[str, int, int, int]]) -> list[list[tuple[str, int, int, int]]]:
+        """``spans`` in runs of whole chunks of at most `SLICE_BYTES` (at least one chunk each)."""
+        out: list[list[tuple[str, int, int, int]]] = []
+        size = 0
+        for span in spans:
+            n = (span[3] - span[2]) * self.vocab * self.itemsize
+            if not out or size + n > SLICE_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(span)
+            size += n
+        return out
+
+    def _send(self, take: list[tuple[str, int, int, int]], part: torch.Tensor | np.ndarray, digest: str | None
+              ) -> np.ndarray:
+        """Chunks ``take`` of ``part`` (its rows from the first chunk's) copied into the writer processes' arena
+        and sent to them, a share of the chunks each (``digest``: `vd.chunkfiles.do_job`'s, ``"whole"`` a job
+        of its own); the copy, as stored."""
+        pool = self.writer.pool
+        assert pool is not None
+        offset, dtype, shape = pool.copy_in(part)
+        lo, n = take[0][2], -(-len(take) // pool.n)
+        journal, k = self.writer.journal, self.layout.k
+        base = {"staged": str(self.writer.staged), "group": f"k{k}", "offset": offset, "dtype": dtype.str,
+                "shape": shape, "k": k, "journal": None if journal is None else str(journal.path),
+                "expect": {} if journal is None else {s: d for (jk, s), d in journal.expected.items() if jk == k}}
+        jobs = [{**base, "digest": "chunk" if digest == "chunk" else None,
+                 "chunks": [(name, index, a - lo, b - lo, self.arrays[name].rows, self.arrays[name].shape)
+                            for name, index, a, b in take[j:j + n]]} for j in range(0, len(take), n)]
+        if digest == "whole":
+            jobs.append({**base, "digest": "whole", "chunks": []})
+        self.writer._jobs.extend((i, k) for i in pool.submit(jobs))
+        return pool.view(offset, dtype, shape)
 
     def _chunk(self, name: str, index: int, stored: np.ndarray) -> None:
         self.arrays[name].write_chunk(index, stored)
