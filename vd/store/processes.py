@@ -36,7 +36,8 @@ ENV = "VD_WRITER_PROCESSES"
 # Processes a pool runs by default: the writer threads' best on a 16-core H200 host was 8
 # (tools/h200/writer-threads.json); the recording's own thread keeps a core.
 DEFAULT = max(1, min(8, (os.cpu_count() or 2) - 2))
-ARENA_BYTES = 64 << 20  # the arena's first size; it doubles when a copy does not fit it empty
+# The arena's size (larger when one copy needs it): a 16-step 0.5B-shape recording at K=4 copies 41 MB.
+ARENA_BYTES = 256 << 20
 
 
 class WriterError(RuntimeError):
@@ -138,7 +139,9 @@ class WriterPool:
         self.n, self.pin = n, pin
         self.workers = [_Worker() for _ in range(n)]
         self.arena: _Arena | None = None
-        self.used = 0  # arena bytes handed out since it was last empty
+        self.used = 0  # where the next copy goes
+        # The arena's copies in the order they were made: (start, end, the ids of the jobs reading it).
+        self.regions: collections.deque[tuple[int, int, list[int]]] = collections.deque()
         self.answers: dict[int, dict] = {}
         self._next_id = 0
         self._turn = 0
@@ -171,16 +174,23 @@ class WriterPool:
         return np.frombuffer(self.arena.map, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def _alloc(self, nbytes: int) -> int:
+        """``nbytes`` of the arena, taken as a ring: past its end the next copy starts again at its beginning,
+        after the jobs reading what it overwrites (the oldest) are done; a copy larger than the arena waits
+        for every job and makes a larger one."""
         need = -(-nbytes // 64) * 64
-        if self.arena is None or self.used + need > self.arena.size:
-            self._wait({i for w in self.workers for i in w.pending})  # every job done: the arena is free
+        if self.arena is None or need > self.arena.size:
+            self._wait({i for w in self.workers for i in w.pending})
+            self.regions.clear()
             self.used = 0
-            if self.arena is None or need > self.arena.size:
-                size = max(ARENA_BYTES, 1 << (need - 1).bit_length())
-                if self.arena is not None:
-                    self.arena.close()
-                self.arena = _Arena(size, self.pin)
+            if self.arena is not None:
+                self.arena.close()
+            self.arena = _Arena(max(ARENA_BYTES, 1 << (need - 1).bit_length()), self.pin)
+        if self.used + need > self.arena.size:
+            self.used = 0
+        while self.regions and self.regions[0][0] < self.used + need and self.regions[0][1] > self.used:
+            self._wait(set(self.regions.popleft()[2]))
         offset, self.used = self.used, self.used + need
+        self.regions.append((offset, self.used, []))
         return offset
 
     def submit(self, jobs: list[dict]) -> list[int]:
@@ -194,6 +204,7 @@ class WriterPool:
             ids.append(i)
         for w, batch in by_worker.items():
             self.workers[w].send(batch)
+        self.regions[-1][2].extend(ids)  # the jobs read the last copy's rows
         return ids
 
     def collect(self, ids: list[int]) -> list[dict]:
