@@ -16,23 +16,26 @@ DYING = str(Path(__file__).parent / "plugins" / "dying.py") + ":factory"
 ARGS = ["--model", DYING, "--k", "2,3", "--steps", "6"]
 
 
-def _vd(*args, die_at: int | None = None) -> subprocess.CompletedProcess:
+def _vd(*args, die_at: int | None = None, writers: str = "") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "VD_DIE_AT_CALL"}
     if die_at is not None:
         env["VD_DIE_AT_CALL"] = str(die_at)
+    env["VD_WRITER_PROCESSES"] = writers  # "": as the device wants (threads on this CPU)
     return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=300)
 
 
-def test_a_recording_killed_mid_k_resumes_to_the_uninterrupted_golden(tmp_path):
-    # Calls: the greedy decode (1 + 18), K=2 (1 + 6), then K=3: call 30 is its third verify step.
+@pytest.mark.parametrize("writers", ["", "2"])
+def test_a_recording_killed_mid_k_resumes_to_the_uninterrupted_golden(tmp_path, writers):
+    # Calls: the greedy decode (1 + 18), K=2 (1 + 6), then K=3: call 30 is its third verify step. Writer
+    # processes ("2") finish and journal what they were given after the recording dies.
     g = tmp_path / "g.zarr"
-    assert _vd("record", g, *ARGS, die_at=30).returncode == -9
+    assert _vd("record", g, *ARGS, die_at=30, writers=writers).returncode == -9
     assert not g.exists() and journal.path_for(g).is_file()
     header, frames = journal.read(journal.path_for(g))
     # K=2's blocks (its prefill and 6 steps) were written and journaled; K=3's rows were still held by its run.
     assert header["settings"]["ks"] == [2, 3] and {f["k"] for f in frames} == {2}
-    r = _vd("record", g, "--resume")
+    r = _vd("record", g, "--resume", writers=writers)
     assert r.returncode == 0, r.stderr
     assert "resumed: 7 journaled blocks computed again and equal" in r.stdout, r.stdout
     assert not journal.path_for(g).exists()

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import vd
+from vd.errors import UsageError
 
 ENV = "VD_WRITER_PROCESSES"
 # Processes a pool runs by default: the writer threads' best on a 16-core H200 host was 8
@@ -236,10 +237,9 @@ def wanted(device: torch.device | str) -> int:
     """How many writer processes a recording on ``device`` uses (0: the writer's threads)."""
     asked = os.environ.get(ENV, "").strip()
     if asked:
-        try:
-            return max(0, int(asked))
-        except ValueError:
-            return 0
+        if not asked.isdigit():
+            raise UsageError(f"{ENV}={asked!r}: give a number of writer processes (0: the writer's threads)")
+        return int(asked)
     return DEFAULT if torch.device(device).type == "cuda" else 0
 
 

@@ -1,0 +1,119 @@
+"""Writer processes (`vd.store.processes`): the golden they write is the one the writer's threads write,
+byte for byte, through an arena small enough to wrap and grow; their journal frames are the threads'; a
+process that dies or a file the system refuses fails the recording and leaves the old golden."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from store_data import PROMPT, V, k_data, meta, write
+
+import vd.store.processes as P
+import vd.store.write as W
+from vd.digest import summarise
+from vd.errors import UsageError
+from vd.store import GoldenWriter, journal, open_golden
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    monkeypatch.setattr(P, "ARENA_BYTES", 128)  # two steps' rows (64 bytes a copy): the ring wraps every other step
+    p = P.WriterPool(2)
+    yield p
+    p.close()
+
+
+def _record(where, pool, log_path=None):
+    """K=3's rows (drafter kinds too) written a step at a time as a run lets them go, with a journal."""
+    layout, log, rows = k_data(3, steps=3, drafted=True)
+    tensors = {kind: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for kind, a in rows.items()}
+    step = {"prefill": layout.prompt, "verify": 3, "draft": 2}
+    with GoldenWriter(where, pool=pool) as w:
+        if log_path is not None:
+            w.journal = journal.Journal(log_path, {"settings": {}, "refresh": False, "reason": "r", "fingerprint": "f",
+                                                   "prompt": PROMPT, "greedy": [1]})
+        k_rows = w.rows(layout, V, torch.bfloat16)
+        for kind, t in tensors.items():
+            first = 1 if kind == "draft" else 0
+            if first:
+                k_rows.write(kind, 0, t[:1])
+            for a in range(first, t.shape[0], step[kind]):
+                k_rows.write(kind, a, t[a:a + step[kind]])
+        k_rows.finish(log, summarise(tensors), np.zeros((3, 2), np.int32))
+        w.publish(meta((3,), feed="mtp"), PROMPT)
+        if w.journal is not None:
+            w.journal.close(remove=False)
+
+
+def test_processes_write_what_threads_write(tmp_path, pool):
+    _record(tmp_path / "p.zarr", pool, tmp_path / "p.journal")
+    _record(tmp_path / "t.zarr", None, tmp_path / "t.journal")
+    a, b = open_golden(tmp_path / "p.zarr"), open_golden(tmp_path / "t.zarr")
+    assert a.meta["manifest"] == b.meta["manifest"] and len(a.meta["manifest"]) > 20  # every file, same bytes
+    assert all(np.array_equal(a.verify_rows(3)[kind], b.verify_rows(3)[kind]) for kind in ("prefill", "verify"))
+    assert pool.arena is not None and pool.arena.size == 128
+    layout, log, rows = k_data(3, steps=3, drafted=True)
+    with GoldenWriter(tmp_path / "w.zarr", pool=pool) as w:  # a whole K: 9 verify rows, 144 bytes at once
+        w.add(layout, log, rows, drafts=np.zeros((3, 2), np.int32))
+        w.publish(meta((3,), feed="mtp"), PROMPT)
+    assert pool.arena.size == 256  # the copy did not fit: the arena grew
+    assert open_golden(tmp_path / "w.zarr").meta["manifest"] == b.meta["manifest"]
+
+    def blocks(path):
+        return sorted((f["k"], -1 if f["s"] is None else f["s"], f["sha256"]) for f in journal.read(path)[1]
+                      if "sha256" in f)
+    assert blocks(tmp_path / "p.journal") == blocks(tmp_path / "t.journal")
+    assert len(blocks(tmp_path / "p.journal")) == 4  # the prefill and three steps
+
+
+def test_a_writer_process_that_dies_fails_the_recording(tmp_path, pool):
+    path = tmp_path / "g.zarr"
+    old = write(path, seed=1)
+    pool.workers[1].proc.kill()
+    pool.workers[1].proc.wait()
+    with pytest.raises(P.WriterError, match=r"a writer process \(pid \d+\) died"):
+        layout, log, rows = k_data(2, seed=2)
+        with GoldenWriter(path, refresh=True, pool=pool) as w:
+            w.add(layout, log, rows)
+            w.publish(meta(), PROMPT)
+    assert np.array_equal(open_golden(path).verify_rows(2)["verify"], old[2]["verify"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zarr"]  # nothing staged left behind
+
+
+def test_a_file_the_system_refuses_is_an_os_error(tmp_path, pool, monkeypatch):
+    staged = []
+    real = W.GoldenWriter.rows
+
+    def rows(self, layout, vocab, dtype):  # a file where a row array's folder goes: mkdir fails in the process
+        staged.append(self.staged)
+        (self.staged / f"k{layout.k}").mkdir(parents=True, exist_ok=True)
+        (self.staged / f"k{layout.k}" / "logits.hi").write_bytes(b"in the way")
+        return real(self, layout, vocab, dtype)
+
+    monkeypatch.setattr(W.GoldenWriter, "rows", rows)
+    with pytest.raises(OSError, match="logits.hi"):
+        _record(tmp_path / "g.zarr", pool)
+    assert staged and not staged[0].exists() and not (tmp_path / "g.zarr").exists()
+
+
+def test_how_many_processes_a_recording_uses(monkeypatch):
+    monkeypatch.delenv(P.ENV, raising=False)
+    assert P.wanted("cpu") == 0 and P.wanted("cuda") == P.DEFAULT >= 1
+    monkeypatch.setenv(P.ENV, "3")
+    assert P.wanted("cpu") == P.wanted("cuda:0") == 3
+    monkeypatch.setenv(P.ENV, "0")
+    assert P.wanted("cuda") == 0 and P.pool_for("cuda") is None
+    monkeypatch.setenv(P.ENV, "many")
+    with pytest.raises(UsageError, match="VD_WRITER_PROCESSES='many'"):
+        P.wanted("cuda")
+
+
+def test_the_writer_process_imports_neither_torch_nor_zarr():
+    import subprocess
+    import sys
+
+    code = "import sys, vd.chunkfiles; print(sorted(m for m in ('torch', 'zarr', 'vd.store') if m in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": str(P.Path(P.vd.__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]"
