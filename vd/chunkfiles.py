@@ -15,6 +15,7 @@ import hashlib
 import mmap
 import os
 import pickle
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -152,4 +153,6 @@ def serve(inp, out) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C reaches the recording's whole process group: the recording stops, and ends this by closing its input.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(sys.stdin.buffer, sys.stdout.buffer)

@@ -1,6 +1,7 @@
 """A plug-in engine whose process dies (SIGKILL, as an OOM killer or a lost machine would) at forward call
 ``VD_DIE_AT_CALL`` (counted from 1 over the whole process); tiny-llama's otherwise, and tiny-llama's when the
-variable is not set."""
+variable is not set. ``VD_DIE_SIGNAL=INT`` sends SIGINT to the process group instead, as Ctrl-C at a terminal
+does (run it in a session of its own)."""
 
 import os
 import signal
@@ -19,7 +20,10 @@ class Dying:
     def forward(self, tokens):
         self.calls += 1
         if self.calls == self.at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if os.environ.get("VD_DIE_SIGNAL") == "INT":
+                os.killpg(os.getpgid(0), signal.SIGINT)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
         return self.inner.forward(tokens)
 
 

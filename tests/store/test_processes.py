@@ -117,3 +117,20 @@ def test_the_writer_process_imports_neither_torch_nor_zarr():
     env = {**os.environ, "PYTHONPATH": str(P.Path(P.vd.__file__).resolve().parent.parent)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_ctrl_c_stops_a_recording_and_its_processes_quietly(tmp_path):
+    """SIGINT to the whole process group (Ctrl-C at a terminal) mid-K: exit 130, nothing published, the journal
+    kept for ``--resume``, and no traceback from a writer process (they ignore it and end with their input)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dying = str(Path(__file__).parents[1] / "plugins" / "dying.py") + ":factory"
+    env = {**os.environ, "VD_DIE_AT_CALL": "30", "VD_DIE_SIGNAL": "INT", P.ENV: "2"}
+    g = tmp_path / "g.zarr"
+    r = subprocess.run([sys.executable, "-m", "vd", "record", str(g), "--model", dying, "--k", "2,3", "--steps", "6"],
+                       capture_output=True, text=True, env=env, start_new_session=True, timeout=300)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    assert not g.exists() and journal.path_for(g).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [journal.path_for(g).name]  # no staged copy left

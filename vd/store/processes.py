@@ -49,7 +49,7 @@ class _Arena:
     """A shared file mapping the recording copies rows into and the writer processes read them from; on a
     CUDA host page-locked (`cudaHostRegister`) so that a device's copy into it runs at full speed."""
 
-    def __init__(self, size: int, pin: bool):
+    def __init__(self, size: int):
         fd, self.path = tempfile.mkstemp(prefix="vd-arena-", dir=_arena_dir())
         try:
             os.ftruncate(fd, size)
@@ -58,9 +58,9 @@ class _Arena:
             os.close(fd)
         self.size, self.pinned = size, False
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
-        if pin and torch.cuda.is_available():
+        if torch.cuda.is_initialized():  # (a CUDA recording's: its model is on the device by now)
             self.bytes.fill_(0)  # pages in before they are locked
-            self.pinned = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), size, 0) == 0
+            self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), size, 0)) == 0
 
     def close(self) -> None:
         if self.pinned:
@@ -136,8 +136,8 @@ class WriterPool:
     """``n`` writer processes and their arena (see the module's docstring). Jobs go out with `submit`,
     answers come back with `collect`; one recording at a time uses it (`vd.store.write.GoldenWriter`)."""
 
-    def __init__(self, n: int = DEFAULT, pin: bool = True):
-        self.n, self.pin = n, pin
+    def __init__(self, n: int = DEFAULT):
+        self.n = n
         self.workers = [_Worker() for _ in range(n)]
         self.arena: _Arena | None = None
         self.used = 0  # where the next copy goes
@@ -185,7 +185,7 @@ class WriterPool:
             self.used = 0
             if self.arena is not None:
                 self.arena.close()
-            self.arena = _Arena(max(ARENA_BYTES, 1 << (need - 1).bit_length()), self.pin)
+            self.arena = _Arena(max(ARENA_BYTES, 1 << (need - 1).bit_length()))
         if self.used + need > self.arena.size:
             self.used = 0
         while self.regions and self.regions[0][0] < self.used + need and self.regions[0][1] > self.used:
