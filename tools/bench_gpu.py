@@ -36,6 +36,8 @@ noise as much as vd's cost.
   collection of what vd's work left falls inside either side of a ratio.
 * Warm-up: per forward and K, one recording and one replay run before the timed repetitions (graph
   capture, compilation, the first digest weights); every timed repetition counts, the first included.
+* ``record_gc_ms`` in ``samples``: per repetition, the milliseconds Python's cyclic collector ran during the
+  recording, by generation (0, 1, 2).
 * ``import_s``, ``cuda_init_s``, ``load_s`` (the model's build alone) and ``fingerprint_s``: start-up.
 * ``golden_bytes`` and ``raw_rows_bytes``: the golden's size and its prefill and verify rows' raw bytes.
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import shlex
 import statistics
@@ -71,6 +74,25 @@ from vd.store.format import DECODE_K  # noqa: E402
 from vd.store.local import finish_removals  # noqa: E402
 
 PROMPT = "Speculative decoding: draft, then verify."
+
+
+class Collections:
+    """Milliseconds Python's cyclic collector ran, by generation, since the last `take` (`gc.callbacks`)."""
+
+    def __init__(self):
+        self.ms = [0.0, 0.0, 0.0]
+        self._t = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._t)
+
+    def take(self) -> list[float]:
+        out, self.ms = self.ms, [0.0, 0.0, 0.0]
+        return out
 
 
 def gpu_id(device: torch.device) -> str | None:
@@ -239,6 +261,7 @@ def main() -> None:
         t = time.perf_counter()
         prepare(model, len(prompt), args.steps, ks)  # graphs captured (and code compiled) up front
         warm_s = time.perf_counter() - t
+        collections = Collections()
         for k in ks:
             path = tmp / f"{fwd}-k{k}.zarr"
             settings = RecordSettings(model=args.model, prompt=args.prompt, ks=(k,), steps=args.steps, forward=fwd,
@@ -250,9 +273,11 @@ def main() -> None:
             timed_replay(path, replay_settings, model)  # warm-up
             samples = {"record_s": [], "bare_record_s": [], "replay_s": [], "bare_replay_s": [], "step_ms": []}
             for _ in range(args.reps):  # interleaved, so drift hits both sides alike
+                collections.take()
                 t = time.perf_counter()
                 done = record(path, settings, refresh=True, model=model)
                 samples["record_s"].append(time.perf_counter() - t)
+                samples.setdefault("record_gc_ms", []).append(collections.take())
                 t = time.perf_counter()
                 finish_removals()  # the version the refresh replaced, removed on a thread: not beside what is timed
                 samples.setdefault("refresh_removal_s", []).append(time.perf_counter() - t)
