@@ -79,13 +79,15 @@ class _Arenas:
     """The arena files this process has mapped, by path."""
 
     def __init__(self):
-        self.maps: dict[str, mmap.mmap] = {}
+        self.maps: dict[tuple[str, int], mmap.mmap] = {}
 
-    def rows(self, path: str, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        m = self.maps.get(path)
+    def rows(self, arena: tuple[str, int], offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Rows in ``arena`` (its path and serial: a larger arena can reuse a path; the older one is let go)."""
+        m = self.maps.get(arena)
         if m is None:
-            with open(path, "r+b") as f:
-                m = self.maps[path] = mmap.mmap(f.fileno(), 0)
+            self.maps.clear()  # (views into it are gone with the job that made them)
+            with open(arena[0], "r+b") as f:
+                m = self.maps[arena] = mmap.mmap(f.fileno(), 0)
         count = int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(m, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
 

@@ -4,8 +4,9 @@ or an object store.
 Its modules import one way: `format` (names, shapes, encodings) and `location` (where a golden lives:
 `local` for a directory or zip file, `objects` for an S3 prefix) at the bottom; `chunks` (one array's
 chunks, checked) and `side` (one K as a comparison sees it) above them; then `read` (open and check a
-golden) and `write` (stage, then publish one); `prefetch` (read beside a GPU replay), `slim` and
-`migrate` on top; `manifest`, `schema`, `history` and `atomic` are below `read` and `write`.
+golden) and `write` (stage, then publish one; on a GPU its rows written by `processes`); `prefetch` (read
+beside a GPU replay), `slim` and `migrate` on top; `manifest`, `schema`, `history` and `atomic` are below
+`read` and `write`.
 """
 
 from vd.store.format import FORMAT_VERSION

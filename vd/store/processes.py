@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import mmap
 import os
 import pickle
@@ -49,13 +50,25 @@ class _Arena:
     """A shared file mapping the recording copies rows into and the writer processes read them from; on a
     CUDA host page-locked (`cudaHostRegister`) so that a device's copy into it runs at full speed."""
 
+    serials = itertools.count()
+
     def __init__(self, size: int):
+        self.serial = next(self.serials)  # the writer processes tell arenas apart by it (a path can come back)
         fd, self.path = tempfile.mkstemp(prefix="vd-arena-", dir=_arena_dir())
+        self.fd: int | None = fd
         try:
             os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            Path(self.path).unlink(missing_ok=True)
+            raise
+        if os.path.isdir(f"/proc/{os.getpid()}/fd"):  # Linux: the file goes with this process, even a killed one;
+            Path(self.path).unlink()  # the writer processes open it through this process's descriptor
+            self.path = f"/proc/{os.getpid()}/fd/{fd}"
+        else:
+            os.close(fd)
+            self.fd = None
         self.size, self.pinned = size, False
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
         if torch.cuda.is_initialized():  # (a CUDA recording's: its model is on the device by now)
@@ -71,7 +84,10 @@ class _Arena:
             self.map.close()
         except BufferError:  # a view still exported: the mapping goes with the process
             pass
-        Path(self.path).unlink(missing_ok=True)
+        if self.fd is not None:
+            os.close(self.fd)
+        else:
+            Path(self.path).unlink(missing_ok=True)
 
 
 def _arena_dir() -> str | None:
@@ -200,7 +216,7 @@ class WriterPool:
         ids, by_worker = [], collections.defaultdict(list)
         for job in jobs:
             i, self._next_id = self._next_id, self._next_id + 1
-            by_worker[self._turn].append((i, {**job, "arena": self.arena.path}))
+            by_worker[self._turn].append((i, {**job, "arena": (self.arena.path, self.arena.serial)}))
             self._turn = (self._turn + 1) % self.n
             ids.append(i)
         for w, batch in by_worker.items():

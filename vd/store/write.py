@@ -1,13 +1,16 @@
 """Writing a golden (`GoldenWriter`): staged in a local directory while it is recorded, published complete.
 
 A K's rows are written as its run lets them go (`KRows.write`: the run's `vd.loop.Hold` settles, and the
-run's end): copied to the host a slice at a time, each chunk encoded and written on the writer's threads
-(zstd, CRC32C and SHA-256 run without the interpreter lock), every chunk waited for before ``write`` returns.
-So the store never works beside a run: a recording's step loop runs as fast as a bare one, and what the
-store costs is a tail after each run, bounded by what the run holds (`vd.loop.hold_bytes`), plus the
-publish. Metadata is written as zarr's own documents (`vd.store.nodes`), without zarr's event loop.
-`GoldenWriter.publish` writes the prompt and the metadata, ``complete`` set last, and hands the staged
-golden to its `vd.store.location.Location`, which puts it in place whole. Nothing reaches the destination
+run's end), a slice at a time (the files are `vd.chunkfiles`'). With writer processes (a GPU recording's:
+`vd.store.processes`) each slice is copied into their arena and handed over, and they write it beside the
+next run; `publish` waits for them. Without, it is copied to the host and each chunk encoded and written on
+the writer's threads (zstd, CRC32C and SHA-256 run without the interpreter lock), every chunk waited for
+before ``write`` returns. Either way nothing of the store's runs on the run's interpreter while it steps,
+so a recording's step loop runs as fast as a bare one; what the store costs is a tail after each run
+(bounded by what the run holds, `vd.loop.hold_bytes`) plus the publish. Metadata is written as zarr's own
+documents (`vd.store.nodes`), without zarr's event loop. `GoldenWriter.publish` writes the prompt and the
+metadata, ``complete`` set last, and hands the staged golden to its `vd.store.location.Location`, which puts
+it in place whole. Nothing reaches the destination
 before that; `GoldenWriter.abort` (or leaving a ``with`` block on an error) removes the staged copy, so an
 existing golden is never touched by a failed recording. Rows are stored as byte planes (`vd.store.format`).
 """
@@ -106,8 +109,8 @@ def _row_arrays(where: Path, layout: RowLayout, vocab: int, itemsize: int, put: 
 
 class GoldenWriter:
     """Writes a golden for ``where`` (a path or URL: `vd.store.location.locate`), one K at a time, then
-    publishes it (see the module's docstring). ``background``: chunks are encoded on the writer's threads,
-    several at once (else in the caller).
+    publishes it (see the module's docstring). ``pool``: writer processes that write the rows (else
+    ``background``: chunks are encoded on the writer's threads, several at once, or in the caller).
 
     `rows` takes a K's rows as its run lets them go; `add` a whole K at once.
     """
