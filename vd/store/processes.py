@@ -165,7 +165,7 @@ class WriterPool:
 
     def copy_in(self, rows: torch.Tensor | np.ndarray) -> tuple[int, np.dtype, tuple[int, ...]]:
         """``rows`` (on any device, or as stored) copied into the arena as stored (bf16 as uint16 bits), the copy
-        finished: their offset, stored dtype and shape. Waits for every job sent when they do not fit."""
+        finished: their offset, stored dtype and shape (`_alloc` may wait for jobs reading what it overwrites)."""
         if not isinstance(rows, torch.Tensor):
             a = np.ascontiguousarray(rows)
             offset = self._alloc(a.nbytes)
@@ -185,7 +185,7 @@ class WriterPool:
         return offset, dtype, tuple(src.shape)
 
     def view(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        """Rows `copy_in` put at ``offset``, as stored (valid until the arena is next emptied)."""
+        """Rows `copy_in` put at ``offset``, as stored (until a later copy overwrites them)."""
         assert self.arena is not None
         count = int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(self.arena.map, dtype=dtype, count=count, offset=offset).reshape(shape)
