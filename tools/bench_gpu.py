@@ -253,6 +253,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps([*earlier, run], indent=1, default=str) + "\n")
 
+    collections = Collections()  # one callback for the whole run
     for fwd in args.forwards.split(","):
         if fwd not in model.forwards():
             print(f"  {fwd}: not offered here, skipped", flush=True)
@@ -261,7 +262,6 @@ def main() -> None:
         t = time.perf_counter()
         prepare(model, len(prompt), args.steps, ks)  # graphs captured (and code compiled) up front
         warm_s = time.perf_counter() - t
-        collections = Collections()
         for k in ks:
             path = tmp / f"{fwd}-k{k}.zarr"
             settings = RecordSettings(model=args.model, prompt=args.prompt, ks=(k,), steps=args.steps, forward=fwd,

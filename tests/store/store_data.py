@@ -43,3 +43,25 @@ def write(where, ks=(2,), seed: int = 0, refresh: bool = False, drafted: bool = 
             written[k] = rows
         w.publish(meta(ks, feed="mtp" if drafted else "reference"), PROMPT)
     return written
+
+
+def write_as_run(writer: GoldenWriter, k: int = 3, steps: int = 3) -> dict:
+    """A drafter K written through ``writer`` as a recording's run lets its rows go (`KRows.write`): the prefill
+    whole, the bootstrap row on its own, then one step at a time, then `KRows.finish`; its rows by kind, as
+    bf16 tensors."""
+    import torch
+
+    from vd.digest import summarise
+
+    layout, log, rows = k_data(k, steps=steps, drafted=True)
+    tensors = {kind: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for kind, a in rows.items()}
+    step = {"prefill": layout.prompt, "verify": k, "draft": k - 1}
+    k_rows = writer.rows(layout, V, torch.bfloat16)
+    for kind, t in tensors.items():
+        first = 1 if kind == "draft" else 0  # the bootstrap row on its own, then whole steps
+        if first:
+            k_rows.write(kind, 0, t[:1])
+        for a in range(first, t.shape[0], step[kind]):
+            k_rows.write(kind, a, t[a:a + step[kind]])
+    k_rows.finish(log, summarise(tensors), np.zeros((steps, k - 1), np.int32))
+    return tensors

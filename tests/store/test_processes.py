@@ -6,12 +6,10 @@ import os
 
 import numpy as np
 import pytest
-import torch
-from store_data import PROMPT, V, k_data, meta, write
+from store_data import PROMPT, k_data, meta, write, write_as_run
 
 import vd.store.processes as P
 import vd.store.write as W
-from vd.digest import summarise
 from vd.errors import UsageError
 from vd.store import GoldenWriter, journal, open_golden
 
@@ -26,21 +24,11 @@ def pool(monkeypatch):
 
 def _record(where, pool, log_path=None):
     """K=3's rows (drafter kinds too) written a step at a time as a run lets them go, with a journal."""
-    layout, log, rows = k_data(3, steps=3, drafted=True)
-    tensors = {kind: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for kind, a in rows.items()}
-    step = {"prefill": layout.prompt, "verify": 3, "draft": 2}
     with GoldenWriter(where, pool=pool) as w:
         if log_path is not None:
             w.journal = journal.Journal(log_path, {"settings": {}, "refresh": False, "reason": "r", "fingerprint": "f",
                                                    "prompt": PROMPT, "greedy": [1]})
-        k_rows = w.rows(layout, V, torch.bfloat16)
-        for kind, t in tensors.items():
-            first = 1 if kind == "draft" else 0
-            if first:
-                k_rows.write(kind, 0, t[:1])
-            for a in range(first, t.shape[0], step[kind]):
-                k_rows.write(kind, a, t[a:a + step[kind]])
-        k_rows.finish(log, summarise(tensors), np.zeros((3, 2), np.int32))
+        write_as_run(w)
         w.publish(meta((3,), feed="mtp"), PROMPT)
         if w.journal is not None:
             w.journal.close(remove=False)

@@ -2,9 +2,8 @@
 
 import numpy as np
 import pytest
-import torch
 import zarr
-from store_data import PROMPT, V, k_data, meta, write
+from store_data import PROMPT, V, k_data, meta, write, write_as_run
 
 from vd.dtypes import to_storage
 from vd.errors import GoldenError, GoldenExistsError
@@ -42,21 +41,11 @@ def test_rows_written_as_a_run_lets_them_go_store_what_a_whole_k_does(tmp_path, 
     with the smallest ``SLICE_BYTES``) and `GoldenWriter.add` (a whole K) store the same golden, drafter
     rows included."""
     import vd.store.write as W
-    from vd.digest import summarise
 
     monkeypatch.setattr(W, "SLICE_BYTES", hold)
     layout, log, rows = k_data(3, steps=3, drafted=True)
-    tensors = {kind: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for kind, a in rows.items()}
-    step = {"prefill": layout.prompt, "verify": 3, "draft": 2}
     with GoldenWriter(tmp_path / "s.zarr", background=True) as w:
-        k_rows = w.rows(layout, V, torch.bfloat16)
-        for kind, t in tensors.items():
-            first = 1 if kind == "draft" else 0  # the bootstrap row on its own, then whole steps
-            if first:
-                k_rows.write(kind, 0, t[:1])
-            for a in range(first, t.shape[0], step[kind]):
-                k_rows.write(kind, a, t[a:a + step[kind]])
-        k_rows.finish(log, summarise(tensors), np.zeros((3, 2), np.int32))
+        tensors = write_as_run(w)
         w.publish(meta((3,), feed="mtp"), PROMPT)
     with GoldenWriter(tmp_path / "w.zarr", background=False) as w:
         w.add(layout, log, rows, drafts=np.zeros((3, 2), np.int32))
