@@ -390,7 +390,7 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
     layout = RowLayout(len(tokens), steps, F.DECODE_K)
     settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype), KeptDecode())
     run = run_verify(model, tokens, F.DECODE_K, steps, ReferenceFeed([]), on_step=progress.step,
-                     hold=Hold(hold_bytes(model.device), settled.add),
+                     hold=settled.hold(model.device),
                      on_last=settled.queue if model.device.type == "cuda" else None)
     t, seconds["continuation"] = time.perf_counter(), time.perf_counter() - t
     greedy = [*run.committed(), run.last]
@@ -413,7 +413,7 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
     settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype))
     t = time.perf_counter()
     run = run_verify(model, tokens, k, steps, chooser, on_step=progress.step,
-                     hold=Hold(hold_bytes(model.device), settled.add),
+                     hold=settled.hold(model.device),
                      on_last=settled.queue if model.device.type == "cuda" else None)
     t, result.seconds["verify"] = time.perf_counter(), result.seconds["verify"] + time.perf_counter() - t
     committed = run.committed()
@@ -474,6 +474,12 @@ class _Settled:
         self.summary = Summary(list(layout.counts))
         self.rows, self.kept = rows, kept
         self.last: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def hold(self, device: torch.device) -> Hold:
+        """The run's `vd.loop.Hold`: rows let go past `vd.loop.hold_bytes` (`add`); with writer processes each
+        step's rows handed to them as it is logged (`vd.store.write.KRows.hand`), so that they write them beside
+        the run."""
+        return Hold(hold_bytes(device), self.add, self.rows.hand if self.rows.writer.pool is not None else None)
 
     def add(self, kind: str, start: int, rows: torch.Tensor) -> None:
         self.summary.add({kind: rows})

@@ -40,6 +40,28 @@ def test_a_held_run_lets_whole_steps_go_and_loses_no_row():
         held.rows_by_kind()
 
 
+@pytest.mark.parametrize("limit_rows", [5, 1 << 20])
+def test_each_row_is_handed_on_once_as_its_step_is_logged_and_stays_held(limit_rows):
+    """A hold's ``each`` (a recording's writer processes) gets every row once, in order, as the run logs its
+    step, whether or not the run lets rows go meanwhile; the rows it gets are still the run's to let go."""
+    m = load_model("tiny-llama-mtp", device="cpu", dtype="float32")
+    prompt = m.encode("rows handed on")
+    whole = run_verify(m, prompt, 3, 7, DrafterFeed(3, 7)).rows_by_kind()
+    handed: list[tuple[str, int, torch.Tensor]] = []
+    settled: list[tuple[str, int, torch.Tensor]] = []
+    steps: list[int] = []
+    held = run_verify(m, prompt, 3, 7, DrafterFeed(3, 7), on_step=steps.append,
+                      hold=Hold(limit_rows * m.vocab_size * 4, lambda *a: settled.append((*a[:2], a[2].clone())),
+                                each=lambda *a: handed.append((*a[:2], a[2].clone(), len(steps)))))
+    assert any(s == 0 for *_, s in handed) and handed[-1][-1] == 6  # step 0's rows before step 0 ticked
+    for rows_of in (handed, settled + held.held()):
+        for kind, rows in whole.items():
+            mine = sorted([(start, t) for k, start, t, *_ in rows_of if k == kind], key=lambda x: x[0])
+            assert [s for s, _ in mine] == list(np.cumsum([0] + [t.shape[0] for _, t in mine])[:-1])
+            assert torch.equal(torch.cat([t for _, t in mine]), rows), kind
+    assert bool(settled) == (limit_rows == 5)
+
+
 def _arrays(path) -> dict[str, np.ndarray]:
     root = zarr.open_group(str(path), mode="r")
     out = {}

@@ -40,6 +40,9 @@ class Hold:
 
     limit: int
     settle: Callable[[str, int, torch.Tensor], None]
+    # Called with the rows each step brings (and the prefill's, the draft head's) once it is logged, while the
+    # next step's forward runs; the run goes on holding them (a recorder's writer processes copy them then).
+    each: Callable[[str, int, torch.Tensor], None] | None = None
 
 
 # On the CPU held rows count in the process's peak memory, and so do the copies made when they are let go
@@ -84,6 +87,7 @@ class Run:
     settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("prefill", "verify", "draft"), 0))
     prompt: int = 0  # prefill rows (``prefill`` is empty once settled)
     storages: set[int] = field(default_factory=set)  # the memory of the rows held, to refuse a reused buffer
+    handed: dict[str, tuple[int, int]] = field(default_factory=dict)  # per kind: held parts and rows given to `each`
     # For an adapter that does not vouch for its rows (`vd.protocol.owns_rows`): each held step's rows' digests when
     # they were returned (the prefill's first), checked before the rows are let go or judged (`check_returned`).
     returned: list[torch.Tensor] | None = None
@@ -122,12 +126,19 @@ class Run:
         """How this run's rows are laid out (`vd.layout.RowLayout`)."""
         return RowLayout(self.prompt, len(self.steps), self.k, self.bootstrap_row is not None)
 
+    def _parts(self) -> dict[str, list[torch.Tensor]]:
+        """The rows still held, per kind in layout order, as the run holds them (some may be empty)."""
+        parts = {"prefill": [self.prefill], "verify": self.rows}
+        if self.bootstrap_row is not None:
+            parts["draft"] = [self.bootstrap_row, *self.draft_rows]
+        return parts
+
     def held(self, last: torch.Tensor | None = None) -> list[tuple[str, int, torch.Tensor]]:
         """The rows still held, per kind in layout order: (kind, the kind's row it starts at, rows ``[n, V]``);
         with ``last``, as if those verify rows were one more step's (a run's last, not logged yet)."""
-        parts = {"prefill": [self.prefill], "verify": [*self.rows, *([] if last is None else [last])]}
-        if self.bootstrap_row is not None:
-            parts["draft"] = [self.bootstrap_row, *self.draft_rows]
+        parts = self._parts()
+        if last is not None:
+            parts["verify"] = [*self.rows, last]
         out = []
         for kind, ps in parts.items():
             ps = [t for t in ps if t.shape[0]]
@@ -147,6 +158,17 @@ class Run:
         n += 0 if self.bootstrap_row is None else self.bootstrap_row.shape[0]
         return n * self.prefill.shape[1] * self.prefill.element_size()
 
+    def hand_on(self) -> None:
+        """Give the hold's ``each`` the rows held that it has not had yet, and go on holding them."""
+        assert self.hold is not None and self.hold.each is not None
+        for kind, parts in self._parts().items():
+            i, at = self.handed.get(kind, (0, 0))
+            for part in parts[i:]:
+                if part.shape[0]:
+                    self.hold.each(kind, self.settled[kind] + at, part)
+                at += part.shape[0]
+            self.handed[kind] = (len(parts), at)
+
     def settle(self) -> None:
         """Hand every held row to the hold's ``settle`` and let them go."""
         assert self.hold is not None, "a run without a hold keeps every row"
@@ -158,6 +180,7 @@ class Run:
         self.prefill = self.prefill.new_empty((0, self.prefill.shape[1]))  # not a view: its memory goes too
         self.rows.clear()
         self.storages.clear()
+        self.handed.clear()
         if self.returned is not None:  # the digests of rows returned but not logged yet stay
             self.returned = self.returned[held:]
         self.draft_rows.clear()
@@ -348,6 +371,8 @@ def _log(run: Run, s: int, tokens: Sequence[int], rows: torch.Tensor, na: int, c
     run.rows.append(rows)
     run.steps.append(Step(tuple(int(t) for t in tokens), na))
     run.computed.append(computed)
+    if run.hold is not None and run.hold.each is not None:
+        run.hand_on()
     if run.hold is not None and run.held_bytes() > run.hold.limit:
         run.settle()
     if on_step is not None:

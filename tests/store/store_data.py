@@ -45,10 +45,11 @@ def write(where, ks=(2,), seed: int = 0, refresh: bool = False, drafted: bool = 
     return written
 
 
-def write_as_run(writer: GoldenWriter, k: int = 3, steps: int = 3) -> dict:
+def write_as_run(writer: GoldenWriter, k: int = 3, steps: int = 3, hand: bool = False) -> dict:
     """A drafter K written through ``writer`` as a recording's run lets its rows go (`KRows.write`): the prefill
     whole, the bootstrap row on its own, then one step at a time, then `KRows.finish`; its rows by kind, as
-    bf16 tensors."""
+    bf16 tensors. ``hand``: those parts handed over as a run logs them (`KRows.hand`), then each kind's rows
+    written whole, as a run on a GPU leaves them held at its end."""
     import torch
 
     from vd.digest import summarise
@@ -59,9 +60,12 @@ def write_as_run(writer: GoldenWriter, k: int = 3, steps: int = 3) -> dict:
     k_rows = writer.rows(layout, V, torch.bfloat16)
     for kind, t in tensors.items():
         first = 1 if kind == "draft" else 0  # the bootstrap row on its own, then whole steps
+        put = k_rows.hand if hand else k_rows.write
         if first:
-            k_rows.write(kind, 0, t[:1])
+            put(kind, 0, t[:1])
         for a in range(first, t.shape[0], step[kind]):
-            k_rows.write(kind, a, t[a:a + step[kind]])
+            put(kind, a, t[a:a + step[kind]])
+        if hand:
+            k_rows.write(kind, 0, t)
     k_rows.finish(log, summarise(tensors), np.zeros((steps, k - 1), np.int32))
     return tensors

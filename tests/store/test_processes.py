@@ -22,13 +22,14 @@ def pool(monkeypatch):
     p.close()
 
 
-def _record(where, pool, log_path=None):
-    """K=3's rows (drafter kinds too) written a step at a time as a run lets them go, with a journal."""
+def _record(where, pool, log_path=None, hand=False):
+    """K=3's rows (drafter kinds too) written a step at a time as a run lets them go (``hand``: handed over as
+    it logs them, then written whole at its end), with a journal."""
     with GoldenWriter(where, pool=pool) as w:
         if log_path is not None:
             w.journal = journal.Journal(log_path, {"settings": {}, "refresh": False, "reason": "r", "fingerprint": "f",
                                                    "prompt": PROMPT, "greedy": [1]})
-        write_as_run(w)
+        write_as_run(w, hand=hand)
         w.publish(meta((3,), feed="mtp"), PROMPT)
         if w.journal is not None:
             w.journal.close(remove=False)
@@ -53,6 +54,9 @@ def test_processes_write_what_threads_write(tmp_path, pool):
                       if "sha256" in f)
     assert blocks(tmp_path / "p.journal") == blocks(tmp_path / "t.journal")
     assert len(blocks(tmp_path / "p.journal")) == 4  # the prefill and three steps
+    _record(tmp_path / "h.zarr", pool, tmp_path / "h.journal", hand=True)  # each row handed once, none twice
+    assert open_golden(tmp_path / "h.zarr").meta["manifest"] == b.meta["manifest"]
+    assert blocks(tmp_path / "h.journal") == blocks(tmp_path / "t.journal")
 
 
 def test_a_writer_process_that_dies_fails_the_recording(tmp_path, pool):

@@ -160,12 +160,19 @@ class WriterPool:
         # The arena's copies in the order they were made: (start, end, the ids of the jobs reading it).
         self.regions: collections.deque[tuple[int, int, list[int]]] = collections.deque()
         self.answers: dict[int, dict] = {}
+        # Copies still running on `stream` (`copy_in` without waiting): (done, their rows, their jobs by process).
+        self.in_flight: collections.deque[tuple[torch.cuda.Event, torch.Tensor, dict]] = collections.deque()
+        self.stream: torch.cuda.Stream | None = None
+        self.copying: tuple[torch.cuda.Event, torch.Tensor] | None = None  # the last copy's, until `submit`
         self._next_id = 0
         self._turn = 0
 
-    def copy_in(self, rows: torch.Tensor | np.ndarray) -> tuple[int, np.dtype, tuple[int, ...]]:
-        """``rows`` (on any device, or as stored) copied into the arena as stored (bf16 as uint16 bits), the copy
-        finished: their offset, stored dtype and shape (`_alloc` may wait for jobs reading what it overwrites)."""
+    def copy_in(self, rows: torch.Tensor | np.ndarray, wait: bool = True) -> tuple[int, np.dtype, tuple[int, ...]]:
+        """``rows`` (on any device, or as stored) copied into the arena as stored (bf16 as uint16 bits): their
+        offset, stored dtype and shape (`_alloc` may wait for jobs reading what it overwrites). The copy is
+        finished, unless ``wait`` is False and it runs from a CUDA device into a page-locked arena: then it
+        runs on a stream of its own, after what the current stream was given so far, and the jobs `submit`
+        sends for it go once it is done (`poll`); such rows must stay unchanged until they go."""
         if not isinstance(rows, torch.Tensor):
             a = np.ascontiguousarray(rows)
             offset = self._alloc(a.nbytes)
@@ -179,9 +186,18 @@ class WriterPool:
         offset = self._alloc(src.numel() * src.element_size())
         assert self.arena is not None
         dst = self.arena.bytes[offset:offset + src.numel() * src.element_size()].view(src.dtype).view(src.shape)
-        dst.copy_(src, non_blocking=self.arena.pinned and src.is_cuda)
-        if src.is_cuda:
-            torch.cuda.current_stream(src.device).synchronize()
+        if src.is_cuda and self.arena.pinned and not wait:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(src.device)
+            self.stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+                self.copying = (torch.cuda.Event(), src)  # the rows kept until the copy is done
+                self.copying[0].record(self.stream)
+        else:
+            dst.copy_(src, non_blocking=self.arena.pinned and src.is_cuda)
+            if src.is_cuda:
+                torch.cuda.current_stream(src.device).synchronize()
         return offset, dtype, tuple(src.shape)
 
     def view(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -196,6 +212,7 @@ class WriterPool:
         for every job and makes a larger one."""
         need = -(-nbytes // 64) * 64
         if self.arena is None or need > self.arena.size:
+            self.poll(wait=True)
             self._wait({i for w in self.workers for i in w.pending})
             self.regions.clear()
             self.used = 0
@@ -211,7 +228,8 @@ class WriterPool:
         return offset
 
     def submit(self, jobs: list[dict]) -> list[int]:
-        """Send ``jobs`` (`vd.chunkfiles.do_job`'s, their ``arena`` filled in here) over the processes; their ids."""
+        """Send ``jobs`` (`vd.chunkfiles.do_job`'s, their ``arena`` filled in here) reading the last copy's rows
+        over the processes (once that copy is done, if it still runs: `copy_in`); their ids."""
         assert self.arena is not None
         ids, by_worker = [], collections.defaultdict(list)
         for job in jobs:
@@ -219,10 +237,25 @@ class WriterPool:
             by_worker[self._turn].append((i, {**job, "arena": (self.arena.path, self.arena.serial)}))
             self._turn = (self._turn + 1) % self.n
             ids.append(i)
+        self.regions[-1][2].extend(ids)  # the jobs read the last copy's rows
+        if self.copying is not None:
+            self.in_flight.append((*self.copying, by_worker))
+            self.copying = None
+            self.poll()
+        else:
+            self._send(by_worker)
+        return ids
+
+    def _send(self, by_worker: dict[int, list[tuple[int, dict]]]) -> None:
         for w, batch in by_worker.items():
             self.workers[w].send(batch)
-        self.regions[-1][2].extend(ids)  # the jobs read the last copy's rows
-        return ids
+
+    def poll(self, wait: bool = False) -> None:
+        """Send the jobs of the copies done by now, in order (``wait``: every copy waited for)."""
+        while self.in_flight and (wait or self.in_flight[0][0].query()):
+            event, _, by_worker = self.in_flight.popleft()
+            event.synchronize()
+            self._send(by_worker)
 
     def collect(self, ids: list[int]) -> list[dict]:
         """The answers to jobs ``ids``, waited for (and forgotten here)."""
@@ -231,6 +264,7 @@ class WriterPool:
 
     def _wait(self, want: set[int]) -> None:
         """Every answer to jobs ``want`` read into `answers` (each process answers its jobs in order)."""
+        self.poll(wait=True)
         want = want - set(self.answers)
         for w in self.workers:
             while want and w.pending and not want.isdisjoint(w.pending):

@@ -2,12 +2,14 @@
 
 A K's rows are written as its run lets them go (`KRows.write`: the run's `vd.loop.Hold` settles, and the
 run's end), a slice at a time (the files are `vd.chunkfiles`'). With writer processes (a GPU recording's:
-`vd.store.processes`) each slice is copied into their arena and handed over, and they write it beside the
-next run; `publish` waits for them. Without, it is copied to the host and each chunk encoded and written on
-the writer's threads (zstd, CRC32C and SHA-256 run without the interpreter lock), every chunk waited for
-before ``write`` returns. Either way nothing of the store's runs on the run's interpreter while it steps,
-so a recording's step loop runs as fast as a bare one; what the store costs is a tail after each run
-(bounded by what the run holds, `vd.loop.hold_bytes`) plus the publish. Metadata is written as zarr's own
+`vd.store.processes`) each step's rows are handed over as the run logs the step, while the next step's
+forward runs (`KRows.hand`: a copy into their arena issued on a stream of its own, a job sent once it is
+done), and the processes write them beside the run; the run's end leaves only its last step's rows, and
+`publish` waits for them after making the metadata. Without processes, rows are copied to the host and
+each chunk encoded and written on the writer's threads (zstd, CRC32C and SHA-256 run without the
+interpreter lock), every chunk waited for before ``write`` returns, never while a run steps. Either way a
+recording's step loop runs as fast as a bare one; what the store costs is a tail after each run (bounded by
+what the run holds, `vd.loop.hold_bytes`) plus the publish. Metadata is written as zarr's own
 documents (`vd.store.nodes`), without zarr's event loop. `GoldenWriter.publish` writes the prompt and the
 metadata, ``complete`` set last, and hands the staged golden to its `vd.store.location.Location`, which puts
 it in place whole. Nothing reaches the destination
@@ -233,12 +235,11 @@ class GoldenWriter:
         self._put(self.staged / key, data)
 
     def publish(self, meta: Mapping, prompt: list[int], *, reason: str = "first recording") -> None:
-        """Wait for everything queued, write the prompt and the metadata (``complete`` last), and put the
-        golden in place. The metadata gets the golden's content digest and, unless ``meta`` brings a
+        """Write the prompt and the metadata, wait for everything queued, seal (``complete`` last), and put
+        the golden in place. The metadata gets the golden's content digest and, unless ``meta`` brings a
         ``history`` already (a slim form's, a refresh's), its first history entry, giving ``reason``; then
         the manifest of every file and the golden's ID (`seal`)."""
         try:
-            self._drain()
             self._small("prompt", np.asarray(prompt, dtype="<i4"))
             full = dict(meta)
             scheme = F.digest_meta(full.get("vocab_size"), (full.get("logits") or {}).get("dtype"))
@@ -251,6 +252,7 @@ class GoldenWriter:
                 full["history"] = [history.entry(full, full["content_digest"], reason=reason)]
             stable, volatile = F.split_volatile(json.loads(json.dumps(full, default=str)))
             self._put(self.staged / F.RUN_GROUP / "zarr.json", nodes.group({"vd_run": volatile}))
+            self._drain()  # (the writer processes' last rows were written beside the metadata's making)
             seal(self.staged, stable, known=self.known)
             self.location.publish(self.staged, self.refresh)
         finally:
@@ -312,17 +314,19 @@ class KRows:
 
     def write(self, kind: str, start: int, rows: torch.Tensor | np.ndarray) -> None:
         """Rows ``[n, V]`` of ``kind`` from the kind's row ``start`` (whole steps; on any device, or as stored),
-        written before this returns."""
+        written before this returns (but for writer processes, which `GoldenWriter.publish` waits for); rows
+        handed over already (`hand`) are skipped."""
+        start, rows = self._unwritten(kind, start, rows)
+        if not rows.shape[0]:
+            return
         journal = self.writer.journal
         whole = journal.digest if journal is not None and kind == "prefill" else None  # one block, all slices
-        h, spans = None, F.chunk_spans(self.layout, kind, start, rows.shape[0], self.vocab, self.itemsize)
-        slices = self._slices(spans)
+        h, slices = None, self._slices(F.chunk_spans(self.layout, kind, start, rows.shape[0], self.vocab,
+                                                     self.itemsize))
         for take in slices:
             lo, hi = take[0][2], take[-1][3]
             if self.writer.pool is not None:
-                digest = ("chunk" if journal is not None and kind == "verify" else
-                          "whole" if whole is not None and len(slices) == 1 else None)
-                stored = self._send(take, rows[lo:hi], digest)
+                stored = self._send(take, rows[lo:hi], self._digest(kind, len(slices)))
             else:
                 part = rows[lo:hi]
                 stored = to_storage(part) if isinstance(part, torch.Tensor) else np.ascontiguousarray(part)
@@ -335,6 +339,35 @@ class KRows:
         if journal is not None and h is not None:  # (h is hashed only with a journal)
             journal.block(self.layout.k, None, h.hexdigest())
         self.written[kind] += rows.shape[0]
+
+    def hand(self, kind: str, start: int, rows: torch.Tensor) -> None:
+        """While a run steps (`vd.loop.Hold`'s ``each``): rows it goes on holding, handed to the writer
+        processes without waiting for their copy (`vd.store.processes.WriterPool.copy_in`), so that they
+        write them beside the run and the run's end leaves only its last rows to write. Nothing is handed
+        without processes, or for rows of more than one slice (`SLICE_BYTES`): `write` writes those."""
+        start, part = self._unwritten(kind, start, rows)
+        if self.writer.pool is None or not part.shape[0]:
+            return
+        slices = self._slices(F.chunk_spans(self.layout, kind, start, part.shape[0], self.vocab, self.itemsize))
+        if len(slices) == 1:
+            self._send(slices[0], part, self._digest(kind, 1), wait=False)
+            self.written[kind] += part.shape[0]
+
+    def _unwritten(self, kind: str, start: int, rows: torch.Tensor | np.ndarray
+                   ) -> tuple[int, torch.Tensor | np.ndarray]:
+        """``rows`` from ``start`` without those written already (a gap before them is a ValueError)."""
+        done = self.written[kind]
+        if start > done:
+            raise ValueError(f"K={self.layout.k}: {kind} rows from {start}, but only {done} written")
+        return max(start, done), rows[done - start:] if done > start else rows
+
+    def _digest(self, kind: str, slices: int) -> str | None:
+        """What the writer processes hash of a ``kind``'s rows in ``slices`` slices for the journal
+        (`vd.chunkfiles.do_job`): each step's chunk, or the prefill whole when it is one slice (else the
+        recording hashes it)."""
+        if self.writer.journal is None:
+            return None
+        return "chunk" if kind == "verify" else "whole" if kind == "prefill" and slices == 1 else None
 
     def _slices(self, spans: list[tuple[str, int, int, int]]) -> list[list[tuple[str, int, int, int]]]:
         """``spans`` in runs of whole chunks of at most `SLICE_BYTES` (at least one chunk each)."""
@@ -349,14 +382,14 @@ class KRows:
             size += n
         return out
 
-    def _send(self, take: list[tuple[str, int, int, int]], part: torch.Tensor | np.ndarray, digest: str | None
-              ) -> np.ndarray:
+    def _send(self, take: list[tuple[str, int, int, int]], part: torch.Tensor | np.ndarray, digest: str | None,
+              wait: bool = True) -> np.ndarray:
         """Chunks ``take`` of ``part`` (its rows from the first chunk's) copied into the writer processes' arena
         and sent to them, a share of the chunks each (``digest``: `vd.chunkfiles.do_job`'s, ``"whole"`` a job
-        of its own); the copy, as stored."""
+        of its own); the copy, as stored (not to be read unless ``wait``: `WriterPool.copy_in`)."""
         pool = self.writer.pool
         assert pool is not None
-        offset, dtype, shape = pool.copy_in(part)
+        offset, dtype, shape = pool.copy_in(part, wait)
         lo, n = take[0][2], -(-len(take) // pool.n)
         journal, k = self.writer.journal, self.layout.k
         base = {"staged": str(self.writer.staged), "group": f"k{k}", "offset": offset, "dtype": dtype.str,
