@@ -155,6 +155,10 @@ class RecordResult:
     thin: list[str]
     committed_is_greedy: dict[int, bool]
     seconds: dict[str, float] = field(default_factory=dict)
+    # Where ``seconds["store"]`` and ``seconds["write"]`` went (parts of them, not added to the total): the
+    # rows' hand-over at a run's end, the K's small files, its own verify-vs-decode figures; the metadata, the
+    # wait for the writer processes, the seal and the golden's placing (`vd.store.write.GoldenWriter.seconds`).
+    parts: dict[str, float] = field(default_factory=dict)
     short: list[str] = field(default_factory=list)
     resumed_checked: int = 0  # blocks a resumed recording found equal to its journal
     left_greedy: dict[int, int] = field(default_factory=dict)  # per K, the step where committed left greedy
@@ -255,8 +259,8 @@ def _typed(v: object, annotation: str) -> bool:
 
 def _record(location: Location, settings: RecordSettings, policy: Policy, refresh: bool, model: VerifyModel | None,
             progress: Progress, reason: str, resuming: tuple) -> RecordResult:
-    seconds: dict[str, float] = {}
-    t = time.perf_counter()
+    t, result = time.perf_counter(), RecordResult(None, {}, [], {}, {})
+    seconds = result.seconds
     # The writer processes (a CUDA recording's) start first: they import while the model loads.
     pool_for(model.device if model is not None else settings.device)
     model = _model(settings, model, progress)
@@ -276,9 +280,8 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     # runs, whose step times the golden keeps: tools/h200/record-behind-ab.json); writer processes do, sharing
     # no interpreter lock with them (`vd.store.processes`).
     with GoldenWriter(location, refresh=refresh, pool=pool) as writer:
-        greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, seconds)
+        greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, result)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
-        result = RecordResult(None, {}, [], {}, seconds)
         points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result)
         if result.short or (result.thin and not settings.allow_thin):
             if writer.journal is not None:
@@ -288,16 +291,18 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         progress.phase("writing golden", 0)
         meta = {**_meta(model, settings, forward, greedy, result.thin, golden_dir(location)),
                 "left_greedy": {str(k): s for k, s in result.left_greedy.items()},
-                "decode": {"steps": settings.steps * max(settings.ks)},
+                "decode": {"steps": settings.steps * max(settings.ks)}, "policy": policy.to_json(),
+                "require_coverage": settings.require_coverage,
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
                 **({"trace": trace_meta(points)} if settings.trace else {}),
                 **keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)}
-        writer.publish({**meta, "policy": policy.to_json(), "require_coverage": settings.require_coverage}, tokens,
-                       reason=reason)
+        _part(result, "write_describe", t)  # the metadata, the Inductor artifacts
+        writer.publish(meta, tokens, reason=reason)
     if writer.journal is not None:
         result.resumed_checked = writer.journal.checked
         writer.journal.close(remove=True)  # published: nothing left to resume
     seconds["write"] = time.perf_counter() - t
+    result.parts.update({f"write_{n}": sec for n, sec in writer.seconds.items()})
     result.location = location
     t = time.perf_counter()
     _read_back_equivalence(location, settings.ks, result)
@@ -379,12 +384,13 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
 
 
 def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], steps: int, progress: Progress,
-                   seconds: dict[str, float]) -> tuple[list[int], KeptDecode]:
+                   result: RecordResult) -> tuple[list[int], KeptDecode]:
     """The greedy continuation by one-token decode: a run at K = 1 (each step verifies the token the last one
     chose, accepting nothing, as plain decode does), its rows written to ``writer`` as the decode group
     (`vd.store.format.DECODE_K`) and kept for the verify-against-decode figures (`_own_equivalence`); the
-    continuation's ``steps + 1`` tokens and those rows. Its run's seconds into ``seconds["continuation"]``, the
-    writes after it into ``seconds["store"]``."""
+    continuation's ``steps + 1`` tokens and those rows. Its run's seconds into ``result.seconds["continuation"]``,
+    the writes after it into ``result.seconds["store"]``."""
+    seconds = result.seconds
     t = time.perf_counter()
     progress.phase("greedy continuation", steps)
     layout = RowLayout(len(tokens), steps, F.DECODE_K)
@@ -395,7 +401,9 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
     t, seconds["continuation"] = time.perf_counter(), time.perf_counter() - t
     greedy = [*run.committed(), run.last]
     log, summary, _ = _finished(run, True, settled)
+    at = _part(result, "store_rows", t)
     settled.rows.finish(log, summary, None)
+    _part(result, "store_files", at)
     seconds["store"] = seconds.get("store", 0.0) + time.perf_counter() - t
     assert settled.kept is not None
     return greedy, settled.kept
@@ -421,11 +429,14 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
     # Written here, between runs: the writer's threads touch no GPU (a CUDA call of theirs during a graph
     # captured mid-run, such as a draft head's first propose of a shape, would invalidate that capture).
     log, summary, drafts = _finished(run, same, settled)
+    at = _part(result, "store_rows", t)
     if not settings.allow_nonfinite:
         _refuse_nonfinite(layout, summary[1], k)
     settled.rows.finish(log, summary, drafts)
+    at = _part(result, "store_files", at)
     if (own := _own_equivalence(log, settled, len(tokens), continuation, of_torch(model.dtype).name)) is not None:
         result.equivalence[k] = own
+    _part(result, "store_own", at)
     result.seconds["store"] += time.perf_counter() - t
     accepted = log.accepted.tolist()
     result.accepted[k], result.committed_is_greedy[k] = accepted, same
@@ -436,6 +447,13 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
     if settings.require_coverage and (reason := coverage_reason(k, accepted)) is not None:
         result.short.append(reason)
     return log, summary
+
+
+def _part(result: RecordResult, name: str, since: float) -> float:
+    """Add the seconds since ``since`` to ``result.parts[name]``; now."""
+    now = time.perf_counter()
+    result.parts[name] = result.parts.get(name, 0.0) + now - since
+    return now
 
 
 def _left_at(run: Run, greedy: list[int]) -> int:

@@ -283,6 +283,8 @@ def main() -> None:
                 samples.setdefault("refresh_removal_s", []).append(time.perf_counter() - t)
                 for name, sec in done.seconds.items():  # where record's own time went
                     samples.setdefault(f"record_{name}_s", []).append(sec)
+                for name, sec in done.parts.items():  # parts of its store and write (RecordResult.parts)
+                    samples.setdefault(f"record_part_{name}_s", []).append(sec)
                 bare_s, _ = bare_verify(model, prompt, steps)
                 samples["bare_record_s"].append(bare_decode(model, prompt, args.steps * k + 1) + bare_s)
                 replay_s, opened_s, read_s, r = timed_replay(path, replay_settings, model)

@@ -132,6 +132,7 @@ class GoldenWriter:
         self.journal: Journal | None = None  # the recorder sets it: every block written goes into it
         self.stored_rows = True
         self.known: dict[str, list] = {}  # files written whole by this writer: [size, SHA-256] for the manifest
+        self.seconds: dict[str, float] = {}  # where `publish` went: its metadata, the wait, the seal, the placing
         try:
             self._put(self.staged / "zarr.json", nodes.group())
         except BaseException:  # SIGTERM (SystemExit) or an error before the writer exists to abort itself
@@ -239,6 +240,7 @@ class GoldenWriter:
         the golden in place. The metadata gets the golden's content digest and, unless ``meta`` brings a
         ``history`` already (a slim form's, a refresh's), its first history entry, giving ``reason``; then
         the manifest of every file and the golden's ID (`seal`)."""
+        t = time.perf_counter()
         try:
             self._small("prompt", np.asarray(prompt, dtype="<i4"))
             full = dict(meta)
@@ -252,11 +254,20 @@ class GoldenWriter:
                 full["history"] = [history.entry(full, full["content_digest"], reason=reason)]
             stable, volatile = F.split_volatile(json.loads(json.dumps(full, default=str)))
             self._put(self.staged / F.RUN_GROUP / "zarr.json", nodes.group({"vd_run": volatile}))
+            t = self._lap("meta", t)
             self._drain()  # (the writer processes' last rows were written beside the metadata's making)
+            t = self._lap("wait", t)
             seal(self.staged, stable, known=self.known)
+            t = self._lap("seal", t)
             self.location.publish(self.staged, self.refresh)
+            self._lap("place", t)
         finally:
             self.abort()
+
+    def _lap(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[name] = now - since
+        return now
 
     def abort(self) -> None:
         """Stop and remove the staged copy (a no-op after `publish`)."""
