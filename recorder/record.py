@@ -259,8 +259,7 @@ def _typed(v: object, annotation: str) -> bool:
 
 def _record(location: Location, settings: RecordSettings, policy: Policy, refresh: bool, model: VerifyModel | None,
             progress: Progress, reason: str, resuming: tuple) -> RecordResult:
-    t, result = time.perf_counter(), RecordResult(None, {}, [], {}, {})
-    seconds = result.seconds
+    t, seconds = time.perf_counter(), (result := RecordResult(None, {}, [], {}, {})).seconds
     # The writer processes (a CUDA recording's) start first: they import while the model loads.
     pool_for(model.device if model is not None else settings.device)
     model = _model(settings, model, progress)

@@ -11,7 +11,7 @@ from store_data import PROMPT, k_data, meta, write, write_as_run
 import vd.store.processes as P
 import vd.store.write as W
 from vd.errors import UsageError
-from vd.store import GoldenWriter, journal, open_golden
+from vd.store import GoldenWriter, journal, manifest, open_golden
 
 
 @pytest.fixture
@@ -40,6 +40,8 @@ def test_processes_write_what_threads_write(tmp_path, pool):
     _record(tmp_path / "t.zarr", None, tmp_path / "t.journal")
     a, b = open_golden(tmp_path / "p.zarr"), open_golden(tmp_path / "t.zarr")
     assert a.meta["manifest"] == b.meta["manifest"] and len(a.meta["manifest"]) > 20  # every file, same bytes
+    for path in ("p.zarr", "t.zarr"):  # the files the writer knows are the folder's, every one listed and hashed
+        assert manifest.build(tmp_path / path) == a.meta["manifest"]
     assert all(np.array_equal(a.verify_rows(3)[kind], b.verify_rows(3)[kind]) for kind in ("prefill", "verify"))
     assert pool.arena is not None and pool.arena.size == 128
     layout, log, rows = k_data(3, steps=3, drafted=True)

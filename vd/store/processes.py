@@ -227,16 +227,22 @@ class WriterPool:
         self.regions.append((offset, self.used, []))
         return offset
 
-    def submit(self, jobs: list[dict]) -> list[int]:
+    def submit(self, jobs: list[dict], rows: bool = True) -> list[int]:
         """Send ``jobs`` (`vd.chunkfiles.do_job`'s, their ``arena`` filled in here) reading the last copy's rows
-        over the processes (once that copy is done, if it still runs: `copy_in`); their ids."""
-        assert self.arena is not None
+        over the processes (once that copy is done, if it still runs: `copy_in`); their ids. ``rows`` False:
+        jobs that read no rows (files given whole), sent at once."""
         ids, by_worker = [], collections.defaultdict(list)
         for job in jobs:
             i, self._next_id = self._next_id, self._next_id + 1
-            by_worker[self._turn].append((i, {**job, "arena": (self.arena.path, self.arena.serial)}))
+            if rows:
+                assert self.arena is not None
+                job = {**job, "arena": (self.arena.path, self.arena.serial)}
+            by_worker[self._turn].append((i, job))
             self._turn = (self._turn + 1) % self.n
             ids.append(i)
+        if not rows:
+            self._send(by_worker)
+            return ids
         self.regions[-1][2].extend(ids)  # the jobs read the last copy's rows
         if self.copying is not None:
             self.in_flight.append((*self.copying, by_worker))

@@ -51,6 +51,10 @@ from vd.store.processes import WriterError, WriterPool
 WRITERS = max(1, min(8, os.cpu_count() or 2))
 # Rows copied to the host at a time by `KRows.write` (whole chunks): the host memory a GPU run's rows take.
 SLICE_BYTES = 32 << 20
+# Files of at most this size `GoldenWriter._put` leaves to the writer processes (a K's small arrays and zarr
+# documents, some 20 a K: 8-22 ms on an H200 host's disk when written here, between runs); larger ones (a
+# compiled recording's Inductor artifacts) are written by the recording's own thread.
+FILE_JOB_BYTES = 1 << 20
 _OS_ERRORS = {"OSError", *(c.__name__ for c in OSError.__subclasses__())}
 
 
@@ -132,6 +136,7 @@ class GoldenWriter:
         self.journal: Journal | None = None  # the recorder sets it: every block written goes into it
         self.stored_rows = True
         self.known: dict[str, list] = {}  # files written whole by this writer: [size, SHA-256] for the manifest
+        self._files: list[tuple[str, bytes]] = []  # files `_put` left to the writer processes, not sent yet
         self.seconds: dict[str, float] = {}  # where `publish` went: its metadata, the wait, the seal, the placing
         try:
             self._put(self.staged / "zarr.json", nodes.group())
@@ -169,11 +174,25 @@ class GoldenWriter:
         k_rows.finish(log, summary, drafts)
 
     def _put(self, path: Path, data: bytes) -> None:
-        """Write a file of the staged golden whole, and remember its size and hash (`seal` lists it without
-        reading it back)."""
+        """Write a file of the staged golden whole, and remember its size and hash (the manifest lists every
+        file so written: `seal`). With writer processes a small file is theirs to write (`_send_files`)."""
+        key = path.relative_to(self.staged).as_posix()
+        if self.pool is not None and len(data) <= FILE_JOB_BYTES:
+            self._files.append((key, data))
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        self.known[path.relative_to(self.staged).as_posix()] = [len(data), manifest.file_digest(data)]
+        self.known[key] = [len(data), manifest.file_digest(data)]
+
+    def _send_files(self) -> None:
+        """The files `_put` left to the writer processes, sent to them, a share each (written beside the next
+        run, or beside the publish's metadata)."""
+        if not self._files:
+            return
+        assert self.pool is not None
+        files, self._files, n = self._files, [], self.pool.n
+        jobs = [{"staged": str(self.staged), "files": files[j::n]} for j in range(min(n, len(files)))]
+        self._jobs.extend((i, -1) for i in self.pool.submit(jobs, rows=False))
 
     def _small(self, rel: str, data: np.ndarray) -> None:
         """A small array of the golden at ``rel``, its metadata and its one chunk."""
@@ -195,6 +214,7 @@ class GoldenWriter:
                  "stats": summary[1], **({"drafts": drafts} if drafts is not None else {})}
         for name, data in small.items():
             self._small(f"k{k}/{name}", np.ascontiguousarray(data, dtype=F.SMALL_DTYPES[name]))
+        self._send_files()
         self.digests[k] = summary[0]
         self.logs.append(log)
         if self.journal is not None:
@@ -254,10 +274,11 @@ class GoldenWriter:
                 full["history"] = [history.entry(full, full["content_digest"], reason=reason)]
             stable, volatile = F.split_volatile(json.loads(json.dumps(full, default=str)))
             self._put(self.staged / F.RUN_GROUP / "zarr.json", nodes.group({"vd_run": volatile}))
+            self._send_files()
             t = self._lap("meta", t)
             self._drain()  # (the writer processes' last rows were written beside the metadata's making)
             t = self._lap("wait", t)
-            seal(self.staged, stable, known=self.known)
+            seal(self.staged, stable, known=self.known, listed=False)
             t = self._lap("seal", t)
             self.location.publish(self.staged, self.refresh)
             self._lap("place", t)
@@ -290,13 +311,14 @@ class GoldenWriter:
         self.abort()
 
 
-def seal(staged: Path, meta: Mapping, known: Mapping[str, list] | None = None) -> None:
+def seal(staged: Path, meta: Mapping, known: Mapping[str, list] | None = None, listed: bool = True) -> None:
     """Write the root metadata of the golden staged at ``staged``: ``meta`` with the manifest of every other
-    file (``known``: files a writer hashed as it wrote them; `vd.store.manifest`), the golden's ID hashed from
-    both, and ``complete``, in one write: the folder is not the golden until it is put in place, and an
-    object store uploads the root last (`vd.store.objects`). The root's other attributes are kept."""
+    file (``known``: files a writer hashed as it wrote them; `vd.store.manifest`; ``listed`` False: every file,
+    as `GoldenWriter` knows them, the folder not listed), the golden's ID hashed from both, and ``complete``,
+    in one write: the folder is not the golden until it is put in place, and an object store uploads the root
+    last (`vd.store.objects`). The root's other attributes are kept."""
     meta = {k: v for k, v in meta.items() if k not in ("complete", "golden_id", "manifest")}
-    meta["manifest"] = manifest.build(staged, known)
+    meta["manifest"] = manifest.build(staged, known, listed)
     meta["golden_id"] = manifest.golden_id(meta)
     (staged / "zarr.json").write_bytes(nodes.group({**_root_attributes(staged), "vd": {**meta, "complete": True}}))
 
