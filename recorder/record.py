@@ -157,7 +157,8 @@ class RecordResult:
     seconds: dict[str, float] = field(default_factory=dict)
     # Where ``seconds["store"]`` and ``seconds["write"]`` went (parts of them, not added to the total): the
     # rows' hand-over at a run's end, the K's small files, its own verify-vs-decode figures; the metadata, the
-    # wait for the writer processes, the seal and the golden's placing (`vd.store.write.GoldenWriter.seconds`).
+    # Inductor artifacts, the wait for the writer processes, the seal and the golden's placing
+    # (`vd.store.write.GoldenWriter.seconds`).
     parts: dict[str, float] = field(default_factory=dict)
     short: list[str] = field(default_factory=list)
     resumed_checked: int = 0  # blocks a resumed recording found equal to its journal
@@ -265,11 +266,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     model = _model(settings, model, progress)
     pool = pool_for(model.device)
     seconds["load"] = time.perf_counter() - t
-    forward = settings.forward or model.default_forward()
-    require_forwards(model, [forward])
-    if settings.trace:
-        check_traceable(model, forward, "--trace")
-    model.set_forward(forward)
+    forward = _set_forward(model, settings)
     tokens = model.encode(settings.prompt)
     if not tokens:
         raise UsageError("the prompt encodes to no tokens")
@@ -293,9 +290,10 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
                 "decode": {"steps": settings.steps * max(settings.ks)}, "policy": policy.to_json(),
                 "require_coverage": settings.require_coverage,
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
-                **({"trace": trace_meta(points)} if settings.trace else {}),
-                **keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)}
-        _part(result, "write_describe", t)  # the metadata, the Inductor artifacts
+                **({"trace": trace_meta(points)} if settings.trace else {})}
+        at = _part(result, "write_describe", t)  # the metadata
+        meta.update(keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS))
+        _part(result, "write_artifacts", at)  # a compiled forward's Inductor artifacts
         writer.publish(meta, tokens, reason=reason)
     if writer.journal is not None:
         result.resumed_checked = writer.journal.checked
@@ -307,6 +305,17 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     _read_back_equivalence(location, settings.ks, result)
     seconds["equivalence"] = time.perf_counter() - t  # the golden's own verify-vs-decode figures read back
     return result
+
+
+def _set_forward(model: VerifyModel, settings: RecordSettings) -> str:
+    """Set the forward the recording runs (refused unless the model offers it, and with ``--trace`` traces it);
+    its name."""
+    forward = settings.forward or model.default_forward()
+    require_forwards(model, [forward])
+    if settings.trace:
+        check_traceable(model, forward, "--trace")
+    model.set_forward(forward)
+    return forward
 
 
 def _read_back_equivalence(location: Location, ks: Sequence[int], result: RecordResult) -> None:

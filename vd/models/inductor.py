@@ -84,16 +84,17 @@ def load_artifacts(data: bytes, digest: str) -> str | None:
 
 
 def keep_artifacts(forward: str, add_file, key: str) -> dict:
-    """For a compiled forward, the Inductor artifacts this process compiled, handed to ``add_file(key, data)``
-    (a golden's writer) so that a replay elsewhere runs the same kernels; the golden's ``compiled`` metadata
-    field describing them (empty for other forwards, or when nothing was compiled)."""
+    """For a compiled forward, the Inductor artifacts this process compiled, handed with their SHA-256 to
+    ``add_file(key, data, digest)`` (a golden's writer) so that a replay elsewhere runs the same kernels; the
+    golden's ``compiled`` metadata field describing them (empty for other forwards, or when nothing was
+    compiled)."""
     import torch
 
     saved = save_artifacts() if compiles(forward) else None
     if saved is None:
         return {}
     data, kinds, digest = saved
-    add_file(key, data)
+    add_file(key, data, digest)
     _HELD.add(digest)
     return {"compiled": {"artifacts": key, "bytes": len(data), "sha256": digest,
                          "torch": torch.__version__, "kinds": kinds}}

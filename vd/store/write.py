@@ -173,7 +173,7 @@ class GoldenWriter:
             k_rows.write(kind, 0, a)
         k_rows.finish(log, summary, drafts)
 
-    def _put(self, path: Path, data: bytes) -> None:
+    def _put(self, path: Path, data: bytes, digest: str | None = None) -> None:
         """Write a file of the staged golden whole, and remember its size and hash (the manifest lists every
         file so written: `seal`). With writer processes a small file is theirs to write (`_send_files`)."""
         key = path.relative_to(self.staged).as_posix()
@@ -182,7 +182,7 @@ class GoldenWriter:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        self.known[key] = [len(data), manifest.file_digest(data)]
+        self.known[key] = [len(data), digest or manifest.file_digest(data)]
 
     def _send_files(self) -> None:
         """The files `_put` left to the writer processes, sent to them, a share each (written beside the next
@@ -251,9 +251,10 @@ class GoldenWriter:
         self._small(f"k{k}/{F.TRACE_DIGESTS}", np.ascontiguousarray(digests, dtype="<i8"))
         self._small(f"k{k}/{F.TRACE_STATS}", np.ascontiguousarray(stats, dtype="<f4"))
 
-    def add_file(self, key: str, data: bytes) -> None:
-        """A file of the golden beside its arrays (``key`` relative to its root), covered by its manifest."""
-        self._put(self.staged / key, data)
+    def add_file(self, key: str, data: bytes, digest: str | None = None) -> None:
+        """A file of the golden beside its arrays (``key`` relative to its root), covered by its manifest
+        (``digest``: its SHA-256, when the caller has it)."""
+        self._put(self.staged / key, data, digest)
 
     def publish(self, meta: Mapping, prompt: list[int], *, reason: str = "first recording") -> None:
         """Write the prompt and the metadata, wait for everything queued, seal (``complete`` last), and put
