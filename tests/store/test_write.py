@@ -105,3 +105,21 @@ def test_row_arrays_are_chunked_one_step_a_chunk(tmp_path):
     assert root["k3/logits.hi"].chunks == (1, 3, V) and root["k3/draft_logits.hi"].chunks == (1, 2, V)
     assert root["k3/prefill.hi"].chunks == (F.prefill_chunks(len(PROMPT), V, 2), V)
     assert root["k3/drafts"][...].shape == (3, 2)
+
+
+@pytest.mark.parametrize("shape, dtype, chunks, compressor", [
+    ((16, 2, 49152), "u1", (1, 2, 49152), "zstd"), ((16, 2, 49152, 1), "u1", (1, 2, 49152, 1), None),
+    ((3,), "<i4", (3,), None), ((0, 4), "<f8", (1, 4), None), ((7, 2), "<i8", (7, 2), None)])
+def test_array_documents_are_the_ones_zarr_writes(shape, dtype, chunks, compressor):
+    """`vd.store.nodes.array` fills a document dumped once per kind: the bytes are those of zarr's own document
+    for that array, written as zarr writes it."""
+    import json
+
+    from vd.store import nodes
+
+    held: dict = {}
+    root = zarr.create_group(zarr.storage.MemoryStore(held), zarr_format=3)
+    root.create_array("a", shape=shape, dtype=dtype, chunks=chunks, compressors=nodes.CODECS[compressor](),
+                      fill_value=0)
+    theirs = json.loads(held["a/zarr.json"].to_bytes())
+    assert nodes.array(shape, dtype, chunks, compressor) == json.dumps(theirs, indent=2).encode()
