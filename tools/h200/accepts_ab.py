@@ -9,6 +9,7 @@ the verify rows' figures against the one-token decode's. Run on a lent H200 (too
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import os
 import tempfile
@@ -33,7 +34,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     run = {"command": f"python3 tools/h200/accepts_ab.py --model {args.model} --forward {args.forward}",
-           **provenance(), "recordings": []}
+           "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), **provenance(),
+           "gpu": torch.cuda.get_device_name(), "gpu_id": str(torch.cuda.get_device_properties(0).uuid),
+           "recordings": []}
     model = load_model(args.model, device=torch.device("cuda"), dtype="bfloat16")
     model.set_forward(args.forward)
     ks = [int(k) for k in args.k.split(",")]
