@@ -195,6 +195,10 @@ def test_a_server_refuses_to_fork_once_the_cuda_driver_runs():
     finally:
         release.set()
         t.join()
+    # join returns once the thread's Python code is done; its OS thread (and /proc entry) can linger a moment
+    deadline = time.monotonic() + 10
+    while cuda_started() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not cuda_started()
 
 
