@@ -128,3 +128,23 @@ def test_ctrl_c_stops_a_recording_and_its_processes_quietly(tmp_path):
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert not g.exists() and journal.path_for(g).is_file()
     assert [p.name for p in tmp_path.iterdir()] == [journal.path_for(g).name]  # no staged copy left
+
+
+def test_a_drafter_recording_handed_over_step_by_step_is_the_threads_golden(tmp_path, monkeypatch):
+    """A real run (the MTP draft head's rows too) hands each step's rows to writer processes as it logs it
+    (`KRows.hand`); the golden is the one the writer's threads write, file for file."""
+    from vd.recorder import RecordSettings, record
+
+    handed = []
+    real = W.KRows.hand
+    monkeypatch.setattr(W.KRows, "hand", lambda self, kind, start, rows: (handed.append(kind),
+                                                                          real(self, kind, start, rows)))
+    settings = RecordSettings(model="tiny-llama-mtp", feed="mtp", steps=6, allow_thin=True)
+    monkeypatch.setenv(P.ENV, "0")
+    record(tmp_path / "t.zarr", settings)
+    assert not handed  # threads: rows are written as the run lets them go
+    monkeypatch.setenv(P.ENV, "2")
+    record(tmp_path / "p.zarr", settings)
+    assert {"prefill", "verify", "draft"} <= set(handed)
+    t, p = open_golden(tmp_path / "t.zarr"), open_golden(tmp_path / "p.zarr")
+    assert p.manifest == t.manifest and p.content_digest() == t.content_digest()
