@@ -68,11 +68,12 @@ def row_chunk(name: str, index: int, data: np.ndarray, rows: int, shape: tuple[i
             for (plane, compressor), part in zip(((".hi", "zstd"), (".lo", None)), (hi, lo))]
 
 
-def write_file(path: Path, data: bytes) -> list:
-    """Write ``data`` to ``path`` (its folders made); its [size, SHA-256] for the manifest."""
+def write_file(path: Path, data: bytes, digest: str | None = None) -> list:
+    """Write ``data`` to ``path`` (its folders made); its [size, SHA-256] for the manifest (``digest``: that
+    SHA-256, when the caller has it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-    return [len(data), sha256(data)]
+    return [len(data), digest or sha256(data)]
 
 
 class _Arenas:

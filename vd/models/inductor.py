@@ -45,9 +45,9 @@ def save_artifacts() -> tuple[bytes, dict[str, int], str] | None:
     second recording of a suite, the pytest plug-in's, a benchmark's) gets that save again: torch would
     serialise the same artifacts into the same blob (on an H200 host the artifacts took 6-16 ms of each
     recording's publish with their serialising and hashing, 1.5-3 ms without: their file's write)."""
-    import hashlib
-
     import torch
+
+    from vd.chunkfiles import sha256  # (the hash a golden's manifest lists for the file)
 
     global _SAVED
     manager = getattr(getattr(torch.compiler, "_cache", None), "CacheArtifactManager", None)
@@ -61,7 +61,7 @@ def save_artifacts() -> tuple[bytes, dict[str, int], str] | None:
         return None
     data, info = saved
     kinds = {k: len(v) for k, v in (getattr(info, "artifacts", None) or {}).items()}
-    _SAVED = (data, kinds, hashlib.sha256(data).hexdigest())
+    _SAVED = (data, kinds, sha256(data))
     return _SAVED
 
 

@@ -33,7 +33,7 @@ import torch
 
 from vd import digest as _digest
 from vd import preflight
-from vd.chunkfiles import row_chunk
+from vd.chunkfiles import row_chunk, write_file
 from vd.dtypes import to_storage, to_tensor
 from vd.errors import UsageError
 from vd.layout import RowLayout, StepLog
@@ -180,9 +180,7 @@ class GoldenWriter:
         if self.pool is not None and len(data) <= FILE_JOB_BYTES:
             self._files.append((key, data))
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        self.known[key] = [len(data), digest or manifest.file_digest(data)]
+        self.known[key] = write_file(path, data, digest)
 
     def _send_files(self) -> None:
         """The files `_put` left to the writer processes, sent to them, a share each (written beside the next
