@@ -425,13 +425,19 @@ class KRows:
         lo, n = take[0][2], -(-len(take) // pool.n)
         journal, k = self.writer.journal, self.layout.k
         base = {"staged": str(self.writer.staged), "group": f"k{k}", "offset": offset, "dtype": dtype.str,
-                "shape": shape, "k": k, "journal": None if journal is None else str(journal.path),
-                "expect": {} if journal is None else {s: d for (jk, s), d in journal.expected.items() if jk == k}}
+                "shape": shape, "k": k, "journal": None if journal is None else str(journal.path)}
+
+        def expect(blocks) -> dict:  # a resumed recording's journaled digests of the blocks a job hashes
+            want = {} if journal is None else journal.expected
+            return {s: want[(k, s)] for s in blocks if (k, s) in want}
+
         jobs = [{**base, "digest": "chunk" if digest == "chunk" else None,
+                 "expect": expect(index for _, index, _, _ in part) if digest == "chunk" else {},
                  "chunks": [(name, index, a - lo, b - lo, self.arrays[name].rows, self.arrays[name].shape)
-                            for name, index, a, b in take[j:j + n]]} for j in range(0, len(take), n)]
+                            for name, index, a, b in part]}
+                for part in (take[j:j + n] for j in range(0, len(take), n))]
         if digest == "whole":
-            jobs.append({**base, "digest": "whole", "chunks": []})
+            jobs.append({**base, "digest": "whole", "expect": expect([None]), "chunks": []})
         self.writer._jobs.extend((i, k) for i in pool.submit(jobs))
         return pool.view(offset, dtype, shape)
 
