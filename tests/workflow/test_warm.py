@@ -82,6 +82,7 @@ def test_a_replay_forked_from_the_server_is_the_replay_it_would_have_been(server
     status = json.loads(vd_run(["warm", "--status", "--json"], env).stdout)
     assert status["pid"] == info["pid"] and status["served"] >= 1
     assert status["frozen_objects"] > 100_000  # what the imports made, out of the children's collections
+    assert status["inductor"] == "imported"  # and it left the server forkable (it started)
 
 
 def test_a_recording_forked_from_the_server_replays_in_a_process_of_its_own(server, tmp_path):
@@ -200,6 +201,39 @@ def test_a_server_refuses_to_fork_once_the_cuda_driver_runs():
     while cuda_started() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not cuda_started()
+
+
+def test_a_question_asked_apart_leaves_what_it_starts_in_its_child():
+    """`_asked_apart`: what answering starts (here a thread named as the CUDA driver's are) stays in the child;
+    a child that fails to answer gives None."""
+    from vd.workflow.warm import _asked_apart, cuda_started
+
+    def starts_a_driver_like_thread() -> bool:
+        threading.Thread(target=lambda: (Path("/proc/thread-self/comm").write_text("cuda-probe"),
+                                         time.sleep(5)), daemon=True).start()
+        time.sleep(0.2)
+        return cuda_started()
+
+    before = threading.active_count()
+    assert _asked_apart(starts_a_driver_like_thread) is True
+    assert not cuda_started() and threading.active_count() == before
+    assert _asked_apart(lambda: False) is False
+    assert _asked_apart(lambda: 1 / 0 > 0) is None
+
+
+def test_inductor_is_imported_with_the_childs_answer_and_is_available_put_back(monkeypatch):
+    import torch
+
+    from vd.workflow import warm as w
+
+    real = torch.cuda.is_available
+    asked = []
+    monkeypatch.setattr(w, "_asked_apart", lambda question: asked.append(question) or True)
+    assert w._import_inductor() == "imported"
+    assert asked == [real] and torch.cuda.is_available is real
+    assert all(name in sys.modules for name in w.INDUCTOR_MODULES)
+    monkeypatch.setattr(w, "_asked_apart", lambda question: None)
+    assert w._import_inductor().startswith("not imported: the child asking")
 
 
 def test_the_commands_umask_and_a_second_server(server, tmp_path):

@@ -44,6 +44,8 @@ def warm(
     elif answer.get("already"):
         out.print(f"warm server pid {answer['pid']} already runs ({answer['served']} commands served)")
     else:
-        out.print(f"warm server pid {answer['pid']} ready: imports took {answer['imports_s']:.1f} s; later vd "
-                  f"commands fork from it until it has been idle {idle:.0f} s (`vd warm --stop` ends it)")
+        inductor = answer.get("inductor", "imported")
+        out.print(f"warm server pid {answer['pid']} ready: imports took {answer['imports_s']:.1f} s"
+                  f"{'' if inductor == 'imported' else f' (Inductor {inductor})'}; later vd commands fork from it "
+                  f"until it has been idle {idle:.0f} s (`vd warm --stop` ends it)")
     return EXIT_PASS

@@ -23,28 +23,35 @@ import time
 import traceback
 import types
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from vd import warm
 
 # What a `vd record` or `vd replay` imports before its first step (the CLI itself is imported in each child:
-# its consoles look at the command's terminal). Not Inductor: importing torch._inductor.compile_fx on an H200
-# host started the CUDA driver (a `cuda...` thread), after which a fork is not safe.
+# its consoles look at the command's terminal); Inductor after them (`INDUCTOR_MODULES`).
 WARM_MODULES = ("torch", "numpy", "zarr", "msgpack", "typer", "rich.console", "rich.table",
                 "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
                 "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
                 "vd.env", "vd.models.hf", "vd.models.checkpoints", "vd.models.generated", "vd.store",
                 "vd.recorder", "vd.replayer", "vd.replayer.render", "vd.workflow.suite")
 
+# What a compiled forward imports before it compiles (or loads its artifacts): 1.0 s on the 2-core CPU host, 2.8-3.6 s
+# on an H200 host (tools/h200/inductor_imports*.json). Importing it asks one question of CUDA, at module level
+# (torch._inductor.runtime.benchmarking: `torch.cuda.is_available()`), and torch answers it through NVML, whose start
+# leaves a `cuda...` thread behind, after which no fork is safe: the server has a child forked for that question
+# ask it, and hands the import the child's answer (`_import_inductor`).
+INDUCTOR_MODULES = ("torch._inductor.compile_fx", "torch._dynamo.backends.inductor")
+
 
 class Server:
     """One installation's warm server: its socket, what it started with, and what it has served."""
 
     def __init__(self, listener: socket.socket, lock: IO, start_env: dict[str, str], imports_s: float,
-                 idle_s: float):
+                 idle_s: float, inductor: str = "imported"):
         self.listener, self.lock, self.start_env = listener, lock, start_env
-        self.imports_s, self.idle_s = imports_s, idle_s
+        self.imports_s, self.idle_s, self.inductor = imports_s, idle_s, inductor
         self.code = warm.code_state()
         self.started = self.last = time.monotonic()
         self.served = 0
@@ -83,7 +90,8 @@ class Server:
     def status(self) -> dict:
         now = time.monotonic()
         return {"pid": os.getpid(), "age_s": now - self.started, "idle_s": now - self.last, "served": self.served,
-                "imports_s": self.imports_s, "idle_limit_s": self.idle_s, "python": sys.executable,
+                "imports_s": self.imports_s, "inductor": self.inductor, "idle_limit_s": self.idle_s,
+                "python": sys.executable,
                 "stopping": self.stopping, "frozen_objects": gc.get_freeze_count()}
 
     def refusal(self, request: dict) -> str | None:
@@ -119,6 +127,48 @@ class Server:
         if pid == 0:
             _child((self.listener, self.lock), conn, request, fds)
         self.served += 1
+
+
+def _import_inductor() -> str:
+    """Import `INDUCTOR_MODULES` with `torch.cuda.is_available` answered by a child forked to ask it (what the
+    command's own process would answer; nothing of CUDA or NVML starts here): "imported", else why not (the
+    server then serves without them, and a compiled forward imports them in the command's child)."""
+    import torch
+
+    answer = _asked_apart(torch.cuda.is_available)
+    if answer is None:
+        return "not imported: the child asking torch.cuda.is_available() gave no answer"
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: answer  # type: ignore[assignment]  # put back below
+    try:
+        for name in INDUCTOR_MODULES:
+            importlib.import_module(name)
+    except ImportError as e:
+        return f"not imported: {e}"
+    finally:
+        torch.cuda.is_available = real  # type: ignore[assignment]
+    return "imported"
+
+
+def _asked_apart(question: Callable[[], bool]) -> bool | None:
+    """``question()`` asked in a child forked for it (whatever it starts ends with the child); None where the
+    child gave no answer."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's exit is its only report
+        code = 1
+        try:
+            os.write(write, b"1" if question() else b"0")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as f:
+            said = f.read(1)
+    finally:
+        os.waitpid(pid, 0)
+    return {b"1": True, b"0": False}.get(said)
 
 
 def forkable() -> bool:
@@ -252,6 +302,7 @@ def main() -> None:
     for name in WARM_MODULES:
         with contextlib.suppress(ImportError):  # a model family this transformers lacks
             importlib.import_module(name)
+    inductor = _import_inductor()
     imports_s = time.perf_counter() - t
     # What the imports made lives as long as the server, and each child shares it: out of the collector's
     # reach (Python's advice for a process that forks without exec), a child's collections walk only its own
@@ -272,7 +323,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     print(f"vd warm: pid {os.getpid()} serving {path} (imports {imports_s:.2f} s)", flush=True)
     try:
-        Server(listener, lock, start_env, imports_s, a.idle).serve()
+        Server(listener, lock, start_env, imports_s, a.idle, inductor).serve()
     finally:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # no later server has bound it: the lock is held until this process ends
