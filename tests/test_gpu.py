@@ -141,6 +141,40 @@ def test_a_compiled_golden_carries_the_kernels_it_was_recorded_with(cli, tmp_pat
     assert code == 2 and "inductor/artifacts.bin" in err, err
 
 
+def test_a_compiled_golden_replays_forked_from_the_warm_server(tmp_path):
+    """`vd warm` imports Inductor (its one CUDA question asked in a child of its own): a `compiled-graphed`
+    golden recorded in a process of its own replays bit for bit in a command forked from the server, which
+    stays free of CUDA and serves on."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VD_WARM"} | {"VD_WARM_DIR": str(tmp_path / "warm")}
+
+    def vd(*args, **extra):
+        return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], env={**env, **extra},
+                              capture_output=True, text=True, timeout=600)
+
+    path = tmp_path / "compiled.zarr"
+    done = vd("record", path, "--model", "tiny-llama", "--device", "cuda", "--steps", "8", "--forward",
+              "compiled-graphed", "--allow-thin", VD_WARM="off")
+    assert done.returncode == 0, done.stderr[-2000:]
+    started = vd("warm", "--json", "--idle", "600")
+    assert started.returncode == 0, started.stderr
+    info = json.loads(started.stdout)
+    try:
+        assert info["inductor"] == "imported"
+        for n in range(2):
+            done = vd("replay", path, "--report", tmp_path / f"r{n}.json")
+            r = json.loads((tmp_path / f"r{n}.json").read_text())
+            assert done.returncode == 0 and r["verdict"] == "PASS", (done.stderr[-2000:], r["reasons"])
+            assert r["timing"]["warm"] is True and "warm server not used" not in done.stderr
+        status = json.loads(vd("warm", "--status", "--json").stdout)
+        assert status["pid"] == info["pid"] and status["served"] == 2
+    finally:
+        vd("warm", "--stop")
+
+
 def test_generated_weights_are_the_same_bits_on_cpu_and_cuda():
     from transformers import LlamaConfig
 
