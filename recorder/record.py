@@ -222,8 +222,8 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
         header, frames = journal.read(jpath)
         settings, refresh, reason = _from_header(header, jpath)
     policy = settings.check()
-    check_target(location, refresh)  # before the expensive part (the writer checks again)
     with location.writer():
+        check_target(location, refresh)  # before the expensive part, holding the lock the writer is made under
         return _record(location, settings, policy, refresh, model, progress, reason,
                        (jpath, header, frames))
 
@@ -275,7 +275,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     # On threads the writer never works beside a run (finishing a run's rows behind the next one slowed the
     # runs, whose step times the golden keeps: tools/h200/record-behind-ab.json); writer processes do, sharing
     # no interpreter lock with them (`vd.store.processes`).
-    with GoldenWriter(location, refresh=refresh, pool=pool) as writer:
+    with GoldenWriter(location, refresh=refresh, pool=pool, checked=True) as writer:
         greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, result)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result)

@@ -122,9 +122,12 @@ class GoldenWriter:
     """
 
     def __init__(self, where: str | os.PathLike | Location, *, refresh: bool = False, background: bool = True,
-                 pool: WriterPool | None = None):
+                 pool: WriterPool | None = None, checked: bool = False):
+        """``checked``: the caller has run `check_target` holding the location's writer lock, and holds it still
+        (the recorder, which checks before its model loads)."""
         self.location = where if isinstance(where, Location) else locate(where)
-        check_target(self.location, refresh)
+        if not checked:
+            check_target(self.location, refresh)
         self.refresh, self.background = refresh, background
         self.pool = pool  # writer processes (`vd.store.processes`): rows are written beside the next run
         self._jobs: list[tuple[int, int]] = []  # (pool job id, K) sent, answers not taken
