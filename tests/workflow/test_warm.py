@@ -203,10 +203,10 @@ def test_a_server_refuses_to_fork_once_the_cuda_driver_runs():
     assert not cuda_started()
 
 
-def test_a_question_asked_apart_leaves_what_it_starts_in_its_child():
-    """`_asked_apart`: what answering starts (here a thread named as the CUDA driver's are) stays in the child;
+def test_a_questionask_apart_leaves_what_it_starts_in_its_child():
+    """`ask_apart`: what answering starts (here a thread named as the CUDA driver's are) stays in the child;
     a child that fails to answer gives None."""
-    from vd.workflow.warm import _asked_apart, cuda_started
+    from vd.workflow.warm import ask_apart, cuda_started
 
     def starts_a_driver_like_thread() -> bool:
         threading.Thread(target=lambda: (Path("/proc/thread-self/comm").write_text("cuda-probe"),
@@ -215,10 +215,10 @@ def test_a_question_asked_apart_leaves_what_it_starts_in_its_child():
         return cuda_started()
 
     before = threading.active_count()
-    assert _asked_apart(starts_a_driver_like_thread) is True
+    assert ask_apart(starts_a_driver_like_thread) is True
     assert not cuda_started() and threading.active_count() == before
-    assert _asked_apart(lambda: False) is False
-    assert _asked_apart(lambda: 1 / 0 > 0) is None
+    assert ask_apart(lambda: False) is False
+    assert ask_apart(lambda: 1 / 0 > 0) is None
 
 
 def test_inductor_is_imported_with_the_childs_answer_and_is_available_put_back(monkeypatch):
@@ -228,12 +228,12 @@ def test_inductor_is_imported_with_the_childs_answer_and_is_available_put_back(m
 
     real = torch.cuda.is_available
     asked = []
-    monkeypatch.setattr(w, "_asked_apart", lambda question: asked.append(question) or True)
-    assert w._import_inductor() == "imported"
+    monkeypatch.setattr(w, "ask_apart", lambda question: asked.append(question) or True)
+    assert w.import_inductor() == "imported"
     assert asked == [real] and torch.cuda.is_available is real
     assert all(name in sys.modules for name in w.INDUCTOR_MODULES)
-    monkeypatch.setattr(w, "_asked_apart", lambda question: None)
-    assert w._import_inductor().startswith("not imported: the child asking")
+    monkeypatch.setattr(w, "ask_apart", lambda question: None)
+    assert w.import_inductor().startswith("not imported: the child asking")
 
 
 def test_the_commands_umask_and_a_second_server(server, tmp_path):

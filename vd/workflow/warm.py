@@ -41,7 +41,7 @@ WARM_MODULES = ("torch", "numpy", "zarr", "msgpack", "typer", "rich.console", "r
 # on an H200 host (tools/h200/inductor_imports*.json). Importing it asks one question of CUDA, at module level
 # (torch._inductor.runtime.benchmarking: `torch.cuda.is_available()`), and torch answers it through NVML, whose start
 # leaves a `cuda...` thread behind, after which no fork is safe: the server has a child forked for that question
-# ask it, and hands the import the child's answer (`_import_inductor`).
+# ask it, and hands the import the child's answer (`import_inductor`).
 INDUCTOR_MODULES = ("torch._inductor.compile_fx", "torch._dynamo.backends.inductor")
 
 
@@ -129,13 +129,13 @@ class Server:
         self.served += 1
 
 
-def _import_inductor() -> str:
+def import_inductor() -> str:
     """Import `INDUCTOR_MODULES` with `torch.cuda.is_available` answered by a child forked to ask it (what the
     command's own process would answer; nothing of CUDA or NVML starts here): "imported", else why not (the
     server then serves without them, and a compiled forward imports them in the command's child)."""
     import torch
 
-    answer = _asked_apart(torch.cuda.is_available)
+    answer = ask_apart(torch.cuda.is_available)
     if answer is None:
         return "not imported: the child asking torch.cuda.is_available() gave no answer"
     real = torch.cuda.is_available
@@ -150,7 +150,7 @@ def _import_inductor() -> str:
     return "imported"
 
 
-def _asked_apart(question: Callable[[], bool]) -> bool | None:
+def ask_apart(question: Callable[[], bool]) -> bool | None:
     """``question()`` asked in a child forked for it (whatever it starts ends with the child); None where the
     child gave no answer."""
     read, write = os.pipe()
@@ -302,7 +302,7 @@ def main() -> None:
     for name in WARM_MODULES:
         with contextlib.suppress(ImportError):  # a model family this transformers lacks
             importlib.import_module(name)
-    inductor = _import_inductor()
+    inductor = import_inductor()
     imports_s = time.perf_counter() - t
     # What the imports made lives as long as the server, and each child shares it: out of the collector's
     # reach (Python's advice for a process that forks without exec), a child's collections walk only its own
