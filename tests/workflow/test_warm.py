@@ -203,7 +203,7 @@ def test_a_server_refuses_to_fork_once_the_cuda_driver_runs():
     assert not cuda_started()
 
 
-def test_a_questionask_apart_leaves_what_it_starts_in_its_child():
+def test_a_question_asked_apart_leaves_what_it_starts_in_its_child():
     """`ask_apart`: what answering starts (here a thread named as the CUDA driver's are) stays in the child;
     a child that fails to answer gives None."""
     from vd.workflow.warm import ask_apart, cuda_started
@@ -234,6 +234,38 @@ def test_inductor_is_imported_with_the_childs_answer_and_is_available_put_back(m
     assert all(name in sys.modules for name in w.INDUCTOR_MODULES)
     monkeypatch.setattr(w, "ask_apart", lambda question: None)
     assert w.import_inductor().startswith("not imported: the child asking")
+
+
+def test_a_server_whose_inductor_import_starts_a_thread_starts_again_without_it(tmp_path):
+    """Where importing Inductor leaves the server unforkable (here a stand-in module that starts a thread named
+    as the CUDA driver's), the server becomes one without it: the same process, the environment it started with
+    (commands are not refused over the server's own variables), serving, and saying why."""
+    (tmp_path / "driver_like.py").write_text(
+        "import threading, time\nfrom pathlib import Path\n"
+        "def _run():\n    Path('/proc/thread-self/comm').write_text('cuda-probe')\n    time.sleep(600)\n"
+        "threading.Thread(target=_run, daemon=True).start()\ntime.sleep(0.2)\n")
+    env = {k: v for k, v in os.environ.items() if k != "VD_WARM"} | {"VD_WARM_DIR": str(tmp_path / "warm")}
+    code = ("import sys; sys.path.insert(0, sys.argv.pop(1)); import vd.workflow.warm as w; "
+            "w.INDUCTOR_MODULES = ('driver_like',); w.main()")
+    (tmp_path / "warm").mkdir(mode=0o700)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), "--idle", "120"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        status = None
+        for _ in range(1200):
+            done = vd_run(["warm", "--status", "--json"], {**env, "VD_WARM": "off"})
+            status = json.loads(done.stdout) if done.stdout.strip().startswith("{") else None
+            if status is not None or proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        assert status is not None, proc.stderr.read() if proc.poll() is not None else "no answer"
+        assert status["pid"] == proc.pid and status["inductor"].startswith("not imported: importing it left")
+        forked = vd_run(["--version"], env)
+        assert forked.returncode == 0 and "warm server not used" not in forked.stderr, forked.stderr
+        assert json.loads(vd_run(["warm", "--status", "--json"], env).stdout)["served"] == 1
+    finally:
+        stop_server(env, proc.pid)
+        proc.wait(timeout=30)
 
 
 def test_the_commands_umask_and_a_second_server(server, tmp_path):

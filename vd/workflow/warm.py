@@ -25,7 +25,7 @@ import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 from vd import warm
 
@@ -143,8 +143,8 @@ def import_inductor() -> str:
     try:
         for name in INDUCTOR_MODULES:
             importlib.import_module(name)
-    except ImportError as e:
-        return f"not imported: {e}"
+    except Exception as e:  # noqa: BLE001  a server without Inductor still serves: say why, go on
+        return f"not imported: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:
         torch.cuda.is_available = real  # type: ignore[assignment]
     return "imported"
@@ -290,20 +290,34 @@ def _locked(path: Path) -> IO:
     sys.exit("vd warm: another server for this installation is starting or running")
 
 
+def restart_without_inductor(idle: float, environ: dict[str, str]) -> NoReturn:
+    """Become a server that does not import Inductor (this process, its pid and the environment it started
+    with): importing it here left a thread or CUDA started (another torch than the one `import_inductor` was
+    measured on, say), after which no fork is safe. The lock is let go with this image's files."""
+    sys.stdout.flush()
+    why = "importing it left a thread or CUDA started in the server, which started again without it"
+    os.execve(sys.executable, [sys.executable, "-m", "vd.workflow.warm", "--idle", str(idle),
+                               "--without-inductor", why], environ)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="vd's warm server (started by `vd warm`)")
     ap.add_argument("--idle", type=float, default=warm.IDLE_S)
+    ap.add_argument("--without-inductor", metavar="WHY", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     path = warm.socket_path()
     lock = _locked(path.with_suffix(".lock"))  # held for the server's life
-    start_env = warm.start_env(dict(os.environ))  # before this process adds its own
+    environ = dict(os.environ)
+    start_env = warm.start_env(environ)  # before this process adds its own
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch's CUDA checks without initialising CUDA
     t = time.perf_counter()
     for name in WARM_MODULES:
         with contextlib.suppress(ImportError):  # a model family this transformers lacks
             importlib.import_module(name)
-    inductor = import_inductor()
+    inductor = import_inductor() if a.without_inductor is None else f"not imported: {a.without_inductor}"
     imports_s = time.perf_counter() - t
+    if not forkable() and a.without_inductor is None:
+        restart_without_inductor(a.idle, environ)
     # What the imports made lives as long as the server, and each child shares it: out of the collector's
     # reach (Python's advice for a process that forks without exec), a child's collections walk only its own
     # objects instead of the 400 thousand or so imported, and touch none of the pages they share.
