@@ -4,6 +4,7 @@ Run on a GPU machine with ``python3 -m pytest -m gpu``.
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -145,34 +146,24 @@ def test_a_compiled_golden_replays_forked_from_the_warm_server(tmp_path):
     """`vd warm` imports Inductor (its one CUDA question asked in a child of its own): a `compiled-graphed`
     golden recorded in a process of its own replays bit for bit in a command forked from the server, which
     stays free of CUDA and serves on."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "VD_WARM"} | {"VD_WARM_DIR": str(tmp_path / "warm")}
-
-    def vd(*args, **extra):
-        return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], env={**env, **extra},
-                              capture_output=True, text=True, timeout=600)
+    from warm_server import start_server, stop_server, vd_run
 
     path = tmp_path / "compiled.zarr"
-    done = vd("record", path, "--model", "tiny-llama", "--device", "cuda", "--steps", "8", "--forward",
-              "compiled-graphed", "--allow-thin", VD_WARM="off")
+    done = vd_run(["record", path, "--model", "tiny-llama", "--device", "cuda", "--steps", "8", "--forward",
+                   "compiled-graphed", "--allow-thin"], {**os.environ, "VD_WARM": "off"})
     assert done.returncode == 0, done.stderr[-2000:]
-    started = vd("warm", "--json", "--idle", "600")
-    assert started.returncode == 0, started.stderr
-    info = json.loads(started.stdout)
+    env, info = start_server(tmp_path / "warm")
     try:
         assert info["inductor"] == "imported"
         for n in range(2):
-            done = vd("replay", path, "--report", tmp_path / f"r{n}.json")
+            done = vd_run(["replay", path, "--report", tmp_path / f"r{n}.json"], env)
             r = json.loads((tmp_path / f"r{n}.json").read_text())
             assert done.returncode == 0 and r["verdict"] == "PASS", (done.stderr[-2000:], r["reasons"])
             assert r["timing"]["warm"] is True and "warm server not used" not in done.stderr
-        status = json.loads(vd("warm", "--status", "--json").stdout)
+        status = json.loads(vd_run(["warm", "--status", "--json"], env).stdout)
         assert status["pid"] == info["pid"] and status["served"] == 2
     finally:
-        vd("warm", "--stop")
+        stop_server(env, info["pid"])
 
 
 def test_generated_weights_are_the_same_bits_on_cpu_and_cuda():

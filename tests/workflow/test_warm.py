@@ -13,32 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from warm_server import start_server, stop_server, vd_run
 
 import vd
 from vd import warm
 
 PLUGINS = Path(__file__).parent.parent / "plugins"
-
-
-def vd_run(args, env, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=600, **kw)
-
-
-def start_server(where: Path) -> tuple[dict, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "VD_WARM"} | {"VD_WARM_DIR": str(where)}
-    done = vd_run(["warm", "--json", "--idle", "600"], env)
-    assert done.returncode == 0, done.stderr
-    return env, json.loads(done.stdout)
-
-
-def stop_server(env: dict, pid: int) -> None:
-    vd_run(["warm", "--stop"], env)
-    for _ in range(100):
-        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
-            return
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

@@ -435,10 +435,10 @@ class KRows:
             return {s: want[(k, s)] for s in blocks if (k, s) in want}
 
         jobs = [{**base, "digest": "chunk" if digest == "chunk" else None,
-                 "expect": expect(index for _, index, _, _ in part) if digest == "chunk" else {},
+                 "expect": expect(index for _, index, _, _ in share) if digest == "chunk" else {},
                  "chunks": [(name, index, a - lo, b - lo, self.arrays[name].rows, self.arrays[name].shape)
-                            for name, index, a, b in part]}
-                for part in (take[j:j + n] for j in range(0, len(take), n))]
+                            for name, index, a, b in share]}
+                for share in (take[j:j + n] for j in range(0, len(take), n))]
         if digest == "whole":
             jobs.append({**base, "digest": "whole", "expect": expect([None]), "chunks": []})
         self.writer._jobs.extend((i, k) for i in pool.submit(jobs))
