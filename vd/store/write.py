@@ -139,7 +139,9 @@ class GoldenWriter:
         self.journal: Journal | None = None  # the recorder sets it: every block written goes into it
         self.stored_rows = True
         self.known: dict[str, list] = {}  # files written whole by this writer: [size, SHA-256] for the manifest
-        self._files: list[tuple[str, bytes]] = []  # files `_put` left to the writer processes, not sent yet
+        # Files `_put` left to the writer processes, not sent yet, by key (a file put again before it is sent is
+        # sent once, with its last bytes: two jobs writing one file could race).
+        self._files: dict[str, bytes] = {}
         self.seconds: dict[str, float] = {}  # where `publish` went: its metadata, the wait, the seal, the placing
         try:
             self._put(self.staged / "zarr.json", nodes.group())
@@ -181,7 +183,7 @@ class GoldenWriter:
         file so written: `seal`). With writer processes a small file is theirs to write (`_send_files`)."""
         key = path.relative_to(self.staged).as_posix()
         if self.pool is not None and len(data) <= FILE_JOB_BYTES:
-            self._files.append((key, data))
+            self._files[key] = data
             return
         self.known[key] = write_file(path, data, digest)
 
@@ -191,30 +193,39 @@ class GoldenWriter:
         if not self._files:
             return
         assert self.pool is not None
-        files, self._files, n = self._files, [], self.pool.n
+        files, self._files, n = list(self._files.items()), {}, self.pool.n
         jobs = [{"staged": str(self.staged), "files": files[j::n]} for j in range(min(n, len(files)))]
         self._jobs.extend((i, -1) for i in self.pool.submit(jobs, rows=False))
 
-    def _small(self, rel: str, data: np.ndarray) -> None:
-        """A small array of the golden at ``rel``, its metadata and its one chunk."""
-        chunks = tuple(max(n, 1) for n in data.shape)
-        self._put(self.staged / rel / "zarr.json", nodes.array(data.shape, data.dtype, chunks))
+    def _small(self, rel: str, data: np.ndarray, documented: bool = False) -> None:
+        """A small array of the golden at ``rel``, its metadata (unless ``documented`` already) and its one
+        chunk."""
+        if not documented:
+            self._small_document(rel, data.shape, data.dtype)
         self._put(self.staged / rel / chunk_key(0, data.ndim), encode_chunk(data, None))
 
+    def _small_document(self, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self._put(self.staged / rel / "zarr.json", nodes.array(shape, dtype, tuple(max(n, 1) for n in shape)))
+
     def _finish_k(self, layout: RowLayout, arrays: list[_RowArray], log: StepLog,
-                  summary: tuple[np.ndarray, np.ndarray], drafts: np.ndarray | None) -> None:
+                  summary: tuple[np.ndarray, np.ndarray], drafts: np.ndarray | None,
+                  documented: Mapping[str, tuple[int, ...]] | None = None) -> None:
         """K's group with its attributes, its row arrays' metadata (their chunks written already), its step
-        log, its rows' digests and statistics and the drafter's drafts (one chunk each)."""
+        log, its rows' digests and statistics and the drafter's drafts (one chunk each). ``documented``: the
+        small arrays whose metadata was written ahead, by name, with the shape it gives (`KRows.document`:
+        the row arrays' metadata then too); an array of another shape gets its own again."""
         k = layout.k
         attrs = {"k": log.k, "steps": int(log.accepted.shape[0]), "bootstrap": int(log.bootstrap),
                  "committed_is_greedy": log.committed_is_greedy, "decoded": log.decoded}
         self._put(self.staged / f"k{k}" / "zarr.json", nodes.group(attrs))
-        for a in arrays:
-            a.create()
+        if documented is None:
+            for a in arrays:
+                a.create()
         small = {**{n: getattr(log, n) for n in F.step_log_arrays(F.FORMAT_VERSION)}, "digests": summary[0],
                  "stats": summary[1], **({"drafts": drafts} if drafts is not None else {})}
         for name, data in small.items():
-            self._small(f"k{k}/{name}", np.ascontiguousarray(data, dtype=F.SMALL_DTYPES[name]))
+            data = np.ascontiguousarray(data, dtype=F.SMALL_DTYPES[name])
+            self._small(f"k{k}/{name}", data, documented=(documented or {}).get(name) == data.shape)
         self._send_files()
         self.digests[k] = summary[0]
         self.logs.append(log)
@@ -338,6 +349,16 @@ def reseal(staged: Path, updates: Mapping, drop: tuple[str, ...] = ()) -> None:
     seal(staged, meta)
 
 
+def small_shapes(layout: RowLayout) -> dict[str, tuple[int, ...]]:
+    """The shapes of a K's small arrays (`GoldenWriter._finish_k`'s), by name, for ``layout``."""
+    shapes = {"tokens": (layout.steps, layout.k), "accepted": (layout.steps,), "step_ms": (layout.steps,),
+              "digests": (layout.total, _digest.LANES), "stats": (layout.total, len(_digest.STATS))}
+    names = (*F.step_log_arrays(F.FORMAT_VERSION), "digests", "stats")
+    if layout.drafted:
+        shapes["drafts"], names = (layout.steps, layout.k - 1), (*names, "drafts")
+    return {n: shapes[n] for n in names}
+
+
 class KRows:
     """One K's row arrays, written as its run lets its rows go (`GoldenWriter.rows`; see the module's
     docstring): what is held stays a slice of rows whatever the number of steps."""
@@ -346,6 +367,7 @@ class KRows:
         self.writer, self.layout, self.vocab, self.itemsize = writer, layout, vocab, itemsize
         self.arrays = _row_arrays(writer.staged / f"k{layout.k}", layout, vocab, itemsize, writer._put)
         self.written = dict.fromkeys(layout.counts, 0)  # rows written, per kind
+        self.documented: dict[str, tuple[int, ...]] | None = None  # `document`'s small arrays, once it ran
 
     def write(self, kind: str, start: int, rows: torch.Tensor | np.ndarray) -> None:
         """Rows ``[n, V]`` of ``kind`` from the kind's row ``start`` (whole steps; on any device, or as stored),
@@ -378,8 +400,10 @@ class KRows:
     def hand(self, kind: str, start: int, rows: torch.Tensor) -> None:
         """While a run steps (`vd.loop.Hold`'s ``each``): rows it goes on holding, handed to the writer
         processes without waiting for their copy (`vd.store.processes.WriterPool.copy_in`), so that they
-        write them beside the run and the run's end leaves only its last rows to write. Nothing is handed
-        without processes, or for rows of more than one slice (`SLICE_BYTES`): `write` writes those."""
+        write them beside the run and the run's end leaves only its last rows to write; the answers to jobs
+        sent before, read as they come (on an H200 host reading a 0.5B recording's 70 answers took 3-4 ms of
+        its publish: tools/h200/tail_parts_*.json). Nothing is handed without processes, or for rows of more than
+        one slice (`SLICE_BYTES`): `write` writes those."""
         start, part = self._unwritten(kind, start, rows)
         if self.writer.pool is None or not part.shape[0]:
             return
@@ -387,6 +411,20 @@ class KRows:
         if len(slices) == 1:
             self._send(slices[0], part, self._digest(kind, 1), wait=False)
             self.written[kind] += part.shape[0]
+        self.writer.pool.take_ready()  # the answers to earlier steps' jobs, read here rather than at the publish
+        if self.documented is None:
+            self.document()
+
+    def document(self) -> None:
+        """The metadata of K's arrays, written ahead of `finish` (by `hand`, while the run's next step computes:
+        on an H200 host a 0.5B recording's documents took 2-3 ms between and after its runs): the row arrays',
+        and the small arrays' at the shapes the layout gives them (`small_shapes`)."""
+        for a in self.arrays.values():
+            a.create()
+        shapes = small_shapes(self.layout)
+        for name, shape in shapes.items():
+            self.writer._small_document(f"k{self.layout.k}/{name}", shape, F.SMALL_DTYPES[name])
+        self.documented = shapes
 
     def _unwritten(self, kind: str, start: int, rows: torch.Tensor | np.ndarray
                    ) -> tuple[int, torch.Tensor | np.ndarray]:
@@ -456,4 +494,4 @@ class KRows:
         drafter feed, the head's drafts. Refused (ValueError) unless every row was written."""
         if self.written != self.layout.counts:
             raise ValueError(f"K={self.layout.k}: rows written {self.written}, the layout has {self.layout.counts}")
-        self.writer._finish_k(self.layout, list(self.arrays.values()), log, summary, drafts)
+        self.writer._finish_k(self.layout, list(self.arrays.values()), log, summary, drafts, self.documented)
