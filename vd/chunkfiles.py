@@ -131,20 +131,10 @@ def do_job(job: dict, arenas: _Arenas) -> dict:
     return {"files": files, "digests": digests, "checked": checked}
 
 
-FRAME_HEADER = 8  # an answer's length, little-endian, before its pickle
-
-
-def frame(answer: dict) -> bytes:
-    """An answer as it goes back: its pickle's length, then the pickle (the recording reads answers as they
-    come, without waiting for one still being written: `vd.store.processes`)."""
-    data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-    return len(data).to_bytes(FRAME_HEADER, "little") + data
-
-
 def serve(inp, out) -> None:
     """Answer every message of jobs on ``inp`` on ``out``, in order: per job its result, or an error's
-    ``{"error": (type name, message, traceback)}`` (`Differs`: the step), `frame`d. A recording that died
-    leaves its jobs done all the same (its journal complete for the resume), unanswered."""
+    ``{"error": (type name, message, traceback)}`` (`Differs`: the step). A recording that died leaves its
+    jobs done all the same (its journal complete for the resume), unanswered."""
     arenas = _Arenas()
     while True:
         try:
@@ -159,7 +149,7 @@ def serve(inp, out) -> None:
                                     traceback.format_exc())}
             if out is not None:
                 try:
-                    out.write(frame(answer))
+                    pickle.dump(answer, out, protocol=pickle.HIGHEST_PROTOCOL)
                 except BrokenPipeError:
                     out = None
         if out is not None:

@@ -150,39 +150,6 @@ def test_a_drafter_recording_handed_over_step_by_step_is_the_threads_golden(tmp_
     assert p.manifest == t.manifest and p.content_digest() == t.content_digest()
 
 
-def test_answers_are_read_as_they_come_and_whole_across_reads(tmp_path, pool):
-    """A run's handing over reads the answers its processes wrote by then (`WriterPool.take_ready`), so that the
-    publish finds them read; an answer arriving in pieces is taken once whole, never half (`vd.chunkfiles.frame`)."""
-    import time
-
-    import torch
-
-    layout, log, rows = k_data(3, steps=3, drafted=True)
-    with GoldenWriter(tmp_path / "g.zarr", pool=pool) as w:
-        k_rows = w.rows(layout, rows["prefill"].shape[1], torch.bfloat16)
-        prefill = torch.from_numpy(rows["prefill"].view(np.int16)).view(torch.bfloat16)
-        k_rows.hand("prefill", 0, prefill)
-        sent = [i for i, _ in w._jobs]
-        for _ in range(200):  # the processes answer within milliseconds
-            pool.take_ready()
-            if all(i in pool.answers for i in sent):
-                break
-            time.sleep(0.01)
-        assert sent and all(i in pool.answers for i in sent)  # read without anyone waiting for them
-        w.abort()
-    worker = pool.workers[0]
-    from vd.chunkfiles import frame
-    data = frame({"files": {"a": [1, "x" * 100]}, "checked": 0}) + frame({"files": {}, "checked": 1})
-    worker.pending.extend([101, 102])
-    worker.got += data[:5]  # not even the length yet
-    assert worker._answer() is None
-    worker.got += data[5:50]  # the length, part of the pickle
-    assert worker._answer() is None
-    worker.got += data[50:]
-    assert worker._answer() == (101, {"files": {"a": [1, "x" * 100]}, "checked": 0})
-    assert worker._answer() == (102, {"files": {}, "checked": 1}) and not worker.got
-
-
 def test_metadata_written_ahead_is_written_again_for_another_shape(tmp_path, pool, monkeypatch):
     """`KRows.document` writes a K's array metadata while its run steps, at the shapes the layout gives; a small
     array that ends with another shape gets its own metadata (sent once: the last bytes put), and the golden

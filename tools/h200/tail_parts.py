@@ -50,15 +50,13 @@ def wrap(owner, name: str, label: str) -> None:
     setattr(owner, name, timed)
 
 
-def main() -> None:
-    model_name, forward, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    reps = int(sys.argv[4]) if len(sys.argv) > 4 else 6
-    device = sys.argv[5] if len(sys.argv) > 5 else "cuda"
+def wrap_all() -> None:
+    """Every part timed, wrapped (and with ``SETTLE_BEFORE_DRAIN`` the drains delayed)."""
     for n in ("check_target", "_journal", "_meta", "_finished", "_own_equivalence", "_read_back_equivalence",
               "keep_artifacts", "_record_decode", "_record_k"):
         wrap(rec, n, n)
     wrap(rec, "GoldenWriter", "GoldenWriter()")
-    if os.environ.get("SETTLE_BEFORE_DRAIN"):  # the workers given 20 ms to finish: what is left is reading answers
+    if os.environ.get("SETTLE_BEFORE_DRAIN"):  # 20 ms for the workers: is what is left reading answers? (no: 08686e5)
         drain = W.GoldenWriter._drain
 
         def settled(self):
@@ -78,6 +76,13 @@ def main() -> None:
     wrap(P.WriterPool, "collect", "WriterPool.collect")
     wrap(P._Worker, "send", "_Worker.send")
     wrap(P._Worker, "receive", "_Worker.receive")
+
+
+def main() -> None:
+    model_name, forward, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    reps = int(sys.argv[4]) if len(sys.argv) > 4 else 6
+    device = sys.argv[5] if len(sys.argv) > 5 else "cuda"
+    wrap_all()
     m = load_model(model_name, device=device, dtype="bfloat16")
     path = Path(tempfile.mkdtemp()) / "g.zarr"
     settings = rec.RecordSettings(model=model_name, ks=(2,), steps=16, prompt="Verify.", allow_thin=True,

@@ -23,7 +23,6 @@ import itertools
 import mmap
 import os
 import pickle
-import select
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,6 @@ import numpy as np
 import torch
 
 import vd
-from vd.chunkfiles import FRAME_HEADER
 from vd.errors import UsageError
 
 ENV = "VD_WRITER_PROCESSES"
@@ -115,9 +113,6 @@ class _Worker:
         except OSError as e:
             raise WriterError(f"cannot start a writer process: {e}") from e
         self.pending: collections.deque[int] = collections.deque()  # job ids sent, answers not read
-        assert self.proc.stdout is not None
-        self.out = self.proc.stdout.fileno()  # answers come `frame`d; read with os.read only, never buffered
-        self.got = bytearray()  # bytes read from it and not yet an answer taken
 
     def send(self, jobs: list[tuple[int, dict]]) -> None:
         assert self.proc.stdin is not None
@@ -129,45 +124,12 @@ class _Worker:
         self.pending.extend(i for i, _ in jobs)
 
     def receive(self) -> tuple[int, dict]:
-        """The answer to the oldest job sent, waited for."""
-        while (answer := self._answer()) is None:
-            self._read()
-        return answer
-
-    def ready(self) -> list[tuple[int, dict]]:
-        """The answers here already, without waiting (what the process has written since the last read)."""
-        out = []
-        while self.pending:
-            if (answer := self._answer()) is None:
-                if not select.select([self.out], [], [], 0)[0]:
-                    break
-                self._read()
-                continue
-            out.append(answer)
-        return out
-
-    def _read(self) -> None:
-        """Read what the process wrote (waiting until it writes something)."""
+        """The answer to the oldest job sent."""
+        assert self.proc.stdout is not None
         try:
-            data = os.read(self.out, 1 << 16)
-        except OSError as e:
+            answer = pickle.load(self.proc.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
             raise self.died() from e
-        if not data:
-            raise self.died()
-        self.got += data
-
-    def _answer(self) -> tuple[int, dict] | None:
-        """The oldest job's answer if its whole frame has been read (`vd.chunkfiles.frame`)."""
-        if len(self.got) < FRAME_HEADER:
-            return None
-        n = int.from_bytes(self.got[:FRAME_HEADER], "little")
-        if len(self.got) < FRAME_HEADER + n:
-            return None
-        try:
-            answer = pickle.loads(self.got[FRAME_HEADER:FRAME_HEADER + n])
-        except (EOFError, pickle.UnpicklingError) as e:
-            raise self.died() from e
-        del self.got[:FRAME_HEADER + n]
         return self.pending.popleft(), answer
 
     def died(self) -> WriterError:
@@ -304,13 +266,6 @@ class WriterPool:
             event, _, by_worker = self.in_flight.popleft()
             event.synchronize()
             self._send(by_worker)
-
-    def take_ready(self) -> None:
-        """Read the answers the processes have written by now, without waiting (a recording does it while its
-        run's next step computes, so that its publish finds them read: `collect`)."""
-        for w in self.workers:
-            for i, answer in w.ready():
-                self.answers[i] = answer
 
     def collect(self, ids: list[int]) -> list[dict]:
         """The answers to jobs ``ids``, waited for (and forgotten here)."""

@@ -400,10 +400,9 @@ class KRows:
     def hand(self, kind: str, start: int, rows: torch.Tensor) -> None:
         """While a run steps (`vd.loop.Hold`'s ``each``): rows it goes on holding, handed to the writer
         processes without waiting for their copy (`vd.store.processes.WriterPool.copy_in`), so that they
-        write them beside the run and the run's end leaves only its last rows to write; the answers to jobs
-        sent before, read as they come (on an H200 host reading a 0.5B recording's 70 answers took 3-4 ms of
-        its publish: tools/h200/tail_parts_*.json). Nothing is handed without processes, or for rows of more than
-        one slice (`SLICE_BYTES`): `write` writes those."""
+        write them beside the run and the run's end leaves only its last rows to write; the first writes the K's
+        metadata ahead (`document`). Nothing is handed without processes, or for rows of more than one slice
+        (`SLICE_BYTES`): `write` writes those."""
         start, part = self._unwritten(kind, start, rows)
         if self.writer.pool is None or not part.shape[0]:
             return
@@ -411,7 +410,6 @@ class KRows:
         if len(slices) == 1:
             self._send(slices[0], part, self._digest(kind, 1), wait=False)
             self.written[kind] += part.shape[0]
-        self.writer.pool.take_ready()  # the answers to earlier steps' jobs, read here rather than at the publish
         if self.documented is None:
             self.document()
 

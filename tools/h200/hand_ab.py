@@ -1,0 +1,78 @@
+"""A/B of what a GPU recording's run does when it hands a step's rows over (`vd.store.write.KRows.hand`), in one
+process, interleaved: ``ahead`` (the K's metadata written at the first hand, `KRows.document`: as committed) and
+``neither`` (written by `KRows.finish`, as before f4a82d7); per configuration the medians of the recording's whole
+time, its runs, its store tail, and the bare loop of the same model calls beside them. (The run at 08686e5,
+tools/h200/hand_ab_05b_*.json, also had ``read`` and ``both``: the writer processes' answers read as they came,
+``WriterPool.take_ready``, removed after it for saving nothing.)
+
+    python3 tools/h200/hand_ab.py qwen2.5-0.5b-shape compiled-graphed OUT.json [REPS [DEVICE]]
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_gpu  # noqa: E402
+import checkout  # noqa: F401,E402
+
+import vd.store.write as W  # noqa: E402
+from vd.models import load_model  # noqa: E402
+from vd.store import open_golden  # noqa: E402
+from vd.store.local import finish_removals  # noqa: E402
+
+rec = importlib.import_module("vd.recorder.record")
+DOCUMENT = W.KRows.document
+
+
+def configure(name: str) -> None:
+    W.KRows.document = DOCUMENT if name == "ahead" else (lambda self: None)  # else finish documents
+
+
+def once(path: Path, settings, m) -> dict:
+    t = time.perf_counter()
+    r = rec.record(path, settings, refresh=path.exists(), model=m)
+    total = time.perf_counter() - t
+    finish_removals()
+    tail = r.seconds["store"] + r.seconds["write"] + r.seconds["equivalence"]
+    return {"total": total, "runs": r.seconds["continuation"] + r.seconds["verify"], "tail": tail,
+            "loop": total - tail}
+
+
+def main() -> None:
+    model_name, forward, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    reps = int(sys.argv[4]) if len(sys.argv) > 4 else 7
+    device = sys.argv[5] if len(sys.argv) > 5 else "cuda"
+    m = load_model(model_name, device=device, dtype="bfloat16")
+    path = Path(tempfile.mkdtemp()) / "g.zarr"
+    settings = rec.RecordSettings(model=model_name, ks=(2,), steps=16, prompt="Verify.", allow_thin=True,
+                                  forward=forward, device=device)
+    names = ("ahead", "neither")
+    samples: dict[str, dict[str, list[float]]] = {n: {} for n in (*names, "bare")}
+    for n in names:  # warm-up
+        configure(n)
+        once(path, settings, m)
+    prompt, steps = m.encode("Verify."), open_golden(path).checked_log(2).steps
+    for _ in range(reps):
+        for n in names:
+            configure(n)
+            for key, v in once(path, settings, m).items():
+                samples[n].setdefault(key, []).append(v * 1e3)
+        bare = bench_gpu.bare_decode(m, prompt, 16 * 2 + 1) + bench_gpu.bare_verify(m, prompt, steps)[0]
+        samples["bare"].setdefault("total", []).append(bare * 1e3)
+    med = {n: {k: round(statistics.median(v), 3) for k, v in s.items()} for n, s in samples.items()}
+    doc = {"command": " ".join(["python3", *sys.argv]), "model": model_name, "forward": forward, "reps": reps,
+           "median_ms": med, "samples_ms": samples}
+    Path(out).write_text(json.dumps(doc, indent=1))
+    for n, v in med.items():
+        print(f"{n:8s} " + "  ".join(f"{k} {x:8.2f}" for k, x in v.items()))
+
+
+if __name__ == "__main__":
+    main()
