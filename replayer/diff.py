@@ -6,7 +6,9 @@ else the question is ill-posed and the answer is a usage error. Within that, B i
 as a replay's candidate is judged against its golden: every row under the policy (A's stored policy
 unless ``tolerances`` override it), every row's argmax, and each step's accept count; a recording whose
 steps took other tokens (a decision changed while recording) differs too. B's rows are read whole and
-checked against its digests; A's are read only where B's differ (A may be slim under exact or argmax).
+checked against its digests; A's are read only where B's differ (A may be slim under exact or argmax). Both
+goldens' files are checked against their manifests first (`Golden.check_files`), as `vd verify` checks them: a
+damaged A is refused even where its rows would never be read.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> DiffReport:
     policy = Policy.parse(tolerances, a.meta.get("policy"))
     if a.slim and policy.needs_rows:
         raise UsageError(f"{a.url} is slim: judging {', '.join(policy.needs_rows)} rows needs its rows")
+    a.check_files()  # every stored byte of both, against their manifests: a damaged golden is no reference,
+    b.check_files()  # even where its rows are never read (A's are read only where B's differ)
     verify, reasons = [], []
     for k in a.groups if b.decoded else a.ks:  # the decode rows too, where both store them
         c = compare_run(b.url, a.side(k), _as_run(b, k), a.logical, policy)

@@ -34,7 +34,7 @@ from vd.equivalence import decode_map
 from vd.errors import UsageError
 from vd.layout import RowLayout
 from vd.loop import generated
-from vd.models import check_device, load_model, require_forwards
+from vd.models import check_device, check_forward_names, load_model, require_forwards
 from vd.models.specs import golden_dir, stored
 from vd.preflight import BATCH, DECODE, axis, batch_size, untraced
 from vd.protocol import VerifyModel
@@ -317,6 +317,7 @@ def _compare_rows(a: Call, b: Call) -> tuple[Module | None, int, tuple[Module, .
 def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[str]) -> VerifyModel:
     """The golden's model (or ``spec``), checked to trace each forward."""
     golden_spec, head = stored(g.meta["model"], golden_dir(g.location))
+    check_forward_names(spec or golden_spec, [f for f in forwards if not axis(f)])  # before the model loads
     model = load_model(spec or golden_spec, device=check_device(device or g.info.device), dtype=g.logical,
                        head=head if spec is None else None)
     forwards = [f for f in forwards if not axis(f)]
@@ -345,6 +346,7 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
         if bad:
             raise UsageError(f"{g.url} has no K={bad[0]} (it holds {', '.join(map(str, g.ks))})")
         forwards = (forward,) if between is None else (forward, between)
+        g.check_files()  # every stored byte against the manifest: no verdict from a damaged golden
         m = model or _model(g, model_spec, device, forwards)
         out = []
         with torch.inference_mode():

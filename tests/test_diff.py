@@ -5,7 +5,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from golden_edit import edit_rows
+from golden_edit import chunk, edit_rows, flip_byte
 
 from vd.dtypes import to_float
 from vd.store import open_golden, slim
@@ -53,3 +53,15 @@ def test_diff_across_locations(cli, tiny_golden, tmp_path, s3):
     assert code == 0, err
     assert cli("diff", tiny_golden, tmp_path / "g.zip")[0] == 0
     assert cli("diff", tmp_path / "g.zip", s3)[0] == 0
+
+
+def test_a_damaged_golden_is_refused_on_either_side(cli, tiny_golden, tmp_path):
+    """A damaged golden is no reference: refused (exit 2, naming the file) as A, whose rows are read only where
+    B's differ, as well as B, before any row is judged."""
+    damaged = tmp_path / "a.zarr"
+    shutil.copytree(tiny_golden, damaged)
+    flip_byte(chunk(damaged, 3, index=2))
+    for a, b in ((damaged, tiny_golden), (tiny_golden, damaged)):
+        code, out, err = cli("diff", a, b)
+        assert code == 2 and "PASS" not in out, out + err
+        assert "a.zarr/k3/logits.hi/c/2" in err and "does not match the golden's manifest" in err, err

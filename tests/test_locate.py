@@ -137,6 +137,25 @@ def test_what_locate_cannot_do_is_refused(tiny_golden, cli, args, message):
     assert code == 2 and message in err and "Traceback" not in err, err
 
 
+def test_a_damaged_golden_or_unknown_forward_is_refused_before_the_model(tiny_golden, cli, tmp_path, monkeypatch):
+    """No verdict from a damaged golden (its files checked against the manifest first), and no model loaded to
+    learn that a forward does not exist."""
+    import shutil
+
+    from golden_edit import chunk, flip_byte
+
+    import vd.replayer.locate as L
+
+    monkeypatch.setattr(L, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, out, err = cli("locate", tiny_golden, "--forward", "eager", "--between", "nope", "--k", "2")
+    assert code == 2 and "has no forward 'nope'" in err, err
+    damaged = tmp_path / "d.zarr"
+    shutil.copytree(tiny_golden, damaged)
+    flip_byte(chunk(damaged, 2, index=1))
+    code, out, err = cli("locate", damaged, "--forward", "eager", "--between", "eager", "--k", "2")
+    assert code == 2 and "d.zarr/k2/logits.hi/c/1" in err and "does not match the golden's manifest" in err, err
+
+
 @pytest.fixture(scope="module")
 def smollm2_traced(tmp_path_factory, cli):
     """The default model's eager golden (bf16), 4 steps at K=2, recorded with --trace."""

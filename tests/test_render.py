@@ -49,6 +49,7 @@ def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path, monke
     replay read set again (here the variable that chose the failing step, unset where command.sh runs)."""
     monkeypatch.chdir(PLUGINS.parent.parent)  # the repository root: the plug-in by a relative path
     monkeypatch.setenv("VD_PERTURB_STEP", "5")
+    monkeypatch.setenv("DATABASE_URL", "postgres://user:hunter2@db/x")  # the shell's, read by no one here
     spec = "tests/plugins/perturb.py:factory"
     report = tmp_path / "r.json"
     code, out, err = cli("replay", tiny_golden, "--model", spec, "--report", report, "--junit", tmp_path / "j.xml",
@@ -65,6 +66,7 @@ def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path, monke
     assert json.loads((bundle / "environment.json").read_text())["recorded"]["device"] == "cpu"
     command = (bundle / "command.sh").read_text()
     assert "export VD_PERTURB_STEP=5\n" in command and f"{PLUGINS / 'perturb.py'}:factory" in command
+    assert "hunter2" not in command and "DATABASE_URL" not in command
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "VD_PERTURB_STEP"}
@@ -257,3 +259,20 @@ def test_where_elements_differ_is_said_in_words_at_the_extremes(perturbed, passi
     assert words.positions_note([0.0, 0.5]) is None and "slim" in words.positions_note([0.0], measured=False)
     v = perturbed.verify[0]
     assert words.coverage_text(v).startswith(f"coverage over {len(v.accepted)} steps: ")
+
+
+def test_a_bundle_exports_what_was_read_not_what_was_copied(monkeypatch):
+    """`reading_environment` notes the variables code looks up, not those a copy of the environment reads (a
+    subprocess's, ``dict(os.environ)``): the shell's other variables, a database URL's password among them, stay
+    out of command.sh; and a value carrying a URL's credentials stays out whoever reads it."""
+    from vd.cli.common import reading_environment
+
+    monkeypatch.setenv("DATABASE_URL", "postgres://user:hunter2@db/x")
+    monkeypatch.setenv("N", "8")
+    monkeypatch.setenv("MY_PLUGIN_SWITCH", "on")
+    monkeypatch.setenv("MY_ENDPOINT", "https://key:secret@store.example/b")
+    with reading_environment() as found:
+        dict(os.environ), {**os.environ}, list(os.environ.items()), os.environ.copy()
+        subprocess.run(["true"], env={**os.environ, "X": "1"}, check=True)
+        assert os.environ.get("MY_PLUGIN_SWITCH") == "on" and os.environ["MY_ENDPOINT"]
+    assert found == {"MY_PLUGIN_SWITCH": "on"}

@@ -14,6 +14,7 @@ layers below are imported inside the commands.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import json
@@ -275,14 +276,30 @@ _NOT_EXPORTED = re.compile(r"(HOME|PATH|USER|LOGNAME|SHELL|PWD|OLDPWD|TERM|LANG|
                            r"HOSTNAME|SHLVL|_)$|KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 
 
+# A value holding a URL's credentials (``scheme://user:password@host``) is never exported, whatever its name.
+_CREDENTIALS = re.compile(r"://[^/@\s:]+:[^/@\s]+@")
+
+
 class _Reading(os._Environ):  # type: ignore[name-defined]  # os._Environ is os.environ's class
-    """``os.environ`` while `reading_environment` watches it: every name looked up is noted."""
+    """``os.environ`` while `reading_environment` watches it: every name looked up is noted, but for the lookups
+    of a copy (``dict(os.environ)``, ``{**os.environ}``, ``.items()``, a subprocess's environment made from it):
+    those read each name in the order the iteration before them gave, and are not a reader asking for it (a bundle
+    re-exported every variable of the shell, a database URL's password included, before they were told apart)."""
 
     read: set[str] = set()
+    copying: collections.deque[str] = collections.deque()  # names an iteration gave, in order, not looked up yet
+
+    def __iter__(self):
+        names = list(super().__iter__())
+        _Reading.copying = collections.deque(names)
+        return iter(names)
 
     def __getitem__(self, key):
         if isinstance(key, str):  # (os.get_exec_path tries a bytes key too)
-            _Reading.read.add(key)
+            if _Reading.copying and _Reading.copying[0] == key:
+                _Reading.copying.popleft()  # the next name of a copy
+            else:
+                _Reading.read.add(key)
         return super().__getitem__(key)
 
 
@@ -291,14 +308,14 @@ def reading_environment():
     """Note the environment variables Python code looks up meanwhile (a plug-in's switch, torch's settings);
     yields the mapping of those that were set, secrets and the shell's own left out, filled when it ends."""
     found: dict[str, str] = {}
-    before, _Reading.read = os.environ.__class__, set()
+    before, _Reading.read, _Reading.copying = os.environ.__class__, set(), collections.deque()
     os.environ.__class__ = _Reading
     try:
         yield found
     finally:
         os.environ.__class__ = before
-        found.update({name: os.environ[name] for name in sorted(_Reading.read)
-                      if name in os.environ and not _NOT_EXPORTED.search(name)})
+        found.update({name: os.environ[name] for name in sorted(_Reading.read) if name in os.environ
+                      and not _NOT_EXPORTED.search(name) and not _CREDENTIALS.search(os.environ[name])})
 
 
 @contextlib.contextmanager
