@@ -291,6 +291,10 @@ def test_unwritable_destinations_exit_2(cli, tiny_golden, tmp_path):
     blocker.write_text("x")
     _one_line_error(*cli("record", blocker / "g.zarr", "--model", "tiny-llama"), "is not a directory")
     _one_line_error(*cli("replay", tiny_golden, "--report", blocker / "r.json"), "not a writable directory")
+    # A folder no file can be made in whatever its permission bits say (root may write anywhere but here):
+    # refused before the replay, not after it, naming the path given rather than a temporary file.
+    _one_line_error(*cli("replay", tiny_golden, "--report", "/proc/r.json"),
+                    "cannot write --report /proc/r.json: /proc is not a writable directory")
     _one_line_error(*cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--prompt", ""), "no tokens")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 

@@ -71,3 +71,12 @@ def test_a_link_at_the_report_path_is_replaced_not_followed(cli, tiny_golden, ot
     assert (other / "zarr.json").read_bytes() == before
     code, out, err = cli("verify", other)
     assert code == 0, err
+
+
+def test_a_file_that_cannot_be_made_is_named_as_given():
+    """The error names the path asked for, not the temporary file written first."""
+    from vd.outputs import write_text
+
+    with pytest.raises(OSError, match=r"cannot write /proc/vd-report\.json: ") as e:
+        write_text("/proc/vd-report.json", "{}")
+    assert ".tmp" not in str(e.value)

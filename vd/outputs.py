@@ -17,8 +17,11 @@ os.umask(_UMASK)
 def write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
     """``data`` at ``path`` (its directory made); ``mode`` its permissions (default: a new file's, umask applied)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:  # named as the user named it, not as the temporary file it could not make
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -196,8 +196,23 @@ def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Pa
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or not _can_create_in(parent):
         raise UsageError(f"cannot write {flag} {path}: {parent} is not a writable directory")
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be made in ``folder`` (tried and removed: permission bits do not say it for root, nor for
+    /proc, a read-only mount or a full quota)."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".vd-probe-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return True
 
 
 def check_no_golden(flag: str, path: str | Path | None, *, directory: bool = True, replace: bool = False) -> None:
