@@ -183,3 +183,17 @@ def test_status_names_a_golden_whose_files_git_ignores(project, cli):
     states = {g["name"]: g for g in json.loads((project / "s.json").read_text())["goldens"]}
     assert code == 1 and states["a"]["state"] == "ignored" and "a: git ignores" in out, out
     assert "(a.zarr/zarr.json, " in states["a"]["reasons"][0] and states["b"]["state"] == "current"
+
+
+def test_prune_removes_orphans_only_once_confirmed(project, cli):
+    """An orphan is any golden beside a declared one that no declaration names (one the suite never recorded
+    among them): `--prune` lists them and, without a terminal to ask at, removes them only with `--yes`."""
+    import shutil
+
+    shutil.copytree(project / "goldens" / "a.zarr", project / "goldens" / "kept.zarr")
+    code, out, err = cli("status", "--no-models", "--prune")
+    assert code == 2 and "orphan: goldens/kept.zarr" in out and "add --yes to remove them" in err, out + err
+    assert (project / "goldens" / "kept.zarr").is_dir()
+    code, out, err = cli("status", "--no-models", "--prune", "--yes")
+    assert code == 0 and "removed 1 orphan golden(s)" in out, out + err
+    assert not (project / "goldens" / "kept.zarr").exists() and (project / "goldens" / "a.zarr").is_dir()

@@ -256,7 +256,7 @@ def history(
 
 
 @app.command(cls=Command, epilog=examples("vd status", "vd status --report suite.json --no-models",
-                                          "vd status --prune"))
+                                          "vd status --prune --yes"))
 def status(
     names: Annotated[list[str] | None, typer.Argument(metavar="NAME", help="Declared goldens (default: all).")]
     = None,
@@ -265,8 +265,9 @@ def status(
                                                 "to show each golden's last result from.")] = None,
     no_models: Annotated[bool, typer.Option("--no-models", help="Do not load models to check fingerprints.")]
     = False,
-    prune: Annotated[bool, typer.Option("--prune", help="Remove orphan goldens (on disk, declared by none).")]
-    = False,
+    prune: Annotated[bool, typer.Option("--prune", help="Remove orphan goldens (on disk, declared by none), once "
+                                        "confirmed: asked on a terminal, else --yes.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", help="With --prune: remove the orphans without asking.")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", metavar="PATH", help="Write the status as JSON.")]
     = None,
 ) -> int:
@@ -283,13 +284,25 @@ def status(
                           report=None if report is None else str(report), progress=progress)
     orphans = S.orphans(suite) if not names else []
     _print_status(states, orphans, no_models, suite.file.parent)
-    if prune and orphans:
+    if prune and orphans and _prune_confirmed(orphans, yes):
         S.prune(orphans)
         out.print(f"removed {len(orphans)} orphan golden(s)")
         orphans = []
     if json_out is not None:
         write_json(json_out, {"suite": str(suite.file), "goldens": [s.to_json() for s in states], "orphans": orphans})
     return EXIT_FAIL if orphans or any(s.state != "current" for s in states) else EXIT_PASS
+
+
+def _prune_confirmed(orphans: list[str], yes: bool) -> bool:
+    """Whether to remove ``orphans`` (listed already): ``--yes``, or a yes at the terminal's question; without a
+    terminal and ``--yes``, refused (`vd.errors.UsageError`). An orphan is any golden beside a declared one that
+    no declaration names, a golden the suite never recorded among them: nothing is removed unseen."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise UsageError(f"--prune would remove {len(orphans)} golden(s) declared by none (listed above); add --yes "
+                         "to remove them")
+    return typer.confirm(f"remove these {len(orphans)} golden(s)?", default=False, err=True)
 
 
 def _print_status(states, orphans: list[str], no_models: bool, base: Path) -> None:
