@@ -89,3 +89,18 @@ def test_a_saved_candidate_is_reviewed_and_promoted(golden, tmp_path, perturbed)
         promote(cand, golden, reason="again")  # the golden moved on since the candidate was saved
     with pytest.raises(UsageError, match="is the golden being replayed"):
         replay(golden, ReplaySettings(save_candidate=str(golden)), model=perturbed)
+
+
+def test_a_candidate_whose_control_was_inconclusive_is_refused_with_the_way_forward(golden, tmp_path, tiny):
+    """A forward that differs at every step (sdpa against an eager golden) leaves the control inconclusive: the
+    candidate says so, and its promotion is refused naming that (not "blind") and the re-recording to run."""
+    cand = tmp_path / "cand.zarr"
+    rep = replay(golden, ReplaySettings(forwards=("sdpa",), save_candidate=str(cand)), model=tiny)
+    assert rep.verdict == "FAIL"
+    made = open_golden(cand).meta["candidate"]
+    inconclusive = [k for k, o in zip(SETTINGS.ks, rep.verify) if o.control.inconclusive]
+    assert inconclusive and made["inconclusive"] == [str(k) for k in inconclusive]
+    r = promote(cand, golden, reason="sdpa from now on")
+    assert not r.published and all(f"K={k}: the candidate's detection control was inconclusive" in " ".join(r.refused)
+                                   for k in inconclusive)
+    assert "--refresh --reason" in r.refused[0] and "blind" not in " ".join(r.refused)

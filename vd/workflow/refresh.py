@@ -150,8 +150,12 @@ def _check_candidate(cand: Golden, old: Golden | None, url: str, allow_slim: boo
 def _promote(location: Location, cand: Golden, reason: str, name: str | None, allow_slim: bool) -> Refreshed:
     old, unreadable = _previous(location)
     made = _check_candidate(cand, old, location.url, allow_slim)
-    refused = [f"K={k}: the candidate's detection control was blind" for k, fired in
-               (made.get("control") or {}).items() if not fired]
+    inconclusive = {str(k) for k in made.get("inconclusive") or ()}
+    refused = [f"K={k}: the candidate's detection control was inconclusive (its rows differ from the golden's at the "
+               "control's step already, so a changed draft shows nothing there): record the change itself instead, "
+               f"vd record {location.url} --refresh --reason ... with the flags the replay changed (--forward, --model)"
+               if k in inconclusive else f"K={k}: the candidate's detection control was blind"
+               for k, fired in (made.get("control") or {}).items() if not fired]
     refused += list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
     if refused:
         return Refreshed(location.url, refused=refused)
