@@ -178,7 +178,8 @@ def test_non_golden_paths_exit_2(cli, tmp_path):
     (["--model", "tiny-llama", "--forward", "flash"], "no forward 'flash'"),
     (["--model", "tiny-llama", "--k", "2,x"], "comma-separated"),
     (["--model", "tiny-llama", "--k", "1"], "K must be 2"),
-    (["--model", "tiny-llama", "--k", "2,2"], "repeated"),
+    (["--model", "tiny-llama", "--k", "2,2"], "names a verify width twice"),
+    (["--model", "tiny-llama", "--k", "2,,3"], "comma-separated"),  # a typo, not K=2,3
     (["--model", "tiny-llama", "--steps", "0"], "--steps"),
     (["--model", "tiny-llama", "--dtype", "int8"], "--dtype"),
     (["--model", f"{PLUGINS / 'notamodel.py'}:factory"], "lacks"),
@@ -417,6 +418,8 @@ def test_mistakes_about_a_golden_are_answered_before_torch_is_imported(tiny_gold
     g = str(tiny_golden)
     cases = [
         (["replay", g, "--k", "7"], "has no verify width [7]; it holds K = [2, 3, 4]"),
+        (["replay", g, "--k", "2,2"], "names a verify width twice"),  # as record refuses it
+        (["replay", g, "--k", ",2,"], "comma-separated"),
         (["replay", g, "--forward", "eager", "--forward", "flash"], "no forward 'flash'"),
         (["replay", g, "--threads", "64"], "--threads must be 1 to"),
         (["record", g, "--model", "tiny-llama"], "already holds a golden; pass --refresh"),

@@ -169,10 +169,14 @@ class Widths(tuple):
 
 
 def parse_widths(text: str) -> Widths:
+    """``--k``'s widths: comma-separated integers, each once (``2,,3`` or ``2,2`` is a typo, not a request)."""
     try:
-        return Widths(int(x) for x in text.split(",") if x.strip())
+        widths = [int(x) for x in text.split(",")]
     except ValueError:
         raise typer.BadParameter(f"takes comma-separated integers like 2,3,4; got {text!r}") from None
+    if len(set(widths)) != len(widths):
+        raise typer.BadParameter(f"names a verify width twice: {text!r}")
+    return Widths(widths)
 
 
 def parse_device(text: str) -> str:
