@@ -296,6 +296,7 @@ def test_unwritable_destinations_exit_2(cli, tiny_golden, tmp_path):
     # refused before the replay, not after it, naming the path given rather than a temporary file.
     _one_line_error(*cli("replay", tiny_golden, "--report", "/proc/r.json"),
                     "cannot write --report /proc/r.json: /proc is not a writable directory")
+    _one_line_error(*cli("record", "/proc/g.zarr", "--model", "tiny-llama"), "cannot write /proc/g.zarr: ")
     _one_line_error(*cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--prompt", ""), "no tokens")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 

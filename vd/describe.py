@@ -28,8 +28,9 @@ def describe(where: str | os.PathLike) -> Iterator[str]:
     g.check_files()  # every file against the manifest (format 6), before anything is shown as the golden's
     yield from _identity(g)
     yield from _model(g.meta)
+    tokens = f"{len(g.prompt)} token" + ("" if len(g.prompt) == 1 else "s")
     yield (f"settings  feed {g.info.feed}, dtype {g.logical}, device {g.info.device}, K {g.ks}, "
-           f"{g.info.steps} steps, vocab {g.info.vocab}, prompt {len(g.prompt)} tokens")
+           f"{g.info.steps} steps, vocab {g.info.vocab}, prompt {tokens}")
     yield f"prompt    {g.meta.get('prompt_text', '')!r}"
     batch = g.meta.get("batch")
     if batch is not None:

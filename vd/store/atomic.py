@@ -155,8 +155,13 @@ def clean(target: Path) -> None:
 def writer_lock(target: Path) -> Iterator[None]:
     """Hold the exclusive lock of ``target``'s writers (see the module's docstring); refuse at once, with a
     `GoldenError`, when another process holds it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     lock = target.parent / f".{target.name}.lock"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        os.close(fd)
+    except OSError as e:  # named as the user named it, not as the lock file beside it
+        raise OSError(e.errno, f"cannot write {target}: {e.strerror}") from None
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
