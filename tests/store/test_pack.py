@@ -42,3 +42,22 @@ def test_pack_refuses_what_it_cannot_copy_and_keeps_what_is_there(cli, tiny_gold
     chunk.write_bytes(bytes(b ^ 1 for b in chunk.read_bytes()))
     code, out, err = cli("pack", damaged, tmp_path / "d.zip")
     assert code == 2 and not (tmp_path / "d.zip").exists(), err
+
+
+def test_refresh_replaces_only_a_copy(cli, tiny_golden, tmp_path):
+    """`--refresh` brings a copy (`vd pack`'s, `vd slim`'s) up to date; over a golden of another recording, or a
+    full golden where the copy is slim, it is refused (exit 2) and that golden kept, rows and history."""
+    other = DATA / "tiny-llama-mtp-v2.zarr"  # another recording: the drafter feed
+    for command, target in (("pack", tmp_path / "o.zarr"), ("slim", tmp_path / "s.zarr")):
+        shutil.copytree(other, target)
+        before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+        code, out, err = cli(command, tiny_golden, target, "--refresh")
+        assert code == 2 and "is not a copy of" in err and "a recording of another" in err, out + err
+        assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
+    full = tmp_path / "full.zarr"
+    assert cli("pack", tiny_golden, full)[0] == 0
+    code, out, err = cli("slim", tiny_golden, full, "--refresh")
+    assert code == 2 and "a full golden, whose rows the slim copy would drop" in err and not open_golden(full).slim
+    assert cli("slim", tiny_golden, tmp_path / "t.zarr")[0] == 0
+    assert cli("slim", tiny_golden, tmp_path / "t.zarr", "--refresh")[0] == 0  # a copy: brought up to date
+    assert cli("pack", tiny_golden, full, "--refresh")[0] == 0

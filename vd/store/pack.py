@@ -16,6 +16,7 @@ from vd.errors import GoldenCorruptError, UsageError
 from vd.store import format as F
 from vd.store.location import Location, locate
 from vd.store.read import open_golden
+from vd.store.slim import check_copy_target
 from vd.store.write import check_target
 
 _OUTSIDE_MANIFEST = ("zarr.json", f"{F.RUN_GROUP}/zarr.json")  # the metadata (bound by the ID) and the run group
@@ -31,6 +32,8 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
     if location.url == g.url:
         raise UsageError(f"{location.url} is the golden being packed; name another path")
     check_target(location, refresh)
+    if refresh:
+        check_copy_target(location, g, slim=g.slim)
     g.check_files()  # every file against the manifest before anything is copied
     with location.writer():
         staged = location.staging()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from vd.errors import UsageError
+from vd.errors import UsageError, VdError
 from vd.store import format as F
 from vd.store.location import Location, locate
 from vd.store.read import Golden, open_golden
@@ -26,6 +26,8 @@ def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
     g = open_golden(source)
     if g.slim:
         raise UsageError(f"{g.url} is slim already")
+    if refresh:
+        check_copy_target(locate(out), g, slim=True)
     return rewrite(g, out, refresh=refresh, rows=False, reason=f"slim form of {g.url}",
                    updates={"rows": {"stored": False, "slim_of": {"golden": g.url, "created": g.meta.get("created"),
                                                                   "format_version": g.info.version}}})
@@ -54,3 +56,31 @@ def rewrite(g: Golden, out: str | os.PathLike, *, refresh: bool, rows: bool, upd
             w.add_file(F.INDUCTOR_ARTIFACTS, artifacts)
         w.publish(meta, g.prompt, reason=reason)
     return w.location
+
+
+def check_copy_target(location: Location, source: Golden, *, slim: bool) -> None:
+    """Refuse (`vd.errors.UsageError`) a ``--refresh`` of a copy of ``source`` (its ``slim`` form, or not) over a
+    golden that is no such copy: one of another recording (prompt, K, steps, vocabulary, dtype, feed or model),
+    or a full golden where the copy is slim. ``--refresh`` brings a copy up to date; it is not a licence to
+    replace whatever golden stands at the path (its rows and history would be gone). A target that cannot be
+    read as a golden is left to the writer's own check."""
+    if location.state() != "golden":
+        return
+    try:
+        old = open_golden(location, sizes=False)
+    except VdError:
+        return  # a damaged copy: replacing it is what --refresh is for
+    try:
+        why = next((f"a recording of another {what}" for what, a, b in (
+            ("prompt", old.prompt, source.prompt), ("K list", old.ks, source.ks),
+            ("step count", old.info.steps, source.info.steps), ("vocabulary", old.info.vocab, source.info.vocab),
+            ("dtype", old.logical, source.logical), ("feed", old.info.feed, source.info.feed),
+            ("model", old.meta["model"].get("fingerprint"), source.meta["model"].get("fingerprint"))) if a != b),
+            None)
+        if why is None and old.slim != slim:
+            why = "a full golden, whose rows the slim copy would drop" if slim else "a slim golden"
+    finally:
+        old.close()
+    if why is not None:
+        raise UsageError(f"{location.url} is not a copy of {source.url} ({why}); --refresh replaces only a copy: "
+                         "remove it first, or write the copy elsewhere")
