@@ -180,6 +180,9 @@ def test_non_golden_paths_exit_2(cli, tmp_path):
     (["--model", "tiny-llama", "--k", "1"], "K must be 2"),
     (["--model", "tiny-llama", "--k", "2,2"], "names a verify width twice"),
     (["--model", "tiny-llama", "--k", "2,,3"], "comma-separated"),  # a typo, not K=2,3
+    (["--model", "tiny-llama", "--summary", "s.md"], "give it with --refresh"),  # else written by nothing
+    (["--model", "tiny-llama", "--head", "no-such-head.safetensors"], "MTP head no-such-head.safetensors does not "
+                                                                      "exist"),  # before the model loads
     (["--model", "tiny-llama", "--steps", "0"], "--steps"),
     (["--model", "tiny-llama", "--dtype", "int8"], "--dtype"),
     (["--model", f"{PLUGINS / 'notamodel.py'}:factory"], "lacks"),

@@ -89,6 +89,8 @@ def record(
         from vd.cli import team
 
         return team.record_suite(targets or [], config, refresh, reason, summary)
+    if summary is not None and not refresh:  # (one golden's first recording writes none)
+        raise UsageError("--summary describes what a refresh changed: give it with --refresh (or --suite)")
     out_path = _one(targets, "OUT")
     if resume:
         return _resumed(out_path)

@@ -179,6 +179,14 @@ def parse_widths(text: str) -> Widths:
     return Widths(widths)
 
 
+def parse_head(text: str) -> str:
+    """``--head FILE``: a file that exists, refused before anything is imported (not after the model loads)."""
+    if not Path(text).is_file():
+        raise typer.BadParameter(f"MTP head {text} does not exist" if not Path(text).exists()
+                                 else f"MTP head {text} is not a file")
+    return text
+
+
 def parse_device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
         raise typer.BadParameter(f"unknown device {text!r} (use cpu, cuda or cuda:N)")

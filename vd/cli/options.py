@@ -17,6 +17,7 @@ from vd.cli.common import (
     Feed,
     Widths,
     parse_device,
+    parse_head,
     parse_widths,
 )
 
@@ -56,8 +57,8 @@ RecordForward = Annotated[str | None, typer.Option(metavar="NAME", help="Forward
                                                    "model's; `vd forwards`).")]
 FeedOpt = Annotated[Feed, typer.Option("--feed", help="reference: greedy drafts, one corrupted on odd steps; mtp: "
                                        "drafts from the model's MTP head.")]
-RecordHead = Annotated[str | None, typer.Option(metavar="FILE", help="Attach this MTP head (.safetensors) to an HF "
-                                                "model.")]
+RecordHead = Annotated[str | None, typer.Option(metavar="FILE", parser=parse_head, help="Attach this MTP head "
+                                                "(.safetensors) to an HF model.")]
 RecordDevice = Annotated[str, typer.Option(metavar=DEVICE_METAVAR, parser=parse_device, help="Device.")]
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Dtype the model computes in.")]
 RecordThreads = Annotated[int | None, typer.Option(metavar="N", min=1, help="CPU threads (default: torch's).")]
@@ -70,8 +71,8 @@ ReplayTargets = Annotated[list[str] | None, typer.Argument(metavar="GOLDEN|NAME"
                                                             f"({GOLDEN_HELP}); with --suite, declared goldens "
                                                             "(default: all).")]
 ReplayModel = Annotated[str | None, typer.Option(metavar="SPEC", help="Model (default: the golden's).")]
-ReplayHead = Annotated[str | None, typer.Option(metavar="FILE", help="MTP head file to attach (default: the "
-                                                "golden's).")]
+ReplayHead = Annotated[str | None, typer.Option(metavar="FILE", parser=parse_head, help="MTP head file to "
+                                                "attach (default: the golden's).")]
 DecodeForward = Annotated[str | None, typer.Option("--decode-forward", metavar="NAME", help="Compute the decode "
                                                    "rows each forward's verify rows are measured against with this "
                                                    "forward (default: the forward itself).")]
