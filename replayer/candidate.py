@@ -11,7 +11,7 @@ detection control fired, which a promotion checks.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import numpy as np
@@ -67,8 +67,11 @@ class CandidateWriter:
                   if self.golden.info.drafted_at(k) else None)
         self.writer.add(run.layout, log, rows, None, drafts)
 
-    def publish(self, model: VerifyModel, spec: str, forward: str, controls: Mapping[int, bool], verdict: str
-                ) -> None:
+    def publish(self, model: VerifyModel, spec: str, forward: str, controls: Mapping[int, bool], verdict: str,
+                inconclusive: Sequence[int] = ()) -> None:
+        """The candidate in place: the replayed rows, with ``controls`` (per K, whether the detection control
+        fired) and ``inconclusive``, the Ks whose control showed nothing because the candidate's rows differ from
+        the golden's at its step already (`vd refresh --from` names them apart from a blind control)."""
         g = self.golden
         ident = model.identity()
         meta = {key: v for key, v in g.meta.items() if key not in _NOT_INHERITED}
@@ -83,7 +86,8 @@ class CandidateWriter:
             logits=F.logits_meta(g.logical), environment=env.of_model(model),
             determinism={"applied": (g.meta.get("determinism") or {}).get("applied"), "settings": env.determinism()},
             candidate={"of": g.url, "of_content": g.content_digest(), "verdict": verdict,
-                       "control": {str(k): bool(v) for k, v in controls.items()}},
+                       "control": {str(k): bool(v) for k, v in controls.items()},
+                       **({"inconclusive": [str(k) for k in inconclusive]} if inconclusive else {})},
             **keep_artifacts(forward, self.writer.add_file, F.INDUCTOR_ARTIFACTS))
         self.writer.publish(meta, g.prompt, reason=f"candidate saved by a replay of {g.url}")
 

@@ -107,9 +107,10 @@ def _save_candidate(s: Session, outcomes: Sequence[KOutcome]) -> list[str]:
         return []
     t = time.perf_counter()
     controls = {o.result.k: o.result.control is not None and o.result.control.fired for o in outcomes}
+    inconclusive = [o.result.k for o in outcomes if o.result.control is not None and o.result.control.inconclusive]
     failed = any(o.reasons for o in outcomes)
     s.candidate.publish(s.model, s.settings.model or s.golden.meta["model"]["spec"], s.forwards[0], controls,
-                        "FAIL" if failed else "PASS")
+                        "FAIL" if failed else "PASS", inconclusive)
     s.clock.phases["write"] += time.perf_counter() - t
     return [f"candidate saved: {s.candidate.url} (review with vd diff, promote with vd refresh --from)"]
 

@@ -226,7 +226,8 @@ def diff_rows_reason(k: int, c: Comparison) -> Reason:
     return Reason("rows", f"{group(k)}: rows differ under {c.policy.describe()}: "
                   + ", ".join(f"{n} {s.rows_failed}/{s.rows} rows fail, {s.argmax_flips} argmax flip(s), max |Δ| "
                               f"{s.max_abs:.4g}" for n, s in c.summary.items())
-                  + (f" (first: {f.kind} step {f.step} row {f.row} index {f.index})" if f else ""), k)
+                  + (f" (first: {f.kind}{'' if f.step is None else f' step {f.step}'} row {f.row} index {f.index})"
+                     if f else ""), k)
 
 
 # -- the command line ------------------------------------------------------------------------------------------
