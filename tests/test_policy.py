@@ -1,6 +1,7 @@
 """Comparison policies: each SPEC at its boundary, parsing, and the sensitivity a report states."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -91,6 +92,13 @@ def test_bad_tolerances_are_usage_errors():
             Policy.parse([bad])
     with pytest.raises(UsageError):
         Policy.parse([], {"verify": "bogus"})  # a stored policy must parse too
+    # A known SPEC with a number out of its range says which range, whichever SPEC (ulp:-1 was "unknown").
+    for bad, wants in (("ulp:-1", "ulp:N takes a whole N >= 0"), ("ulp:1.5", "ulp:N takes a whole N >= 0"),
+                       ("topk:0", "topk:N takes a whole N >= 1"), ("kl:-0.1", "kl:X takes a finite X >= 0"),
+                       ("atol:-1,rtol:0", "atol:X,rtol:Y take finite X, Y >= 0"),
+                       ("atol:0.1", "unknown tolerance 'atol:0.1'"), ("atol:0.1", "atol takes its rtol")):
+        with pytest.raises(UsageError, match=re.escape(wants)):
+            Policy.parse([bad])
 
 
 def test_later_items_win_over_the_stored_policy():

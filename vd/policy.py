@@ -39,8 +39,8 @@ from vd.errors import UsageError
 from vd.layout import KINDS
 
 _SPEC = re.compile(
-    r"^(?:(?P<exact>exact)|ulp:(?P<ulp>\d+)|atol:(?P<atol>[^,]+),rtol:(?P<rtol>[^,]+)|(?P<argmax>argmax)"
-    r"|topk:(?P<topk>\d+)|kl:(?P<kl>.+))$"
+    r"^(?:(?P<exact>exact)|ulp:(?P<ulp>.+)|atol:(?P<atol>[^,]+),rtol:(?P<rtol>[^,]+)|(?P<argmax>argmax)"
+    r"|topk:(?P<topk>.+)|kl:(?P<kl>.+))$"
 )
 
 
@@ -62,12 +62,15 @@ def parse_spec(text: str) -> Spec:
     parses its policy's three)."""
     m = _SPEC.match(text.strip())
     if not m:
-        raise UsageError(f"unknown tolerance {text!r}: use exact, ulp:N, atol:X,rtol:Y, argmax, topk:N or kl:X")
+        alone = " (atol takes its rtol: atol:X,rtol:Y)" if text.strip().startswith(("atol:", "rtol:")) else ""
+        raise UsageError(f"unknown tolerance {text!r}: use exact, ulp:N, atol:X,rtol:Y, argmax, topk:N or kl:X{alone}")
     t = text.strip()
     try:
         if m["exact"]:
             return Spec("exact", t)
         if m["ulp"]:
+            if int(m["ulp"]) < 0:
+                raise ValueError
             return Spec("ulp", t, n=int(m["ulp"]))
         if m["atol"] is not None:
             atol, rtol = float(m["atol"]), float(m["rtol"])
@@ -85,7 +88,9 @@ def parse_spec(text: str) -> Spec:
             raise ValueError
         return Spec("kl", t, kl=kl)
     except ValueError as e:
-        raise UsageError(f"bad number in tolerance {text!r}") from e
+        wants = ("ulp:N takes a whole N >= 0" if m["ulp"] else "topk:N takes a whole N >= 1" if m["topk"]
+                 else "kl:X takes a finite X >= 0" if m["kl"] else "atol:X,rtol:Y take finite X, Y >= 0")
+        raise UsageError(f"bad number in tolerance {text!r}: {wants}") from e
 
 
 DECISIONS = "decisions"  # the policy term for argmax flips and accept-count changes
