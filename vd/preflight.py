@@ -221,6 +221,13 @@ def check_target(url: str, state: str, refresh: bool) -> None:
         raise GoldenError(f"{url} exists and is not a vd golden; refusing to replace it")
     if state == "golden" and not refresh:
         raise GoldenExistsError(f"{url} already holds a golden; pass --refresh to replace it")
+    if state == "absent" and url.lower().endswith(_ARCHIVES):  # would be a directory of that name
+        raise UsageError(f"{url}: vd writes a golden as a directory, a .zip file or an s3:// prefix, not a "
+                         f"{next(a for a in _ARCHIVES if url.lower().endswith(a))} archive")
+
+
+_ARCHIVES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar", ".tgz", ".gz", ".bz2", ".xz", ".zst", ".7z",
+             ".rar")  # (a directory golden so named, made before, is still read and refreshed)
 
 
 def check_widths(url: str, asked: Sequence[int], held: Sequence[int]) -> None:
