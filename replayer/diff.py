@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
 from vd.dtypes import to_tensor
 from vd.errors import UsageError
@@ -25,6 +24,7 @@ from vd.replayer import words
 from vd.replayer.judge import compare_run
 from vd.replayer.report import DiffK, DiffReport
 from vd.store import Golden, open_golden
+from vd.store.read import recording_difference
 
 
 def _as_run(golden: Golden, k: int) -> Run:
@@ -37,19 +37,6 @@ def _as_run(golden: Golden, k: int) -> Run:
         run.bootstrap_row = rows["draft"][:1]
         run.draft_rows = list(rows["draft"][1:].split(k - 1))
     return run
-
-
-def recording_difference(a: Golden, b: Golden) -> str | None:
-    """What two goldens' recordings asked differently (``steps (4 vs 5)``), None where they asked the same:
-    the prompt's tokens, the verify widths, the steps, the vocabulary, the dtype and the feed."""
-    checks: list[tuple[str, Any, Any]] = [("prompt tokens", a.prompt, b.prompt)] + [
-        (key, a.meta.get(key), b.meta.get(key)) for key in ("k", "steps", "vocab_size", "dtype", "feed")]
-    for what, x, y in checks:
-        if x != y:
-            shown = (f"{len(x)} vs {len(y)} tokens" if what == "prompt tokens" and len(x) != len(y)
-                     else "they differ" if what == "prompt tokens" else f"{x} vs {y}")
-            return f"{what} ({shown})"
-    return None
 
 
 def _same_recording(a: Golden, b: Golden) -> None:

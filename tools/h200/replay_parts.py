@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_compare, als
 import checkout  # noqa: F401,E402
 import torch  # noqa: E402
 from profile_compare import arguments, golden  # noqa: E402
+from wall_parts import ACC, wrap  # noqa: E402
 
 import vd.equivalence as E  # noqa: E402
 import vd.replayer.judge as J  # noqa: E402
@@ -48,19 +49,6 @@ INNER = [(E.Accumulator, "add", "in measure: equivalence add"), (E.KeptDecode, "
          (R, "_own_checks", "in other: own checks"), (R, "_accumulator", "in other: accumulator"),
          (SS, "open_golden_for", "in open: open_golden_for"), (SS, "_reader", "in open: reader"),
          (RP.env, "of_model", "in report: env.of_model")]
-ACC: dict[str, float] = collections.defaultdict(float)
-
-
-def wrap(owner, name: str, label: str) -> None:
-    orig = getattr(owner, name)
-
-    def timed(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return orig(*a, **kw)
-        finally:
-            ACC[label] += time.perf_counter() - t
-    setattr(owner, name, timed)
 
 
 SUMMED = ("open", "run", "queued", "measure", "judge", "axis", "report", "json", "check_files")

@@ -11,7 +11,6 @@ what it calls), medians over the repetitions after the first.
 from __future__ import annotations
 
 import collections
-import functools
 import importlib
 import json
 import os
@@ -22,7 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # wall_parts, also under `python3 -P`
 import checkout  # noqa: F401,E402
+from wall_parts import ACC, COUNT, wrap  # noqa: E402
 
 import vd.store.journal as JR  # noqa: E402
 import vd.store.processes as P  # noqa: E402
@@ -31,23 +32,6 @@ from vd.models import load_model  # noqa: E402
 from vd.store.local import finish_removals  # noqa: E402
 
 rec = importlib.import_module("vd.recorder.record")
-ACC: dict[str, float] = collections.defaultdict(float)
-COUNT: dict[str, int] = collections.defaultdict(int)
-
-
-def wrap(owner, name: str, label: str) -> None:
-    orig = getattr(owner, name)
-
-    @functools.wraps(orig)
-    def timed(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return orig(*a, **kw)
-        finally:
-            ACC[label] += time.perf_counter() - t
-            COUNT[label] += 1
-
-    setattr(owner, name, timed)
 
 
 def wrap_all() -> None:

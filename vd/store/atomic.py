@@ -156,14 +156,12 @@ def writer_lock(target: Path) -> Iterator[None]:
     """Hold the exclusive lock of ``target``'s writers (see the module's docstring); refuse at once, with a
     `GoldenError`, when another process holds it."""
     lock = target.parent / f".{target.name}.lock"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        os.close(fd)
-    except OSError as e:  # named as the user named it, not as the lock file beside it
-        raise OSError(e.errno, f"cannot write {target}: {e.strerror}") from None
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # named as the user named it, not as the lock file beside it
+            raise OSError(e.errno, f"cannot write {target}: {e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -311,6 +312,19 @@ class Golden:
         self._source = source
         self._cache = {key: v for key, v in self._cache.items() if not (isinstance(key, tuple) and key[0] == "side")}
         return self
+
+
+def recording_difference(a: Golden, b: Golden) -> str | None:
+    """What two goldens' recordings asked differently (``steps (4 vs 5)``), None where they asked the same:
+    the prompt's tokens, the verify widths, the steps, the vocabulary, the dtype and the feed."""
+    checks: list[tuple[str, Any, Any]] = [("prompt tokens", a.prompt, b.prompt)] + [
+        (key, a.meta.get(key), b.meta.get(key)) for key in ("k", "steps", "vocab_size", "dtype", "feed")]
+    for what, x, y in checks:
+        if x != y:
+            shown = (f"{len(x)} vs {len(y)} tokens" if what == "prompt tokens" and len(x) != len(y)
+                     else "they differ" if what == "prompt tokens" else f"{x} vs {y}")
+            return f"{what} ({shown})"
+    return None
 
 
 def meta_logs(meta: Mapping) -> dict[int, StepLog]:

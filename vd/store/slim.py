@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from vd.errors import UsageError, VdError
 from vd.store import format as F
 from vd.store.location import Location, locate
-from vd.store.read import Golden, open_golden
+from vd.store.read import Golden, open_golden, recording_difference
 from vd.store.write import GoldenWriter
 
 
@@ -71,12 +71,9 @@ def check_copy_target(location: Location, source: Golden, *, slim: bool) -> None
     except VdError:
         return  # a damaged copy: replacing it is what --refresh is for
     try:
-        why = next((f"a recording of another {what}" for what, a, b in (
-            ("prompt", old.prompt, source.prompt), ("K list", old.ks, source.ks),
-            ("step count", old.info.steps, source.info.steps), ("vocabulary", old.info.vocab, source.info.vocab),
-            ("dtype", old.logical, source.logical), ("feed", old.info.feed, source.info.feed),
-            ("model", old.meta["model"].get("fingerprint"), source.meta["model"].get("fingerprint"))) if a != b),
-            None)
+        differ = recording_difference(old, source) or (
+            None if old.meta["model"].get("fingerprint") == source.meta["model"].get("fingerprint") else "model")
+        why = f"a recording of another kind: {differ}" if differ is not None else None
         if why is None and old.slim != slim:
             why = "a full golden, whose rows the slim copy would drop" if slim else "a slim golden"
     finally:

@@ -26,10 +26,11 @@ from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.recorder import RecordSettings, record
 from vd.replayer import ReplaySettings, replay, words
-from vd.replayer.diff import diff, recording_difference
+from vd.replayer.diff import diff
 from vd.store import Golden, Location, check_target, locate, manifest, open_golden
 from vd.store import history as H
 from vd.store.local import finish_removals
+from vd.store.read import recording_difference
 from vd.store.write import reseal
 
 

@@ -1,0 +1,27 @@
+"""Functions timed by wall clock where they stand, no profiler (`tools/h200/replay_parts.py`, `tail_parts.py`):
+`wrap` replaces one with a twin adding its seconds to ``ACC[label]`` and its calls to ``COUNT[label]``."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+
+ACC: dict[str, float] = collections.defaultdict(float)
+COUNT: dict[str, int] = collections.defaultdict(int)
+
+
+def wrap(owner, name: str, label: str) -> None:
+    """``owner.name`` timed under ``label`` (a part's time includes what it calls)."""
+    orig = getattr(owner, name)
+
+    @functools.wraps(orig)
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return orig(*a, **kw)
+        finally:
+            ACC[label] += time.perf_counter() - t
+            COUNT[label] += 1
+
+    setattr(owner, name, timed)
