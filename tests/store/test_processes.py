@@ -177,3 +177,26 @@ def test_metadata_written_ahead_is_written_again_for_another_shape(tmp_path, poo
     assert json.loads((tmp_path / "g.zarr/k2/tokens/zarr.json").read_text())["shape"] == [3, 2]
     assert np.array_equal(g.checked_log(2).tokens, log.tokens)
     assert manifest.build(tmp_path / "g.zarr") == g.meta["manifest"]
+
+
+def test_the_ring_waits_for_every_copy_it_overwrites(monkeypatch):
+    """The arena's ring, started again at 0 twice while a copy of the first round lies past where the second round
+    ended: the copy the second round made at 0 is waited for before the third overwrites it (it was not, and a
+    job read another file's bytes: a golden's metadata documents swapped, their manifest hashing the wrong
+    bytes)."""
+    monkeypatch.setattr(P, "ARENA_BYTES", 1024)
+    pool = P.WriterPool(1)
+    waited: list[set] = []
+    monkeypatch.setattr(pool, "_wait", lambda ids: waited.append(set(ids)) if ids else None)
+    try:
+        def copy(nbytes, job):
+            offset = pool._alloc(nbytes)
+            pool.regions[-1][2].append(job)
+            return offset
+
+        assert (copy(640, "a"), copy(256, "b")) == (0, 640) and not waited
+        assert copy(640, "c") == 0 and waited == [{"a"}]
+        assert copy(576, "d") == 0 and waited[1:] == [{"b"}, {"c"}]  # the first round's last copy, then c's
+        assert copy(448, "e") == 576 and waited[3:] == []
+    finally:
+        pool.close()

@@ -220,6 +220,11 @@ class WriterPool:
                 self.arena.close()
             self.arena = _Arena(max(ARENA_BYTES, 1 << (need - 1).bit_length()))
         if self.used + need > self.arena.size:
+            # The copies still listed past this point (the last round's, older than any made since the ring last
+            # started again) go first: the ring starts again at 0, where the oldest copy must then be the first
+            # listed. (Left listed, a copy made at 0 since went unchecked, and was overwritten under its job.)
+            while self.regions and self.regions[0][0] >= self.used:
+                self._wait(set(self.regions.popleft()[2]))
             self.used = 0
         while self.regions and self.regions[0][0] < self.used + need and self.regions[0][1] > self.used:
             self._wait(set(self.regions.popleft()[2]))
