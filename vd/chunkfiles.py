@@ -56,19 +56,23 @@ def sha256(data) -> str:
     return hashlib.sha256(data).hexdigest()  # lets go of the interpreter lock
 
 
-def row_chunk(name: str, index: int, data: np.ndarray, rows: int, shape: tuple[int, ...]) -> list[tuple[str, bytes]]:
+PLANES = (".hi", ".lo")  # a row array's planes, as its arrays' names end (FORMAT.md)
+
+
+def row_chunk(name: str, index: int, data: np.ndarray, rows: int, shape: tuple[int, ...],
+              planes: tuple[str, ...] = PLANES) -> list[tuple[str, bytes]]:
     """Chunk ``index`` of the row array ``name`` (its shape ``shape``, ``rows`` a chunk along the first axis):
-    ``data`` as stored, a short last chunk padded with the fill value as zarr stores it; its two planes'
-    files as (key under the K's group, bytes)."""
+    ``data`` as stored, a short last chunk padded with the fill value as zarr stores it; its ``planes``' files
+    (both by default) as (key under the K's group, bytes)."""
     data = data.reshape(-1, *shape[1:])
     if len(data) < rows:
         data = np.concatenate([data, np.zeros((rows - len(data), *data.shape[1:]), data.dtype)])
     hi, lo = split_planes(data)
     return [(f"{name}{plane}/{chunk_key(index, part.ndim)}", encode_chunk(part, compressor))
-            for (plane, compressor), part in zip(((".hi", "zstd"), (".lo", None)), (hi, lo))]
+            for (plane, compressor), part in zip(((".hi", "zstd"), (".lo", None)), (hi, lo)) if plane in planes]
 
 
-def write_file(path: Path, data: bytes, digest: str | None = None) -> list:
+def write_file(path: Path, data: bytes | memoryview, digest: str | None = None) -> list:
     """Write ``data`` to ``path`` (its folders made); its [size, SHA-256] for the manifest (``digest``: that
     SHA-256, when the caller has it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,19 +102,25 @@ class Differs(Exception):
 
 
 def do_job(job: dict, arenas: _Arenas) -> dict:
-    """One job: the rows at the arena's ``offset`` written as chunks and, with a ``journal``, their SHA-256
-    (``digest``: ``"chunk"`` per chunk, ``"whole"`` one over every row of the job) checked against ``expect``
-    and appended to it (`vd.store.journal`); or ``files``, (key, bytes) written as they are. The files
-    written, the blocks hashed and how many were checked."""
+    """One job: the rows at the arena's ``offset`` written as chunks (their ``planes``, both unless the job
+    names one: a recording sends a step's two planes as two jobs, `vd.store.write.KRows`) and, with a
+    ``journal``, their SHA-256 (``digest``: ``"chunk"`` per chunk, ``"whole"`` one over every row of the job)
+    checked against ``expect`` and appended to it (`vd.store.journal`); or ``files``, (key, bytes) written as
+    they are; or a ``file``, (key, offset, size, SHA-256 or None), its bytes in the arena. The files written,
+    the blocks hashed and how many were checked."""
     staged = Path(job["staged"])
     if "files" in job:  # a K's small arrays and metadata documents
         return {"files": {key: write_file(staged / key, data) for key, data in job["files"]}, "checked": 0}
+    if "file" in job:  # a larger file, in the arena
+        key, offset, size, digest = job["file"]
+        whole = arenas.rows(job["arena"], offset, "|u1", (size,))
+        return {"files": {key: write_file(staged / key, whole.data, digest)}, "checked": 0}
     rows = arenas.rows(job["arena"], job["offset"], job["dtype"], job["shape"])
     group = job["group"]
     files, digests = {}, {}
     for name, index, a, b, chunk_rows, shape in job["chunks"]:
         part = rows[a:b]
-        for key, data in row_chunk(name, index, part, chunk_rows, shape):
+        for key, data in row_chunk(name, index, part, chunk_rows, shape, tuple(job.get("planes", PLANES))):
             files[f"{group}/{key}"] = write_file(staged / group / key, data)
         if job.get("digest") == "chunk":
             digests[index] = sha256(np.ascontiguousarray(part).data)

@@ -33,7 +33,7 @@ import torch
 
 from vd import digest as _digest
 from vd import preflight
-from vd.chunkfiles import row_chunk, write_file
+from vd.chunkfiles import PLANES, row_chunk, write_file
 from vd.dtypes import to_storage, to_tensor
 from vd.errors import UsageError
 from vd.layout import RowLayout, StepLog
@@ -142,6 +142,7 @@ class GoldenWriter:
         # Files `_put` left to the writer processes, not sent yet, by key (a file put again before it is sent is
         # sent once, with its last bytes: two jobs writing one file could race).
         self._files: dict[str, bytes] = {}
+        self._large: set[str] = set()  # files `_send_large` sent
         self.seconds: dict[str, float] = {}  # where `publish` went: its metadata, the wait, the seal, the placing
         try:
             self._put(self.staged / "zarr.json", nodes.group())
@@ -180,12 +181,28 @@ class GoldenWriter:
 
     def _put(self, path: Path, data: bytes, digest: str | None = None) -> None:
         """Write a file of the staged golden whole, and remember its size and hash (the manifest lists every
-        file so written: `seal`). With writer processes a small file is theirs to write (`_send_files`)."""
+        file so written: `seal`). With writer processes a small file is theirs to write (`_send_files`), and
+        so is a larger one, copied into their arena and sent at once (`_send_large`)."""
         key = path.relative_to(self.staged).as_posix()
         if self.pool is not None and len(data) <= FILE_JOB_BYTES:
             self._files[key] = data
             return
+        if self.pool is not None:
+            self._send_large(key, data, digest)
+            return
         self.known[key] = write_file(path, data, digest)
+
+    def _send_large(self, key: str, data: bytes, digest: str | None) -> None:
+        """A file of more than `FILE_JOB_BYTES` copied into the writer processes' arena and written by one of
+        them (a compiled recording's Inductor artifacts, some MB, written beside its runs). A file sent again
+        replaces the earlier one, once that is written."""
+        assert self.pool is not None
+        if key in self._large:
+            self._drain()
+        offset, _, _ = self.pool.copy_in(np.frombuffer(data, dtype=np.uint8))
+        job = {"staged": str(self.staged), "file": (key, offset, len(data), digest)}
+        self._jobs.extend((i, -1) for i in self.pool.submit([job]))
+        self._large.add(key)
 
     def _send_files(self) -> None:
         """The files `_put` left to the writer processes, sent to them, a share each (written beside the next
@@ -196,6 +213,13 @@ class GoldenWriter:
         files, self._files, n = list(self._files.items()), {}, self.pool.n
         jobs = [{"staged": str(self.staged), "files": files[j::n]} for j in range(min(n, len(files)))]
         self._jobs.extend((i, -1) for i in self.pool.submit(jobs, rows=False))
+
+    def _write_files(self) -> None:
+        """The files `_put` left to the writer processes, written here: the publish's last few small files, which
+        a process would write only after the rows it has, and whose answer the publish would then wait for."""
+        files, self._files = self._files, {}
+        for key, data in files.items():
+            self.known[key] = write_file(self.staged / key, data)
 
     def _small(self, rel: str, data: np.ndarray, documented: bool = False) -> None:
         """A small array of the golden at ``rel``, its metadata (unless ``documented`` already) and its one
@@ -287,7 +311,7 @@ class GoldenWriter:
                 full["history"] = [history.entry(full, full["content_digest"], reason=reason)]
             stable, volatile = F.split_volatile(json.loads(json.dumps(full, default=str)))
             self._put(self.staged / F.RUN_GROUP / "zarr.json", nodes.group({"vd_run": volatile}))
-            self._send_files()
+            self._write_files()
             t = self._lap("meta", t)
             self._drain()  # (the writer processes' last rows were written beside the metadata's making)
             t = self._lap("wait", t)
@@ -457,7 +481,9 @@ class KRows:
               wait: bool = True) -> np.ndarray:
         """Chunks ``take`` of ``part`` (its rows from the first chunk's) copied into the writer processes' arena
         and sent to them, a share of the chunks each (``digest``: `vd.chunkfiles.do_job`'s, ``"whole"`` a job
-        of its own); the copy, as stored (not to be read unless ``wait``: `WriterPool.copy_in`)."""
+        of its own); the copy, as stored (not to be read unless ``wait``: `WriterPool.copy_in`). Rows handed
+        while a run steps (not ``wait``) go as one job a share; rows written once it ended (``wait``), which
+        the publish waits for, as one job a share and plane."""
         pool = self.writer.pool
         assert pool is not None
         offset, dtype, shape = pool.copy_in(part, wait)
@@ -470,11 +496,15 @@ class KRows:
             want = {} if journal is None else journal.expected
             return {s: want[(k, s)] for s in blocks if (k, s) in want}
 
-        jobs = [{**base, "digest": "chunk" if digest == "chunk" else None,
-                 "expect": expect(index for _, index, _, _ in share) if digest == "chunk" else {},
+        # Once the run ended, each share's planes go as two jobs, to two processes: a step's one job took 2-4 ms on
+        # an H200 host (the high bytes' Zstd about half of it), and the run's last step's was what the publish
+        # waited for (tools/h200/writer_timeline.py). The job writing the last plane hashes the rows for the journal.
+        planes = [[p] for p in PLANES] if wait else [list(PLANES)]
+        jobs = [{**base, "planes": ps, "digest": "chunk" if digest == "chunk" and PLANES[-1] in ps else None,
+                 "expect": expect(index for _, index, _, _ in share) if digest == "chunk" and PLANES[-1] in ps else {},
                  "chunks": [(name, index, a - lo, b - lo, self.arrays[name].rows, self.arrays[name].shape)
                             for name, index, a, b in share]}
-                for share in (take[j:j + n] for j in range(0, len(take), n))]
+                for share in (take[j:j + n] for j in range(0, len(take), n)) for ps in planes]
         if digest == "whole":
             jobs.append({**base, "digest": "whole", "expect": expect([None]), "chunks": []})
         self.writer._jobs.extend((i, k) for i in pool.submit(jobs))

@@ -1,0 +1,149 @@
+"""What a GPU recording's publish waits for (issue 34 target 3): the writer processes' jobs on one clock with the
+recording's own parts, after its K run's end. ``--reps`` recordings of one K (16 steps, prompt 'Verify.') over the
+last; each job's sending, reading, start, end and answer read (the processes are `timed_chunkfiles.py`, stamping
+their answers), relative to the K run's end (`_finished` called), and the recording's parts on the same clock.
+
+    python3 tools/h200/writer_timeline.py qwen2.5-0.5b-shape graphed OUT.json [REPS [DEVICE]]
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkout  # noqa: F401,E402
+
+import vd.store.processes as P  # noqa: E402
+import vd.store.write as W  # noqa: E402
+from vd.models import load_model  # noqa: E402
+from vd.store.local import finish_removals  # noqa: E402
+
+rec = importlib.import_module("vd.recorder.record")
+TIMED = str(Path(__file__).resolve().parent / "timed_chunkfiles.py")
+EVENTS: list[tuple[str, float, float]] = []
+SENT: dict[int, tuple[float, str]] = {}
+DONE: dict[int, tuple[float, tuple[float, float, float]]] = {}
+
+
+def _popen(args, **kw):
+    if list(args[1:]) == ["-m", "vd.chunkfiles"]:
+        args = [args[0], TIMED]
+    return subprocess.Popen(args, **kw)
+
+
+def _what(job: dict) -> str:
+    if "files" in job:
+        return f"files x{len(job['files'])} ({job['files'][0][0]}, ...)"
+    if "file" in job:
+        return f"file {job['file'][0]}, {job['file'][2]} bytes"
+    chunks = [f"{name}[{index}] rows {b - a}" for name, index, a, b, _, _ in job["chunks"]]
+    return f"{job['group']} {', '.join(chunks) or 'no chunk'} {job.get('planes', '')}; digest {job.get('digest')}"
+
+
+def event(owner, name: str, label: str) -> None:
+    orig = getattr(owner, name)
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return orig(*a, **kw)
+        finally:
+            EVENTS.append((label, t, time.perf_counter()))
+
+    setattr(owner, name, timed)
+
+
+def patch() -> None:
+    P.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _popen})
+    send, receive = P._Worker.send, P._Worker.receive
+
+    def sent(self, jobs):
+        t = time.perf_counter()
+        send(self, jobs)
+        for i, job in jobs:
+            SENT[i] = (t, _what(job))
+
+    def received(self):
+        i, answer = receive(self)
+        DONE[i] = (time.perf_counter(), answer.pop("t"))
+        return i, answer
+
+    P._Worker.send, P._Worker.receive = sent, received
+    for n in ("_finished", "_own_equivalence", "keep_artifacts"):
+        event(rec, n, n)
+    for n in ("_finish_k", "publish", "_drain", "_send_files"):
+        event(W.GoldenWriter, n, n)
+    event(W, "seal", "seal")
+
+
+def one(path: Path, settings) -> dict:
+    EVENTS.clear()
+    SENT.clear()
+    DONE.clear()
+    t = time.perf_counter()
+    r = rec.record(path, settings, refresh=path.exists(), model=settings_model[0])
+    total = time.perf_counter() - t
+    finish_removals()
+    t0 = [s for label, s, _ in EVENTS if label == "_finished"][-1]  # the K run's end
+
+    def ms(x: float) -> float:
+        return round((x - t0) * 1e3, 3)
+
+    jobs = [{"id": i, "what": what, "sent": ms(s), "read": ms(DONE[i][1][0]), "began": ms(DONE[i][1][1]),
+             "ended": ms(DONE[i][1][2]), "answer_read": ms(DONE[i][0]),
+             "took": round((DONE[i][1][2] - DONE[i][1][1]) * 1e3, 3)}
+            for i, (s, what) in sorted(SENT.items()) if i in DONE and DONE[i][1][2] >= t0]
+    events = [{"part": label, "from": ms(s), "to": ms(e)} for label, s, e in sorted(EVENTS, key=lambda x: x[1])
+              if e >= t0]
+    drains = [e for e in events if e["part"] == "_drain"]
+    last = max(jobs, key=lambda j: j["ended"])
+    return {"total_ms": total * 1e3, "parts_ms": {k: v * 1e3 for k, v in r.parts.items()},
+            "publish_drain": drains[-1] if drains else None, "last_job": last,
+            "row_jobs_took_ms": [j["took"] for j in jobs if "files" not in j["what"]],
+            "jobs": jobs, "events": events}
+
+
+settings_model: list = []
+
+
+def main() -> None:
+    model_name, forward, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    reps = int(sys.argv[4]) if len(sys.argv) > 4 else 6
+    device = sys.argv[5] if len(sys.argv) > 5 else "cuda"  # elsewhere with VD_WRITER_PROCESSES=N
+    patch()
+    settings_model.append(load_model(model_name, device=device, dtype="bfloat16"))
+    path = Path(tempfile.mkdtemp()) / "g.zarr"
+    settings = rec.RecordSettings(model=model_name, ks=(2,), steps=16, prompt="Verify.", allow_thin=True,
+                                  forward=forward, device=device)
+    runs = [one(path, settings) for _ in range(reps)]
+    after = runs[1:]
+    summary = {
+        "publish_drain_from_ms": statistics.median(r["publish_drain"]["from"] for r in after),
+        "publish_drain_to_ms": statistics.median(r["publish_drain"]["to"] for r in after),
+        "last_job_ended_ms": statistics.median(r["last_job"]["ended"] for r in after),
+        "last_job_took_ms": statistics.median(r["last_job"]["took"] for r in after),
+        "last_jobs": collections.Counter(r["last_job"]["what"] for r in after),
+        "row_job_took_ms_median": statistics.median(x for r in after for x in r["row_jobs_took_ms"]),
+    }
+    doc = {"command": " ".join(["python3", *sys.argv]), "model": model_name, "forward": forward,
+           "summary_after_first": summary, "runs": runs}
+    Path(out).write_text(json.dumps(doc, indent=1))
+    print(json.dumps(summary, indent=1))
+    for j in runs[-1]["jobs"]:
+        print(f"{j['sent']:8.2f} {j['read']:8.2f} {j['began']:8.2f} {j['ended']:8.2f} {j['answer_read']:8.2f} "
+              f"{j['took']:6.2f}  {j['what'][:80]}")
+    for e in runs[-1]["events"]:
+        print(f"{e['from']:8.2f} {e['to']:8.2f}  {e['part']}")
+
+
+if __name__ == "__main__":
+    main()
