@@ -179,6 +179,31 @@ def test_metadata_written_ahead_is_written_again_for_another_shape(tmp_path, poo
     assert manifest.build(tmp_path / "g.zarr") == g.meta["manifest"]
 
 
+def test_a_larger_file_is_written_by_a_process_and_can_be_replaced(tmp_path, pool, monkeypatch):
+    """A file of more than `FILE_JOB_BYTES` (a compiled recording's Inductor artifacts, handed before its runs)
+    goes through the arena to a process; one added again with other bytes (the runs compiled more) replaces
+    it, and the manifest lists the bytes the golden holds, as the threads' golden does."""
+    monkeypatch.setattr(W, "FILE_JOB_BYTES", 16)
+    first, last = bytes(range(200)), bytes(range(100, 0, -1)) * 3
+
+    def golden(where, pool, again):
+        with GoldenWriter(where, pool=pool) as w:
+            w.add_file("inductor/artifacts.bin", first, manifest.file_digest(first))
+            if again:
+                w.add_file("inductor/artifacts.bin", last)
+            write_as_run(w)
+            w.publish(meta((3,), feed="mtp"), PROMPT)
+        return open_golden(where)
+
+    once = golden(tmp_path / "once.zarr", pool, again=False)
+    assert (tmp_path / "once.zarr/inductor/artifacts.bin").read_bytes() == first
+    assert once.meta["manifest"]["inductor/artifacts.bin"] == [200, manifest.file_digest(first)]
+    twice = golden(tmp_path / "twice.zarr", pool, again=True)
+    assert (tmp_path / "twice.zarr/inductor/artifacts.bin").read_bytes() == last
+    assert twice.meta["manifest"] == golden(tmp_path / "threads.zarr", None, again=True).meta["manifest"]
+    assert manifest.build(tmp_path / "twice.zarr") == twice.meta["manifest"]
+
+
 def test_the_ring_waits_for_every_copy_it_overwrites(monkeypatch):
     """The arena's ring, started again at 0 twice while a copy of the first round lies past where the second round
     ended: the copy the second round made at 0 is waited for before the third overwrites it (it was not, and a
