@@ -276,8 +276,6 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     # runs, whose step times the golden keeps: tools/h200/record-behind-ab.json); writer processes do, sharing
     # no interpreter lock with them (`vd.store.processes`).
     with GoldenWriter(location, refresh=refresh, pool=pool, checked=True) as writer:
-        # A compiled forward's Inductor artifacts (`prepare` compiled it): handed now, written beside the runs.
-        handed = keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)
         greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, result)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result)
@@ -294,8 +292,8 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
                 **({"trace": trace_meta(points)} if settings.trace else {})}
         at = _part(result, "write_describe", t)  # the metadata
-        meta.update(keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS, handed))
-        _part(result, "write_artifacts", at)  # again if the runs compiled more
+        meta.update(keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS))
+        _part(result, "write_artifacts", at)  # a compiled forward's Inductor artifacts (written by a process)
         writer.publish(meta, tokens, reason=reason)
     if writer.journal is not None:
         result.resumed_checked = writer.journal.checked

@@ -180,9 +180,9 @@ def test_metadata_written_ahead_is_written_again_for_another_shape(tmp_path, poo
 
 
 def test_a_larger_file_is_written_by_a_process_and_can_be_replaced(tmp_path, pool, monkeypatch):
-    """A file of more than `FILE_JOB_BYTES` (a compiled recording's Inductor artifacts, handed before its runs)
-    goes through the arena to a process; one added again with other bytes (the runs compiled more) replaces
-    it, and the manifest lists the bytes the golden holds, as the threads' golden does."""
+    """A file of more than `FILE_JOB_BYTES` (a compiled recording's Inductor artifacts) goes through the arena to a
+    process; one added again with other bytes replaces it, and the manifest lists the bytes the golden holds, as
+    the threads' golden does."""
     monkeypatch.setattr(W, "FILE_JOB_BYTES", 16)
     first, last = bytes(range(200)), bytes(range(100, 0, -1)) * 3
 

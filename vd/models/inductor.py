@@ -84,21 +84,18 @@ def load_artifacts(data: bytes, digest: str) -> str | None:
     return None
 
 
-def keep_artifacts(forward: str, add_file, key: str, handed: dict | None = None) -> dict:
+def keep_artifacts(forward: str, add_file, key: str) -> dict:
     """For a compiled forward, the Inductor artifacts this process compiled, handed with their SHA-256 to
     ``add_file(key, data, digest)`` (a golden's writer) so that a replay elsewhere runs the same kernels; the
     golden's ``compiled`` metadata field describing them (empty for other forwards, or when nothing was
-    compiled). ``handed``: what an earlier call for the same golden returned (a recording hands them before
-    its runs, once its forward is compiled): they are handed again only if they changed since (something
-    compiled during the runs)."""
+    compiled)."""
     import torch
 
     saved = save_artifacts() if compiles(forward) else None
     if saved is None:
         return {}
     data, kinds, digest = saved
-    if ((handed or {}).get("compiled") or {}).get("sha256") != digest:
-        add_file(key, data, digest)
+    add_file(key, data, digest)
     _HELD.add(digest)
     return {"compiled": {"artifacts": key, "bytes": len(data), "sha256": digest,
                          "torch": torch.__version__, "kinds": kinds}}
