@@ -194,8 +194,8 @@ class GoldenWriter:
 
     def _send_large(self, key: str, data: bytes, digest: str | None) -> None:
         """A file of more than `FILE_JOB_BYTES` copied into the writer processes' arena and written by one of
-        them (a compiled recording's Inductor artifacts, some MB, written beside the publish's seal). A file sent again
-        replaces the earlier one, once that is written."""
+        them (a compiled recording's Inductor artifacts, some MB, written beside the publish's metadata). A file
+        sent again replaces the earlier one, once that is written."""
         assert self.pool is not None
         if key in self._large:
             self._drain()
