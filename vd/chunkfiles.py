@@ -103,11 +103,11 @@ class Differs(Exception):
 
 def do_job(job: dict, arenas: _Arenas) -> dict:
     """One job: the rows at the arena's ``offset`` written as chunks (their ``planes``, both unless the job
-    names one: a recording sends a step's two planes as two jobs, `vd.store.write.KRows`) and, with a
-    ``journal``, their SHA-256 (``digest``: ``"chunk"`` per chunk, ``"whole"`` one over every row of the job)
-    checked against ``expect`` and appended to it (`vd.store.journal`); or ``files``, (key, bytes) written as
-    they are; or a ``file``, (key, offset, size, SHA-256 or None), its bytes in the arena. The files written,
-    the blocks hashed and how many were checked."""
+    names one: a recording sends the rows it writes once a run ended as a job per plane, `vd.store.write.KRows`)
+    and, with a ``journal``, their SHA-256 (``digest``: ``"chunk"`` per chunk, ``"whole"`` one over every row
+    of the job) checked against ``expect`` and appended to it (`vd.store.journal`); or ``files``, (key, bytes)
+    written as they are; or a ``file``, (key, offset, size, SHA-256 or None), its bytes in the arena. The files
+    written, the blocks hashed and how many were checked."""
     staged = Path(job["staged"])
     if "files" in job:  # a K's small arrays and metadata documents
         return {"files": {key: write_file(staged / key, data) for key, data in job["files"]}, "checked": 0}
