@@ -317,10 +317,10 @@ def _compare_rows(a: Call, b: Call) -> tuple[Module | None, int, tuple[Module, .
 def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[str]) -> VerifyModel:
     """The golden's model (or ``spec``), checked to trace each forward."""
     golden_spec, head = stored(g.meta["model"], golden_dir(g.location))
-    check_forward_names(spec or golden_spec, [f for f in forwards if not axis(f)])  # before the model loads
+    forwards = [f for f in forwards if not axis(f)]
+    check_forward_names(spec or golden_spec, forwards)  # before the model loads
     model = load_model(spec or golden_spec, device=check_device(device or g.info.device), dtype=g.logical,
                        head=head if spec is None else None)
-    forwards = [f for f in forwards if not axis(f)]
     require_forwards(model, forwards)
     for f in forwards:
         check_traceable(model, f, "vd locate")

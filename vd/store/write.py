@@ -496,15 +496,18 @@ class KRows:
             want = {} if journal is None else journal.expected
             return {s: want[(k, s)] for s in blocks if (k, s) in want}
 
+        def job(share, planes: list[str]) -> dict:  # the job writing the last plane hashes the rows for the journal
+            hashed = digest == "chunk" and PLANES[-1] in planes
+            return {**base, "planes": planes, "digest": "chunk" if hashed else None,
+                    "expect": expect(index for _, index, _, _ in share) if hashed else {},
+                    "chunks": [(name, index, a - lo, b - lo, self.arrays[name].rows, self.arrays[name].shape)
+                               for name, index, a, b in share]}
+
         # Once the run ended, each share's planes go as two jobs, to two processes: a step's one job took 2-4 ms on
         # an H200 host (the high bytes' Zstd about half of it), and the run's last step's was what the publish
-        # waited for (tools/h200/writer_timeline.py). The job writing the last plane hashes the rows for the journal.
+        # waited for (tools/h200/writer_timeline.py).
         planes = [[p] for p in PLANES] if wait else [list(PLANES)]
-        jobs = [{**base, "planes": ps, "digest": "chunk" if digest == "chunk" and PLANES[-1] in ps else None,
-                 "expect": expect(index for _, index, _, _ in share) if digest == "chunk" and PLANES[-1] in ps else {},
-                 "chunks": [(name, index, a - lo, b - lo, self.arrays[name].rows, self.arrays[name].shape)
-                            for name, index, a, b in share]}
-                for share in (take[j:j + n] for j in range(0, len(take), n)) for ps in planes]
+        jobs = [job(share, ps) for share in (take[j:j + n] for j in range(0, len(take), n)) for ps in planes]
         if digest == "whole":
             jobs.append({**base, "digest": "whole", "expect": expect([None]), "chunks": []})
         self.writer._jobs.extend((i, k) for i in pool.submit(jobs))
