@@ -341,7 +341,9 @@ def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: Go
     points: list = []
     for k in settings.ks:
         progress.phase(f"recording K={k}", settings.steps)
-        log, summary = _record_k(runner, writer, tokens, continuation, k, settings, progress, result)
+        # A K's files are written in the next K run's host slack (`GoldenWriter.later`), the last K's at once.
+        later = k != settings.ks[-1] and not settings.trace
+        log, summary = _record_k(runner, writer, tokens, continuation, k, settings, progress, result, later)
         if settings.trace:
             t = time.perf_counter()
             progress.phase(f"tracing K={k}", 0)
@@ -410,7 +412,7 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
     greedy = [*run.committed(), run.last]
     log, summary, _ = _finished(run, True, settled)
     at = _part(result, "store_rows", t)
-    settled.rows.finish(log, summary, None)
+    settled.rows.finish(log, summary, None, later=True)  # its files written in the first K run's host slack
     _part(result, "store_files", at)
     seconds["store"] = seconds.get("store", 0.0) + time.perf_counter() - t
     assert settled.kept is not None
@@ -419,10 +421,11 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
 
 def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
               continuation: tuple[list[int], KeptDecode], k: int, settings: RecordSettings, progress: Progress,
-              result: RecordResult) -> tuple[StepLog, tuple[np.ndarray, np.ndarray]]:
-    """One K's run, its rows written to ``writer`` as the run lets them go and once it ends, its accept counts,
-    checks and verify-against-decode figures into ``result``; its time into ``result.seconds``: the run's
-    (``verify``) and the writes after it (``store``). Its step log and its rows' digests and statistics."""
+              result: RecordResult, later: bool = False) -> tuple[StepLog, tuple[np.ndarray, np.ndarray]]:
+    """One K's run, its rows written to ``writer`` as the run lets them go and once it ends (its small files as
+    the writer's `later` work with ``later``), its accept counts, checks and verify-against-decode figures into
+    ``result``; its time into ``result.seconds``: the run's (``verify``) and the writes after it (``store``). Its
+    step log and its rows' digests and statistics."""
     greedy, steps, mtp = continuation[0], settings.steps, settings.feed == "mtp"
     chooser = DrafterFeed(k, steps) if mtp else ReferenceFeed(greedy)
     layout = RowLayout(len(tokens), steps, k, mtp)
@@ -440,7 +443,7 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
     at = _part(result, "store_rows", t)
     if not settings.allow_nonfinite:
         _refuse_nonfinite(layout, summary[1], k)
-    settled.rows.finish(log, summary, drafts)
+    settled.rows.finish(log, summary, drafts, later)
     at = _part(result, "store_files", at)
     if (own := _own_equivalence(log, settled, len(tokens), continuation, of_torch(model.dtype).name)) is not None:
         result.equivalence[k] = own

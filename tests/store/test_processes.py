@@ -150,6 +150,36 @@ def test_a_drafter_recording_handed_over_step_by_step_is_the_threads_golden(tmp_
     assert p.manifest == t.manifest and p.content_digest() == t.content_digest()
 
 
+def test_a_runs_files_are_written_in_the_next_runs_hand_overs(tmp_path, monkeypatch):
+    """With writer processes a run's small files (the decode group's, each K's but the last) and each K's
+    metadata are the writer's `later` work: the next run's hand-overs do it a unit at a time, in its host
+    slack, and what is left when the last K finishes is done then. The golden is the threads' file for file."""
+    from vd.recorder import RecordSettings, record
+
+    done: list[str] = []  # the unit each hand-over did ("" where none was left)
+    real = W.GoldenWriter.idle
+
+    def idle(self):
+        done.append(self._later[0].__qualname__ if self._later else "")
+        real(self)
+
+    monkeypatch.setattr(W.GoldenWriter, "idle", idle)
+    settings = RecordSettings(model="tiny-llama-mtp", ks=(2, 3), steps=8, allow_thin=True)
+    monkeypatch.setenv(P.ENV, "0")
+    record(tmp_path / "t.zarr", settings)
+    assert not done  # threads: nothing is handed over, nothing left for later
+    monkeypatch.setenv(P.ENV, "2")
+    record(tmp_path / "p.zarr", settings)
+    finished = [i for i, name in enumerate(done) if name.endswith("_finish_units.<locals>.noted")]
+    documents = [i for i, name in enumerate(done) if name.endswith("_RowArray.create")]
+    # in order: the decode run's documents (its first hand-overs), the decode group's files (the first K's run),
+    # K=2's documents, K=2's files (K=3's run, the last; what its hand-overs left is done when it finishes)
+    assert len(documents) >= 4 and len(finished) == 2
+    assert documents[1] < finished[0] < documents[2] <= documents[3] < finished[1]
+    t, p = open_golden(tmp_path / "t.zarr"), open_golden(tmp_path / "p.zarr")
+    assert p.manifest == t.manifest and p.content_digest() == t.content_digest()
+
+
 def test_metadata_written_ahead_is_written_again_for_another_shape(tmp_path, pool, monkeypatch):
     """`KRows.document` writes a K's array metadata while its run steps, at the shapes the layout gives; a small
     array that ends with another shape gets its own metadata (sent once: the last bytes put), and the golden
@@ -167,7 +197,9 @@ def test_metadata_written_ahead_is_written_again_for_another_shape(tmp_path, poo
     monkeypatch.setattr(W, "small_shapes", lambda lay: {**real(lay), "tokens": (99, 2)})  # a layout gone wrong
     with GoldenWriter(tmp_path / "g.zarr", pool=pool) as w:
         k_rows = w.rows(layout, rows["prefill"].shape[1], torch.bfloat16)
-        k_rows.document()
+        k_rows.document()  # queued as the writer's later work, a document a unit, done by the run's hand-overs
+        assert "k2/tokens/zarr.json" not in w._files
+        w.catch_up()
         assert json.loads(w._files["k2/tokens/zarr.json"])["shape"] == [99, 2]
         for kind, a in rows.items():
             k_rows.write(kind, 0, a)

@@ -19,6 +19,7 @@ existing golden is never touched by a failed recording. Rows are stored as byte 
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import json
 import os
@@ -144,11 +145,32 @@ class GoldenWriter:
         self._files: dict[str, bytes] = {}
         self._large: set[str] = set()  # files `_send_large` sent
         self.seconds: dict[str, float] = {}  # where `publish` went: its metadata, the wait, the seal, the placing
+        # Work that can wait for a run's host slack (`later`): done a unit at a time by the runs' hand-overs
+        # (`idle`), the rest by `catch_up` (a K's finish, the publish).
+        self._later: collections.deque[Callable[[], None]] = collections.deque()
         try:
             self._put(self.staged / "zarr.json", nodes.group())
         except BaseException:  # SIGTERM (SystemExit) or an error before the writer exists to abort itself
             self.abort()
             raise
+
+    def later(self, units: list[Callable[[], None]]) -> None:
+        """Work a run's step loop may do in its host slack, a unit at a time (`idle`), in order: with writer
+        processes, whose hand-overs run while the next step's forward computes (on an H200 host a 0.5B step
+        left the loop's thread some 1 ms of waiting for the GPU: `tools/h200/step_host.py`); without them, now."""
+        self._later.extend(units)
+        if self.pool is None:
+            self.catch_up()
+
+    def idle(self) -> None:
+        """One unit of `later`'s work, if any is left (`KRows.hand`, after its own hand-over)."""
+        if self._later:
+            self._later.popleft()()
+
+    def catch_up(self) -> None:
+        """Every unit of `later`'s work still left, in order."""
+        while self._later:
+            self._later.popleft()()
 
     def _submit(self, fn: Callable, *args) -> None:
         if self.background:
@@ -238,23 +260,41 @@ class GoldenWriter:
         log, its rows' digests and statistics and the drafter's drafts (one chunk each). ``documented``: the
         small arrays whose metadata was written ahead, by name, with the shape it gives (`KRows.document`:
         the row arrays' metadata then too); an array of another shape gets its own again."""
-        k = layout.k
+        self.catch_up()
+        for unit in self._finish_units(layout, arrays, log, summary, drafts, documented):
+            unit()
+
+    def _finish_units(self, layout: RowLayout, arrays: list[_RowArray], log: StepLog,
+                      summary: tuple[np.ndarray, np.ndarray], drafts: np.ndarray | None,
+                      documented: Mapping[str, tuple[int, ...]] | None) -> list[Callable[[], None]]:
+        """`_finish_k`'s work as units that `later` may spread over the next run's hand-overs: the group, each
+        small array, then the files sent and the K noted (its digests and log, the journal's frame)."""
+        k, journal = layout.k, self.journal  # (the journal as it is now: a decode run's finish precedes it)
         attrs = {"k": log.k, "steps": int(log.accepted.shape[0]), "bootstrap": int(log.bootstrap),
                  "committed_is_greedy": log.committed_is_greedy, "decoded": log.decoded}
-        self._put(self.staged / f"k{k}" / "zarr.json", nodes.group(attrs))
-        if documented is None:
-            for a in arrays:
-                a.create()
-        small = {**{n: getattr(log, n) for n in F.step_log_arrays(F.FORMAT_VERSION)}, "digests": summary[0],
-                 "stats": summary[1], **({"drafts": drafts} if drafts is not None else {})}
-        for name, data in small.items():
-            data = np.ascontiguousarray(data, dtype=F.SMALL_DTYPES[name])
-            self._small(f"k{k}/{name}", data, documented=(documented or {}).get(name) == data.shape)
-        self._send_files()
-        self.digests[k] = summary[0]
-        self.logs.append(log)
-        if self.journal is not None:
-            self.journal.finished(k, log.tokens, log.accepted)
+
+        def group() -> None:
+            self._put(self.staged / f"k{k}" / "zarr.json", nodes.group(attrs))
+            if documented is None:
+                for a in arrays:
+                    a.create()
+
+        def small(name: str, data: np.ndarray) -> Callable[[], None]:
+            def unit() -> None:
+                a = np.ascontiguousarray(data, dtype=F.SMALL_DTYPES[name])
+                self._small(f"k{k}/{name}", a, documented=(documented or {}).get(name) == a.shape)
+            return unit
+
+        def noted() -> None:
+            self._send_files()
+            self.digests[k] = summary[0]
+            self.logs.append(log)
+            if journal is not None:
+                journal.finished(k, log.tokens, log.accepted)
+
+        data = {**{n: getattr(log, n) for n in F.step_log_arrays(F.FORMAT_VERSION)}, "digests": summary[0],
+                "stats": summary[1], **({"drafts": drafts} if drafts is not None else {})}
+        return [group, *(small(name, a) for name, a in data.items()), noted]
 
     def _drain(self) -> None:
         try:
@@ -299,6 +339,7 @@ class GoldenWriter:
         the manifest of every file and the golden's ID (`seal`)."""
         t = time.perf_counter()
         try:
+            self.catch_up()
             self._small("prompt", np.asarray(prompt, dtype="<i4"))
             full = dict(meta)
             scheme = F.digest_meta(full.get("vocab_size"), (full.get("logits") or {}).get("dtype"))
@@ -329,6 +370,7 @@ class GoldenWriter:
 
     def abort(self) -> None:
         """Stop and remove the staged copy (a no-op after `publish`)."""
+        self._later.clear()
         try:
             self._drain()
         except Exception:  # the copy is being thrown away; its write error does not matter now
@@ -424,9 +466,9 @@ class KRows:
     def hand(self, kind: str, start: int, rows: torch.Tensor) -> None:
         """While a run steps (`vd.loop.Hold`'s ``each``): rows it goes on holding, handed to the writer
         processes without waiting for their copy (`vd.store.processes.WriterPool.copy_in`), so that they
-        write them beside the run and the run's end leaves only its last rows to write; the first writes the K's
-        metadata ahead (`document`). Nothing is handed without processes, or for rows of more than one slice
-        (`SLICE_BYTES`): `write` writes those."""
+        write them beside the run and the run's end leaves only its last rows to write; the first queues the
+        K's metadata (`document`); then one unit of the writer's `later` work. Nothing is handed without
+        processes, or for rows of more than one slice (`SLICE_BYTES`): `write` writes those."""
         start, part = self._unwritten(kind, start, rows)
         if self.writer.pool is None or not part.shape[0]:
             return
@@ -436,16 +478,20 @@ class KRows:
             self.written[kind] += part.shape[0]
         if self.documented is None:
             self.document()
+        self.writer.idle()
 
     def document(self) -> None:
-        """The metadata of K's arrays, written ahead of `finish` (by `hand`, while the run's next step computes:
-        on an H200 host a 0.5B recording's documents took 2-3 ms between and after its runs): the row arrays',
-        and the small arrays' at the shapes the layout gives them (`small_shapes`)."""
-        for a in self.arrays.values():
-            a.create()
+        """The metadata of K's arrays, written ahead of `finish` as the writer's `later` work, a document a unit
+        (queued by `hand`: on an H200 host a 0.5B recording's documents took 2-3 ms between and after its runs,
+        then 0.7-1.2 ms in one hand-over, longer than the step computing beside it): the row arrays', and the
+        small arrays' at the shapes the layout gives them (`small_shapes`)."""
         shapes = small_shapes(self.layout)
-        for name, shape in shapes.items():
-            self.writer._small_document(f"k{self.layout.k}/{name}", shape, F.SMALL_DTYPES[name])
+        k = self.layout.k
+
+        def small(name: str, shape: tuple[int, ...]) -> Callable[[], None]:
+            return lambda: self.writer._small_document(f"k{k}/{name}", shape, F.SMALL_DTYPES[name])
+
+        self.writer.later([*(a.create for a in self.arrays.values()), *(small(n, sh) for n, sh in shapes.items())])
         self.documented = shapes
 
     def _unwritten(self, kind: str, start: int, rows: torch.Tensor | np.ndarray
@@ -519,10 +565,15 @@ class KRows:
         if journal is not None and name == "logits":  # a step's block (the prefill's is `write`'s)
             journal.block(self.layout.k, index, journal.digest(stored).hexdigest())
 
-    def finish(self, log: StepLog, summary: tuple[np.ndarray, np.ndarray], drafts: np.ndarray | None = None
-               ) -> None:
+    def finish(self, log: StepLog, summary: tuple[np.ndarray, np.ndarray], drafts: np.ndarray | None = None,
+               later: bool = False) -> None:
         """The run is over and its rows written: its step log, every row's digests and statistics and, for the
-        drafter feed, the head's drafts. Refused (ValueError) unless every row was written."""
+        drafter feed, the head's drafts. Refused (ValueError) unless every row was written. ``later``: their
+        files are the writer's `later` work (written during the next run, or by the publish)."""
         if self.written != self.layout.counts:
             raise ValueError(f"K={self.layout.k}: rows written {self.written}, the layout has {self.layout.counts}")
-        self.writer._finish_k(self.layout, list(self.arrays.values()), log, summary, drafts, self.documented)
+        if later:
+            self.writer.later(self.writer._finish_units(self.layout, list(self.arrays.values()), log, summary,
+                                                         drafts, self.documented))
+        else:
+            self.writer._finish_k(self.layout, list(self.arrays.values()), log, summary, drafts, self.documented)
