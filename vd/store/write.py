@@ -467,8 +467,9 @@ class KRows:
         """While a run steps (`vd.loop.Hold`'s ``each``): rows it goes on holding, handed to the writer
         processes without waiting for their copy (`vd.store.processes.WriterPool.copy_in`), so that they
         write them beside the run and the run's end leaves only its last rows to write; the first queues the
-        K's metadata (`document`); then one unit of the writer's `later` work. Nothing is handed without
-        processes, or for rows of more than one slice (`SLICE_BYTES`): `write` writes those."""
+        K's metadata (`document`); then one unit of the writer's `later` work, if the GPU still computes the
+        step issued before. Nothing is handed without processes, or for rows of more than one slice
+        (`SLICE_BYTES`): `write` writes those."""
         start, part = self._unwritten(kind, start, rows)
         if self.writer.pool is None or not part.shape[0]:
             return
@@ -478,7 +479,10 @@ class KRows:
             self.written[kind] += part.shape[0]
         if self.documented is None:
             self.document()
-        self.writer.idle()
+        # Only while the step issued before this hand-over still computes: once it is done, the run's next
+        # read-back would wait for the unit.
+        if not (part.is_cuda and torch.cuda.current_stream(part.device).query()):
+            self.writer.idle()
 
     def document(self) -> None:
         """The metadata of K's arrays, written ahead of `finish` as the writer's `later` work, a document a unit
