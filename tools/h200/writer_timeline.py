@@ -4,6 +4,9 @@ last; each job's sending, reading, start, end and answer read (the processes are
 their answers), relative to the K run's end (`_finished` called), and the recording's parts on the same clock.
 
     python3 tools/h200/writer_timeline.py qwen2.5-0.5b-shape graphed OUT.json [REPS [DEVICE]]
+
+``IDLE_S=x`` sleeps x seconds before each recording (the writer processes left idle, as `tools/bench_gpu.py`
+leaves them while it replays and runs its bare loops); each job's ``waited`` is its sending to its reading.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import collections
 import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -86,6 +90,7 @@ def patch() -> None:
 
 
 def one(path: Path, settings, model) -> dict:
+    time.sleep(float(os.environ.get("IDLE_S", "0")))
     EVENTS.clear()
     SENT.clear()
     DONE.clear()
@@ -100,13 +105,15 @@ def one(path: Path, settings, model) -> dict:
 
     jobs = [{"id": i, "what": what, "sent": ms(s), "read": ms(DONE[i][1][0]), "began": ms(DONE[i][1][1]),
              "ended": ms(DONE[i][1][2]), "answer_read": ms(DONE[i][0]),
-             "took": round((DONE[i][1][2] - DONE[i][1][1]) * 1e3, 3)}
+             "took": round((DONE[i][1][2] - DONE[i][1][1]) * 1e3, 3), "waited": round((DONE[i][1][0] - s) * 1e3, 3)}
             for i, (s, what) in sorted(SENT.items()) if i in DONE and DONE[i][1][2] >= t0]
     events = [{"part": label, "from": ms(s), "to": ms(e)} for label, s, e in sorted(EVENTS, key=lambda x: x[1])
               if e >= t0]
     drains = [e for e in events if e["part"] == "_drain"]
     last = max(jobs, key=lambda j: j["ended"])
     return {"total_ms": total * 1e3, "parts_ms": {k: v * 1e3 for k, v in r.parts.items()},
+            "wait_ms": r.parts.get("write_wait", 0.0) * 1e3,
+            "jobs_waited_ms": sorted(j["waited"] for j in jobs)[-3:],
             "publish_drain": drains[-1] if drains else None, "last_job": last,
             "row_jobs_took_ms": [j["took"] for j in jobs if "files" not in j["what"]],
             "jobs": jobs, "events": events}
@@ -124,6 +131,9 @@ def main() -> None:
     runs = [one(path, settings, model) for _ in range(reps)]
     after = runs[1:]
     summary = {
+        "idle_s": float(os.environ.get("IDLE_S", "0")),
+        "publish_wait_ms": sorted(round(r["wait_ms"], 2) for r in after),
+        "jobs_waited_most_ms": [r["jobs_waited_ms"] for r in after],
         "publish_drain_from_ms": statistics.median(r["publish_drain"]["from"] for r in after),
         "publish_drain_to_ms": statistics.median(r["publish_drain"]["to"] for r in after),
         "last_job_ended_ms": statistics.median(r["last_job"]["ended"] for r in after),
