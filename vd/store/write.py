@@ -481,7 +481,7 @@ class KRows:
             self.document()
         # Only while the step issued before this hand-over still computes: once it is done, the run's next
         # read-back would wait for the unit.
-        if not (part.is_cuda and torch.cuda.current_stream(part.device).query()):
+        if not (rows.is_cuda and torch.cuda.current_stream(rows.device).query()):
             self.writer.idle()
 
     def document(self) -> None:
