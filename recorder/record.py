@@ -276,6 +276,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     # runs, whose step times the golden keeps: tools/h200/record-behind-ab.json); writer processes do, sharing
     # no interpreter lock with them (`vd.store.processes`).
     with GoldenWriter(location, refresh=refresh, pool=pool, checked=True) as writer:
+        writer.write_prompt(tokens)  # (in the decode run's host slack)
         greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, result)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result)

@@ -174,6 +174,7 @@ def test_a_runs_files_are_written_in_the_next_runs_hand_overs(tmp_path, monkeypa
     documents = [i for i, name in enumerate(done) if name.endswith("_RowArray.create")]
     # in order: the decode run's documents (its first hand-overs), the decode group's files (the first K's run),
     # K=2's documents, K=2's files (K=3's run, the last; what its hand-overs left is done when it finishes)
+    assert done[0].endswith("write_prompt.<locals>.<lambda>")  # written ahead, before the decode run
     assert len(documents) >= 4 and len(finished) == 2
     assert documents[1] < finished[0] < documents[2] <= documents[3] < finished[1]
     t, p = open_golden(tmp_path / "t.zarr"), open_golden(tmp_path / "p.zarr")

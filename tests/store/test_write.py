@@ -57,6 +57,31 @@ def test_rows_written_as_a_run_lets_them_go_store_what_a_whole_k_does(tmp_path, 
     assert a.meta["manifest"] == b.meta["manifest"]  # the same files, byte for byte
 
 
+@pytest.mark.parametrize("pool", [False, True])
+def test_a_prompt_written_ahead_is_the_one_published(tmp_path, pool):
+    """`GoldenWriter.write_prompt` writes the prompt as later work (with writer processes, in a run's hand-overs;
+    without, at once); the golden holds it, and a publish naming another prompt is refused, nothing placed."""
+    from vd.store.processes import WriterPool
+
+    procs = WriterPool(1) if pool else None
+    try:
+        with GoldenWriter(tmp_path / "g.zarr", pool=procs) as w:
+            w.write_prompt(PROMPT)
+            assert bool(w._later) == pool  # queued for a run's hand-overs only with processes
+            write_as_run(w, hand=pool)
+            w.publish(meta((3,), feed="mtp"), PROMPT)
+        assert open_golden(tmp_path / "g.zarr").prompt == PROMPT
+        with GoldenWriter(tmp_path / "h.zarr", pool=procs) as w:
+            w.write_prompt(PROMPT)
+            write_as_run(w)
+            with pytest.raises(ValueError, match="not the one written ahead"):
+                w.publish(meta((3,), feed="mtp"), [*PROMPT, 1])
+        assert not (tmp_path / "h.zarr").exists()
+    finally:
+        if procs is not None:
+            procs.close()
+
+
 def test_refuses_overwrite_and_refresh_replaces(tmp_path):
     path = tmp_path / "g.zarr"
     first = write(path, seed=1)

@@ -4,8 +4,8 @@ the writer's `later` work, a unit each hand-over) and ``now`` (that work done wh
 first hand-over, the files between the runs, as at 726ce17); per configuration the medians of the recording's whole
 time, its runs, its store tail, and the bare loop of the same model calls beside them. (At 08686e5 the A/B was
 ``ahead``, the metadata written at the first hand-over, against ``neither``, written by `KRows.finish`: 81.5
-against 86.8 ms, tools/h200/hand_ab_05b_*.json; that run also had ``read`` and ``both``: the writer processes' answers read as they came,
-``WriterPool.take_ready``, removed after it for saving nothing.)
+against 86.8 ms, tools/h200/hand_ab_05b_*.json; that run also had ``read`` and ``both``: the writer processes'
+answers read as they came, ``WriterPool.take_ready``, removed after it for saving nothing.)
 
     python3 tools/h200/hand_ab.py qwen2.5-0.5b-shape compiled-graphed OUT.json [REPS [DEVICE]]
 
