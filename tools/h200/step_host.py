@@ -7,7 +7,8 @@ Per step the loop's parts are wrapped and stamped by wall clock (no profiler): `
 rows checked), ``log`` (the step before logged: the hold's hand-over of its rows to the writer processes),
 ``read`` (the argmax read back: the wait for the GPU). A bare loop (`tools/bench_gpu.py`'s, stamped the same
 way) gives the same steps' ``issue`` and ``read``. ``period`` is one step's issue to the next's. The
-recording's hand-overs are timed too (``hand``, and ``document``, the K's metadata written at its first).
+recording's hand-overs are timed too (``hand``, and ``document``: at 726ce17 the K's metadata written at its
+first hand-over; since 727a9ed only queued there as the writer's later work, which ``hand`` includes).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # wall_parts, also under `python3 -P`
 import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
+from wall_parts import stamp  # noqa: E402
 
 import vd.loop as L  # noqa: E402
 from vd.loop import gc_paused  # noqa: E402
@@ -34,23 +37,9 @@ from vd.store.write import KRows  # noqa: E402
 
 STAMPS: list[tuple[str, float, float]] = []
 
-
-def stamped(owner, name: str, label: str) -> None:
-    orig = getattr(owner, name)
-
-    def twin(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return orig(*a, **kw)
-        finally:
-            STAMPS.append((label, t, time.perf_counter()))
-
-    setattr(owner, name, twin)
-
-
 for owner, name, label in ((L, "_issue", "issue"), (L, "_log", "log"), (L, "_read_back", "read"),
                            (KRows, "hand", "hand"), (KRows, "document", "document")):
-    stamped(owner, name, label)
+    stamp(owner, name, label, STAMPS)
 
 
 @gc_paused()

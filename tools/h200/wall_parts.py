@@ -1,5 +1,6 @@
-"""Functions timed by wall clock where they stand, no profiler (`tools/h200/replay_parts.py`, `tail_parts.py`):
-`wrap` replaces one with a twin adding its seconds to ``ACC[label]`` and its calls to ``COUNT[label]``."""
+"""Functions timed by wall clock where they stand, no profiler (`tools/h200/replay_parts.py`, `tail_parts.py`,
+`writer_timeline.py`, `step_host.py`): `wrap` replaces one with a twin adding its seconds to ``ACC[label]`` and its
+calls to ``COUNT[label]``; `stamp` with one appending each call's (label, start, end) to a list."""
 
 from __future__ import annotations
 
@@ -25,3 +26,18 @@ def wrap(owner, name: str, label: str) -> None:
             COUNT[label] += 1
 
     setattr(owner, name, timed)
+
+
+def stamp(owner, name: str, label: str, into: list[tuple[str, float, float]]) -> None:
+    """``owner.name``'s calls appended to ``into`` as (``label``, start, end), by `time.perf_counter`."""
+    orig = getattr(owner, name)
+
+    @functools.wraps(orig)
+    def stamped(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return orig(*a, **kw)
+        finally:
+            into.append((label, t, time.perf_counter()))
+
+    setattr(owner, name, stamped)

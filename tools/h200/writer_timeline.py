@@ -24,7 +24,9 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # wall_parts, also under `python3 -P`
 import checkout  # noqa: F401,E402
+from wall_parts import stamp  # noqa: E402
 
 import vd.store.processes as P  # noqa: E402
 import vd.store.write as W  # noqa: E402
@@ -53,19 +55,6 @@ def _what(job: dict) -> str:
     return f"{job['group']} {', '.join(chunks) or 'no chunk'} {job.get('planes', '')}; digest {job.get('digest')}"
 
 
-def event(owner, name: str, label: str) -> None:
-    orig = getattr(owner, name)
-
-    def timed(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return orig(*a, **kw)
-        finally:
-            EVENTS.append((label, t, time.perf_counter()))
-
-    setattr(owner, name, timed)
-
-
 def patch() -> None:
     P.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _popen})
     send, receive = P._Worker.send, P._Worker.receive
@@ -83,10 +72,10 @@ def patch() -> None:
 
     P._Worker.send, P._Worker.receive = sent, received
     for n in ("_finished", "_own_equivalence", "keep_artifacts"):
-        event(rec, n, n)
+        stamp(rec, n, n, EVENTS)
     for n in ("_finish_k", "publish", "_drain", "_send_files"):
-        event(W.GoldenWriter, n, n)
-    event(W, "seal", "seal")
+        stamp(W.GoldenWriter, n, n, EVENTS)
+    stamp(W, "seal", "seal", EVENTS)
 
 
 def one(path: Path, settings, model) -> dict:
