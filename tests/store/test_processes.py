@@ -159,9 +159,9 @@ def test_a_runs_files_are_written_in_the_next_runs_hand_overs(tmp_path, monkeypa
     done: list[str] = []  # the unit each hand-over did ("" where none was left)
     real = W.GoldenWriter.idle
 
-    def idle(self):
+    def idle(self, rows):
         done.append(self._later[0].__qualname__ if self._later else "")
-        real(self)
+        real(self, rows)
 
     monkeypatch.setattr(W.GoldenWriter, "idle", idle)
     settings = RecordSettings(model="tiny-llama-mtp", ks=(2, 3), steps=8, allow_thin=True)

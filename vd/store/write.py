@@ -170,9 +170,11 @@ class GoldenWriter:
         data = np.asarray(self._prompt, dtype="<i4")
         self.later([lambda: self._small("prompt", data)])
 
-    def idle(self) -> None:
-        """One unit of `later`'s work, if any is left (`KRows.hand`, after its own hand-over)."""
-        if self._later:
+    def idle(self, rows: torch.Tensor) -> None:
+        """One unit of `later`'s work, if any is left (`KRows.hand`, after handing ``rows`` over) and, for rows on a
+        GPU, the step issued after them still computes: once it is done, the run's next read-back would wait for
+        the unit."""
+        if self._later and not (rows.is_cuda and torch.cuda.current_stream(rows.device).query()):
             self._later.popleft()()
 
     def catch_up(self) -> None:
@@ -490,10 +492,7 @@ class KRows:
             self.written[kind] += part.shape[0]
         if self.documented is None:
             self.document()
-        # Only while the step issued before this hand-over still computes: once it is done, the run's next
-        # read-back would wait for the unit.
-        if not (rows.is_cuda and torch.cuda.current_stream(rows.device).query()):
-            self.writer.idle()
+        self.writer.idle(rows)
 
     def document(self) -> None:
         """The metadata of K's arrays, written ahead of `finish` as the writer's `later` work, a document a unit
