@@ -168,3 +168,17 @@ def test_time_tests_says_where_the_wheel_came_from_and_what_pytest_ran(time_test
                    "counts": {"passed": 1201, "skipped": 33, "deselected": 2}}
     with pytest.raises(SystemExit):
         time_tests.main(["--parts", "setup,tests", "--out", "x.json"])
+
+
+def test_a_target_is_met_only_where_every_repetition_is_within_it(figures):
+    runs = [r for r in json.loads((ROOT / "tools/bench_gpu.json").read_text()) if r["model"] == "llama3-8b-shape"]
+    run = copy.deepcopy(runs[-1])
+    for r in run["rows"]:
+        r["spread"]["replay_ratio"].update(min=1.0, median=1.01, max=1.02)
+    line = next(x for x in figures.render_speed_targets([run]).splitlines() if x.startswith("| replay ratio")
+                and "`graphed`" in x)
+    assert line.endswith("| ≤ 1.03 | 1.010 | 1.020 | met |"), line
+    run["rows"][-1]["spread"]["replay_ratio"]["max"] = 1.031  # one repetition of one K over
+    text = figures.render_speed_targets([run])
+    assert "| ≤ 1.03 | 1.010 | 1.031 | missed |" in text and "Made by `" in text
+    assert figures.render_speed_targets([{**run, "model": "llama3-70b-shape"}]).count("| replay ratio") == 0

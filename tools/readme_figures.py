@@ -282,6 +282,35 @@ def render_bench_gpu(runs: list) -> str:
     return "\n".join(lines) + "\n\n" + table(header, rows)
 
 
+# Issue 34's speed targets: (figure, the runs' spread key, what it must stay within per shape).
+TARGETS = (("replay ratio", "replay_ratio", {"llama3-8b-shape": 1.03, "qwen2.5-0.5b-shape": 1.10}),
+           ("record ratio", "record_ratio", {"llama3-8b-shape": 1.05, "qwen2.5-0.5b-shape": 1.05}),
+           ("record with its tail", "record_total_ratio", {"llama3-8b-shape": 1.10, "qwen2.5-0.5b-shape": 1.10}))
+
+
+def render_speed_targets(runs: list) -> str:
+    """Issue 34's ratio targets against every run of the shapes they name: per figure, shape, forward and run,
+    the worst repetition over every K (a target holds only where every repetition meets it)."""
+    named = [run for run in runs if any(run["model"] in limits for _, _, limits in TARGETS)]
+    lines = [f"* {made(run)}" for run in named]
+    rows = []
+    for what, key, limits in TARGETS:
+        for run in named:
+            limit = limits.get(run["model"])
+            if limit is None:
+                continue
+            machine = f"{commit_of(run)} on {(run.get('gpu_id') or 'an unrecorded GPU')[:8]}"
+            for forward in dict.fromkeys(r["forward"] for r in run["rows"]):
+                spreads = [r["spread"][key] for r in run["rows"] if r["forward"] == forward]
+                worst = max(s["max"] for s in spreads)
+                rows.append([what, f"`{run['model']}`", f"`{forward}`", machine, f"≤ {limit:.2f}",
+                             f"{max(s['median'] for s in spreads):.3f}", f"{worst:.3f}",
+                             "met" if worst <= limit else "missed"])
+    return "\n".join(lines) + "\n\n" + table(["figure", "shape", "forward", "run (commit on GPU)", "target",
+                                               "median (its highest K)", "worst repetition",
+                                               "every repetition within"], rows)
+
+
 def _figure(x: float | None, digits: int = 4) -> str:
     return "-" if x is None else "0" if x == 0 else f"{x:.{digits}g}"
 
@@ -418,6 +447,7 @@ BLOCKS = {
     "test_time": Block("tools/test_time.json", render_test_time, optional=True),
     "startup": Block("tools/bench_process.json", render_startup),
     "bench_gpu": Block("tools/bench_gpu.json", render_bench_gpu),
+    "speed_targets": Block("tools/bench_gpu.json", render_speed_targets),
     "gpu_tests": Block("tools/h200/gpu_tests.json", render_gpu_tests, optional=True),
     "bench_codec": Block("tools/bench_codec.json", render_bench_codec),
     "bench_codec_8b": Block("tools/h200/bench_codec_8b.json", render_bench_codec),
