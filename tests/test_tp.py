@@ -196,7 +196,35 @@ def test_tp2_batch_meets_the_batch_conformance(tmp_path):
             finally:
                 tp.stop()
         tp.finish()
+        tp.leave(0)
     """))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "BATCH OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_rank_leaves_as_python_exits_but_without_its_finalization(tmp_path):
+    """`tp.leave`: a thread still running is joined, the exit handlers run and the streams are flushed, and the
+    exit status is the one asked for; what the interpreter's finalization would collect is never collected (a
+    finalizer would print)."""
+    script = tmp_path / "leave.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, sys, threading, time
+        from vd.models import tp
+
+        class Cycle:
+            def __del__(self):
+                print("finalized")
+        c = Cycle()
+        c.me = c  # a cycle: only a collection, as at finalization, frees it
+        del c
+        import gc; gc.disable()
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+        atexit.register(lambda: print("handler ran"))
+        sys.stdout.write("unflushed ")
+        sys.stderr.write("to stderr")
+        tp.leave(3)
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout.split() == ["unflushed", "thread", "done", "handler", "ran"] and r.stderr == "to stderr", r

@@ -104,8 +104,9 @@ def ranked(app) -> None:
             sys.stderr.flush()
             os._exit(EXIT_INTERNAL)  # at once: rank 0 and torchrun see the rank gone
         tp.finish()
-        sys.exit(0)
+        tp.leave(0)
     code = EXIT_INTERNAL
+    left = False  # the groups left together: the process then ends without the interpreter's finalization
     try:
         app()
     except SystemExit as e:
@@ -114,10 +115,13 @@ def ranked(app) -> None:
         try:
             tp.stop()
             tp.finish()
+            left = True
         except Exception as e:  # another rank is gone: rank 0's outcome cannot be trusted to have been shared
             code = crash(e)
     status = os.environ.get(STATUS)
     if status and code in (0, 1, 2, EXIT_INTERNAL):  # not when torchrun ended it (another rank failed)
         Path(status).write_text(str(code))
-        sys.exit(0 if code in (0, 1, 2) else code)
+        code = 0 if code in (0, 1, 2) else code
+    if left:
+        tp.leave(code)
     sys.exit(code)

@@ -26,11 +26,14 @@ in the whole tensors, summed across ranks), the same at every degree.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -135,6 +138,22 @@ def finish() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """End this rank's process with exit status ``code`` once it has left the groups (`finish`): what Python
+    does at exit (its threads joined, its exit handlers run, the standard streams flushed), then `os._exit`,
+    without the interpreter's finalization. There gloo's worker thread may still be releasing its last
+    collective's tensors, which takes the interpreter lock of an interpreter being torn down: the thread exits
+    inside a destructor and the process aborts ("terminate called without an active exception", SIGABRT), which
+    torchrun takes for a failed rank and ends the others. Seen in 1 of 2-10 runs of two CPU ranks on a loaded
+    2-core host; a core dump showed ``ProcessGroupGloo::AsyncWork::~AsyncWork`` taking the lock during
+    ``Py_FinalizeEx`` (torch 2.13). A script of its own that splits a model over ranks ends them so too."""
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does first at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def follow() -> None:
