@@ -12,8 +12,8 @@ ACC: dict[str, float] = collections.defaultdict(float)
 COUNT: dict[str, int] = collections.defaultdict(int)
 
 
-def wrap(owner, name: str, label: str) -> None:
-    """``owner.name`` timed under ``label`` (a part's time includes what it calls)."""
+def _timed(owner, name: str, done) -> None:
+    """``owner.name`` replaced by a twin that calls ``done(start, end)`` (`time.perf_counter`) after each call."""
     orig = getattr(owner, name)
 
     @functools.wraps(orig)
@@ -22,22 +22,21 @@ def wrap(owner, name: str, label: str) -> None:
         try:
             return orig(*a, **kw)
         finally:
-            ACC[label] += time.perf_counter() - t
-            COUNT[label] += 1
+            done(t, time.perf_counter())
 
     setattr(owner, name, timed)
 
 
+def wrap(owner, name: str, label: str) -> None:
+    """``owner.name`` timed under ``label`` (a part's time includes what it calls)."""
+
+    def add(start: float, end: float) -> None:
+        ACC[label] += end - start
+        COUNT[label] += 1
+
+    _timed(owner, name, add)
+
+
 def stamp(owner, name: str, label: str, into: list[tuple[str, float, float]]) -> None:
     """``owner.name``'s calls appended to ``into`` as (``label``, start, end), by `time.perf_counter`."""
-    orig = getattr(owner, name)
-
-    @functools.wraps(orig)
-    def stamped(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return orig(*a, **kw)
-        finally:
-            into.append((label, t, time.perf_counter()))
-
-    setattr(owner, name, stamped)
+    _timed(owner, name, lambda start, end: into.append((label, start, end)))
