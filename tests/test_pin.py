@@ -40,6 +40,35 @@ def test_an_edited_and_resealed_golden_is_refused_by_its_pin(declared, cli, monk
     assert code == 2 and "is not the one its declaration pins" in err and err.count("\n") == 1, err
 
 
+def test_a_replay_by_path_takes_the_pin_from_the_declaration_config_names(declared, cli, monkeypatch):
+    """A declaration kept elsewhere (not found from here) pins the golden a replay by path names with --config; a
+    --config that cannot be read is refused (exit 2, one line), not taken for no declaration."""
+    where, pin = declared
+    (where / "ci").mkdir()
+    (where / "ci" / "team.toml").write_text((where / "vd.toml").read_text().replace('"tiny.zarr"', '"../tiny.zarr"'))
+    (where / "vd.toml").unlink()
+    monkeypatch.chdir(where)
+    edit_rows(where / "tiny.zarr", 2, "verify", _bump)
+    code, out, err = cli("replay", "tiny.zarr", "--k", "2")  # nothing declares it from here: the bumped row differs
+    assert code == 1, out + err
+    code, out, err = cli("replay", "tiny.zarr", "--k", "2", "--config", "ci/team.toml")
+    assert code == 2 and f"is not the one its declaration pins ({pin})" in err and err.count("\n") == 1, err
+    code, out, err = cli("replay", "tiny.zarr", "--config", "ci/missing.toml")
+    assert code == 2 and "ci/missing.toml" in err and err.count("\n") == 1, err
+    # a refresh by path, the declaration named relative to here, writes the new pin into it (paths in a
+    # declaration are relative to its own folder, whatever the one --config is named from)
+    team = where / "ci" / "team.toml"
+    team.write_text(team.read_text().replace(pin, "sha256:" + "0" * 64))
+    code, out, err = cli("refresh", "tiny.zarr", "--config", "ci/team.toml", "--reason", "the trusted build again")
+    assert code == 0 and f'pin = "{pin}"' in team.read_text(), out + err
+    assert cli("replay", "tiny.zarr", "--k", "2", "--config", "ci/team.toml")[0] == 0
+
+
+def test_shard_without_suite_is_refused(tiny_golden, cli):
+    code, out, err = cli("replay", tiny_golden, "--shard", "1/2")
+    assert code == 2 and "--shard 1/2" in err and "--suite" in err and err.count("\n") == 1, err
+
+
 def test_a_refresh_updates_the_pin_in_the_declaration(declared, cli, monkeypatch):
     where, pin = declared
     monkeypatch.chdir(where)

@@ -238,16 +238,18 @@ def replay(
 
         _check_inputs(None, asked)
         return team.replay_suite(targets or [], config, asked, shard, report, junit, html, bundle)
+    if shard is not None:  # else every shard of a CI matrix would replay the one golden, none saying so
+        raise UsageError(f"--shard {shard} splits a suite's goldens between jobs: it goes with --suite")
     assert golden is not None  # one golden without --suite (_check_outputs)
-    return _replay_golden(golden, asked, report, bundle, junit, html)
+    return _replay_golden(golden, asked, config, report, bundle, junit, html)
 
 
-def _replay_golden(golden: str, asked: dict, report: Path | None, bundle: Path | None, junit: Path | None,
-                   html: Path | None) -> int:
+def _replay_golden(golden: str, asked: dict, config: Path | None, report: Path | None, bundle: Path | None,
+                   junit: Path | None, html: Path | None) -> int:
     """`replay` of one golden: the flags checked, the replay, its outputs written (or the error, where asked)."""
     try:
         _check_inputs(golden, asked)  # before anything heavy is imported
-        asked = {**asked, "pin": _declared_pin(golden)}
+        asked = {**asked, "pin": _declared_pin(golden, config)}
         with reading_environment() as environ:  # what the bundle's command.sh sets again
             result = _replay_one(golden, _settings(asked))
     except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
@@ -258,15 +260,18 @@ def _replay_golden(golden: str, asked: dict, report: Path | None, bundle: Path |
     return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
 
 
-def _declared_pin(golden: str) -> str | None:
-    """The pin a suite declaration (found from here) gives the golden at this path, if any. A declaration that
-    cannot be read pins nothing here: a replay by path does not depend on it (a suite replay refuses it)."""
+def _declared_pin(golden: str, config: Path | None) -> str | None:
+    """The pin a suite declaration (``--config``, else the one found from here) gives the golden at this path, if
+    any. A declaration found from here that cannot be read pins nothing: a replay by path does not depend on it
+    (a suite replay refuses it); one named by --config is the user's, and its error is theirs (exit 2)."""
     from vd.cli.team import entry_for
     from vd.workflow.declare import DeclarationError
 
     try:
-        entry = entry_for(golden, None)
+        entry = entry_for(golden, config)
     except DeclarationError:
+        if config is not None:
+            raise
         return None
     return None if entry is None else entry.pin
 

@@ -210,7 +210,7 @@ def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
         values = {**defaults, **_table(file, body, at)}
         if "path" not in values:
             raise DeclarationError(f"{file}: [{at}] has no 'path'")
-        e = _entry(name, values, file.parent, f"{file}: [{at}]")
+        e = _entry(name, values, file.parent.absolute(), f"{file}: [{at}]")
         if e.path in paths:
             raise DeclarationError(f"{file}: [{at}] key 'path': {values['path']!r} is also golden "
                                    f"{paths[e.path]!r}'s; each golden needs its own path")
