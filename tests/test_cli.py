@@ -84,6 +84,19 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
     assert code == 0 and "next step" not in out
 
 
+def test_a_bundle_goes_into_a_folder_that_exists_and_never_onto_a_file(cli, tiny_golden, tmp_path):
+    """--bundle names a folder: one a CI job made for its artifacts is written into; a file is refused, kept."""
+    folder = tmp_path / "artifacts"
+    folder.mkdir()
+    spec = f"{PLUGINS / 'perturb.py'}:factory"
+    code, out, err = cli("replay", tiny_golden, "--model", spec, "--k", "2", "--bundle", folder)
+    assert code == 1 and {p.name for p in folder.iterdir()} >= {"command.sh", "rows.npz", "failure.json"}, out + err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    _one_line_error(*cli("replay", tiny_golden, "--model", spec, "--bundle", blocker), "is a file; give a directory")
+    assert blocker.read_text() == "x"
+
+
 @pytest.mark.parametrize("case, exit_code", [("missing", 2), ("plugin", 2), ("internal", 3)])
 def test_a_replay_that_ends_before_a_verdict_still_writes_its_reports(cli, tiny_golden, tmp_path, monkeypatch, case,
                                                                       exit_code):
@@ -162,7 +175,7 @@ def test_damaged_goldens_exit_2(cli, tiny_copy, how):
         _one_line_error(*cli(cmd, tiny_copy), str(tiny_copy))
 
 
-def test_non_golden_paths_exit_2(cli, tmp_path):
+def test_non_golden_paths_exit_2(cli, tiny_golden, tmp_path):
     _one_line_error(*cli("replay", tmp_path / "nope.zarr"), "does not exist")
     (tmp_path / "dir").mkdir()
     _one_line_error(*cli("replay", tmp_path / "dir"), "not a vd golden")
@@ -171,6 +184,11 @@ def test_non_golden_paths_exit_2(cli, tmp_path):
     zarr.create_group(tmp_path / "plain.zarr")
     _one_line_error(*cli("replay", tmp_path / "plain.zarr"), "not a vd golden")
     _one_line_error(*cli("replay", "gs://bucket/g.zarr"), "unsupported URL scheme")
+    # an empty argument (an unset variable in a CI script) is not the working directory
+    for argv in (["replay", ""], ["show", ""], ["verify", ""], ["diff", "", "b.zarr"], ["locate", ""],
+                 ["slim", tiny_golden, ""], ["pack", tiny_golden, ""],
+                 ["record", "", "--model", "tiny-llama"], ["history", ""], ["refresh", "", "--reason", "r"]):
+        _one_line_error(*cli(*argv), "'': an empty path names no golden")
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -444,6 +462,8 @@ def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
     `vd models`, `--help` and `--version` import nothing heavy either."""
     cases = [
         (["replay", "nosuch.zarr"], "nosuch.zarr does not exist"),
+        (["replay", ""], "an empty path names no golden"),
+        (["record", "", "--model", "tiny-llama"], "an empty path names no golden"),
         (["replay", "nosuch.zarr", "--k", "2,x"], "comma-separated"),
         (["replay", "nosuch.zarr", "--rows", "full.zarr"], "does not exist"),
         (["show", "nosuch.zarr"], "does not exist"),

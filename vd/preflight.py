@@ -93,9 +93,17 @@ class Peek:
     why: str | None = None
 
 
+def check_named(text: str) -> str:
+    """``text``, a golden's path or URL, unless it is empty: ``Path("")`` is the working directory, never what an
+    empty argument (an unset variable in a CI script, say) meant."""
+    if not text:
+        raise UsageError("'': an empty path names no golden")
+    return text
+
+
 def peek(where: str | os.PathLike) -> Peek:
     """The golden (or not) at ``where``, a directory or a ``.zip`` file, read without zarr."""
-    url = str(where)
+    url = check_named(os.fspath(where))
     if "://" in url:
         return Peek("remote")
     path = Path(where)

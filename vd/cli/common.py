@@ -197,15 +197,17 @@ def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Pa
                    directory: bool = False) -> None:
     """Refuse, before any work, an output that could not be written or that would land in (or on) a golden:
     one the command reads (``inputs``) or any other (`check_no_golden`). ``directory``: an output directory
-    (a bundle), written into."""
+    (a bundle), written into: one that exists already is used (CI often makes its artifacts' folder first)."""
     if path is None:
         return
     path = Path(path)
     check_outside(flag, path, inputs)
     check_no_golden(flag, path, directory=directory)
-    if path.is_dir():
+    if directory and path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} is a file; give a directory")
+    if not directory and path.is_dir():
         raise UsageError(f"{flag} {path} is a directory; give a file path")
-    parent = path.absolute().parent
+    parent = path.absolute() if path.is_dir() else path.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or not _can_create_in(parent):

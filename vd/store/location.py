@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 from zarr.abc.store import Store
 
 from vd.errors import UsageError
+from vd.preflight import check_named
 from vd.store.local import Directory, ZipFile
 from vd.store.objects import ObjectPrefix
 
@@ -70,7 +71,7 @@ class Location(Protocol):
 
 def locate(where: str | os.PathLike) -> Location:
     """The location a path or URL names."""
-    text = os.fspath(where)
+    text = check_named(os.fspath(where))
     if "://" in text:
         scheme = text.split("://", 1)[0]
         if scheme != "s3":
