@@ -90,7 +90,8 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     from vd.workflow.declare import shard as take
 
     suite = _suite(config)  # the declaration and the shard, checked before anything heavy is imported
-    entries = take(suite.select(names), shard)
+    selected = suite.select(names)
+    entries = take(selected, shard)
     for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
         check_writable(flag, path, [e.path for e in entries], directory=flag == "--bundle")
     from vd.replayer import ReplaySettings, render, words
@@ -115,7 +116,8 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
             render.write_bundle(bundle / o.name, o.report, _bundle_args(settings), environ)
         for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, done.details(o), bullet="- "):
             out.print(line)
-    out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads), style="bold")
+    out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads, shard, len(selected)),
+              style="bold")
     for o in outcomes:  # what to do about each golden that failed
         for line in words.next_lines(o.report, declared=o.name) if o.report is not None else []:
             out.print(f"{o.name}: {line}" if line == "next step:" else line)
