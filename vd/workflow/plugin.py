@@ -73,10 +73,26 @@ class _Session:
         return self._suite
 
     def settings(self, **over):
+        """`vd.replayer.ReplaySettings` from the command line's --vd-forward and --vd-tolerance, then a test's own
+        keywords, which win (they are the more specific: a test that asks for ``forwards=("sdpa",)`` means
+        it). One name given where a tuple belongs (``forwards="sdpa"``, ``ks=2``) is that one item, not its
+        letters; a keyword that is no field is a TypeError naming the fields."""
+        from dataclasses import fields
+
         from vd.replayer import ReplaySettings
 
-        return ReplaySettings(forwards=tuple(self.config.getoption("vd_forward")),
-                              tolerances=tuple(self.config.getoption("vd_tolerance")), **over)
+        known = [f.name for f in fields(ReplaySettings)]
+        unknown = sorted(set(over) - set(known))
+        if unknown:
+            raise TypeError(f"vd_golden(...).replay() takes vd.replayer.ReplaySettings fields as keywords; "
+                            f"{', '.join(unknown)} is none of them ({', '.join(known)})")
+        for key in ("forwards", "ks", "tolerances"):
+            if isinstance(over.get(key), str | int):
+                over[key] = (over[key],)
+        given = {"forwards": tuple(self.config.getoption("vd_forward")),
+                 "tolerances": tuple(self.config.getoption("vd_tolerance"))}
+        return ReplaySettings(**{**given, **{key: tuple(v) if key in given or key == "ks" else v
+                                             for key, v in over.items()}})
 
     def check(self, name: str, who: str, model=None, **over):
         """Replay golden ``name`` (refreshing it when asked to update); raise `GoldenFailure` with vd's
