@@ -110,9 +110,10 @@ def test_a_bad_declaration_fails_the_items_with_one_line(project):
 
 
 def test_a_tests_replay_keywords_win_over_the_command_lines(project):
-    """``replay(forwards=..., tolerances=..., ks=...)``: the ReplaySettings fields the fixture documents, over
-    --vd-forward and --vd-tolerance (they collided: "got multiple values for keyword argument"); one name given
-    for a tuple is that name; a keyword that is no field is a TypeError naming the fields."""
+    """``replay(forwards=..., tolerances=..., ks=..., save_candidate=...)``: the ReplaySettings fields the fixture
+    documents, over --vd-forward and --vd-tolerance (they collided: "got multiple values for keyword argument",
+    as save_candidate did with the plugin's own); one name given for a tuple is that name; a keyword that is no
+    field is a TypeError naming the fields."""
     project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
     project.makepyfile(test_engine="""
 import pytest
@@ -124,8 +125,12 @@ def test_one_name(vd_golden):
     report = vd_golden("tiny").replay(forwards="eager", ks=2)
     assert [r.k for r in report.verify] == [2] and [v.name for v in report.variants] == ["eager"]
 
+def test_own_candidate(vd_golden, tmp_path):
+    vd_golden("tiny").replay(forwards="eager", save_candidate=str(tmp_path / "c.zarr"))
+    assert (tmp_path / "c.zarr" / "zarr.json").is_file()
+
 def test_no_such_field(vd_golden):
     with pytest.raises(TypeError, match="forward is none of them .*forwards"):
         vd_golden("tiny").replay(forward="eager")
 """)
-    project.runpytest("test_engine.py", "--vd-forward", "sdpa", "--vd-tolerance", "argmax").assert_outcomes(passed=3)
+    project.runpytest("test_engine.py", "--vd-forward", "sdpa", "--vd-tolerance", "argmax").assert_outcomes(passed=4)

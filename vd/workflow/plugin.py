@@ -111,7 +111,9 @@ class _Session:
             return self._refresh(entry, who, model, "; ".join(problems)[:200])
         with tempfile.TemporaryDirectory(prefix="vd-candidate-") as tmp:
             if not problems:
-                keep = str(Path(tmp) / "candidate.zarr") if self.update else None
+                keep = over.pop("save_candidate", None)  # a test's own, kept; else one to promote from, if updating
+                if keep is None and self.update:
+                    keep = str(Path(tmp) / "candidate.zarr")
                 outcome = replay_suite([entry], self.settings(save_candidate=keep, **over), models=self.models,
                                        model=model)[0]
                 if outcome.verdict == "PASS":
