@@ -13,7 +13,8 @@
   refresh with its change headline. Put ``--vd-update`` last or write ``--vd-update=failed``: it takes an
   optional value.
 * ``--vd-forward NAME`` (repeatable) and ``--vd-tolerance [KIND=]SPEC`` (repeatable) pass through to every
-  replay; ``--vd-config FILE`` names the declaring file (default: found from the rootdir).
+  replay whose test does not set ``forwards`` or ``tolerances`` itself (``replay(forwards=("sdpa",))``
+  wins); ``--vd-config FILE`` names the declaring file (default: found from the rootdir).
 
 A golden whose declaration changed since it was recorded fails as stale (unless updated); the summary
 lists orphan goldens, those on disk no declaration names, as syrupy lists unused snapshots.
