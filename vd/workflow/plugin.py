@@ -87,13 +87,11 @@ class _Session:
         if unknown:
             raise TypeError(f"vd_golden(...).replay() takes vd.replayer.ReplaySettings fields as keywords; "
                             f"{', '.join(unknown)} is none of them ({', '.join(known)})")
-        for key in ("forwards", "ks", "tolerances"):
-            if isinstance(over.get(key), str | int):
-                over[key] = (over[key],)
+        for key in {"forwards", "ks", "tolerances"} & set(over):  # the tuple fields
+            over[key] = (over[key],) if isinstance(over[key], str | int) else tuple(over[key])
         given = {"forwards": tuple(self.config.getoption("vd_forward")),
                  "tolerances": tuple(self.config.getoption("vd_tolerance"))}
-        return ReplaySettings(**{**given, **{key: tuple(v) if key in given or key == "ks" else v
-                                             for key, v in over.items()}})
+        return ReplaySettings(**{**given, **over})
 
     def check(self, name: str, who: str, model=None, **over):
         """Replay golden ``name`` (refreshing it when asked to update); raise `GoldenFailure` with vd's
