@@ -141,6 +141,17 @@ def test_the_server_stops_when_vds_code_changes(tmp_path):
     assert vd_run(["warm", "--status"], env).stdout.startswith("no warm server runs")
 
 
+def test_status_exits_1_when_no_server_runs_and_stop_is_then_a_no_op(tmp_path):
+    """A script asks `vd warm --status` whether a server runs: the exit code answers (0 yes, 1 no)."""
+    env = {k: v for k, v in os.environ.items() if k != "VD_WARM"} | {"VD_WARM_DIR": str(tmp_path / "none")}
+    status = vd_run(["warm", "--status"], env)
+    assert status.returncode == 1 and status.stdout.startswith("no warm server runs"), status
+    as_json = vd_run(["warm", "--status", "--json"], env)
+    assert as_json.returncode == 1 and json.loads(as_json.stdout) is None
+    stop = vd_run(["warm", "--stop"], env)  # what --stop asks for holds already
+    assert stop.returncode == 0 and stop.stdout.startswith("no warm server runs"), stop
+
+
 def test_a_folder_others_can_enter_is_refused(tmp_path):
     where = tmp_path / "open"
     where.mkdir(mode=0o755)

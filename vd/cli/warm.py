@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
-from vd.cli.common import EXIT_INTERNAL, EXIT_PASS, Command, app, err, examples, out
+from vd.cli.common import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, Command, app, err, examples, out
 
 
 @app.command(cls=Command, epilog=examples("vd warm", "vd warm --idle 600", "vd warm --status", "vd warm --stop"))
 def warm(
     stop: Annotated[bool, typer.Option("--stop", help="Stop the server (commands running in it go on).")] = False,
-    status: Annotated[bool, typer.Option("--status", help="Say whether a server runs, and since when.")] = False,
+    status: Annotated[bool, typer.Option("--status", help="Say whether a server runs, and since when: exit 0 "
+                                       "if one does, 1 if none.")] = False,
     idle: Annotated[float, typer.Option("--idle", min=1.0, help="Seconds without a command before it stops.")]
     = 3600.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -33,7 +34,7 @@ def warm(
             out.print(f"warm server pid {answer['pid']}{' stopping' if stop else ''}: up {answer['age_s']:.0f} s, "
                       f"{answer['served']} command{'s' if answer['served'] != 1 else ''} served, idle "
                       f"{answer['idle_s']:.0f} s of {answer['idle_limit_s']:.0f}")
-        return EXIT_PASS
+        return EXIT_FAIL if answer is None and status else EXIT_PASS  # --stop with none: what it asks holds
     try:
         answer = w.start(idle)
     except RuntimeError as e:
