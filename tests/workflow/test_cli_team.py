@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from vd.recorder import RecordSettings
 from vd.store import open_golden
 
 PERTURB = "tests/plugins/perturb.py:factory"
@@ -197,3 +198,24 @@ def test_prune_removes_orphans_only_once_confirmed(project, cli):
     code, out, err = cli("status", "--no-models", "--prune", "--yes")
     assert code == 0 and "removed 1 orphan golden(s)" in out, out + err
     assert not (project / "goldens" / "kept.zarr").exists() and (project / "goldens" / "a.zarr").is_dir()
+
+
+def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_path, cli, monkeypatch):
+    """`vd record OUT --config FILE` records the golden FILE declares at OUT (or by the name OUT) with its
+    declared settings, changed only by the flags given; an OUT FILE does not declare is refused (exit 2)."""
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "ci" / "team.toml").write_text(SUITE.replace('"goldens/', '"../goldens/'))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("record", "goldens/a.zarr", "--config", "ci/team.toml")
+    assert code == 0, out + err
+    got = RecordSettings.of_golden(open_golden(tmp_path / "goldens" / "a.zarr").meta)
+    assert (got.model, got.steps, got.ks) == ("tiny-llama", 4, (2, 3)), got  # declared, not the flags' defaults
+    code, out, err = cli("record", "b", "--config", "ci/team.toml", "--steps", "5")  # by name; a flag given wins
+    assert code == 0, out + err
+    got = RecordSettings.of_golden(open_golden(tmp_path / "goldens" / "b.zip").meta)
+    assert (got.steps, got.ks, got.prompt) == (5, (2,), "Write one sentence about the sea."), got
+    code, out, err = cli("record", "b", "--config", "ci/team.toml")
+    assert code == 2 and "already holds a golden" in err and err.count("\n") == 1, err
+    code, out, err = cli("record", "goldens/c.zarr", "--config", "ci/team.toml")
+    assert code == 2 and "declares no golden" in err and "a, b" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "goldens" / "c.zarr").exists()

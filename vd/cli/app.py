@@ -94,10 +94,16 @@ def record(
     out_path = _one(targets, "OUT")
     if resume:
         return _resumed(out_path)
+    entry = None
+    if config is not None:  # one golden FILE declares (at OUT or by the name OUT): its settings, and the flags given
+        from vd.cli.team import declared_entry
+
+        entry = declared_entry(out_path, config)
+        out_path = entry.path
     _check_record(out_path, refresh, model, forward, device, threads, tolerance)
     check_writable("--summary", summary, (out_path,))
     preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp)
-    return _record_one(ctx, out_path, refresh, reason, summary, config)
+    return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
 
 
 def _check_record(out_path: str, refresh: bool, model: str, forward: str | None, device: str, threads: int | None,
@@ -115,22 +121,29 @@ def _check_record(out_path: str, refresh: bool, model: str, forward: str | None,
 
 
 def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | None, summary: Path | None,
-                config: Path | None) -> int:
-    """Record one golden from the flags given (``ctx``), or refresh the golden at ``out_path``."""
+                config: Path | None, entry) -> int:
+    """Record one golden from the flags given (``ctx``) over its declaration's settings (``entry``, if --config
+    named one), or refresh the golden at ``out_path``."""
     from vd.cli import team
     from vd.store import locate
 
+    flags = {field: _value(ctx.params[name]) for name, field in _SETTINGS.items() if _given(ctx, name)}
     if refresh and locate(out_path).state() == "golden":
-        given = {field: _value(ctx.params[name]) for name, field in _SETTINGS.items() if _given(ctx, name)}
-        return team.refresh_golden(out_path, config, reason or "vd record --refresh", summary, given)
+        return team.refresh_golden(out_path, config, reason or "vd record --refresh", summary, flags)
     from vd.recorder import RecordSettings
     from vd.recorder import record as do_record
 
-    given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
-    settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
+    if entry is not None:
+        settings = team.settings_for(out_path, entry, flags)
+    else:
+        given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
+        settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
     with reporting() as progress:
         r = do_record(out_path, settings, refresh=refresh, progress=progress, reason=reason or "first recording")
-    return _recorded(r)
+    code = _recorded(r)
+    if code == EXIT_PASS:
+        team.repin(entry, config, out_path)
+    return code
 
 
 # The record flags that are settings, by the `vd.recorder.RecordSettings` field each sets.

@@ -52,6 +52,17 @@ def entry_for(target: str, config: Path | None):
         return suite.by_path(target)
 
 
+def declared_entry(target: str, config: Path):
+    """The entry the declaration ``config`` gives ``target`` (a NAME or a declared golden's path), for a record
+    of one golden with --config; a usage error naming the declared goldens if it gives none."""
+    entry = entry_for(target, config)
+    if entry is None:
+        suite = _suite(config)
+        raise UsageError(f"{target}: {suite.file} declares no golden of that name or path (it declares "
+                         f"{', '.join(suite.entries) or 'none'}); leave --config out to record from the flags alone")
+    return entry
+
+
 # -- record and replay a suite (called by `vd record --suite`, `vd replay --suite`) ------------------------
 def record_suite(names: list[str], config: Path | None, refresh: bool, reason: str | None,
                  summary: Path | None) -> int:
@@ -70,7 +81,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
         outcomes = do_record(entries, refresh_existing=refresh, reason=reason or "first recording", progress=progress)
     for e, o in zip(entries, outcomes):
         if o.verdict in ("RECORDED", "REFRESHED"):
-            _repin(e, config, e.path)
+            repin(e, config, e.path)
     for o in outcomes:
         for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, o.reasons or ([o.error] if o.error
                                                                                               else [])):
@@ -149,7 +160,7 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
         done = R.promote(candidate, path, reason=reason, name=name, allow_slim=allow_slim)
     else:
         with reporting() as progress:
-            done = R.refresh(path, _settings(path, entry, overrides), reason=reason, name=name, progress=progress)
+            done = R.refresh(path, settings_for(path, entry, overrides), reason=reason, name=name, progress=progress)
     if done.refused:
         for why in done.refused:
             err.print(f"vd: {why}")
@@ -159,11 +170,11 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     if summary is not None:
         write_text(summary, done.summary)
     out.print(f"refreshed {done.url} to version {done.version}")
-    _repin(entry, config, path)
+    repin(entry, config, path)
     return EXIT_PASS
 
 
-def _repin(entry, config: Path | None, path: str) -> None:
+def repin(entry, config: Path | None, path: str) -> None:
     """A refreshed golden whose declaration pins it: the pin set to its new content digest in the declaration
     file, so the change is in the same review as the golden's (`vd.workflow.declare.set_pin`)."""
     if entry is None or entry.pin is None:
@@ -202,7 +213,7 @@ def _existing(target: str, entry, config: Path | None) -> str:
                      "(a new golden is recorded with vd record)")
 
 
-def _settings(path: str, entry, overrides: dict):
+def settings_for(path: str, entry, overrides: dict):
     """What a refresh records: the declaration's settings, or the golden's own, with ``overrides``."""
     from vd.recorder import RecordSettings
     from vd.store import locate, open_golden
