@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 import zarr
 from golden_edit import chunk, damage, edit_meta
 from typer.testing import CliRunner
@@ -537,6 +538,19 @@ def test_help_shows_choices_plain_flags_metavars_and_ends_with_examples(command,
             assert shown in text, shown
     if command == "replay":
         assert re.search(r"--forward +NAME", text) and re.search(r"--tolerance +\[KIND=\]SPEC", text)
+
+
+@pytest.mark.parametrize("command", sorted(typer.main.get_command(app).commands))
+def test_help_paragraphs_flow_at_the_terminals_width(command):
+    """A docstring's paragraph is rewrapped at the terminal's width, not kept at its source line breaks (a
+    100-column help would otherwise show each 110-column source line as a long line and a stub)."""
+    r = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "100", "TERMINAL_WIDTH": "100"}, prog_name="vd")
+    assert r.exit_code == 0, r.output
+    text = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout)
+    body = text.split(" Usage: ", 1)[1].split("╭", 1)[0].splitlines()[2:]  # the description, before the options
+    lines = [line.strip() for line in body]
+    for line, after in zip(lines, lines[1:]):
+        assert not (line and after and len(line) < 60), (line, after)  # only a paragraph's last line is short
 
 
 def test_version_and_top_level_help(cli):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import inspect
 import json
 import math
 import os
@@ -66,7 +67,13 @@ class _PlainFlags:
 
 
 class Command(_PlainFlags, TyperCommand):
-    """A vd command."""
+    """A vd command. Its docstring's paragraphs are joined into one line each, for the help to wrap at the
+    terminal's width: typer's rich help keeps a docstring's line breaks (and wraps each line again)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.help:
+            self.help = "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(self.help).split("\n\n"))
 
 
 class Group(_PlainFlags, TyperGroup):

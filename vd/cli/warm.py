@@ -19,9 +19,11 @@ def warm(
     = 3600.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> int:
-    """Start a server that has imported torch, transformers and vd, so that later vd commands from this Python
-    and vd (and the same thread, ISA, torch and locale settings) start at their work: each forks from it,
-    with its own folder, arguments, environment and terminal, and the same numbers."""
+    """Start a server that has imported torch, transformers and vd: later vd commands fork from it.
+
+    A command from this Python and vd (and the same thread, ISA, torch and locale settings) forks from the
+    server and starts at its work, with its own folder, arguments, environment and terminal, and the same
+    numbers."""
     from vd import warm as w
 
     if stop or status:
