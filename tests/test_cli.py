@@ -528,7 +528,7 @@ def _help(*args: str) -> str:
 def test_help_shows_choices_plain_flags_metavars_and_ends_with_examples(command, usage):
     text = _help(command)
     assert f"Usage: vd {command} [OPTIONS] {usage}".rstrip() in text
-    assert "<bool>" not in text and "list[" not in text
+    assert "<bool>" not in text and "list[" not in text and "<str>" not in text
     lines = [line.strip(" │") for line in text.splitlines() if line.strip(" │")]
     examples = lines[lines.index("Examples:") + 1:]
     assert 1 <= len(examples) <= 3 and all(e.startswith(f"vd {command}") for e in examples), lines[-5:]

@@ -53,15 +53,15 @@ def crash(e: BaseException) -> int:
 
 
 class _PlainFlags:
-    """Boolean flags listed in the help as bare flags (typer would label each ``<bool>``), and repeatable
-    arguments by their metavar alone (typer would add ``<list[str]>``)."""
+    """Boolean flags listed in the help as bare flags (typer would label each ``<bool>``), and arguments by
+    their metavar alone (typer would add ``<str>`` or ``<list[str]>``)."""
 
     def get_params(self, ctx):
         params = super().get_params(ctx)
         for p in params:
             if getattr(p, "is_bool_flag", False) and p.metavar is None:
                 p.metavar = ""
-            if p.param_type_name == "argument" and p.nargs != 1:
+            if p.param_type_name == "argument":
                 p.display_type_rich = lambda ctx: None
         return params
 
