@@ -479,7 +479,7 @@ def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
         (["record", "out.zarr", "--feed", "greedy"], "--feed"),
         (["record", "out.zarr", "--device", "tpu"], "unknown device 'tpu'"),
         (["replay", "nosuch.zarr", "--device", "cuda:x"], "unknown device"),
-        (["record", "out.zarr", "--dtype", "int8"], "--dtype"),
+        (["record", "out.zarr", "--dtype", "int8"], "Invalid value for '--dtype': 'int8' is not one of"),
         (["record", "out.zarr", "--steps", "0"], "--steps"),
         (["record", "out.zarr", "--threads", "0"], "--threads"),
     ]

@@ -88,7 +88,8 @@ class Group(_PlainFlags, TyperGroup):
             ctx = getattr(e, "ctx", None)
             if type(e).__name__ != "NoArgsIsHelpError":  # typer has printed the help already
                 hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-                typer.echo(f"vd: error: {e.format_message()}{hint}", err=True)
+                message = e.format_message().replace(": Value error, ", ": ")  # (pydantic's, under typer 0.2x)
+                typer.echo(f"vd: error: {message}{hint}", err=True)
             sys.exit(e.exit_code)
         except typer.Abort:
             typer.echo("vd: aborted", err=True)
