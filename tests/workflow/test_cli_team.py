@@ -60,6 +60,21 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     assert code == 2 and "b.zip does not exist" in out and "1 PASS, 1 ERROR of 2" in out
 
 
+def test_a_suite_replay_refuses_a_golden_its_declaration_has_moved_past(project, cli):
+    """A stale golden (its declaration changed since it was recorded) is an ERROR of the suite replay, as it is a
+    failure of `pytest --vd` and of `vd status`: replaying what it holds would pass without checking what the
+    declaration asks for (here K=3)."""
+    toml = project / "vd.toml"
+    toml.write_text(toml.read_text().replace('k = [2]\n', 'k = [2, 3]\n'))
+    code, out, err = cli("replay", "--suite", "--report", "r.json", "--junit", "j.xml")
+    assert code == 2 and "1 PASS, 1 ERROR of 2" in out, out + err
+    line = "stale, the declaration changed since it was recorded: ks: recorded [2], declared [2, 3]"
+    assert line in out and "vd record --suite b --refresh --reason TEXT" in out, out
+    b = json.loads((project / "r.json").read_text())["goldens"][1]
+    assert b["verdict"] == "ERROR" and line in b["error"] and b["report"] is None
+    assert ET.parse(project / "j.xml").getroot().get("errors") == "1"
+
+
 def test_refresh_history_and_status(project, cli, request):
     plugin = str(request.config.rootpath / PERTURB)
     code, out, err = cli("replay", "a", "--suite", "--model", plugin, "--save-candidate", "cands")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from vd.errors import VdError
+from vd.errors import GoldenError, VdError
 from vd.models.specs import golden_dir, stored
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
@@ -114,12 +114,18 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
                  models: Models | None = None, progress: Progress = SILENT,
                  model: VerifyModel | None = None) -> list[Outcome]:
     """Replay each entry's golden under ``settings`` (forwards, tolerances, device ... for every golden);
-    ``model``, when given, replays every golden (an engine under test), else each golden's own model."""
+    ``model``, when given, replays every golden (an engine under test), else each golden's own model. A golden
+    stale against its declaration is not replayed (an ERROR naming what changed): what it holds is no longer
+    what the suite declares."""
     models = models or Models()
 
     def one(e: Entry) -> Outcome:
         g = open_golden(e.path)
         try:
+            stale = stale_reasons(e, g)
+            if stale:
+                raise GoldenError("stale, the declaration changed since it was recorded: " + "; ".join(stale)
+                                  + f"; record it again: vd record --suite {e.name} --refresh --reason TEXT")
             spec, head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
             m = model or models.get(settings.model or spec, settings.device or g.info.device,
                                     g.logical, settings.head if settings.model else head, progress)
