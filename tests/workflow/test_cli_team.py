@@ -73,6 +73,10 @@ def test_a_suite_replay_refuses_a_golden_its_declaration_has_moved_past(project,
     b = json.loads((project / "r.json").read_text())["goldens"][1]
     assert b["verdict"] == "ERROR" and line in b["error"] and b["report"] is None
     assert ET.parse(project / "j.xml").getroot().get("errors") == "1"
+    code, out, err = cli("record", "--suite")  # left as it is, but said to be stale, with how to record it
+    assert code == 0 and "b                        PRESENT" in out, out + err
+    assert "    stale: ks: recorded [2], declared [2, 3]; vd record --suite b --refresh --reason TEXT records it " \
+           "again" in out, out
 
 
 def test_refresh_history_and_status(project, cli, request):

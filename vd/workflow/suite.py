@@ -149,8 +149,8 @@ def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, re
         location = locate(e.path)
         present = location.state() not in ("absent", "partial")  # partial: an interrupted S3 write
         if present and not refresh_existing:
-            check_target(location, refresh=True)  # a golden is left as it is; anything else is an error
-            return Outcome(e.name, e.path, "PRESENT")
+            check_target(location, refresh=True)  # a golden is left as it is (said if stale); anything else errs
+            return Outcome(e.name, e.path, "PRESENT", reasons=_stale_note(e))
         m = models.get(s.model, s.device, s.dtype, s.head, progress)
         if present:
             done = refresh(e.path, s, reason=reason, name=e.name, model=m, progress=progress)
@@ -162,6 +162,17 @@ def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, re
         return Outcome(e.name, e.path, "RECORDED", reasons=[f"K={k}: accepted {a}" for k, a in r.accepted.items()])
 
     return [_timed(e, partial(one, e)) for e in entries]
+
+
+def _stale_note(e: Entry) -> list[str]:
+    """What a golden left as it is says if its declaration has moved past it (one line), else nothing."""
+    g = open_golden(e.path)
+    try:
+        stale = stale_reasons(e, g)
+    finally:
+        g.close()
+    return [f"stale: {'; '.join(stale)}; vd record --suite {e.name} --refresh --reason TEXT records it again"] \
+        if stale else []
 
 
 def for_entry(settings: ReplaySettings, entry: Entry) -> ReplaySettings:
