@@ -103,4 +103,6 @@ def test_a_candidate_whose_control_was_inconclusive_is_refused_with_the_way_forw
     r = promote(cand, golden, reason="sdpa from now on")
     assert not r.published and all(f"K={k}: the candidate's detection control was inconclusive" in " ".join(r.refused)
                                    for k in inconclusive)
-    assert "--refresh --reason" in r.refused[0] and "blind" not in " ".join(r.refused)
+    assert r.refused[len(inconclusive)] == (f"record the change itself instead: vd record {golden} --refresh "
+                                            "--forward sdpa --reason 'sdpa from now on'")
+    assert "blind" not in " ".join(r.refused)

@@ -16,6 +16,7 @@ published whole through its location. Refused, nothing is published and the old 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,10 +154,11 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
     made = _check_candidate(cand, old, location.url, allow_slim)
     inconclusive = {str(k) for k in made.get("inconclusive") or ()}
     refused = [f"K={k}: the candidate's detection control was inconclusive (its rows differ from the golden's at the "
-               "control's step already, so a changed draft shows nothing there): record the change itself instead, "
-               f"vd record {location.url} --refresh --reason ... with the flags the replay changed (--forward, --model)"
+               "control's step already, so a changed draft shows nothing there)"
                if k in inconclusive else f"K={k}: the candidate's detection control was blind"
                for k, fired in (made.get("control") or {}).items() if not fired]
+    if inconclusive & {k for k, fired in (made.get("control") or {}).items() if not fired}:
+        refused.append(f"record the change itself instead: {_rerecord_command(location.url, cand, old, reason)}")
     refused += list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
     if refused:
         return Refreshed(location.url, refused=refused)
@@ -173,6 +175,18 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
         return _publish(location, new_path, old, unreadable, reason, name, ran)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _rerecord_command(url: str, cand: Golden, old: Golden | None, reason: str) -> str:
+    """The `vd record --refresh` that records what a candidate replayed (its forward, and its model where the
+    replay named another), for a change its control cannot vouch for."""
+    cmd = ["vd", "record", url, "--refresh"]
+    spec = cand.meta["model"]["spec"]
+    if old is not None and spec != old.meta["model"]["spec"]:
+        cmd += ["--model", spec]
+    if old is None or cand.info.forward != old.info.forward:
+        cmd += ["--forward", cand.info.forward]
+    return shlex.join([*cmd, "--reason", reason])
 
 
 def _copy_golden(g: Golden, dest: Path) -> None:
