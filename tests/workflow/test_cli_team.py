@@ -221,7 +221,8 @@ def test_prune_removes_orphans_only_once_confirmed(project, cli):
 
 def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_path, cli, monkeypatch):
     """`vd record OUT --config FILE` records the golden FILE declares at OUT (or by the name OUT) with its
-    declared settings, changed only by the flags given; an OUT FILE does not declare is refused (exit 2)."""
+    declared settings, changed only by the flags given; an OUT FILE does not declare is refused (exit 2).
+    Without --config, the declaration found from here is used the same way, where it declares OUT."""
     (tmp_path / "ci").mkdir()
     (tmp_path / "ci" / "team.toml").write_text(SUITE.replace('"goldens/', '"../goldens/'))
     monkeypatch.chdir(tmp_path)
@@ -238,3 +239,16 @@ def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_pat
     code, out, err = cli("record", "goldens/c.zarr", "--config", "ci/team.toml")
     assert code == 2 and "declares no golden" in err and "a, b" in err and err.count("\n") == 1, err
     assert not (tmp_path / "goldens" / "c.zarr").exists()
+    code, out, err = cli("record", "goldens/c.zarr", "--model", "tiny-llama", "--steps", "4")  # undeclared: flags
+    assert code == 0 and "declares it" not in out, out + err
+    (tmp_path / "goldens" / "b.zip").unlink()
+    (tmp_path / "ci" / "team.toml").rename(tmp_path / "vd.toml")  # (its paths now one folder too high)
+    (tmp_path / "vd.toml").write_text((tmp_path / "vd.toml").read_text().replace('"../goldens/', '"goldens/'))
+    code, out, err = cli("record", "b", "--k", "2,3")  # the name, the declaration found from here
+    assert code == 0 and f"recording b as {tmp_path / 'vd.toml'} declares it, changed by --k" in out, out + err
+    got = RecordSettings.of_golden(open_golden(tmp_path / "goldens" / "b.zip").meta)
+    assert (got.steps, got.ks, got.prompt) == (4, (2, 3), "Write one sentence about the sea."), got
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "vd.toml").write_text("[goldens.x]\nk = 3\n")  # a broken declaration found here is passed over
+    code, out, err = cli("record", "goldens/d.zarr", "--model", "tiny-llama", "--steps", "4")
+    assert code == 0, out + err

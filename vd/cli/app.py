@@ -83,8 +83,10 @@ def record(
     """Record a golden: the reference (or MTP drafter) feed at each K, every logits row, in a zarr store.
 
     With --refresh over an existing golden it re-records what the golden (or its declaration) says, changed
-    only by the flags given, and prints what changed (as vd refresh does). With --suite it records the
-    declared goldens that are missing (and with --refresh the rest); --tolerance sets the default policy."""
+    only by the flags given, and prints what changed (as vd refresh does). An OUT a suite declares (by its name
+    or path; the declaration found from here, or --config's) is recorded with its declared settings, changed
+    by the flags given. With --suite it records the declared goldens that are missing (and with --refresh the
+    rest); --tolerance sets the default policy."""
     if suite:
         from vd.cli import team
 
@@ -94,11 +96,10 @@ def record(
     out_path = _one(targets, "OUT")
     if resume:
         return _resumed(out_path)
-    entry = None
-    if config is not None:  # one golden FILE declares (at OUT or by the name OUT): its settings, and the flags given
-        from vd.cli.team import declared_entry
+    from vd.cli.team import record_entry
 
-        entry = declared_entry(out_path, config)
+    entry = record_entry(out_path, config)  # a declared golden (by NAME or path): its settings, and the flags given
+    if entry is not None:
         out_path = entry.path
     _check_record(out_path, refresh, model, forward, device, threads, tolerance)
     check_writable("--summary", summary, (out_path,))
@@ -135,6 +136,9 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
 
     if entry is not None:
         settings = team.settings_for(out_path, entry, flags)
+        named = ", ".join("--" + n.replace("_", "-") for n in _SETTINGS if _given(ctx, n))
+        out.print(f"recording {entry.name} as {team.declaration_file(config)} declares it"
+                  + (f", changed by {named}" if named else ""))
     else:
         given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
         settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})

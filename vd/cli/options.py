@@ -46,8 +46,9 @@ Resume = Annotated[bool, typer.Option("--resume", help="Continue the recording o
                                       "journal (its settings; every step computed again is checked).")]
 
 # -- vd record
-RecordTargets = Annotated[list[str] | None, typer.Argument(metavar="OUT|NAME", help=f"Golden to write ({GOLDEN_HELP}); "
-                                                            "with --suite, declared goldens (default: all).")]
+RecordTargets = Annotated[list[str] | None, typer.Argument(metavar="OUT|NAME", help=f"Golden to write ({GOLDEN_HELP}), "
+                                                            "or a declared golden's name; with --suite, declared "
+                                                            "goldens (default: all).")]
 RecordModel = Annotated[str, typer.Option(metavar="SPEC", help="Model: preset, checkpoint dir, .gguf, module:factory "
                                           "(`vd models`).")]
 Prompt = Annotated[str | None, typer.Option(metavar="TEXT", help="Prompt (default: vd's own).")]

@@ -39,6 +39,11 @@ def _suite(config: Path | None):
     return load_suite(config)
 
 
+def declaration_file(config: Path | None) -> Path:
+    """The file that declares the suite (``config``, else the one found from here)."""
+    return _suite(config).file
+
+
 def entry_for(target: str, config: Path | None):
     """The declared entry ``target`` names (a NAME, or a declared golden's path), if a suite declares it."""
     from vd.workflow.declare import DeclarationError, find, load_suite
@@ -52,9 +57,18 @@ def entry_for(target: str, config: Path | None):
         return suite.by_path(target)
 
 
-def declared_entry(target: str, config: Path):
-    """The entry the declaration ``config`` gives ``target`` (a NAME or a declared golden's path), for a record
-    of one golden with --config; a usage error naming the declared goldens if it gives none."""
+def record_entry(target: str, config: Path | None):
+    """The declared golden a recording of one golden names (``target``: a NAME or a declared golden's path),
+    whose declared settings it records, changed by the flags given: with ``config``, one that file declares,
+    else a usage error naming the declared goldens; without, the one a declaration found from here gives, if
+    any (one found here that cannot be read is passed over, as a replay by path passes over it)."""
+    from vd.workflow.declare import DeclarationError
+
+    if config is None:
+        try:
+            return entry_for(target, None)
+        except DeclarationError:
+            return None
     entry = entry_for(target, config)
     if entry is None:
         suite = _suite(config)
