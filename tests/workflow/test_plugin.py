@@ -134,3 +134,19 @@ def test_no_such_field(vd_golden):
         vd_golden("tiny").replay(forward="eager")
 """)
     project.runpytest("test_engine.py", "--vd-forward", "sdpa", "--vd-tolerance", "argmax").assert_outcomes(passed=4)
+
+
+def test_an_update_its_control_cannot_vouch_for_names_the_recording_to_run(project):
+    """A test replaying another forward (sdpa against an eager golden) differs at every step, so with
+    --vd-update its candidate's control is inconclusive and the promotion refused: the failure shows the test's
+    line and the command that records the change (by the golden's declared name), not the plugin's source."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    project.makepyfile(test_engine="""
+def test_sdpa(vd_golden):
+    vd_golden("tiny").replay(forwards="sdpa")
+""")
+    r = project.runpytest("test_engine.py", "--vd-update")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*the candidate's detection control was inconclusive*",
+                            "*record the change itself instead: vd record tiny --refresh --forward sdpa --reason TEXT"])
+    assert "def _done(" not in r.stdout.str() and 'vd_golden("tiny").replay(forwards="sdpa")' in r.stdout.str()

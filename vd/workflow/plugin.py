@@ -143,18 +143,21 @@ class _Session:
         return [f"stale, the declaration changed since it was recorded: {r}" for r in stale]
 
     def _promote(self, entry, who: str, candidate: str, why: str):
+        __tracebackhide__ = True
         from vd.workflow.refresh import promote
 
         return self._done(entry, promote(candidate, entry.path, reason=f"pytest --vd-update ({who}): {why}",
                                          name=entry.name))
 
     def _done(self, entry, r):
+        __tracebackhide__ = True
         if r.refused:
             raise GoldenFailure(f"vd golden {entry.name!r}: the refresh was refused:\n"
                                 + "\n".join(f"  - {x}" for x in r.refused))
         self.refreshed.append((entry.name, r))
 
     def _refresh(self, entry, who: str, model, why: str):
+        __tracebackhide__ = True
         from vd.workflow.refresh import refresh
         from vd.workflow.suite import record_settings
 

@@ -158,7 +158,7 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
                if k in inconclusive else f"K={k}: the candidate's detection control was blind"
                for k, fired in (made.get("control") or {}).items() if not fired]
     if inconclusive & {k for k, fired in (made.get("control") or {}).items() if not fired}:
-        refused.append(f"record the change itself instead: {_rerecord_command(location.url, cand, old, reason)}")
+        refused.append(f"record the change itself instead: {_rerecord_command(name or location.url, cand, old, reason)}")
     refused += list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
     if refused:
         return Refreshed(location.url, refused=refused)
@@ -177,16 +177,18 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _rerecord_command(url: str, cand: Golden, old: Golden | None, reason: str) -> str:
+def _rerecord_command(target: str, cand: Golden, old: Golden | None, reason: str) -> str:
     """The `vd record --refresh` that records what a candidate replayed (its forward, and its model where the
-    replay named another), for a change its control cannot vouch for."""
-    cmd = ["vd", "record", url, "--refresh"]
+    replay named another), for a change its control cannot vouch for: ``target`` the golden's declared name or
+    its URL; the reason given again, unless it is too long to retype (a generated one: ``TEXT``)."""
+    cmd = ["vd", "record", target, "--refresh"]
     spec = cand.meta["model"]["spec"]
     if old is not None and spec != old.meta["model"]["spec"]:
         cmd += ["--model", spec]
     if old is None or cand.info.forward != old.info.forward:
         cmd += ["--forward", cand.info.forward]
-    return shlex.join([*cmd, "--reason", reason])
+    short = len(reason) <= 100 and "\n" not in reason
+    return shlex.join([*cmd, "--reason", reason if short else "TEXT"])
 
 
 def _copy_golden(g: Golden, dest: Path) -> None:
