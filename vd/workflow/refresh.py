@@ -153,12 +153,13 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
     old, unreadable = _previous(location)
     made = _check_candidate(cand, old, location.url, allow_slim)
     inconclusive = {str(k) for k in made.get("inconclusive") or ()}
+    silent = [k for k, fired in (made.get("control") or {}).items() if not fired]
     refused = [f"K={k}: the candidate's detection control was inconclusive (its rows differ from the golden's at the "
                "control's step already, so a changed draft shows nothing there)"
-               if k in inconclusive else f"K={k}: the candidate's detection control was blind"
-               for k, fired in (made.get("control") or {}).items() if not fired]
-    if inconclusive & {k for k, fired in (made.get("control") or {}).items() if not fired}:
-        refused.append(f"record the change itself instead: {_rerecord_command(name or location.url, cand, old, reason)}")
+               if k in inconclusive else f"K={k}: the candidate's detection control was blind" for k in silent]
+    if inconclusive & set(silent):
+        refused.append("record the change itself instead: "
+                       + _rerecord_command(name or location.url, cand, old, reason))
     refused += list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
     if refused:
         return Refreshed(location.url, refused=refused)
