@@ -53,6 +53,8 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     done = subprocess.run(["sh", str(project / "bundles" / "a" / "command.sh")], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 1, done.stderr
+    code, out, err = cli("replay", "b", "--k", "2")  # one golden by its declared name, as vd refresh takes it
+    assert code == 0 and out.rstrip().endswith("PASS") and str(project / "goldens" / "b.zip") in out, out + err
     code, out, err = cli("replay", "--suite", "b", "--shard", "2/2")
     assert code == 0 and "PASS: shard 2/2 holds none of the 1 golden(s) selected; nothing replayed" in out, out
     (project / "goldens" / "b.zip").unlink()

@@ -243,6 +243,9 @@ def replay(
     Replay defaults to everything the golden recorded (its model, forward, device, threads and policy,
     which --tolerance overrides). With --suite, every declared golden (or those named), each model loaded
     once: one verdict, report, JUnit file and HTML page, and exit 2 where a golden could not be judged."""
+    if not suite and targets is not None and len(targets) == 1:  # a declared golden's name: its path
+        entry = _declared(targets[0], config)
+        targets = [entry.path] if entry is not None and entry.name == targets[0] else targets
     golden = _check_outputs(targets, suite, rows, {"--report": report, "--junit": junit, "--html": html,
                                                    "--bundle": bundle, "--save-candidate": save_candidate})
     asked = dict(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()), device=device,
@@ -279,18 +282,24 @@ def _replay_golden(golden: str, asked: dict, config: Path | None, report: Path |
 
 def _declared_pin(golden: str, config: Path | None) -> str | None:
     """The pin a suite declaration (``--config``, else the one found from here) gives the golden at this path, if
-    any. A declaration found from here that cannot be read pins nothing: a replay by path does not depend on it
-    (a suite replay refuses it); one named by --config is the user's, and its error is theirs (exit 2)."""
+    any."""
+    entry = _declared(golden, config)
+    return None if entry is None else entry.pin
+
+
+def _declared(target: str, config: Path | None):
+    """The declared golden ``target`` names (a NAME or a declared path), if any. A declaration found from here
+    that cannot be read declares nothing: a replay by path does not depend on it (a suite replay refuses it);
+    one named by --config is the user's, and its error is theirs (exit 2)."""
     from vd.cli.team import entry_for
     from vd.workflow.declare import DeclarationError
 
     try:
-        entry = entry_for(golden, config)
+        return entry_for(target, config)
     except DeclarationError:
         if config is not None:
             raise
         return None
-    return None if entry is None else entry.pin
 
 
 def _settings(asked: dict):

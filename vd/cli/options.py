@@ -69,8 +69,8 @@ RecordCoverage = Annotated[bool, typer.Option("--require-coverage", help="Refuse
 
 # -- vd replay
 ReplayTargets = Annotated[list[str] | None, typer.Argument(metavar="GOLDEN|NAME", help=f"Golden to replay "
-                                                            f"({GOLDEN_HELP}); with --suite, declared goldens "
-                                                            "(default: all).")]
+                                                            f"({GOLDEN_HELP}), or a declared golden's name; with "
+                                                            "--suite, declared goldens (default: all).")]
 ReplayModel = Annotated[str | None, typer.Option(metavar="SPEC", help="Model (default: the golden's).")]
 ReplayHead = Annotated[str | None, typer.Option(metavar="FILE", parser=parse_head, help="MTP head file to "
                                                 "attach (default: the golden's).")]
