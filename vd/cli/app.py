@@ -91,26 +91,30 @@ def record(
         from vd.cli import team
 
         return team.record_suite(targets or [], config, refresh, reason, summary)
-    if summary is not None and not refresh:  # (one golden's first recording writes none)
-        raise UsageError("--summary describes what a refresh changed: give it with --refresh (or --suite)")
-    out_path = _one(targets, "OUT")
+    out_path, entry = _record_target(_one(targets, "OUT"), config)
     if resume:
         return _resumed(out_path)
-    from vd.cli.team import record_entry
-
-    entry = record_entry(out_path, config)  # a declared golden (by NAME or path): its settings, and the flags given
-    if entry is not None:
-        out_path = entry.path
-    _check_record(out_path, refresh, model, forward, device, threads, tolerance)
-    check_writable("--summary", summary, (out_path,))
+    _check_record(out_path, refresh, summary, model, forward, device, threads, tolerance)
     preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp)
     return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
 
 
-def _check_record(out_path: str, refresh: bool, model: str, forward: str | None, device: str, threads: int | None,
-                  tolerance: list[str] | None) -> None:
-    """A recording's arguments checked before anything heavy is imported: the destination, the model SPEC and
-    forward, the device, the thread count and the policy."""
+def _record_target(target: str, config: Path | None):
+    """Where one golden is recorded, and its declaration's entry: a declared golden (by its NAME or path) is
+    recorded at its declared path with its declared settings, changed by the flags given."""
+    from vd.cli.team import record_entry
+
+    entry = record_entry(target, config)
+    return (target, None) if entry is None else (entry.path, entry)
+
+
+def _check_record(out_path: str, refresh: bool, summary: Path | None, model: str, forward: str | None, device: str,
+                  threads: int | None, tolerance: list[str] | None) -> None:
+    """A recording's arguments checked before anything heavy is imported: the destination and --summary, the
+    model SPEC and forward, the device, the thread count and the policy."""
+    if summary is not None and not refresh:  # (one golden's first recording writes none)
+        raise UsageError("--summary describes what a refresh changed: give it with --refresh (or --suite)")
+    check_writable("--summary", summary, (out_path,))
     preflight.check_target(out_path, preflight.peek(out_path).state, refresh)
     check_no_golden("OUT", out_path, replace=True)  # OUT itself: check_target's (--refresh replaces it)
     check_model(model, [forward] if forward else [])
@@ -243,10 +247,7 @@ def replay(
     Replay defaults to everything the golden recorded (its model, forward, device, threads and policy,
     which --tolerance overrides). With --suite, every declared golden (or those named), each model loaded
     once: one verdict, report, JUnit file and HTML page, and exit 2 where a golden could not be judged."""
-    if not suite and targets is not None and len(targets) == 1:  # a declared golden's name: its path
-        entry = _declared(targets[0], config)
-        targets = [entry.path] if entry is not None and entry.name == targets[0] else targets
-    golden = _check_outputs(targets, suite, rows, {"--report": report, "--junit": junit, "--html": html,
+    golden = _check_outputs(targets, suite, config, rows, {"--report": report, "--junit": junit, "--html": html,
                                                    "--bundle": bundle, "--save-candidate": save_candidate})
     asked = dict(model=model, head=head, forwards=tuple(forward or ()), ks=tuple(k or ()), device=device,
                  threads=threads, allow_model_mismatch=allow_model_mismatch, tolerances=tuple(tolerance or ()),
@@ -336,12 +337,14 @@ def _error_outputs(golden: str, e: Exception, report: Path | None, junit: Path |
         render.write_error_html(html, golden_name(golden), done.error, command=["vd", *sys.argv[1:]])
 
 
-def _check_outputs(targets, suite: bool, rows, outputs: dict) -> str | None:
+def _check_outputs(targets, suite: bool, config: Path | None, rows, outputs: dict) -> str | None:
     """A replay's targets and output paths checked first (before the replay, not after it); the golden (None
-    with --suite)."""
+    with --suite; given by a declared golden's name, its path)."""
     if suite and rows is not None:
         raise UsageError("--rows names one slim golden's rows; it does not go with --suite")
     golden = None if suite else _one(targets, "GOLDEN")
+    entry = None if golden is None else _declared(golden, config)
+    golden = entry.path if entry is not None and entry.name == golden else golden
     candidate = outputs.pop("--save-candidate")
     for flag, path in outputs.items():
         check_writable(flag, path, (golden, rows), directory=flag == "--bundle")
