@@ -34,7 +34,7 @@ from typer.core import TyperCommand, TyperGroup
 
 import vd
 from vd import preflight
-from vd.errors import ModelSpecError, UsageError, VdError, write_traceback
+from vd.errors import GoldenNotFoundError, ModelSpecError, UsageError, VdError, write_traceback
 from vd.outputs import write_text
 from vd.progress import Lines
 
@@ -265,8 +265,27 @@ def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Pat
 
 def check_golden(where: str) -> Mapping[str, Any] | None:
     """A local golden that is not there or is no golden, refused before anything heavy is imported (the store
-    says the same when it opens one; an s3:// prefix is asked when opened); its metadata where it is local."""
-    return preflight.check_readable(where)
+    says the same when it opens one; an s3:// prefix is asked when opened); its metadata where it is local.
+    A path that is not there but is a declared golden's name is refused naming the golden's path."""
+    try:
+        return preflight.check_readable(where)
+    except GoldenNotFoundError as e:
+        path = _declared_path(where)
+        if path is None:
+            raise
+        raise GoldenNotFoundError(f"{e}; {where} is the name of a declared golden: give its path, {path}") from None
+
+
+def _declared_path(name: str) -> str | None:
+    """The path of the golden the declaration found from here declares as ``name``, if any (a declaration
+    that cannot be read declares none)."""
+    from vd.workflow.declare import DeclarationError, find, load_suite
+
+    try:
+        entry = load_suite(None).entries.get(name) if find() is not None else None
+    except DeclarationError:
+        return None
+    return None if entry is None else os.path.relpath(entry.path) if "://" not in entry.path else entry.path
 
 
 def check_replay(golden: str, meta: Mapping[str, Any] | None, ks, model: str | None, forwards: list[str],
