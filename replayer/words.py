@@ -489,11 +489,9 @@ def next_steps(report: Report, declared: str | None) -> list[NextStep]:
                     " replays just that and writes its first-divergence bundle to ", Code("replay.json.bundle/"),
                     " (both rows in ", Code("rows.npz"), ", ", Code("failure.json"), ", ", Code("command.sh"), ")."))
     out += _axis_steps(report)
-    if report.reasons_of(("rows", "draft", "decode")):
-        target = declared if declared is not None else report.golden
-        out.append(("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
-                    ", or record the golden again on the trusted build: ",
-                    Code(f"vd record {shlex.quote(report.golden)} --refresh"), "."))
+    failing = {r.variant for r in report.reasons_of(("rows", "draft", "decode"))}
+    if failing:
+        out.append(_accept_step(report, declared, failing))
     if report.reasons_of(("control", "thin", "coverage")):
         out.append(("The golden's own checks failed (see the reasons): a blind control means the policy is too loose "
                     "to see a changed draft; a thin or uncovered golden needs recording again with more steps (",
@@ -502,6 +500,22 @@ def next_steps(report: Report, declared: str | None) -> list[NextStep]:
         out.append(("The environment differs from the recording's (above): replay on a machine like the recording's "
                     "to tell a change in the code from a change of machine.",))
     return out
+
+
+def _accept_step(report: Report, declared: str | None, failing: set[str | None]) -> NextStep:
+    """How to accept what failed: a refresh (it records the golden's own forward again); or, where only other
+    forwards failed, a recording with the first of them, which a refresh would not make."""
+    target = declared if declared is not None else report.golden
+    if report.golden_forward in failing or None in failing:
+        return ("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
+                ", or record the golden again on the trusted build: ",
+                Code(f"vd record {shlex.quote(report.golden)} --refresh"), ".")
+    forward = sorted(f for f in failing if f is not None)[0]
+    own = ("the declared one; declare forward = \"" + forward + "\" to keep it" if declared is not None
+           else f"the golden's own, {report.golden_forward}")
+    return (f"To make {forward} the golden's forward, record it with it: ",
+            Code(shlex.join(["vd", "record", target, "--refresh", "--forward", forward]) + " --reason TEXT"),
+            f" (vd refresh records {own}).")
 
 
 def _axis_steps(report: Report) -> list[NextStep]:

@@ -85,6 +85,18 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
     assert code == 0 and "next step" not in out
 
 
+def test_a_fail_of_another_forward_says_how_to_record_with_it(cli, tiny_golden):
+    """A forward other than the golden's failing: a refresh would record the golden's own forward (eager) again,
+    so the way to accept it is a recording with that forward, said as the command to run."""
+    code, out, err = cli("replay", tiny_golden, "--forward", "sdpa", "--k", "2")
+    assert code == 1, err
+    lines = out.splitlines()
+    at = lines.index("next step:")
+    assert lines[at + 2] == (f"  - To make sdpa the golden's forward, record it with it: vd record {tiny_golden} "
+                             "--refresh --forward sdpa --reason TEXT (vd refresh records the golden's own, eager).")
+    assert "vd refresh" not in lines[at + 2].split(":")[0] and len(lines) == at + 3, lines[at:]
+
+
 def test_a_bundle_goes_into_a_folder_that_exists_and_never_onto_a_file(cli, tiny_golden, tmp_path):
     """--bundle names a folder: one a CI job made for its artifacts is written into; a file is refused, kept."""
     folder = tmp_path / "artifacts"
