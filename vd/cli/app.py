@@ -127,8 +127,8 @@ def _check_record(out_path: str, refresh: bool, summary: Path | None, model: str
 
 def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | None, summary: Path | None,
                 config: Path | None, entry) -> int:
-    """Record one golden from the flags given (``ctx``) over its declaration's settings (``entry``, if --config
-    named one), or refresh the golden at ``out_path``."""
+    """Record one golden from the flags given (``ctx``), over its declaration's settings where a declaration
+    names it (``entry``), or refresh the golden at ``out_path``; a declared pin is set to what was recorded."""
     from vd.cli import team
     from vd.store import locate
 
