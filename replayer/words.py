@@ -511,11 +511,13 @@ def _accept_step(report: Report, declared: str | None, failing: set[str | None])
                 ", or record the golden again on the trusted build: ",
                 Code(f"vd record {shlex.quote(report.golden)} --refresh"), ".")
     forward = sorted(f for f in failing if f is not None)[0]
-    own = ("the declared one; declare forward = \"" + forward + "\" to keep it" if declared is not None
-           else f"the golden's own, {report.golden_forward}")
+    if declared is not None:  # the declaration says what a refresh records
+        return (f"To make {forward} the golden's forward, declare it (", Code(f'forward = "{forward}"'),
+                f" in {declared}'s declaration) and refresh: ",
+                Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"), ".")
     return (f"To make {forward} the golden's forward, record it with it: ",
             Code(shlex.join(["vd", "record", target, "--refresh", "--forward", forward]) + " --reason TEXT"),
-            f" (vd refresh records {own}).")
+            f" (vd refresh records the golden's own, {report.golden_forward}).")
 
 
 def _axis_steps(report: Report) -> list[NextStep]:

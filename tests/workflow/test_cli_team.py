@@ -55,6 +55,9 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     assert done.returncode == 1, done.stderr
     code, out, err = cli("replay", "b", "--k", "2")  # one golden by its declared name, as vd refresh takes it
     assert code == 0 and out.rstrip().endswith("PASS") and str(project / "goldens" / "b.zip") in out, out + err
+    code, out, err = cli("replay", "--suite", "a", "--forward", "sdpa", "--k", "2")  # to accept another forward:
+    assert code == 1 and ('  - To make sdpa the golden\'s forward, declare it (forward = "sdpa" in a\'s declaration) '
+                          "and refresh: vd refresh a --reason TEXT.") in out.splitlines(), out
     code, out, err = cli("show", "b")  # a command that takes a path names the path of the golden so named
     assert code == 2 and err == "vd: error: b does not exist; b is the name of a declared golden: give its path, " \
                                 "goldens/b.zip\n", err
