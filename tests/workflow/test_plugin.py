@@ -148,5 +148,6 @@ def test_sdpa(vd_golden):
     r = project.runpytest("test_engine.py", "--vd-update")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["*the candidate's detection control was inconclusive*",
-                            "*record the change itself instead: vd record tiny --refresh --forward sdpa --reason TEXT"])
+                            "*record the change itself instead: declare forward = \"sdpa\" in tiny's declaration, then "
+                            "vd refresh tiny --reason TEXT"])
     assert "def _done(" not in r.stdout.str() and 'vd_golden("tiny").replay(forwards="sdpa")' in r.stdout.str()

@@ -158,8 +158,7 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
                "control's step already, so a changed draft shows nothing there)"
                if k in inconclusive else f"K={k}: the candidate's detection control was blind" for k in silent]
     if inconclusive & set(silent):
-        refused.append("record the change itself instead: "
-                       + _rerecord_command(name or location.url, cand, old, reason))
+        refused.append(_rerecord_step(name, location.url, cand, old, reason))
     refused += list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
     if refused:
         return Refreshed(location.url, refused=refused)
@@ -178,18 +177,23 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _rerecord_command(target: str, cand: Golden, old: Golden | None, reason: str) -> str:
-    """The `vd record --refresh` that records what a candidate replayed (its forward, and its model where the
-    replay named another), for a change its control cannot vouch for: ``target`` the golden's declared name or
-    its URL; the reason given again, unless it is too long to retype (a generated one: ``TEXT``)."""
-    cmd = ["vd", "record", target, "--refresh"]
-    spec = cand.meta["model"]["spec"]
-    if old is not None and spec != old.meta["model"]["spec"]:
-        cmd += ["--model", spec]
+def _rerecord_step(name: str | None, url: str, cand: Golden, old: Golden | None, reason: str) -> str:
+    """How to record what a candidate replayed (its forward, and its model where the replay named another), for
+    a change its control cannot vouch for: a declared golden (``name``) has it declared, then refreshed (the
+    declaration says what a refresh records); another is recorded with those flags. The reason is given again,
+    unless it is too long to retype (a generated one: ``TEXT``)."""
+    changed = {}
+    if old is not None and cand.meta["model"]["spec"] != old.meta["model"]["spec"]:
+        changed["model"] = cand.meta["model"]["spec"]
     if old is None or cand.info.forward != old.info.forward:
-        cmd += ["--forward", cand.info.forward]
-    short = len(reason) <= 100 and "\n" not in reason
-    return shlex.join([*cmd, "--reason", reason if short else "TEXT"])
+        changed["forward"] = cand.info.forward
+    again = ["--reason", reason if len(reason) <= 100 and "\n" not in reason else "TEXT"]
+    if name is not None:
+        declare = ", ".join(f'{key} = "{value}"' for key, value in changed.items())
+        return (f"record the change itself instead: declare {declare} in {name}'s declaration, then "
+                + shlex.join(["vd", "refresh", name, *again]))
+    flags = [x for key, value in changed.items() for x in (f"--{key}", value)]
+    return "record the change itself instead: " + shlex.join(["vd", "record", url, "--refresh", *flags, *again])
 
 
 def _copy_golden(g: Golden, dest: Path) -> None:
