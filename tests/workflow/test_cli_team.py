@@ -254,8 +254,12 @@ def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_pat
     (tmp_path / "vd.toml").write_text((tmp_path / "vd.toml").read_text().replace('"../goldens/', '"goldens/'))
     code, out, err = cli("record", "b", "--k", "2,3")  # the name, the declaration found from here
     assert code == 0 and f"recording b as {tmp_path / 'vd.toml'} declares it, changed by --k" in out, out + err
+    assert "vd: note: b now differs from its declaration (ks: recorded [2, 3], declared [2]); vd status and vd " \
+           "replay --suite call it stale until the declaration says the same" in err, err
     got = RecordSettings.of_golden(open_golden(tmp_path / "goldens" / "b.zip").meta)
     assert (got.steps, got.ks, got.prompt) == (4, (2, 3), "Write one sentence about the sea."), got
+    code, out, err = cli("refresh", "b", "--reason", "as declared again")  # back to what the declaration says
+    assert code == 0 and "vd: note" not in err, out + err
     assert not (tmp_path / "b").exists()
     (tmp_path / "vd.toml").write_text("[goldens.x]\nk = 3\n")  # a broken declaration found here is passed over
     code, out, err = cli("record", "goldens/d.zarr", "--model", "tiny-llama", "--steps", "4")
