@@ -119,7 +119,8 @@ def send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> No
     data = json.dumps(message).encode()
     frame = struct.pack("!I", len(data)) + data
     sent = socket.send_fds(sock, [frame], fds) if fds else 0
-    sock.sendall(frame[sent:])
+    if sent < len(frame):  # (an empty send after the whole frame would fail, EPIPE, once the server has answered
+        sock.sendall(frame[sent:])  # and closed: a refusal comes that fast)
 
 
 def receive(sock: socket.socket) -> tuple[dict, list[int]]:
