@@ -151,7 +151,7 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     code = _recorded(r)
     if code == EXIT_PASS:
         team.repin(entry, config, out_path)
-        team.note_stale(entry, out_path)
+        team.note_stale(entry)
     return code
 
 

@@ -185,23 +185,18 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
         write_text(summary, done.summary)
     out.print(f"refreshed {done.url} to version {done.version}")
     repin(entry, config, path)
-    note_stale(entry, path)
+    note_stale(entry)
     return EXIT_PASS
 
 
-def note_stale(entry, path: str) -> None:
+def note_stale(entry) -> None:
     """A golden just recorded or refreshed that flags took away from its declaration: said on stderr, since
     `vd status` and a suite replay will call it stale until the declaration says the same."""
     if entry is None:
         return
-    from vd.store import open_golden
-    from vd.workflow.suite import stale_reasons
+    from vd.workflow.suite import stale_now
 
-    g = open_golden(path)
-    try:
-        stale = stale_reasons(entry, g)
-    finally:
-        g.close()
+    stale = stale_now(entry)
     if stale:
         err.print(f"vd: note: {entry.name} now differs from its declaration ({'; '.join(stale)}); vd status and "
                   "vd replay --suite call it stale until the declaration says the same")

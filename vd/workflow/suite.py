@@ -164,13 +164,18 @@ def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, re
     return [_timed(e, partial(one, e)) for e in entries]
 
 
-def _stale_note(e: Entry) -> list[str]:
-    """What a golden left as it is says if its declaration has moved past it (one line), else nothing."""
+def stale_now(e: Entry) -> list[str]:
+    """`stale_reasons` of the golden at the entry's path, opened and closed here."""
     g = open_golden(e.path)
     try:
-        stale = stale_reasons(e, g)
+        return stale_reasons(e, g)
     finally:
         g.close()
+
+
+def _stale_note(e: Entry) -> list[str]:
+    """What a golden left as it is says if its declaration has moved past it (one line), else nothing."""
+    stale = stale_now(e)
     return [f"stale: {'; '.join(stale)}; vd record --suite {e.name} --refresh --reason TEXT records it again"] \
         if stale else []
 
