@@ -284,24 +284,11 @@ def _replay_golden(golden: str, asked: dict, config: Path | None, report: Path |
 
 def _declared_pin(golden: str, config: Path | None) -> str | None:
     """The pin a suite declaration (``--config``, else the one found from here) gives the golden at this path, if
-    any."""
-    entry = _declared(golden, config)
+    any (`vd.workflow.declare.declared`)."""
+    from vd.workflow.declare import declared
+
+    entry = declared(golden, config)
     return None if entry is None else entry.pin
-
-
-def _declared(target: str, config: Path | None):
-    """The declared golden ``target`` names (a NAME or a declared path), if any. A declaration found from here
-    that cannot be read declares nothing: a replay by path does not depend on it (a suite replay refuses it);
-    one named by --config is the user's, and its error is theirs (exit 2)."""
-    from vd.cli.team import entry_for
-    from vd.workflow.declare import DeclarationError
-
-    try:
-        return entry_for(target, config)
-    except DeclarationError:
-        if config is not None:
-            raise
-        return None
 
 
 def _settings(asked: dict):
@@ -344,7 +331,9 @@ def _check_outputs(targets, suite: bool, config: Path | None, rows, outputs: dic
     if suite and rows is not None:
         raise UsageError("--rows names one slim golden's rows; it does not go with --suite")
     golden = None if suite else _one(targets, "GOLDEN")
-    entry = None if golden is None else _declared(golden, config)
+    from vd.workflow.declare import declared
+
+    entry = None if golden is None else declared(golden, config)
     golden = entry.path if entry is not None and entry.name == golden else golden
     candidate = outputs.pop("--save-candidate")
     for flag, path in outputs.items():

@@ -277,15 +277,14 @@ def check_golden(where: str) -> Mapping[str, Any] | None:
 
 
 def _declared_path(name: str) -> str | None:
-    """The path of the golden the declaration found from here declares as ``name``, if any (a declaration
-    that cannot be read declares none)."""
-    from vd.workflow.declare import DeclarationError, find, load_suite
+    """The path of the golden the declaration found from here declares as ``name``, if any
+    (`vd.workflow.declare.declared`)."""
+    from vd.workflow.declare import declared
 
-    try:
-        entry = load_suite(None).entries.get(name) if find() is not None else None
-    except DeclarationError:
+    entry = declared(name, None)
+    if entry is None or entry.name != name:
         return None
-    return None if entry is None else os.path.relpath(entry.path) if "://" not in entry.path else entry.path
+    return os.path.relpath(entry.path) if "://" not in entry.path else entry.path
 
 
 def check_replay(golden: str, meta: Mapping[str, Any] | None, ks, model: str | None, forwards: list[str],

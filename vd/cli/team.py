@@ -31,6 +31,7 @@ from vd.cli.common import (
 )
 from vd.errors import UsageError
 from vd.outputs import write_text
+from vd.workflow.declare import declared, entry_for
 
 
 def _suite(config: Path | None):
@@ -44,33 +45,12 @@ def declaration_file(config: Path | None) -> Path:
     return _suite(config).file
 
 
-def entry_for(target: str, config: Path | None):
-    """The declared entry ``target`` names (a NAME, or a declared golden's path), if a suite declares it."""
-    from vd.workflow.declare import DeclarationError, find, load_suite
-
-    if config is None and find() is None:
-        return None
-    suite = load_suite(config)
-    try:
-        return suite.select([target])[0]
-    except DeclarationError:
-        return suite.by_path(target)
-
-
 def record_entry(target: str, config: Path | None):
-    """The declared golden a recording of one golden names (``target``: a NAME or a declared golden's path),
-    whose declared settings it records, changed by the flags given: with ``config``, one that file declares,
-    else a usage error naming the declared goldens; without, the one a declaration found from here gives, if
-    any (one found here that cannot be read is passed over, as a replay by path passes over it)."""
-    from vd.workflow.declare import DeclarationError
-
-    if config is None:
-        try:
-            return entry_for(target, None)
-        except DeclarationError:
-            return None
-    entry = entry_for(target, config)
-    if entry is None:
+    """The declared golden a recording of one golden names (`vd.workflow.declare.declared`), whose declared
+    settings it records, changed by the flags given; with ``config``, one that file must declare (else a usage
+    error naming the declared goldens)."""
+    entry = declared(target, config)
+    if entry is None and config is not None:
         suite = _suite(config)
         raise UsageError(f"{target}: {suite.file} declares no golden of that name or path (it declares "
                          f"{', '.join(suite.entries) or 'none'}); leave --config out to record from the flags alone")

@@ -188,6 +188,30 @@ def load_suite(file: str | os.PathLike | None = None) -> Suite:
     return Suite(file, _entries(file, table, where))
 
 
+def entry_for(target: str, config: str | os.PathLike | None = None) -> Entry | None:
+    """The declared entry ``target`` names (a NAME, or a declared golden's path), if the suite ``config``
+    declares (default: the one `find` finds, if any) declares it."""
+    if config is None and find() is None:
+        return None
+    suite = load_suite(config)
+    try:
+        return suite.select([target])[0]
+    except DeclarationError:
+        return suite.by_path(target)
+
+
+def declared(target: str, config: str | os.PathLike | None = None) -> Entry | None:
+    """`entry_for` for a command on one golden: a declaration found from here that cannot be read declares
+    nothing (the command does not depend on it; a suite command refuses it); one named by ``config`` is the
+    user's, and its error is theirs (exit 2)."""
+    try:
+        return entry_for(target, config)
+    except DeclarationError:
+        if config is not None:
+            raise
+        return None
+
+
 def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
     prefix = f"{where}." if where else ""
     extra = sorted(set(table) - {"goldens", "defaults"})
