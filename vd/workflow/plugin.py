@@ -97,7 +97,7 @@ class _Session:
         """Replay golden ``name`` (refreshing it when asked to update); raise `GoldenFailure` with vd's
         reasons when it fails; the report when it passes (None after a refresh)."""
         __tracebackhide__ = True  # a failure shows the test's line and vd's reasons, not this function
-        from vd.workflow.suite import replay_suite, stale_reasons
+        from vd.workflow.suite import replay_suite
 
         try:
             entry = self.suite.select([name])[0]
@@ -105,7 +105,7 @@ class _Session:
             raise GoldenFailure(str(e)) from None
         if self.update == "all":
             return self._refresh(entry, who, model, "--vd-update=all")
-        problems = self._problems(entry, stale_reasons)
+        problems = self._problems(entry)
         if problems and self.update:
             return self._refresh(entry, who, model, "; ".join(problems)[:200])
         with tempfile.TemporaryDirectory(prefix="vd-candidate-") as tmp:
@@ -126,20 +126,17 @@ class _Session:
                             + "\n  (accept an intended change: pytest --vd-update, or vd refresh "
                             f"{name} --reason TEXT)")
 
-    def _problems(self, entry, stale_reasons) -> list[str]:
+    def _problems(self, entry) -> list[str]:
         """Why the golden cannot be replayed as declared: missing, unreadable or stale (empty: it can)."""
-        from vd.store import locate, open_golden
+        from vd.store import locate
+        from vd.workflow.suite import stale_now
 
         if locate(entry.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
             return [f"golden missing (record it: vd record --suite {entry.name}, or pytest --vd-update)"]
         try:
-            g = open_golden(entry.path)
+            stale = stale_now(entry)
         except VdError as e:
             return [str(e)]
-        try:
-            stale = stale_reasons(entry, g)
-        finally:
-            g.close()
         return [f"stale, the declaration changed since it was recorded: {r}" for r in stale]
 
     def _promote(self, entry, who: str, candidate: str, why: str):
