@@ -132,7 +132,8 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     from vd.cli import team
     from vd.store import locate
 
-    flags = {field: _value(ctx.params[name]) for name, field in _SETTINGS.items() if _given(ctx, name)}
+    named = [name for name in _SETTINGS if _given(ctx, name)]  # the setting flags given
+    flags = {_SETTINGS[name]: _value(ctx.params[name]) for name in named}
     if refresh and locate(out_path).state() == "golden":
         return team.refresh_golden(out_path, config, reason or "vd record --refresh", summary, flags)
     from vd.recorder import RecordSettings
@@ -140,9 +141,9 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
 
     if entry is not None:
         settings = team.settings_for(out_path, entry, flags)
-        named = ", ".join("--" + n.replace("_", "-") for n in _SETTINGS if _given(ctx, n))
+        changed = ", ".join("--" + name.replace("_", "-") for name in named)
         out.print(f"recording {entry.name} as {team.declaration_file(config)} declares it"
-                  + (f", changed by {named}" if named else ""))
+                  + (f", changed by {changed}" if changed else ""))
     else:
         given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
         settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
