@@ -1,6 +1,7 @@
 """What a replay leaves besides its JSON: the first-divergence bundle and its command, JUnit XML (one
 golden and a suite), and offline HTML pages, read as text and rendered in a real headless browser."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -276,3 +277,41 @@ def test_a_bundle_exports_what_was_read_not_what_was_copied(monkeypatch):
         subprocess.run(["true"], env={**os.environ, "X": "1"}, check=True)
         assert os.environ.get("MY_PLUGIN_SWITCH") == "on" and os.environ["MY_ENDPOINT"]
     assert found == {"MY_PLUGIN_SWITCH": "on"}
+
+
+def test_code_torch_compile_traces_compiles_as_it_does_unwatched(monkeypatch):
+    """A lookup inside code torch.compile traces (transformers' attention asks for TRANSFORMERS_SDPA_FORCE_GQA)
+    is traced as os.environ's own: vd's bookkeeping stays out of the traced code, whose graph, guards and
+    compilations are those of a process that does not watch (a recording). Watched, torch 2.11 broke the graph
+    there, so a compiled MTP head replayed other kernels and other draft rows than its golden's; 2.13 guarded on
+    the bookkeeping and compiled again after every copy of the environment. Lookups outside traced code are still
+    noted."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from vd.cli.common import reading_environment
+
+    monkeypatch.setenv("MY_PLUGIN_SWITCH", "on")
+
+    def step(x):
+        return x * 2 if os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1" else x + 1
+
+    def compiled(watch: bool) -> tuple[int, int, dict, dict | None]:
+        torch._dynamo.reset()
+        counters.clear()
+        with reading_environment() if watch else contextlib.nullcontext() as found:
+            explained = torch._dynamo.explain(step)(torch.ones(3))
+            torch._dynamo.reset()
+            counters.clear()
+            fast = torch.compile(step, backend="eager")
+            for _ in range(3):
+                fast(torch.ones(3))
+                dict(os.environ)  # a copy between steps, as a subprocess's environment is made
+            os.environ.get("MY_PLUGIN_SWITCH")
+        return explained.graph_count, explained.graph_break_count, dict(counters["stats"]), found
+
+    graphs, breaks, stats, found = compiled(watch=True)
+    plain = compiled(watch=False)
+    assert (graphs, breaks) == plain[:2] == (1, 0)
+    assert stats["unique_graphs"] == plain[2]["unique_graphs"] == 1, stats
+    assert found["MY_PLUGIN_SWITCH"] == "on"

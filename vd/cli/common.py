@@ -335,6 +335,16 @@ _NOT_EXPORTED = re.compile(r"(HOME|PATH|USER|LOGNAME|SHELL|PWD|OLDPWD|TERM|LANG|
 _CREDENTIALS = re.compile(r"://[^/@\s:]+:[^/@\s]+@")
 
 
+def _tracing() -> bool:
+    """Whether torch.compile (Dynamo) is tracing the code running now. A lookup it traces runs only then, so noting
+    it would put vd's bookkeeping into the traced code: on torch 2.11 a graph break where transformers' attention
+    asks for TRANSFORMERS_SDPA_FORCE_GQA (so other kernels and other numbers than the recording's, which ran
+    unwatched), on 2.13 guards on the bookkeeping and a recompile after every copy of the environment. torch is
+    not imported for this: where no one has imported it (or it is still importing), nothing is compiling."""
+    compiling = getattr(getattr(sys.modules.get("torch"), "compiler", None), "is_compiling", None)
+    return compiling is not None and compiling()
+
+
 class _Reading(os._Environ):  # type: ignore[name-defined]  # os._Environ is os.environ's class
     """``os.environ`` while `reading_environment` watches it: every name looked up is noted, but for the lookups
     of a copy (``dict(os.environ)``, ``{**os.environ}``, ``.items()``, a subprocess's environment made from it):
@@ -345,11 +355,15 @@ class _Reading(os._Environ):  # type: ignore[name-defined]  # os._Environ is os.
     copying: collections.deque[str] = collections.deque()  # names an iteration gave, in order, not looked up yet
 
     def __iter__(self):
+        if _tracing():  # (see __getitem__)
+            return super().__iter__()
         names = list(super().__iter__())
         _Reading.copying = collections.deque(names)
         return iter(names)
 
     def __getitem__(self, key):
+        if _tracing():  # a lookup inside code torch.compile traces: as os.environ's own, or the watch changes its graph
+            return os._Environ.__getitem__(self, key)  # type: ignore[attr-defined]
         if isinstance(key, str):  # (os.get_exec_path tries a bytes key too)
             if _Reading.copying and _Reading.copying[0] == key:
                 _Reading.copying.popleft()  # the next name of a copy
