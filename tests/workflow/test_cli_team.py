@@ -58,9 +58,16 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     code, out, err = cli("replay", "--suite", "a", "--forward", "sdpa", "--k", "2")  # to accept another forward:
     assert code == 1 and ('  - To make sdpa the golden\'s forward, declare it (forward = "sdpa" in a\'s declaration) '
                           "and refresh: vd refresh a --reason TEXT.") in out.splitlines(), out
-    code, out, err = cli("show", "b")  # a command that takes a path names the path of the golden so named
-    assert code == 2 and err == "vd: error: b does not exist; b is the name of a declared golden: give its path, " \
-                                "goldens/b.zip\n", err
+    code, out, err = cli("show", "b")  # every command that takes a golden takes a declared golden's name
+    assert code == 0 and str(project / "goldens" / "b.zip") in out.splitlines()[0], out + err
+    code, out, err = cli("verify", "a")
+    assert code == 0 and out.startswith(f"intact: {project / 'goldens' / 'a.zarr'}"), out + err
+    code, out, err = cli("diff", "b", "goldens/b.zip")
+    assert code == 0 and out.rstrip().endswith("PASS"), out + err
+    code, out, err = cli("slim", "a", "a-slim.zarr")
+    assert code == 0 and open_golden(project / "a-slim.zarr").slim, out + err
+    code, out, err = cli("show", "c")  # a name no one declares is a path, and there is none
+    assert code == 2 and err == "vd: error: c does not exist\n", err
     code, out, err = cli("replay", "--suite", "b", "--shard", "2/2")
     assert code == 0 and "PASS: shard 2/2 holds none of the 1 golden(s) selected; nothing replayed" in out, out
     (project / "goldens" / "b.zip").unlink()

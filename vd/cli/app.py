@@ -21,7 +21,7 @@ from vd.cli.common import (
     EXIT_FAIL,
     EXIT_INTERNAL,
     EXIT_PASS,
-    GOLDEN_HELP,
+    GOLDEN_OR_NAME,
     Command,
     Dtype,
     Feed,
@@ -36,6 +36,7 @@ from vd.cli.common import (
     err,
     examples,
     foreign_vd,
+    golden_path,
     out,
     reading_environment,
     reporting,
@@ -331,11 +332,7 @@ def _check_outputs(targets, suite: bool, config: Path | None, rows, outputs: dic
     with --suite; given by a declared golden's name, its path)."""
     if suite and rows is not None:
         raise UsageError("--rows names one slim golden's rows; it does not go with --suite")
-    golden = None if suite else _one(targets, "GOLDEN")
-    from vd.workflow.declare import declared
-
-    entry = None if golden is None else declared(golden, config)
-    golden = entry.path if entry is not None and entry.name == golden else golden
+    golden = None if suite else golden_path(_one(targets, "GOLDEN"), config)
     candidate = outputs.pop("--save-candidate")
     for flag, path in outputs.items():
         check_writable(flag, path, (golden, rows), directory=flag == "--bundle")
@@ -419,9 +416,10 @@ def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None,
 
 
 @app.command(cls=Command, epilog=examples("vd show goldens/smollm2.zarr", "vd show s3://bucket/smollm2.zarr"))
-def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden to describe ({GOLDEN_HELP}).")]
+def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden to describe ({GOLDEN_OR_NAME}).")]
          ) -> int:
     """Print a golden's model, environment, settings, steps and accept counts; check every row's digest."""
+    golden = golden_path(golden)
     check_golden(golden)
     from vd.describe import describe
 
@@ -431,13 +429,14 @@ def show(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden t
 
 
 @app.command(cls=Command, epilog=examples("vd verify goldens/smollm2.zarr", "vd verify s3://bucket/smollm2.zarr"))
-def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden to check ({GOLDEN_HELP}).")]
+def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden to check ({GOLDEN_OR_NAME}).")]
            ) -> int:
     """Check a golden whole, as fsck does: exit 0 intact, exit 2 naming the first damaged file or row.
 
     Every file against the manifest's size and hash and the metadata against the golden's ID (format 6),
     every field against what a golden may hold, every step log against the vocabulary and the accept-count
     range, every chunk against its checksum and every row against its digest and statistics."""
+    golden = golden_path(golden)
     check_golden(golden)
     from vd.store import open_golden
 
@@ -455,11 +454,12 @@ def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden
 @app.command(cls=Command, epilog=examples("vd slim goldens/smollm2.zarr goldens/smollm2-slim.zarr",
                                             "vd slim s3://bucket/smollm2.zarr smollm2-slim.zip --refresh"))
 def slim(
-    golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"The full golden ({GOLDEN_HELP}).")],
+    golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"The full golden ({GOLDEN_OR_NAME}).")],
     out_path: Annotated[str, typer.Argument(metavar="OUT", help="The slim golden to write.")],
     refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden at OUT.")] = False,
 ) -> int:
     """Write a golden's slim form: step logs, row digests and statistics, no rows (about 1 % of the size)."""
+    golden = golden_path(golden)
     check_golden(golden)
     check_outside("OUT", out_path, (golden,))
     check_no_golden("OUT", out_path, replace=True)  # OUT itself: the store's check (--refresh replaces it)
@@ -477,12 +477,13 @@ def slim(
 @app.command(cls=Command, epilog=examples("vd pack goldens/smollm2.zarr smollm2.zip",
                                             "vd pack s3://bucket/smollm2.zarr goldens/smollm2.zarr --refresh"))
 def pack(
-    golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"The golden to copy ({GOLDEN_HELP}).")],
+    golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"The golden to copy ({GOLDEN_OR_NAME}).")],
     out_path: Annotated[str, typer.Argument(metavar="OUT", help="Where to copy it: a directory, a .zip file or "
                                             "s3://bucket/prefix.")],
     refresh: o.Refresh = False,
 ) -> int:
     """Copy a golden into another store (a directory into a .zip, and back), every file checked; the same golden."""
+    golden = golden_path(golden)
     check_golden(golden)
     check_outside("OUT", out_path, (golden,))
     check_no_golden("OUT", out_path, replace=True)  # OUT itself: the store's check (--refresh replaces it)
@@ -498,11 +499,12 @@ def pack(
 
 @app.command(cls=Command, epilog=examples("vd migrate tests/data/tiny-llama-v1.zarr tiny-v6.zarr"))
 def migrate(
-    golden: Annotated[str, typer.Argument(metavar="OLD", help=f"A golden of an earlier format ({GOLDEN_HELP}).")],
+    golden: Annotated[str, typer.Argument(metavar="OLD", help=f"A golden of an earlier format ({GOLDEN_OR_NAME}).")],
     out_path: Annotated[str, typer.Argument(metavar="NEW", help="The golden to write in the current format.")],
     refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden at NEW.")] = False,
 ) -> int:
     """Rewrite a golden of an earlier format in the current one, every row checked; its numbers unchanged."""
+    golden = golden_path(golden)
     check_golden(golden)
     check_outside("NEW", out_path, (golden,))
     check_no_golden("NEW", out_path, replace=True)  # NEW itself: the store's check (--refresh replaces it)
@@ -520,13 +522,14 @@ def migrate(
 @app.command(cls=Command, epilog=examples("vd diff goldens/smollm2.zarr h200/smollm2.zarr --report diff.json",
                                             "vd diff goldens/smollm2.zarr h200/smollm2.zarr --tolerance verify=ulp:2"))
 def diff(
-    a: Annotated[str, typer.Argument(metavar="A", help=f"The reference golden ({GOLDEN_HELP}).")],
+    a: Annotated[str, typer.Argument(metavar="A", help=f"The reference golden ({GOLDEN_OR_NAME}).")],
     b: Annotated[str, typer.Argument(metavar="B", help="The golden to judge against it (the same recording, "
-                                     "elsewhere).")],
+                                     "elsewhere; a path or a declared golden's name).")],
     tolerance: o.Tolerances = None,
     report: o.ReportPath = None,
 ) -> int:
     """Compare two goldens of the same recording without a model: PASS (0) or FAIL (1) (default policy: A's)."""
+    a, b = golden_path(a), golden_path(b)
     check_writable("--report", report, (a, b))
     for where in (a, b):
         check_golden(where)

@@ -34,7 +34,7 @@ from typer.core import TyperCommand, TyperGroup
 
 import vd
 from vd import preflight
-from vd.errors import GoldenNotFoundError, ModelSpecError, UsageError, VdError, write_traceback
+from vd.errors import ModelSpecError, UsageError, VdError, write_traceback
 from vd.outputs import write_text
 from vd.progress import Lines
 
@@ -117,6 +117,7 @@ app = typer.Typer(
 out = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
 GOLDEN_HELP = "a .zarr directory, a .zip file or s3://bucket/prefix"
+GOLDEN_OR_NAME = f"{GOLDEN_HELP}, or a declared golden's name"
 CONFIG_HELP = "The file declaring the suite (default: vd.toml, or a pyproject.toml with a tool.vd table, here " \
               "or above)."
 DEVICE_METAVAR = "cpu|cuda|cuda:N"
@@ -265,26 +266,18 @@ def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Pat
 
 def check_golden(where: str) -> Mapping[str, Any] | None:
     """A local golden that is not there or is no golden, refused before anything heavy is imported (the store
-    says the same when it opens one; an s3:// prefix is asked when opened); its metadata where it is local.
-    A path that is not there but is a declared golden's name is refused naming the golden's path."""
-    try:
-        return preflight.check_readable(where)
-    except GoldenNotFoundError as e:
-        path = _declared_path(where)
-        if path is None:
-            raise
-        raise GoldenNotFoundError(f"{e}; {where} is the name of a declared golden: give its path, {path}") from None
+    says the same when it opens one; an s3:// prefix is asked when opened); its metadata where it is local."""
+    return preflight.check_readable(where)
 
 
-def _declared_path(name: str) -> str | None:
-    """The path of the golden the declaration found from here declares as ``name``, if any
-    (`vd.workflow.declare.declared`)."""
+def golden_path(target: str, config: str | os.PathLike | None = None) -> str:
+    """The golden a GOLDEN argument names: where ``target`` is a declared golden's NAME (in ``config``, else in
+    the declaration found from here, `vd.workflow.declare.declared`), that golden's path; else ``target`` as
+    given, a path. A name wins over a path of the same spelling, as in every command that takes one."""
     from vd.workflow.declare import declared
 
-    entry = declared(name, None)
-    if entry is None or entry.name != name:
-        return None
-    return os.path.relpath(entry.path) if "://" not in entry.path else entry.path
+    entry = declared(target, config)
+    return entry.path if entry is not None and entry.name == target else target
 
 
 def check_replay(golden: str, meta: Mapping[str, Any] | None, ks, model: str | None, forwards: list[str],

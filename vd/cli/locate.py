@@ -12,13 +12,14 @@ from vd.cli import options as o
 from vd.cli.common import (
     EXIT_FAIL,
     EXIT_PASS,
-    GOLDEN_HELP,
+    GOLDEN_OR_NAME,
     Command,
     app,
     check_golden,
     check_model,
     check_writable,
     examples,
+    golden_path,
     out,
     write_json,
     write_text,
@@ -41,7 +42,7 @@ LocateForward = Annotated[str | None, typer.Option("--forward", metavar="NAME", 
                                             "vd locate goldens/smollm2.zarr --forward sdpa --between decode",
                                             "vd locate g.zarr --between sdpa --k 3 --report locate.json --html l.html"))
 def locate(
-    golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden whose steps to run ({GOLDEN_HELP}).")],
+    golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden whose steps to run ({GOLDEN_OR_NAME}).")],
     between: Between = None,
     forward: LocateForward = None,
     model: o.ReplayModel = None,
@@ -57,6 +58,7 @@ def locate(
     final norm, LM head) is compared in the order the forward computes them: against the golden's own traces
     (a golden recorded with vd record --trace), or with --between against a second forward run here, or with
     --between decode between a verify row and the one-token decode row of the same position."""
+    golden = golden_path(golden)
     meta = check_golden(golden)
     if between is not None and between.startswith("batch:"):
         batch_size(between)
