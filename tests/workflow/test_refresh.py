@@ -106,3 +106,19 @@ def test_a_candidate_whose_control_was_inconclusive_is_refused_with_the_way_forw
     assert r.refused[len(inconclusive)] == (f"record the change itself instead: vd record {golden} --refresh "
                                             "--forward sdpa --reason 'sdpa from now on'")
     assert "blind" not in " ".join(r.refused)
+
+
+def test_a_golden_damaged_in_its_rows_is_refreshed_its_history_kept(golden, tiny):
+    """A chunk file that no longer matches the manifest makes the golden no reference (every replay refuses it),
+    but it must not stop the refresh that replaces it: the change summary says the rows were not compared, and
+    the history, in the intact root metadata, goes on."""
+    from golden_edit import chunk, flip_byte
+
+    flip_byte(chunk(golden, 2))
+    r = refresh(golden, SETTINGS, reason="replace the damaged golden", model=tiny)
+    assert r.published and r.version == 2, r.refused
+    assert any(c.startswith("rows not compared: ") and "does not match the golden's manifest" in c
+               for c in r.changes), r.changes
+    after = open_golden(golden)
+    after.check_files()
+    assert [e["reason"] for e in after.history] == ["trusted build, first recording", "replace the damaged golden"]

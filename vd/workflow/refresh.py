@@ -260,6 +260,8 @@ def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: l
         d = diff(old.url, new.url, tolerances=("exact",))
     except UsageError as e:
         lines.append(f"rows not compared: {e}")
+    except GoldenError as e:  # a golden damaged past its metadata: no reference, and no reason not to replace it
+        lines.append(f"rows not compared: the version replaced is damaged: {e}")
     else:
         rows = words.row_changes(d)
         decisions = [line for k in old.ks for line in words.decision_lines(k, old.checked_log(k), new.checked_log(k))]
