@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from golden_edit import chunk, flip_byte
 
 from vd.store import open_golden
 
@@ -53,7 +54,8 @@ def project(pytester, warm):
 def test_goldens_are_collected_recorded_when_missing_and_replayed(project):
     r = project.runpytest("--vd")
     r.assert_outcomes(failed=1)
-    r.stdout.fnmatch_lines(["*golden missing (record it: vd record --suite tiny, or pytest --vd-update)*"])
+    r.stdout.fnmatch_lines(["*golden missing*", "*(record it: vd record --suite tiny, or pytest --vd-update)*"])
+    assert "vd refresh" not in r.stdout.str()  # which refuses a golden not recorded yet
     assert "def check(" not in r.stdout.str()  # vd's reasons, not the plugin's source
     r = project.runpytest("--vd", "--vd-update")
     r.assert_outcomes(passed=1)
@@ -61,6 +63,11 @@ def test_goldens_are_collected_recorded_when_missing_and_replayed(project):
     r = project.runpytest("--vd", "-v")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["vd.toml::tiny PASSED*"])
+    flip_byte(chunk(project.path / "goldens" / "tiny.zarr", 2))  # damaged: nothing judged, no candidate to accept
+    r = project.runpytest("--vd")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*does not match the golden's manifest*", "*(fix what the line above names; or record "
+                            "the golden again from its declaration: vd refresh tiny --reason TEXT)*"])
 
 
 def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):

@@ -105,7 +105,7 @@ class _Session:
             raise GoldenFailure(str(e)) from None
         if self.update == "all":
             return self._refresh(entry, who, model, "--vd-update=all")
-        problems = self._problems(entry)
+        problems, way_on = self._problems(entry)
         if problems and self.update:
             return self._refresh(entry, who, model, "; ".join(problems)[:200])
         with tempfile.TemporaryDirectory(prefix="vd-candidate-") as tmp:
@@ -119,25 +119,29 @@ class _Session:
                     return outcome.report
                 problems = ([r.text for r in outcome.report.reasons] if outcome.report is not None
                             else [outcome.error or "the replay did not complete"])
+                if outcome.report is None:  # nothing judged, so no candidate for --vd-update to accept
+                    way_on = (f"fix what the line above names; or record the golden again from its declaration: "
+                              f"vd refresh {name} --reason TEXT")
                 if self.update and outcome.report is not None and keep is not None:
                     return self._promote(entry, who, keep, textwrap.shorten("; ".join(problems), 200,
                                                                              placeholder=" …"))
         raise GoldenFailure(f"vd golden {name!r} ({entry.path}) FAILED:\n" + "\n".join(f"  - {p}" for p in problems)
-                            + "\n  (accept an intended change: pytest --vd-update, or vd refresh "
-                            f"{name} --reason TEXT)")
+                            + f"\n  ({way_on})")
 
-    def _problems(self, entry) -> list[str]:
-        """Why the golden cannot be replayed as declared: missing, unreadable or stale (empty: it can)."""
+    def _problems(self, entry) -> tuple[list[str], str]:
+        """Why the golden cannot be replayed as declared: missing, unreadable or stale (none: it can); and the
+        way on a failure names (a golden not recorded yet is recorded: vd refresh refuses one)."""
         from vd.store import locate
         from vd.workflow.suite import stale_now
 
         if locate(entry.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
-            return [f"golden missing (record it: vd record --suite {entry.name}, or pytest --vd-update)"]
+            return ["golden missing"], f"record it: vd record --suite {entry.name}, or pytest --vd-update"
+        accept = f"accept an intended change: pytest --vd-update, or vd refresh {entry.name} --reason TEXT"
         try:
             stale = stale_now(entry)
         except VdError as e:
-            return [str(e)]
-        return [f"stale, the declaration changed since it was recorded: {r}" for r in stale]
+            return [str(e)], accept
+        return [f"stale, the declaration changed since it was recorded: {r}" for r in stale], accept
 
     def _promote(self, entry, who: str, candidate: str, why: str):
         __tracebackhide__ = True
