@@ -3,6 +3,8 @@ orphaned goldens."""
 
 import shutil
 
+from golden_edit import chunk, flip_byte
+
 from vd.replayer import ReplaySettings
 from vd.store import open_golden
 from vd.workflow.declare import load_suite, shard
@@ -73,6 +75,11 @@ def test_status_finds_missing_stale_and_orphaned_goldens(tmp_path, tiny):
     assert found == [str(tmp_path / "goldens" / "old.zarr")]
     prune(found)
     assert orphans(suite) == [] and (tmp_path / "goldens" / "a.zarr").is_dir()
+    shutil.copytree(suite.entries["a"].path, tmp_path / "goldens" / "damaged.zarr")
+    flip_byte(chunk(tmp_path / "goldens" / "damaged.zarr", 2))  # no replay would take it: status says so
+    damaged = _suite(tmp_path, SUITE.replace('"goldens/a.zarr"', '"goldens/damaged.zarr"'))
+    d = status(damaged, damaged.select(["a"]), check_models=False)[0]
+    assert d.state == "unreadable" and "does not match the golden's manifest" in d.reasons[0], d
 
 
 def test_a_model_whose_fingerprint_moved_makes_its_goldens_stale(tmp_path, tiny):

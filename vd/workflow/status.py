@@ -28,9 +28,9 @@ from vd.workflow.suite import Models, stale_reasons
 
 @dataclass(slots=True)
 class GoldenStatus:
-    """One declared golden's state: ``missing``, ``unreadable`` (``reasons``: why), ``stale`` (``reasons``:
-    what changed), ``ignored`` (git ignores some of its files, which a commit would drop) or ``current``;
-    ``recorded``: what made it; ``last``: its last suite replay's verdict."""
+    """One declared golden's state: ``missing``, ``unreadable`` (``reasons``: why; a damaged file included),
+    ``stale`` (``reasons``: what changed), ``ignored`` (git ignores some of its files, which a commit would
+    drop) or ``current``; ``recorded``: what made it; ``last``: its last suite replay's verdict."""
 
     name: str
     path: str
@@ -61,6 +61,8 @@ def _one(e: Entry, check_models: bool, models: Models, last: tuple[str, str | No
         return s
     try:
         g = open_golden(e.path)
+        if "://" not in e.path:  # a local golden's files hashed, as every replay hashes them (S3's are not fetched)
+            g.check_files()
     except GoldenError as err:
         s.state, s.reasons = "unreadable", [str(err)]
         return s
