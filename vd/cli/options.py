@@ -11,7 +11,7 @@ import typer
 from vd.cli.common import (
     CONFIG_HELP,
     DEVICE_METAVAR,
-    GOLDEN_HELP,
+    GOLDEN_OR_NAME,
     TOLERANCE_METAVAR,
     Dtype,
     Feed,
@@ -46,9 +46,9 @@ Resume = Annotated[bool, typer.Option("--resume", help="Continue the recording o
                                       "journal (its settings; every step computed again is checked).")]
 
 # -- vd record
-RecordTargets = Annotated[list[str] | None, typer.Argument(metavar="OUT|NAME", help=f"Golden to write ({GOLDEN_HELP}), "
-                                                            "or a declared golden's name; with --suite, declared "
-                                                            "goldens (default: all).")]
+RecordTargets = Annotated[list[str] | None, typer.Argument(metavar="OUT|NAME", help=f"Golden to write "
+                                                            f"({GOLDEN_OR_NAME}); with --suite, declared goldens "
+                                                            "(default: all).")]
 RecordModel = Annotated[str, typer.Option(metavar="SPEC", help="Model: preset, checkpoint dir, .gguf, module:factory "
                                           "(`vd models`).")]
 Prompt = Annotated[str | None, typer.Option(metavar="TEXT", help="Prompt (default: vd's own).")]
@@ -69,8 +69,8 @@ RecordCoverage = Annotated[bool, typer.Option("--require-coverage", help="Refuse
 
 # -- vd replay
 ReplayTargets = Annotated[list[str] | None, typer.Argument(metavar="GOLDEN|NAME", help=f"Golden to replay "
-                                                            f"({GOLDEN_HELP}), or a declared golden's name; with "
-                                                            "--suite, declared goldens (default: all).")]
+                                                            f"({GOLDEN_OR_NAME}); with --suite, declared goldens "
+                                                            "(default: all).")]
 ReplayModel = Annotated[str | None, typer.Option(metavar="SPEC", help="Model (default: the golden's).")]
 ReplayHead = Annotated[str | None, typer.Option(metavar="FILE", parser=parse_head, help="MTP head file to "
                                                 "attach (default: the golden's).")]
