@@ -214,7 +214,7 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
     block computed again is checked against it, and the golden is the one the uninterrupted run would have
     written."""
     location = locate(out)
-    jpath = _journal_path(location)
+    jpath = journal.of_location(location)
     header, frames = None, None
     if resume:
         if jpath is None:
@@ -226,11 +226,6 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
         check_target(location, refresh)  # before the expensive part, holding the lock the writer is made under
         return _record(location, settings, policy, refresh, model, progress, reason,
                        (jpath, header, frames))
-
-
-def _journal_path(location: Location):
-    target = getattr(location, "target", None) or getattr(location, "path", None)  # a directory's, a zip's
-    return None if target is None else journal.path_for(target)
 
 
 def _from_header(header: dict, jpath) -> tuple[RecordSettings, bool, str]:

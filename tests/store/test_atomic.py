@@ -120,6 +120,9 @@ def test_sigterm_cleans_up_like_a_failure(tmp_path):
     assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143, proc.stderr.read()
+    said = proc.stderr.read().splitlines()[-1]
+    assert said.startswith(f"vd: terminated by SIGTERM; {path} was not written; its journal ") and \
+        said.endswith(f"vd record {path} --resume continues it"), said
     assert _debris(path) == [".g.zarr.journal"] and not path.exists()
     done = subprocess.run([sys.executable, "-m", "vd", "record", str(path), "--resume"], capture_output=True,
                           text=True, timeout=300)

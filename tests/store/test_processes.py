@@ -126,6 +126,10 @@ def test_ctrl_c_stops_a_recording_and_its_processes_quietly(tmp_path):
     r = subprocess.run([sys.executable, "-m", "vd", "record", str(g), "--model", dying, "--k", "2,3", "--steps", "6"],
                        capture_output=True, text=True, env=env, start_new_session=True, timeout=300)
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    # one line says so, and how to go on (typer would end the process with 130 and say nothing)
+    assert r.stderr.splitlines()[-1] == (f"vd: aborted (Ctrl-C); {g} was not written; its journal "
+                                         f"{journal.path_for(g)} keeps the rows computed: vd record {g} --resume "
+                                         "continues it"), r.stderr
     assert not g.exists() and journal.path_for(g).is_file()
     assert [p.name for p in tmp_path.iterdir()] == [journal.path_for(g).name]  # no staged copy left
 

@@ -271,3 +271,32 @@ def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_pat
     (tmp_path / "vd.toml").write_text("[goldens.x]\nk = 3\n")  # a broken declaration found here is passed over
     code, out, err = cli("record", "goldens/d.zarr", "--model", "tiny-llama", "--steps", "4")
     assert code == 0, out + err
+
+
+def test_a_suite_refresh_cut_short_pins_what_it_published(project, cli, monkeypatch):
+    """Ctrl-C (or a CI timeout) in the middle of a suite's refresh: the goldens published before it have their new
+    pins in the declaration at once, so the suite's replay still takes them; one line says it was aborted."""
+    import vd.workflow.suite as S
+
+    toml = project / "vd.toml"
+    pins = {n: open_golden(project / "goldens" / f).content_digest() for n, f in (("a", "a.zarr"), ("b", "b.zip"))}
+    text = toml.read_text().replace("k = [2, 3]", f'k = [2, 3]\npin = "{pins["a"]}"')
+    toml.write_text(text.replace("k = [2]", f'k = [2]\npin = "{pins["b"]}"').replace("steps = 4", "steps = 5"))
+    real, calls = S.refresh, []
+
+    def cut_short(path, *args, **kwargs):  # the second golden's refresh is interrupted
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(S, "refresh", cut_short)
+    code, out, err = cli("record", "--suite", "--refresh", "--reason", "five steps")
+    assert code == 130 and err.splitlines()[-1] == "vd: aborted (Ctrl-C)", out + err
+    assert len(calls) == 2 and any(line.split()[:2] == ["a", "REFRESHED"] for line in out.splitlines()), out
+    now = open_golden(project / "goldens" / "a.zarr").content_digest()
+    assert now != pins["a"] and f'pin = "{now}"' in toml.read_text() and pins["b"] in toml.read_text()
+    monkeypatch.undo()
+    monkeypatch.chdir(project)
+    code, out, err = cli("replay", "--suite", "a")
+    assert code == 0, out + err

@@ -40,6 +40,7 @@ from vd.cli.common import (
     out,
     reading_environment,
     reporting,
+    resumable,
     write_json,
 )
 from vd.errors import Terminated, UsageError
@@ -148,7 +149,7 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     else:
         given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
         settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
-    with reporting() as progress:
+    with reporting() as progress, resumable(out_path):
         r = do_record(out_path, settings, refresh=refresh, progress=progress, reason=reason or "first recording")
     code = _recorded(r)
     if code == EXIT_PASS:
@@ -185,7 +186,7 @@ def _one(targets: list[str] | None, what: str) -> str:
 def _resumed(out_path: str) -> int:
     from vd.recorder import record as do_record
 
-    with reporting() as progress:
+    with reporting() as progress, resumable(out_path):
         return _recorded(do_record(out_path, resume=True, progress=progress))
 
 

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,7 +35,7 @@ from typer.core import TyperCommand, TyperGroup
 
 import vd
 from vd import preflight
-from vd.errors import ModelSpecError, UsageError, VdError, write_traceback
+from vd.errors import ModelSpecError, Terminated, UsageError, VdError, write_traceback
 from vd.outputs import write_text
 from vd.progress import Lines
 
@@ -76,14 +77,61 @@ class Command(_PlainFlags, TyperCommand):
             self.help = "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(self.help).split("\n\n"))
 
 
+class _Interrupted(Exception):
+    """A command's KeyboardInterrupt (Ctrl-C), carried past typer, which would end the process with 130 and say
+    nothing, to `Group.main`, which says so in one line with what the command noted (`interrupted`)."""
+
+
+def interrupted(e: BaseException) -> str:
+    """The one line a command cut short by Ctrl-C (``e`` a KeyboardInterrupt) or a signal (`vd.errors.Terminated`)
+    prints: what ended it, then what the command noted on the way out (``e.add_note``: what it left and how to
+    go on, such as a recording's journal and ``--resume``)."""
+    what = "aborted (Ctrl-C)"
+    if isinstance(e, Terminated):
+        what = f"terminated (exit {e.code})"
+        with contextlib.suppress(ValueError, TypeError):
+            what = f"terminated by {signal.Signals(int(e.code) - 128).name}"  # type: ignore[arg-type]
+    notes = getattr(e, "__notes__", None) or []
+    return f"vd: {what}" + "".join(f"; {n}" for n in notes)
+
+
+@contextlib.contextmanager
+def resumable(out_path: str):
+    """Around a recording into ``out_path``: cut short by Ctrl-C or a signal, where it kept a journal (it had
+    written rows), the one line `interrupted` prints says so and how to go on."""
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated) as e:
+        from vd.store import journal, locate
+
+        with contextlib.suppress(Exception):  # (a path that cannot be located journals nothing)
+            kept = journal.of_location(locate(out_path))
+            if kept is not None and kept.is_file():
+                e.add_note(f"{out_path} was not written; its journal {kept} keeps the rows computed: "
+                           f"vd record {out_path} --resume continues it")
+        raise
+
+
 class Group(_PlainFlags, TyperGroup):
     """Turns every error into one stderr line and its exit code, for the CLI and CliRunner alike."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            raise _Interrupted() from e
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.Exit as e:
             sys.exit(e.exit_code)
+        except _Interrupted as e:
+            typer.echo(interrupted(e.__cause__ or KeyboardInterrupt()), err=True)
+            sys.exit(128 + signal.SIGINT)
+        except Terminated as e:  # SIGTERM, SIGHUP: the recording's staging and lock are cleaned up by now
+            typer.echo(interrupted(e), err=True)
+            raise
         except _ClickException as e:
             ctx = getattr(e, "ctx", None)
             if type(e).__name__ != "NoArgsIsHelpError":  # typer has printed the help already

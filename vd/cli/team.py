@@ -27,6 +27,7 @@ from vd.cli.common import (
     out,
     reading_environment,
     reporting,
+    resumable,
     write_json,
 )
 from vd.errors import UsageError
@@ -68,18 +69,21 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
         check_no_golden(e.name, e.path, replace=True)
     from vd.replayer import words
-    from vd.workflow.suite import exit_code
+    from vd.workflow.suite import Models, exit_code
     from vd.workflow.suite import record_suite as do_record
 
+    models, outcomes = Models(), []
     with reporting() as progress:
-        outcomes = do_record(entries, refresh_existing=refresh, reason=reason or "first recording", progress=progress)
-    for e, o in zip(entries, outcomes):
-        if o.verdict in ("RECORDED", "REFRESHED"):
-            repin(e, config, e.path)
-    for o in outcomes:
-        for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, o.reasons or ([o.error] if o.error
-                                                                                              else [])):
-            out.print(line)
+        for e in entries:  # each golden's pin set and its line printed as it is published: a suite cut short
+            with resumable(e.path):  # (Ctrl-C, a CI timeout) leaves no published golden its pin refuses
+                [o] = do_record([e], refresh_existing=refresh, reason=reason or "first recording", models=models,
+                                progress=progress)
+            if o.verdict in ("RECORDED", "REFRESHED"):
+                repin(e, config, e.path)
+            for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds,
+                                            o.reasons or ([o.error] if o.error else [])):
+                out.print(line)
+            outcomes.append(o)
     if summary is not None:
         write_text(summary, words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""])
                                                          for o in outcomes]))

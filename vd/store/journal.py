@@ -31,6 +31,13 @@ def path_for(target: Path) -> Path:
     return target.parent / f".{target.name}.journal"
 
 
+def of_location(location) -> Path | None:
+    """The journal a recording into ``location`` (a `vd.store.Location`) keeps: beside a directory or a zip
+    file; None on an object store, which keeps none."""
+    target = getattr(location, "target", None) or getattr(location, "path", None)  # a directory's, a zip's
+    return None if target is None else path_for(target)
+
+
 def damaged(path: Path, what: str) -> GoldenError:
     """The error for a journal that cannot be resumed from, saying how to start over."""
     return GoldenError(f"{path} is damaged ({what}): record afresh without --resume, which replaces it (or remove "
