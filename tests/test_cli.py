@@ -243,6 +243,14 @@ def test_replay_unknown_forward_exits_2(cli, tiny_golden):
     _one_line_error(*cli("replay", tiny_golden, "--forward", "flash"), "no forward 'flash'", "eager")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_only_forward_asked_on_the_cpu_says_so(cli, tiny_golden):
+    """`--forward graphed` where the model runs on the CPU: the line says it runs on CUDA only, not just that the
+    model lacks it."""
+    _one_line_error(*cli("replay", tiny_golden, "--forward", "graphed", "--forward", "eager"),
+                    "no forward 'graphed'", "(graphed runs on CUDA only: --device cuda)")
+
+
 def test_replay_of_a_forward_this_device_lacks_names_the_choice(cli, tiny_copy):
     """A golden recorded with a forward this machine does not offer (``graphed`` on CUDA, replayed on a
     CPU): one line saying which forward it was and what to pass, not a bare 'no forward'."""

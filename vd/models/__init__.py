@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from vd.errors import ModelSpecError, PluginError, Terminated, UsageError, VdError, write_traceback
-from vd.models.device import check_device
+from vd.models.device import CUDA_ONLY, check_device
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 
 if TYPE_CHECKING:
@@ -310,4 +310,6 @@ def require_forwards(model: VerifyModel, names: list[str]) -> None:
     offered = model.forwards()
     unknown = [n for n in names if n not in offered]
     if unknown:
-        raise UsageError(f"model has no forward {', '.join(map(repr, unknown))}; it offers {', '.join(offered)}")
+        cuda = [n for n in unknown if n in CUDA_ONLY and model.device.type != "cuda"]  # a built-in's, on the CPU
+        why = f" ({', '.join(cuda)} run{'s' if len(cuda) == 1 else ''} on CUDA only: --device cuda)" if cuda else ""
+        raise UsageError(f"model has no forward {', '.join(map(repr, unknown))}; it offers {', '.join(offered)}{why}")
