@@ -631,6 +631,26 @@ def test_a_terminal_bar_stops_each_phase_timer_when_the_next_begins():
         assert bar.progress.tasks[0].elapsed == elapsed  # stopped: no longer counting
 
 
+def test_a_terminal_bar_ended_leaves_what_is_printed_next_alone():
+    """`end` takes the bars off the terminal (a suite prints each golden's line there); the next phase's bars start
+    below that line, never moving the cursor up over it to redraw the bars before."""
+    from rich.console import Console
+
+    from vd.cli.common import TerminalBar
+
+    screen = io.StringIO()
+    with TerminalBar(Console(file=screen, force_terminal=True)) as bar:
+        bar.phase("recording K=2", 2)
+        bar.step(0)
+        bar.end()
+        screen.write("a    RECORDED\n")
+        bar.phase("recording K=3", 2)
+        bar.step(0)
+    after = screen.getvalue().split("a    RECORDED\n", 1)[1]
+    assert "recording K=3" in after and "\x1b[1A" not in after.split("recording K=3")[0], repr(after)
+    assert "recording K=2" not in after
+
+
 def test_progress_lines_count_steps_and_seconds():
     times = iter([0.0, *[2.5 * (i + 1) / 16 for i in range(16)], 2.5, 2.5, 3.0])
     stream = io.StringIO()

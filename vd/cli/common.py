@@ -445,31 +445,41 @@ class TerminalBar:
     """A progress bar on stderr (a terminal), one task per phase."""
 
     def __init__(self, console: Console = err):
-        self.progress = Progress(
-            TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, transient=True,
-        )
+        self.console = console
+        self.progress: Progress | None = None
         self.task: TaskID | None = None
 
     def phase(self, name: str, total: int) -> None:
         """A new phase: the last one finished (its timer stopped, a phase of unknown length included)."""
-        if self.task is not None:
+        if self.progress is None:  # (the first phase, or the first after `end`: bars of their own)
+            self.progress = Progress(
+                TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=self.console, transient=True,
+            )
+            self.progress.start()
+        elif self.task is not None:
             done = self.progress.tasks[self.task].total or 1
             self.progress.update(self.task, total=done, completed=done)
             self.progress.stop_task(self.task)
         self.task = self.progress.add_task(name, total=total or None)
 
     def step(self, _s: int) -> None:
-        if self.task is not None:
+        if self.progress is not None and self.task is not None:
             self.progress.advance(self.task)
 
+    def end(self) -> None:
+        """The phases so far are over (as `vd.progress.Lines.end`): the bars taken off the terminal, so that what
+        the command prints next (a suite's line for each golden) stands on lines of its own rather than inside
+        the bars' redrawing; the next phase starts bars anew."""
+        if self.progress is not None:
+            self.progress.stop()
+        self.progress, self.task = None, None
+
     def __enter__(self):
-        self.progress.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.progress.__exit__(*exc)
-
+        self.end()
 
 
 def _json_default(o):

@@ -78,6 +78,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
             with resumable(e.path):  # (Ctrl-C, a CI timeout) leaves no published golden its pin refuses
                 [o] = do_record([e], refresh_existing=refresh, reason=reason or "first recording", models=models,
                                 progress=progress)
+            progress.end()  # its last phase's line before the golden's own
             if o.verdict in ("RECORDED", "REFRESHED"):
                 repin(e, config, e.path)
             for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds,
