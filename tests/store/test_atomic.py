@@ -107,9 +107,11 @@ def test_sigkill_campaign(tmp_path):
     assert codes.count(-signal.SIGKILL) >= 40  # most trials killed mid-refresh
 
 
-def test_sigterm_cleans_up_like_a_failure(tmp_path):
-    """What a CI timeout sends, in the middle of a K: the process ends with 143, its staging folder and lock
-    removed at once; its journal stays, and `vd record --resume` finishes the golden, leaving nothing."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_cleans_up_like_a_failure(tmp_path, sig):
+    """What a CI timeout sends (SIGTERM), or a closed terminal (SIGHUP), in the middle of a K: the process ends with
+    128 + the signal, its staging folder and lock removed at once; its journal stays, and `vd record --resume`
+    finishes the golden, leaving nothing."""
     path = tmp_path / "g.zarr"
     slow = Path(__file__).parent.parent / "plugins" / "slow.py"  # 10 ms a forward: a K=2 run of 200 steps, 2 s
     proc = subprocess.Popen([sys.executable, "-m", "vd", "record", str(path), "--model", f"{slow}:factory", "--steps",
@@ -118,10 +120,10 @@ def test_sigterm_cleans_up_like_a_failure(tmp_path):
     while ".g.zarr.journal" not in _debris(path) and time.time() < deadline:  # until it has written rows
         time.sleep(0.02)
     assert proc.poll() is None, proc.stderr.read()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143, proc.stderr.read()
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == 128 + sig, proc.stderr.read()
     said = proc.stderr.read().splitlines()[-1]
-    assert said.startswith(f"vd: terminated by SIGTERM; {path} was not written; its journal ") and \
+    assert said.startswith(f"vd: terminated by {sig.name}; {path} was not written; its journal ") and \
         said.endswith(f"vd record {path} --resume continues it"), said
     assert _debris(path) == [".g.zarr.journal"] and not path.exists()
     done = subprocess.run([sys.executable, "-m", "vd", "record", str(path), "--resume"], capture_output=True,

@@ -590,9 +590,12 @@ def forwards(
 
 
 def main() -> None:
-    """Console entry point. SIGTERM (what CI timeouts send) ends the process as an exception would, so a
-    recording's staging folder is removed and its writer lock released; the exit code is 143."""
+    """Console entry point. SIGTERM (what CI timeouts send), and SIGHUP (a closed terminal) unless it is ignored
+    (``nohup``), end the process as an exception would, so a recording's staging folder is removed and its
+    writer lock released; the exit code is 128 + the signal's number (143, 129)."""
     signal.signal(signal.SIGTERM, _terminated)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, _terminated)
     clash = foreign_vd()
     if clash is not None:
         err.print(f"vd: error: {clash}")
