@@ -21,7 +21,8 @@ Decisions, where the issue was silent:
   ``sys.path`` are the command's own.
 - **The child is the command.** It gets the command's stdin, stdout and stderr (passed over the socket), runs
   `vd.cli.main` as the process would, and its exit code is the command's; the command's process forwards
-  SIGINT, SIGTERM and SIGHUP to it. A child that dies without an exit code (killed) is exit 3. Timings count
+  SIGINT, SIGTERM and SIGHUP to it (each it does not ignore: under ``nohup`` a SIGHUP reaches neither). A
+  child that dies without an exit code (killed) is exit 3. Timings count
   from the command's process start, and a replay's report says it ran ``warm``.
 - **Nothing computed before the fork.** The server imports only: no tensor op has run (so no thread pool
   exists) and CUDA is not initialised (its device check uses NVML), so a child's numbers are a fresh
@@ -249,7 +250,8 @@ def _wait(pid: int, lines) -> int:
             os.kill(pid, signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, relay)
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # one ignored here (nohup's SIGHUP) the child never sees
+            signal.signal(signum, relay)
     while True:
         try:
             line = lines.readline()

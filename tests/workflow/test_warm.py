@@ -124,6 +124,24 @@ def test_sigterm_to_the_command_ends_its_child_as_it_would_the_process(server, t
     assert json.loads(vd_run(["warm", "--status", "--json"], env).stdout)["pid"] == info["pid"]
 
 
+def test_a_sighup_the_command_ignores_never_reaches_its_child(server, tmp_path):
+    """A command started under ``nohup`` (SIGHUP ignored): the terminal closing does not end it, so the command
+    does not forward that SIGHUP to the child, which records its golden to the end."""
+    env, info = server
+    golden = tmp_path / "kept.zarr"
+    proc = subprocess.Popen([sys.executable, "-m", "vd", "record", str(golden), "--model", "tiny-llama", "--steps",
+                             "200", "--k", "2"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("vd: greedy continuation ("):
+            break
+    assert children(info["pid"]), "no child forked"
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    assert golden.is_dir()
+
+
 def test_the_server_stops_when_vds_code_changes(tmp_path):
     env, info = start_server(tmp_path / "warm")
     again = vd_run(["warm"], env)
