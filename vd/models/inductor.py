@@ -9,9 +9,11 @@ def inductor_settings() -> None:
     import torch._dynamo
     import torch._inductor.config
 
-    # Inductor's deterministic mode turns off the choices it makes by timing candidates (pad-mm, template
-    # and reduction autotuning): without it two compilations of one step (a recording and its replay in
-    # another process) can pick different kernels, and so compute different numbers.
+    # Inductor's deterministic mode turns off some of the choices it makes by timing candidates (pad-mm,
+    # template and reduction autotuning). Not all of them: on torch 2.11 two fresh processes compiling the tiny
+    # MTP model still timed 79-83 candidates each, chose differently and computed other rows
+    # (tools/h200/compiled-mtp-drafts-after.json); a replay matches its recording by loading the recording's
+    # Inductor artifacts (`load_artifacts`).
     if hasattr(torch._inductor.config, "deterministic"):
         torch._inductor.config.deterministic = True
     # Each step shape (verify K, decode, every proposal shape) is its own compilation.
@@ -73,6 +75,9 @@ def load_artifacts(data: bytes, digest: str) -> str | None:
 
     if digest in _HELD:
         return None  # this process saved or loaded them already
+    off = caches_off()
+    if off is not None:
+        return off
     load = getattr(torch.compiler, "load_cache_artifacts", None)
     if load is None:
         return f"torch {torch.__version__} has no torch.compiler.load_cache_artifacts"
@@ -81,6 +86,21 @@ def load_artifacts(data: bytes, digest: str) -> str | None:
     except Exception as e:  # noqa: BLE001  another torch's format, or a cache that cannot be written
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     _HELD.add(digest)
+    return None
+
+
+def caches_off() -> str | None:
+    """Why Inductor will not look in its caches here, so that artifacts loaded into them go unused and it compiles
+    and times its kernel candidates afresh (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``, or
+    ``TORCHINDUCTOR_FX_GRAPH_CACHE=0``); None where it will."""
+    import torch._inductor.config as config
+
+    if getattr(config, "force_disable_caches", False):
+        return "Inductor's caches are disabled (torch._inductor.config.force_disable_caches, " \
+               "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1)"
+    if not getattr(config, "fx_graph_cache", True):
+        return "Inductor's FX graph cache is off (torch._inductor.config.fx_graph_cache, " \
+               "TORCHINDUCTOR_FX_GRAPH_CACHE=0)"
     return None
 
 
