@@ -33,7 +33,7 @@ from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
 from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, generated, hold_bytes, prepare, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
-from vd.models.inductor import keep_artifacts
+from vd.models.inductor import caches_off, compiles, keep_artifacts
 from vd.models.specs import golden_dir, portable
 from vd.policy import Policy
 from vd.preflight import check_batch, check_threads
@@ -165,6 +165,7 @@ class RecordResult:
     left_greedy: dict[int, int] = field(default_factory=dict)  # per K, the step where committed left greedy
     # per K, its verify rows against the decode rows of the same positions (`vd.equivalence`), once stored
     equivalence: dict[int, Equivalence] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what a stored golden lacks that a user would expect
 
     @property
     def path(self) -> str | None:
@@ -195,7 +196,7 @@ class RecordResult:
         """Why the reference is too thin or short of coverage, for stderr: warnings where it was stored anyway,
         else the refusal."""
         if self.location is not None:
-            return [f"warning: {reason}" for reason in self.thin]
+            return [f"warning: {reason}" for reason in [*self.thin, *self.warnings]]
         return [*self.thin, *self.short, "reference too thin or short of coverage; nothing written"
                 + ("" if self.short else " (pass --allow-thin to store it anyway)")]
 
@@ -289,6 +290,9 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
                 **({"trace": trace_meta(points)} if settings.trace else {})}
         at = _part(result, "write_describe", t)  # the metadata
         meta.update(keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS))
+        if compiles(forward) and "compiled" not in meta and caches_off() is not None:
+            result.warnings.append(f"no Inductor artifacts stored ({caches_off()}): a replay in another process "
+                                   "compiles afresh and may run other kernels than this recording's")
         _part(result, "write_artifacts", at)  # a compiled forward's Inductor artifacts (written by a process)
         writer.publish(meta, tokens, reason=reason)
     if writer.journal is not None:

@@ -111,7 +111,8 @@ def keep_artifacts(forward: str, add_file, key: str) -> dict:
     compiled)."""
     import torch
 
-    saved = save_artifacts() if compiles(forward) else None
+    # (where Inductor looks in no cache, what this recording compiled never reached them: nothing to keep)
+    saved = save_artifacts() if compiles(forward) and caches_off() is None else None
     if saved is None:
         return {}
     data, kinds, digest = saved
