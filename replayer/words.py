@@ -481,13 +481,17 @@ def next_steps(report: Report, declared: str | None) -> list[NextStep]:
     rows = report.failure_rows
     # failure_rows may be the control's (which always fails); a forward's failure is what to look at
     if rows is not None and any(r.variant == rows.forward for r in report.reasons_of(("rows", "draft"))):
-        cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec}, "replay.json"))
+        cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec, "rows": report.rows.source},
+                                           "replay.json"))
         where = failure_place(rows.first_failure) if rows.first_failure else f"{rows.kind} step {rows.step}"
         tokens = "" if rows.tokens is None else f"; the step verified tokens {rows.tokens}" + (
             "" if rows.text is None else f" ({rows.text!r})")
+        both = ("the candidate's rows in ", Code("rows.npz"), " (the golden is slim: add ", Code("--rows FULL"),
+                ", the full golden it was made from, for its rows too)") \
+            if report.rows.slim and report.rows.source is None else ("both rows in ", Code("rows.npz"))
         out.append((f"Look at the first divergence (K={rows.k}, {rows.forward}, {where}{tokens}): ", Code(cmd),
                     " replays just that and writes its first-divergence bundle to ", Code("replay.json.bundle/"),
-                    " (both rows in ", Code("rows.npz"), ", ", Code("failure.json"), ", ", Code("command.sh"), ")."))
+                    " (", *both, ", ", Code("failure.json"), ", ", Code("command.sh"), ")."))
     out += _axis_steps(report)
     failing = {r.variant for r in report.reasons_of(("rows", "draft", "decode"))}
     if failing:
@@ -504,19 +508,28 @@ def next_steps(report: Report, declared: str | None) -> list[NextStep]:
 
 def _accept_step(report: Report, declared: str | None, failing: set[str | None]) -> NextStep:
     """How to accept what failed: a refresh (it records the golden's own forward again); or, where only other
-    forwards failed, a recording with the first of them, which a refresh would not make."""
+    forwards failed, a recording with the first of them, which a refresh would not make. A slim golden is not
+    recorded over (`vd.workflow.refresh`): the full golden it was made from is, and then slimmed again."""
+    own = report.golden_forward in failing or None in failing
+    forward = None if own else sorted(f for f in failing if f is not None)[0]
+    if report.rows.slim:
+        full = shlex.quote(report.rows.source or "FULL")
+        record = f"vd refresh {full} --reason TEXT" if own else \
+            f"vd record {full} --refresh --forward {shlex.quote(str(forward))} --reason TEXT"
+        return ("If the change is intended, accept it in the full golden this slim one was made from: ", Code(record),
+                ", then write its slim form again: ",
+                Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
     target = declared if declared is not None else report.golden
-    if report.golden_forward in failing or None in failing:
+    if own:
         return ("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
                 ", or record the golden again on the trusted build: ",
                 Code(f"vd record {shlex.quote(report.golden)} --refresh"), ".")
-    forward = sorted(f for f in failing if f is not None)[0]
     if declared is not None:  # the declaration says what a refresh records
         return (f"To make {forward} the golden's forward, declare it (", Code(f'forward = "{forward}"'),
                 f" in {declared}'s declaration) and refresh: ",
                 Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"), ".")
     return (f"To make {forward} the golden's forward, record it with it: ",
-            Code(shlex.join(["vd", "record", target, "--refresh", "--forward", forward]) + " --reason TEXT"),
+            Code(shlex.join(["vd", "record", target, "--refresh", "--forward", str(forward)]) + " --reason TEXT"),
             f" (vd refresh records the golden's own, {report.golden_forward}).")
 
 

@@ -63,3 +63,20 @@ def test_refresh_replaces_only_a_copy(cli, tiny_golden, tmp_path):
     assert cli("slim", tiny_golden, tmp_path / "t.zarr")[0] == 0
     assert cli("slim", tiny_golden, tmp_path / "t.zarr", "--refresh")[0] == 0  # a copy: brought up to date
     assert cli("pack", tiny_golden, full, "--refresh")[0] == 0
+
+
+def test_refresh_brings_a_copy_of_an_earlier_version_up_to_date(cli, tiny_copy, tmp_path):
+    """A team's slim golden (or packed copy) of a golden that has since been refreshed with other settings: `vd slim
+    FULL SLIM --refresh` and `vd pack FULL COPY --refresh` replace it (its history is the beginning of the full
+    golden's); until then the changed steps made it 'a recording of another kind' and only removing it worked."""
+    slim, copy = tmp_path / "s.zarr", tmp_path / "c.zip"
+    assert cli("slim", tiny_copy, slim)[0] == 0 and cli("pack", tiny_copy, copy)[0] == 0
+    code, out, err = cli("record", tiny_copy, "--refresh", "--steps", "5", "--reason", "five steps")
+    assert code == 0, out + err
+    for command, target in (("slim", slim), ("pack", copy)):
+        code, out, err = cli(command, tiny_copy, target, "--refresh")
+        assert code == 0, out + err
+        now = open_golden(target)
+        assert now.info.steps == 5 and [h["reason"] for h in now.history] == ["first recording", "five steps"]
+    code, out, err = cli("pack", tiny_copy, slim, "--refresh")
+    assert code == 2 and "a slim golden" in err  # a slim copy is still not replaced by a full one

@@ -84,3 +84,27 @@ def test_compiled_artifacts_missing_from_the_manifest_are_named(tiny_copy, tmp_p
     with pytest.raises(GoldenCorruptError, match="inductor/artifacts.bin is not in the golden's manifest"):
         slim(source, tmp_path / "s.zarr")
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_slim_golden_is_accepted_through_its_full_golden(cli, tiny_copy, tmp_path):
+    """A team keeps a slim golden in its repository. A FAIL's next steps accept a change in the full golden and
+    write the slim form again (each command works as written); `vd refresh` of the slim golden itself is refused
+    (it would put a full golden in its place, its full golden left stale), naming the same way."""
+    s = tmp_path / "s.zarr"
+    assert cli("slim", tiny_copy, s)[0] == 0
+    code, out, err = cli("replay", s, "--forward", "sdpa", "--k", "2")
+    assert code == 1 and "(the golden is slim: add --rows FULL, the full golden it was made from" in out, out + err
+    code, out, err = cli("replay", s, "--forward", "sdpa", "--k", "2", "--rows", tiny_copy)
+    steps = out.split("next step:")[1]
+    assert code == 1 and f"--rows {tiny_copy}" in steps and "both rows in rows.npz" in steps, out + err
+    record = f"vd record {tiny_copy} --refresh --forward sdpa --reason TEXT"
+    assert f"this slim one was made from: {record}, then write its slim form again: vd slim {tiny_copy} {s} " \
+           "--refresh." in steps, steps
+    before = {p: p.read_bytes() for p in s.rglob("*") if p.is_file()}
+    code, out, err = cli("refresh", s, "--reason", "accept sdpa")
+    assert code == 2 and err.count("\n") == 1 and f"(vd slim {tiny_copy} {s} --refresh)" in err, err
+    assert {p: p.read_bytes() for p in s.rglob("*") if p.is_file()} == before
+    assert cli(*record.replace("TEXT", "sdpa").split()[1:])[0] == 0
+    assert cli("slim", tiny_copy, s, "--refresh")[0] == 0
+    code, out, err = cli("replay", s, "--forward", "sdpa", "--k", "2")
+    assert code == 0 and open_golden(s).slim, out + err

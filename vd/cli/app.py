@@ -457,7 +457,8 @@ def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden
 def slim(
     golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"The full golden ({GOLDEN_OR_NAME}).")],
     out_path: Annotated[str, typer.Argument(metavar="OUT", help="The slim golden to write.")],
-    refresh: Annotated[bool, typer.Option("--refresh", help="Replace an existing golden at OUT.")] = False,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Replace the slim form at OUT of this golden (or of an "
+                                          "earlier version of it); any other golden there is refused.")] = False,
 ) -> int:
     """Write a golden's slim form: step logs, row digests and statistics, no rows (about 1 % of the size)."""
     golden = golden_path(golden)

@@ -58,12 +58,20 @@ def rewrite(g: Golden, out: str | os.PathLike, *, refresh: bool, rows: bool, upd
     return w.location
 
 
+def earlier_version(old: Golden, source: Golden) -> bool:
+    """Whether ``old`` is a copy (`vd slim`, `vd pack`) of ``source`` or of one of its earlier versions: its history
+    the beginning of ``source``'s, entry for entry (a refresh adds to a golden's history and keeps the rest)."""
+    mine, theirs = old.meta.get("history") or [], source.meta.get("history") or []
+    return bool(mine) and len(mine) <= len(theirs) and mine == theirs[:len(mine)]
+
+
 def check_copy_target(location: Location, source: Golden, *, slim: bool) -> None:
     """Refuse (`vd.errors.UsageError`) a ``--refresh`` of a copy of ``source`` (its ``slim`` form, or not) over a
     golden that is no such copy: one of another recording (prompt, K, steps, vocabulary, dtype, feed or model),
-    or a full golden where the copy is slim. ``--refresh`` brings a copy up to date; it is not a licence to
-    replace whatever golden stands at the path (its rows and history would be gone). A target that cannot be
-    read as a golden is left to the writer's own check."""
+    unless it is a copy of one of ``source``'s earlier versions (`earlier_version`: the copy a refresh of
+    ``source`` left behind, which ``--refresh`` is for), or a full golden where the copy is slim. ``--refresh``
+    brings a copy up to date; it is not a licence to replace whatever golden stands at the path (its rows and
+    history would be gone). A target that cannot be read as a golden is left to the writer's own check."""
     if location.state() != "golden":
         return
     try:
@@ -71,7 +79,7 @@ def check_copy_target(location: Location, source: Golden, *, slim: bool) -> None
     except VdError:
         return  # a damaged copy: replacing it is what --refresh is for
     try:
-        differ = recording_difference(old, source) or (
+        differ = None if earlier_version(old, source) else recording_difference(old, source) or (
             None if old.meta["model"].get("fingerprint") == source.meta["model"].get("fingerprint") else "model")
         why = f"a recording of another kind: {differ}" if differ is not None else None
         if why is None and old.slim != slim:

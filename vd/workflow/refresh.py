@@ -86,6 +86,8 @@ def refresh(where: str | os.PathLike, settings: RecordSettings, *, reason: str, 
 def _refresh(location: Location, settings: RecordSettings, reason: str, name: str | None,
              model: VerifyModel | None, progress: Progress) -> Refreshed:
     old, unreadable = _previous(location)
+    if old is not None and old.slim:
+        _refuse_slim(old)
     staging = location.staging()
     try:
         new_path = staging / "new.zarr"
@@ -104,6 +106,19 @@ def _refresh(location: Location, settings: RecordSettings, reason: str, name: st
         return _publish(location, new_path, old, unreadable, reason, name, settings_changes(old, settings))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _refuse_slim(old: Golden) -> None:
+    """A slim golden is not recorded over (before any model loads): a recording's rows would make it a full golden
+    where a team keeps the slim form, and leave the full golden it was made from behind, stale. Its way on: refresh
+    the full golden, then write its slim form again (`vd slim --refresh` replaces the copy of an earlier version)."""
+    made_from = ((old.meta.get("rows") or {}).get("slim_of") or {}).get("golden")
+    full = made_from or "FULL"
+    old.close()
+    of = f" of {made_from}" if made_from else ""
+    raise UsageError(f"{old.url} is slim (a vd slim form{of}), so a refresh would put a full golden in its place: "
+                     f"refresh the full golden ({shlex.join(['vd', 'refresh', full])} --reason TEXT) and write its "
+                     f"slim form again ({shlex.join(['vd', 'slim', full, old.url])} --refresh)")
 
 
 def settings_changes(old: Golden | None, settings: RecordSettings) -> list[str]:
