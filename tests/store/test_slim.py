@@ -104,6 +104,11 @@ def test_a_slim_golden_is_accepted_through_its_full_golden(cli, tiny_copy, tmp_p
     code, out, err = cli("refresh", s, "--reason", "accept sdpa")
     assert code == 2 and err.count("\n") == 1 and f"(vd slim {tiny_copy} {s} --refresh)" in err, err
     assert {p: p.read_bytes() for p in s.rglob("*") if p.is_file()} == before
+    cand = tmp_path / "cand.zarr"  # a candidate saved against the slim golden is promoted into the full one
+    assert cli("replay", s, "--save-candidate", cand)[0] == 0
+    code, out, err = cli("refresh", s, "--from", cand, "--reason", "promote")
+    assert code == 2 and f"(vd refresh {tiny_copy} --from {cand} --reason TEXT)" in err, err
+    assert {p: p.read_bytes() for p in s.rglob("*") if p.is_file()} == before
     assert cli(*record.replace("TEXT", "sdpa").split()[1:])[0] == 0
     assert cli("slim", tiny_copy, s, "--refresh")[0] == 0
     code, out, err = cli("replay", s, "--forward", "sdpa", "--k", "2")

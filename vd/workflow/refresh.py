@@ -108,17 +108,20 @@ def _refresh(location: Location, settings: RecordSettings, reason: str, name: st
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _refuse_slim(old: Golden) -> None:
-    """A slim golden is not recorded over (before any model loads): a recording's rows would make it a full golden
-    where a team keeps the slim form, and leave the full golden it was made from behind, stale. Its way on: refresh
-    the full golden, then write its slim form again (`vd slim --refresh` replaces the copy of an earlier version)."""
+def _refuse_slim(old: Golden, candidate: str | None = None) -> None:
+    """A slim golden is not recorded over (before any model loads), nor a full ``candidate`` promoted over it: its
+    rows would make it a full golden where a team keeps the slim form, and leave the full golden it was made from
+    behind, stale. Its way on: refresh the full golden (a candidate saved against the slim golden is one of the
+    full golden too: the two have one content digest), then write its slim form again (`vd slim --refresh`
+    replaces the copy of an earlier version)."""
     made_from = ((old.meta.get("rows") or {}).get("slim_of") or {}).get("golden")
     full = made_from or "FULL"
     old.close()
     of = f" of {made_from}" if made_from else ""
+    how = ["vd", "refresh", full] + (["--from", candidate] if candidate is not None else [])
     raise UsageError(f"{old.url} is slim (a vd slim form{of}), so a refresh would put a full golden in its place: "
-                     f"refresh the full golden ({shlex.join(['vd', 'refresh', full])} --reason TEXT) and write its "
-                     f"slim form again ({shlex.join(['vd', 'slim', full, old.url])} --refresh)")
+                     f"refresh the full golden ({shlex.join(how)} --reason TEXT) and write its slim form again "
+                     f"({shlex.join(['vd', 'slim', full, old.url])} --refresh)")
 
 
 def settings_changes(old: Golden | None, settings: RecordSettings) -> list[str]:
@@ -150,6 +153,8 @@ def _check_candidate(cand: Golden, old: Golden | None, url: str, allow_slim: boo
     cand.check_contents()
     if old is None:
         return made
+    if old.slim and not cand.slim:
+        _refuse_slim(old, cand.url)
     if cand.slim and not old.slim and not allow_slim:
         raise UsageError(f"{cand.url} is slim and {url} is full: promoting it would drop the golden's rows "
                          "(--allow-slim to do so)")
