@@ -158,3 +158,22 @@ def test_sdpa(vd_golden):
                             "*record the change itself instead: declare forward = \"sdpa\" in tiny's declaration, then "
                             "vd refresh tiny --reason TEXT"])
     assert "def _done(" not in r.stdout.str() and 'vd_golden("tiny").replay(forwards="sdpa")' in r.stdout.str()
+
+
+def test_an_update_vd_refuses_fails_the_golden_with_its_one_line(project):
+    """--vd-update of a declared slim golden (a team's, its full golden kept elsewhere): vd refuses to put a full
+    golden in its place, and the test fails with that line, the way on in it, not with a traceback through vd."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    goldens = project.path / "goldens"
+    shutil.move(goldens / "tiny.zarr", project.path / "full.zarr")
+    from vd.store import slim
+
+    slim(project.path / "full.zarr", goldens / "tiny.zarr")
+    before = sorted(p.name for p in (goldens / "tiny.zarr").rglob("*"))
+    project.makepyfile(test_engine=TEST_ENGINE)
+    r = project.runpytest("test_engine.py", "--vd-update")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*GoldenFailure: vd golden 'tiny': the refresh was refused:*",
+                            "*is slim (a vd slim form of *full.zarr)*vd slim *full.zarr *tiny.zarr --refresh)*"])
+    assert "raise UsageError" not in r.stdout.str() and open_golden(goldens / "tiny.zarr").slim
+    assert sorted(p.name for p in (goldens / "tiny.zarr").rglob("*")) == before

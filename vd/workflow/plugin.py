@@ -22,6 +22,7 @@ lists orphan goldens, those on disk no declaration names, as syrupy lists unused
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import textwrap
 from pathlib import Path
@@ -147,8 +148,9 @@ class _Session:
         __tracebackhide__ = True
         from vd.workflow.refresh import promote
 
-        return self._done(entry, promote(candidate, entry.path, reason=f"pytest --vd-update ({who}): {why}",
-                                         name=entry.name))
+        with _refused(entry.name):
+            done = promote(candidate, entry.path, reason=f"pytest --vd-update ({who}): {why}", name=entry.name)
+        return self._done(entry, done)
 
     def _done(self, entry, r):
         __tracebackhide__ = True
@@ -164,8 +166,20 @@ class _Session:
 
         s = record_settings(entry)
         model = model or self.models.get(s.model, s.device, s.dtype, s.head)
-        self._done(entry, refresh(entry.path, s, reason=f"pytest --vd-update ({who}): {why}", name=entry.name,
-                                  model=model))
+        with _refused(entry.name):
+            done = refresh(entry.path, s, reason=f"pytest --vd-update ({who}): {why}", name=entry.name, model=model)
+        self._done(entry, done)
+
+
+@contextlib.contextmanager
+def _refused(name: str):
+    """A refresh or promotion that vd refuses as bad input (a slim golden, another writer holding it, a candidate of
+    another version): the golden's failure, its one line, not a traceback through vd."""
+    __tracebackhide__ = True
+    try:
+        yield
+    except VdError as e:
+        raise GoldenFailure(f"vd golden {name!r}: the refresh was refused:\n  - {e}") from None
 
 
 def _session(config: pytest.Config) -> _Session:
