@@ -289,10 +289,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
                 **({"trace": trace_meta(points)} if settings.trace else {})}
         at = _part(result, "write_describe", t)  # the metadata
-        meta.update(keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS))
-        if compiles(forward) and "compiled" not in meta and caches_off() is not None:
-            result.warnings.append(f"no Inductor artifacts stored ({caches_off()}): a replay in another process "
-                                   "compiles afresh and may run other kernels than this recording's")
+        meta.update(_artifacts(forward, writer, result))
         _part(result, "write_artifacts", at)  # a compiled forward's Inductor artifacts (written by a process)
         writer.publish(meta, tokens, reason=reason)
     if writer.journal is not None:
@@ -305,6 +302,17 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     _read_back_equivalence(location, settings.ks, result)
     seconds["equivalence"] = time.perf_counter() - t  # the golden's own verify-vs-decode figures read back
     return result
+
+
+def _artifacts(forward: str, writer: GoldenWriter, result: RecordResult) -> dict:
+    """A compiled forward's Inductor artifacts handed to the writer (`vd.models.inductor.keep_artifacts`), and the
+    golden's metadata field for them; where Inductor's caches are off there are none, and a warning says so."""
+    kept = keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)
+    why = caches_off() if compiles(forward) and not kept else None
+    if why is not None:
+        result.warnings.append(f"no Inductor artifacts stored ({why}): a replay in another process compiles afresh "
+                               "and may run other kernels than this recording's")
+    return kept
 
 
 def _set_forward(model: VerifyModel, settings: RecordSettings) -> str:
