@@ -481,8 +481,8 @@ def next_steps(report: Report, declared: str | None) -> list[NextStep]:
     rows = report.failure_rows
     # failure_rows may be the control's (which always fails); a forward's failure is what to look at
     if rows is not None and any(r.variant == rows.forward for r in report.reasons_of(("rows", "draft"))):
-        cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec, "rows": report.rows.source},
-                                           "replay.json"))
+        rows_from = report.rows.source if report.rows.slim else None  # (a full golden's source is itself)
+        cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec, "rows": rows_from}, "replay.json"))
         where = failure_place(rows.first_failure) if rows.first_failure else f"{rows.kind} step {rows.step}"
         tokens = "" if rows.tokens is None else f"; the step verified tokens {rows.tokens}" + (
             "" if rows.text is None else f" ({rows.text!r})")

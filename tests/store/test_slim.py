@@ -86,6 +86,28 @@ def test_compiled_artifacts_missing_from_the_manifest_are_named(tiny_copy, tmp_p
     assert not (tmp_path / "s.zarr").exists()
 
 
+def _look_at(out: str) -> list[str]:
+    """The command of a FAIL's step 'Look at the first divergence', as printed (without its ``vd``)."""
+    import shlex
+
+    line = next(x for x in out.splitlines() if "Look at the first divergence" in x)
+    return shlex.split(line.split("): ", 1)[1].split(" replays just that")[0])[1:]
+
+
+def test_the_first_divergence_command_runs_as_printed(cli, tiny_copy, tmp_path, monkeypatch):
+    """The step's command replays and writes the bundle it promises: for a full golden (never with --rows, which a
+    full golden refuses) and for a slim one replayed with --rows (the golden's rows then in the bundle too)."""
+    monkeypatch.chdir(tmp_path)
+    s = tmp_path / "s.zarr"
+    assert cli("slim", tiny_copy, s)[0] == 0
+    for golden, more in ((tiny_copy, []), (s, ["--rows", str(tiny_copy)])):
+        code, out, err = cli("replay", golden, "--forward", "sdpa", "--k", "2", *more)
+        assert code == 1, out + err
+        code, again, err = cli(*_look_at(out))
+        assert code == 1 and "FAIL" in again, again + err
+        assert set(np.load(tmp_path / "replay.json.bundle" / "rows.npz").files) >= {"golden", "candidate"}
+
+
 def test_a_slim_golden_is_accepted_through_its_full_golden(cli, tiny_copy, tmp_path):
     """A team keeps a slim golden in its repository. A FAIL's next steps accept a change in the full golden and
     write the slim form again (each command works as written); `vd refresh` of the slim golden itself is refused
