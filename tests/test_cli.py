@@ -478,6 +478,21 @@ def test_mistakes_about_a_golden_are_answered_before_torch_is_imported(tiny_gold
     assert not list(tmp_path.iterdir())
 
 
+def test_a_refresh_of_a_slim_golden_is_refused_before_torch_is_imported(tiny_golden, tmp_path):
+    """`vd refresh SLIM` (and a full candidate over it) is refused from the root metadata alone (`vd.preflight`),
+    its one line naming the full golden's refresh and the slim form written again."""
+    from vd.store import slim
+
+    s = tmp_path / "s.zarr"
+    slim(tiny_golden, s)
+    cases = [(["refresh", str(s), "--reason", "x"], f"(vd slim {tiny_golden} {s} --refresh)"),
+             (["refresh", str(s), "--from", str(tiny_golden), "--reason", "x"],
+              f"(vd refresh {tiny_golden} --from {tiny_golden} --reason TEXT)")]
+    for r, (argv, needle) in zip(_audit(tmp_path, *[argv for argv, _ in cases]), cases):
+        assert not r["heavy"], (argv, r["heavy"])
+        _one_line_error(r["code"], r["out"], r["err"], needle)
+
+
 def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
     """Each mistake answers with its one line and exit 2 without importing torch or loading a model;
     `vd models`, `--help` and `--version` import nothing heavy either."""

@@ -12,6 +12,7 @@ import ctypes
 import importlib.metadata
 import json
 import os
+import shlex
 import stat
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -91,6 +92,23 @@ class Peek:
     state: str
     meta: Mapping[str, Any] | None = None
     why: str | None = None
+
+
+def slim_refusal(url: str, meta: Mapping[str, Any], candidate: str | None = None) -> UsageError | None:
+    """Why a refresh of the golden at ``url`` (its vd metadata ``meta``), or the promotion of a full ``candidate``
+    over it, is refused where it is slim: it would put a full golden in the slim one's place, the full golden it
+    was made from left behind, stale; the way on names both (`vd.workflow.refresh`). None for a full golden."""
+    rows = meta.get("rows")
+    if not isinstance(rows, Mapping) or rows.get("stored", True) is not False:
+        return None
+    slim_of = rows.get("slim_of")
+    made_from = slim_of.get("golden") if isinstance(slim_of, Mapping) else None
+    full = str(made_from) if made_from else "FULL"
+    of = f" of {made_from}" if made_from else ""
+    how = ["vd", "refresh", full] + (["--from", candidate] if candidate is not None else [])
+    return UsageError(f"{url} is slim (a vd slim form{of}), so a refresh would put a full golden in its place: "
+                      f"refresh the full golden ({shlex.join(how)} --reason TEXT) and write its slim form again "
+                      f"({shlex.join(['vd', 'slim', full, url])} --refresh)")
 
 
 def check_named(text: str) -> str:

@@ -146,14 +146,15 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     """Refresh the golden ``target`` names: its declaration's settings (or, undeclared, the golden's own) with
     ``overrides``; or promote ``candidate`` (a slim one over a full golden only with ``allow_slim``). Prints
     the change summary; exit 1 when refused."""
-    from vd.workflow import refresh as R
-
     if allow_slim and candidate is None:
         raise UsageError("vd refresh: --allow-slim goes with --from CANDIDATE")
 
     entry = entry_for(target, config)
     path = _existing(target, entry, config)
     check_writable("--summary", summary, (path, candidate))
+    _check_not_slim(path, candidate)
+    from vd.workflow import refresh as R
+
     name = entry.name if entry is not None else None
     if candidate is not None:
         done = R.promote(candidate, path, reason=reason, name=name, allow_slim=allow_slim)
@@ -172,6 +173,23 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     repin(entry, config, path)
     note_stale(entry)
     return EXIT_PASS
+
+
+def _check_not_slim(path: str, candidate: str | None) -> None:
+    """A refresh of a slim golden, or a full candidate's promotion over it, refused before torch is imported (from
+    the root metadata of both; the refresh itself checks again, for what a local read cannot see: S3)."""
+    from vd import preflight
+
+    seen = preflight.peek(path)
+    if seen.state != "golden" or seen.meta is None:
+        return
+    if candidate is not None:
+        cand = preflight.peek(candidate)
+        if cand.state != "golden" or cand.meta is None or preflight.slim_refusal(candidate, cand.meta) is not None:
+            return  # a slim candidate over a slim golden is no refusal of this kind; anything else, the refresh's
+    refusal = preflight.slim_refusal(path, seen.meta, candidate)
+    if refusal is not None:
+        raise refusal
 
 
 def note_stale(entry) -> None:
@@ -209,11 +227,15 @@ def repin(entry, config: Path | None, path: str) -> None:
 def _existing(target: str, entry, config: Path | None) -> str:
     """The golden ``target`` names (a declared golden, else a path or URL), which must exist: a refresh never
     records a new golden (`vd record` does); else a usage error naming the declared goldens."""
-    from vd.store import locate
+    from vd import preflight
     from vd.workflow.declare import find, load_suite
 
     path = entry.path if entry is not None else target
-    if locate(path).state() != "absent":
+    if preflight.peek(path).state not in ("absent", "remote"):  # a local path that holds something: torch not imported
+        return path
+    from vd.store import locate
+
+    if locate(path).state() != "absent":  # (an object store asked; a publish cut short installed)
         return path
     if entry is not None:
         raise UsageError(f"vd refresh: {entry.name!r} is declared but not recorded yet ({path} does not exist); "

@@ -21,6 +21,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vd import preflight
 from vd.env import numerics_differences
 from vd.errors import GoldenCorruptError, GoldenError, UsageError
 from vd.progress import SILENT, Progress
@@ -86,7 +87,7 @@ def refresh(where: str | os.PathLike, settings: RecordSettings, *, reason: str, 
 def _refresh(location: Location, settings: RecordSettings, reason: str, name: str | None,
              model: VerifyModel | None, progress: Progress) -> Refreshed:
     old, unreadable = _previous(location)
-    if old is not None and old.slim:
+    if old is not None:
         _refuse_slim(old)
     staging = location.staging()
     try:
@@ -109,19 +110,14 @@ def _refresh(location: Location, settings: RecordSettings, reason: str, name: st
 
 
 def _refuse_slim(old: Golden, candidate: str | None = None) -> None:
-    """A slim golden is not recorded over (before any model loads), nor a full ``candidate`` promoted over it: its
-    rows would make it a full golden where a team keeps the slim form, and leave the full golden it was made from
-    behind, stale. Its way on: refresh the full golden (a candidate saved against the slim golden is one of the
-    full golden too: the two have one content digest), then write its slim form again (`vd slim --refresh`
-    replaces the copy of an earlier version)."""
-    made_from = ((old.meta.get("rows") or {}).get("slim_of") or {}).get("golden")
-    full = made_from or "FULL"
-    old.close()
-    of = f" of {made_from}" if made_from else ""
-    how = ["vd", "refresh", full] + (["--from", candidate] if candidate is not None else [])
-    raise UsageError(f"{old.url} is slim (a vd slim form{of}), so a refresh would put a full golden in its place: "
-                     f"refresh the full golden ({shlex.join(how)} --reason TEXT) and write its slim form again "
-                     f"({shlex.join(['vd', 'slim', full, old.url])} --refresh)")
+    """A slim golden is not recorded over, nor a full ``candidate`` promoted over it (`vd.preflight.slim_refusal`,
+    which the command line asks before anything heavy is imported): a candidate saved against the slim golden is
+    one of its full golden too (the two have one content digest), and `vd slim --refresh` replaces the copy of
+    an earlier version."""
+    refusal = preflight.slim_refusal(old.url, old.meta, candidate)
+    if refusal is not None:
+        old.close()
+        raise refusal
 
 
 def settings_changes(old: Golden | None, settings: RecordSettings) -> list[str]:
@@ -153,7 +149,7 @@ def _check_candidate(cand: Golden, old: Golden | None, url: str, allow_slim: boo
     cand.check_contents()
     if old is None:
         return made
-    if old.slim and not cand.slim:
+    if not cand.slim:
         _refuse_slim(old, cand.url)
     if cand.slim and not old.slim and not allow_slim:
         raise UsageError(f"{cand.url} is slim and {url} is full: promoting it would drop the golden's rows "
