@@ -94,14 +94,20 @@ class Peek:
     why: str | None = None
 
 
+def stored_rows(meta: Mapping[str, Any]) -> bool:
+    """Whether a golden with this vd metadata stores its rows (a slim golden does not); a ``rows`` entry that is
+    not a mapping (the schema's to refuse, `vd.store.schema`) is read as the default, stored."""
+    rows = meta.get("rows")
+    return not isinstance(rows, Mapping) or rows.get("stored", True) is not False
+
+
 def slim_refusal(url: str, meta: Mapping[str, Any], candidate: str | None = None) -> UsageError | None:
     """Why a refresh of the golden at ``url`` (its vd metadata ``meta``), or the promotion of a full ``candidate``
     over it, is refused where it is slim: it would put a full golden in the slim one's place, the full golden it
     was made from left behind, stale; the way on names both (`vd.workflow.refresh`). None for a full golden."""
-    rows = meta.get("rows")
-    if not isinstance(rows, Mapping) or rows.get("stored", True) is not False:
+    if stored_rows(meta):
         return None
-    slim_of = rows.get("slim_of")
+    slim_of = meta["rows"].get("slim_of")
     made_from = slim_of.get("golden") if isinstance(slim_of, Mapping) else None
     full = str(made_from) if made_from else "FULL"
     of = f" of {made_from}" if made_from else ""

@@ -185,7 +185,7 @@ def _check_not_slim(path: str, candidate: str | None) -> None:
         return
     if candidate is not None:
         cand = preflight.peek(candidate)
-        if cand.state != "golden" or cand.meta is None or preflight.slim_refusal(candidate, cand.meta) is not None:
+        if cand.state != "golden" or cand.meta is None or not preflight.stored_rows(cand.meta):
             return  # a slim candidate over a slim golden is no refusal of this kind; anything else, the refresh's
     refusal = preflight.slim_refusal(path, seen.meta, candidate)
     if refusal is not None:

@@ -34,6 +34,7 @@ from vd.chunkfiles import split_planes as split_planes  # (the writer processes'
 from vd.dtypes import DTYPES
 from vd.layout import RowLayout, StepLog
 from vd.preflight import FORMAT as FORMAT  # the root metadata's format name (read without zarr there)
+from vd.preflight import stored_rows as stored_rows  # (whether a golden stores its rows: asked there too)
 
 FORMAT_VERSION = 7
 VOLATILE_SINCE = 5  # the first format keeping volatile facts in the ``run`` group
@@ -191,10 +192,6 @@ def logits_meta(logical: str) -> dict:
     return {"dtype": logical, "encoding": DTYPES[logical].description,
             "planes": "high byte zstd-1, other bytes as they are (format 4)"}
 
-
-def stored_rows(meta: Mapping) -> bool:
-    """Whether a golden with this metadata stores its rows (a slim golden does not)."""
-    return (meta.get("rows") or {}).get("stored", True) is not False
 
 
 def step_log_arrays(version: int) -> tuple[str, ...]:
