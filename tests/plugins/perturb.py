@@ -1,8 +1,9 @@
 """A plug-in engine for tests: tiny-llama whose verify at one step is off by one ULP in one element.
 
-``VD_PERTURB_STEP`` picks the step (default 3), ``VD_PERTURB_K`` the verify width it applies to
-(default: every width of two or more: a one-token decode has no row 1), so a replay must fail exactly
-there. Its weights are tiny-llama's, so it keeps tiny-llama's fingerprint: the same model, a different build.
+``VD_PERTURB_STEP`` picks the step (default 3; ``all``: every step, the prefill left alone), ``VD_PERTURB_K``
+the verify width it applies to (default: every width of two or more: a one-token decode has no row 1), so a
+replay must fail exactly there. Its weights are tiny-llama's, so it keeps tiny-llama's fingerprint: the same
+model, a different build.
 """
 
 import os
@@ -15,7 +16,7 @@ ROW, INDEX = 1, 7
 
 
 class Perturbed:
-    def __init__(self, inner, step: int, k: int | None):
+    def __init__(self, inner, step: int | None, k: int | None):
         self.inner, self.step, self.k = inner, step, k
         self.vocab_size, self.device, self.dtype = inner.vocab_size, inner.device, inner.dtype
         self.calls = 0
@@ -43,7 +44,8 @@ class Perturbed:
         rows = self.inner.forward(tokens)
         s = self.calls - 1  # call 0 is the prefill
         self.calls += 1
-        if s == self.step and (self.k is None or len(tokens) == self.k) and len(tokens) > ROW:  # not a decode
+        at = s >= 0 and self.step in (None, s) and self.k in (None, len(tokens))
+        if at and len(tokens) > ROW:  # not a decode
             rows = rows.clone()
             bits = rows.view(torch.int16)  # one ULP: the next bit pattern
             bits[ROW, INDEX] += 1
@@ -54,6 +56,6 @@ class Perturbed:
 
 
 def factory(device, dtype):
-    k = os.environ.get("VD_PERTURB_K")
+    k, step = os.environ.get("VD_PERTURB_K"), os.environ.get("VD_PERTURB_STEP", "3")
     return Perturbed(load_model("tiny-llama", device=device, dtype=dtype),
-                     int(os.environ.get("VD_PERTURB_STEP", "3")), int(k) if k else None)
+                     None if step == "all" else int(step), int(k) if k else None)

@@ -92,6 +92,27 @@ def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):
     project.runpytest("test_engine.py").assert_outcomes(passed=1)  # the golden now holds the engine's numbers
 
 
+def test_an_update_of_a_change_at_every_step_records_the_golden_with_the_tests_model(project, monkeypatch):
+    """An engine whose every verify step differs from the golden's, the controls' steps too, so a promotion cannot
+    vouch for its candidate: the failure says that vd refresh records the declared model, not the test's (it
+    advised vd refresh, which recorded tiny-llama again and left the test failing), and --vd-update records
+    the golden again with the test's model, as for a stale golden (it said "declare  in tiny's declaration")."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    project.makepyfile(test_engine=TEST_ENGINE)
+    monkeypatch.setenv("VD_PERTURB_STEP", "all")
+    r = project.runpytest("test_engine.py")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*verify K=2, eager: prefill equal, 4 of 4 steps differ*",
+                            "*(accept an intended change: pytest --vd-update keeps the rows of the model this test ran "
+                            "(vd refresh tiny --reason TEXT records the declared model, tiny-llama))"])
+    r = project.runpytest("test_engine.py", "--vd-update")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["tiny: v2 *", "*rows moved at K=[[]2, 3[]]: 8 of *"])
+    project.runpytest("test_engine.py").assert_outcomes(passed=1)
+    monkeypatch.delenv("VD_PERTURB_STEP")
+    project.runpytest("test_engine.py").assert_outcomes(failed=1)  # the golden holds the engine's numbers now
+
+
 def test_stale_declarations_fail_and_orphans_are_listed(project):
     project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
     shutil.copytree(project.path / "goldens" / "tiny.zarr", project.path / "goldens" / "forgotten.zarr")

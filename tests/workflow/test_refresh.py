@@ -105,7 +105,22 @@ def test_a_candidate_whose_control_was_inconclusive_is_refused_with_the_way_forw
                                    for k in inconclusive)
     assert r.refused[len(inconclusive)] == (f"record the change itself instead: vd record {golden} --refresh "
                                             "--forward sdpa --reason 'sdpa from now on'")
-    assert "blind" not in " ".join(r.refused)
+    assert "blind" not in " ".join(r.refused) and r.record_instead == {"forward": "sdpa"}
+
+
+def test_an_inconclusive_candidate_of_the_goldens_own_forward_is_recorded_by_a_plain_refresh(golden, tmp_path,
+                                                                                              perturbed):
+    """A build whose every step differs (a new torch, say) replays the golden's own model and forward: the way
+    forward is the golden's refresh itself, named without a setting to declare (it said "declare  in")."""
+    cand = tmp_path / "cand.zarr"
+    perturbed.step = None  # every step, the controls' included
+    replay(golden, ReplaySettings(save_candidate=str(cand)), model=perturbed)
+    assert open_golden(cand).meta["candidate"]["inconclusive"] == ["2", "3"]
+    r = promote(cand, golden, reason="torch 2.14")
+    assert r.refused[-1] == f"record the change itself instead: vd record {golden} --refresh --reason 'torch 2.14'"
+    assert r.record_instead == {}
+    r = promote(cand, golden, reason="torch 2.14", name="tiny")
+    assert r.refused[-1] == "record the change itself instead: vd refresh tiny --reason 'torch 2.14'"
 
 
 def test_a_golden_damaged_in_its_rows_is_refreshed_its_history_kept(golden, tiny):

@@ -8,8 +8,9 @@
 * ``--vd-update`` accepts what the run saw, with a reason naming the test: a golden whose replay failed
   becomes that replay's candidate (the engine's rows over the golden's own steps, `vd.workflow.refresh.promote`,
   no second run); a missing golden, or one stale against its declaration, is recorded from its declaration
-  with the test's model (``--vd-update=all``: every golden the run touches is re-recorded so). A thin
-  reference or a blind control refuses the update and fails the test; the run's summary lists each
+  with the test's model (``--vd-update=all``: every golden the run touches is re-recorded so), as is one whose
+  candidate's controls were inconclusive (its rows differ at their steps already) where it ran the golden's own
+  forward. A thin reference or a blind control refuses the update and fails the test; the run's summary lists each
   refresh with its change headline. Put ``--vd-update`` last or write ``--vd-update=failed``: it takes an
   optional value.
 * ``--vd-forward NAME`` (repeatable) and ``--vd-tolerance [KIND=]SPEC`` (repeatable) pass through to every
@@ -106,7 +107,7 @@ class _Session:
             raise GoldenFailure(str(e)) from None
         if self.update == "all":
             return self._refresh(entry, who, model, "--vd-update=all")
-        problems, way_on = self._problems(entry)
+        problems, way_on = self._problems(entry, model is not None)
         if problems and self.update:
             return self._refresh(entry, who, model, "; ".join(problems)[:200])
         with tempfile.TemporaryDirectory(prefix="vd-candidate-") as tmp:
@@ -125,31 +126,42 @@ class _Session:
                               f"vd refresh {name} --reason TEXT")
                 if self.update and outcome.report is not None and keep is not None:
                     return self._promote(entry, who, keep, textwrap.shorten("; ".join(problems), 200,
-                                                                             placeholder=" …"))
+                                                                             placeholder=" …"), model)
         raise GoldenFailure(f"vd golden {name!r} ({entry.path}) FAILED:\n" + "\n".join(f"  - {p}" for p in problems)
                             + f"\n  ({way_on})")
 
-    def _problems(self, entry) -> tuple[list[str], str]:
+    def _problems(self, entry, own_model: bool) -> tuple[list[str], str]:
         """Why the golden cannot be replayed as declared: missing, unreadable or stale (none: it can); and the
-        way on a failure names (a golden not recorded yet is recorded: vd refresh refuses one)."""
+        way on a failure names (a golden not recorded yet is recorded: vd refresh refuses one). Where the test
+        hands in its own model (``own_model``), vd refresh would record the declared one, not the test's."""
         from vd.store import locate
-        from vd.workflow.suite import stale_now
+        from vd.workflow.suite import record_settings, stale_now
 
         if locate(entry.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
             return ["golden missing"], f"record it: vd record --suite {entry.name}, or pytest --vd-update"
         accept = f"accept an intended change: pytest --vd-update, or vd refresh {entry.name} --reason TEXT"
+        if own_model:
+            accept = (f"accept an intended change: pytest --vd-update keeps the rows of the model this test ran "
+                      f"(vd refresh {entry.name} --reason TEXT records the declared model, "
+                      f"{record_settings(entry).model})")
         try:
             stale = stale_now(entry)
         except VdError as e:
             return [str(e)], accept
         return [f"stale, the declaration changed since it was recorded: {r}" for r in stale], accept
 
-    def _promote(self, entry, who: str, candidate: str, why: str):
+    def _promote(self, entry, who: str, candidate: str, why: str, model):
+        """Accept the failed replay's candidate; where its controls were inconclusive (its rows differ at the
+        controls' steps already) and it ran the golden's own forward, record the golden again with the test's
+        model (or the declared one) instead, as for a stale golden: that recording's own replay vouches for it,
+        and a promotion cannot. A candidate of another forward stays refused, naming what to declare."""
         __tracebackhide__ = True
         from vd.workflow.refresh import promote
 
         with _refused(entry.name):
             done = promote(candidate, entry.path, reason=f"pytest --vd-update ({who}): {why}", name=entry.name)
+        if done.record_instead == {}:
+            return self._refresh(entry, who, model, why)
         return self._done(entry, done)
 
     def _done(self, entry, r):

@@ -46,6 +46,9 @@ class Refreshed:
     summary: str = ""
     changes: list[str] = field(default_factory=list)
     version: int | None = None
+    # A promotion refused only because the candidate's controls were inconclusive: the settings a recording
+    # of its change needs beyond the golden's own ({}: none, the golden's model and forward record it).
+    record_instead: dict[str, str] | None = None
 
     @property
     def published(self) -> bool:
@@ -173,11 +176,14 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
     refused = [f"K={k}: the candidate's detection control was inconclusive (its rows differ from the golden's at the "
                "control's step already, so a changed draft shows nothing there)"
                if k in inconclusive else f"K={k}: the candidate's detection control was blind" for k in silent]
+    changed = None
     if inconclusive & set(silent):
-        refused.append(_rerecord_step(name, location.url, cand, old, reason))
-    refused += list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
-    if refused:
-        return Refreshed(location.url, refused=refused)
+        changed = _changed(cand, old)
+        refused.append(_rerecord_step(name, location.url, changed, reason))
+    thin = list(cand.meta.get("thin") or [])  # the golden's steps, and so its accept counts
+    if refused or thin:
+        only_inconclusive = not thin and set(silent) <= inconclusive
+        return Refreshed(location.url, refused=refused + thin, record_instead=changed if only_inconclusive else None)
     staging = location.staging()
     try:
         new_path = staging / "new.zarr"
@@ -193,17 +199,25 @@ def _promote(location: Location, cand: Golden, reason: str, name: str | None, al
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _rerecord_step(name: str | None, url: str, cand: Golden, old: Golden | None, reason: str) -> str:
-    """How to record what a candidate replayed (its forward, and its model where the replay named another), for
-    a change its control cannot vouch for: a declared golden (``name``) has it declared, then refreshed (the
-    declaration says what a refresh records); another is recorded with those flags. The reason is given again,
-    unless it is too long to retype (a generated one: ``TEXT``)."""
+def _changed(cand: Golden, old: Golden | None) -> dict[str, str]:
+    """What a candidate replayed that its golden does not record: its forward, and its model where the replay
+    named another (empty where it replayed the golden's own: its numbers moved with the environment)."""
     changed = {}
     if old is not None and cand.meta["model"]["spec"] != old.meta["model"]["spec"]:
         changed["model"] = cand.meta["model"]["spec"]
     if old is None or cand.info.forward != old.info.forward:
         changed["forward"] = cand.info.forward
+    return changed
+
+
+def _rerecord_step(name: str | None, url: str, changed: dict[str, str], reason: str) -> str:
+    """How to record what a candidate replayed (``changed``: `_changed`), for a change its control cannot vouch
+    for: a declared golden (``name``) has it declared, then refreshed (the declaration says what a refresh
+    records); another is recorded with those flags. The reason is given again, unless it is too long to retype
+    (a generated one: ``TEXT``)."""
     again = ["--reason", reason if len(reason) <= 100 and "\n" not in reason else "TEXT"]
+    if name is not None and not changed:
+        return "record the change itself instead: " + shlex.join(["vd", "refresh", name, *again])
     if name is not None:
         declare = ", ".join(f'{key} = "{value}"' for key, value in changed.items())
         return (f"record the change itself instead: declare {declare} in {name}'s declaration, then "
