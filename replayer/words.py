@@ -335,7 +335,7 @@ def diff_lines(d: DiffReport) -> list[str]:
 
 def row_changes(d: DiffReport) -> list[tuple[int, str, int, int, float, int, str]]:
     """Per K and kind of row: K, kind, rows that moved, of how many, the largest |Δ|, argmax flips, and the
-    first verify steps that moved."""
+    first steps that moved (verify steps, or the decode group's decode steps)."""
     out = []
     for v in d.verify:
         c = v.comparison
@@ -367,9 +367,19 @@ def rows_headline(rows: Sequence[tuple[int, str, int, int, float, int, str]]) ->
     moved = [r for r in rows if r[2]]
     if not moved:
         return []
-    ks = sorted({r[0] for r in moved})
-    return [f"rows moved at K={ks}: {sum(r[2] for r in moved)} of {sum(r[3] for r in rows)} rows, max |delta| "
-            f"{max(r[4] for r in moved):.4g}, {sum(r[5] for r in moved)} argmax flip(s)"]
+    ks = sorted({r[0] for r in moved} - {DECODE_K})
+    where = ([f"at K={ks}"] if ks else []) + (["in the decode rows"] if any(r[0] == DECODE_K for r in moved) else [])
+    return [f"rows moved {' and '.join(where)}: {sum(r[2] for r in moved)} of {sum(r[3] for r in rows)} rows, "
+            f"max |delta| {max(r[4] for r in moved):.4g}, {sum(r[5] for r in moved)} argmax flip(s)"]
+
+
+def _k_cell(k: int) -> str:
+    return "decode" if k == DECODE_K else str(k)
+
+
+def _kind_cell(k: int, kind: str) -> str:
+    """A kind of row as the change summary names it: the decode group's one row a step is a decode row."""
+    return "decode" if k == DECODE_K and kind == "verify" else kind
 
 
 def refresh_markdown(title: str, reason: str, lines: Sequence[str],
@@ -378,9 +388,10 @@ def refresh_markdown(title: str, reason: str, lines: Sequence[str],
     md = [f"## vd refresh: {title}", "", f"**Reason:** {reason}", ""]
     md += [f"- {x}" for x in lines] or ["- nothing changed"]
     if rows:
-        md += ["", "| K | rows | moved | of | max abs delta | argmax flips | verify steps that moved |",
+        md += ["", "| K | rows | moved | of | max abs delta | argmax flips | steps that moved |",
                "|---|---|---|---|---|---|---|"]
-        md += [f"| {k} | {kind} | {n} | {of} | {mx:.4g} | {fl} | {steps} |" for k, kind, n, of, mx, fl, steps in rows]
+        md += [f"| {_k_cell(k)} | {_kind_cell(k, kind)} | {n} | {of} | {mx:.4g} | {fl} | {steps} |"
+               for k, kind, n, of, mx, fl, steps in rows]
     if decisions:
         md += ["", "**Decisions**", ""] + [f"- {x}" for x in decisions]
     return "\n".join(md) + "\n"

@@ -137,3 +137,20 @@ def test_a_golden_damaged_in_its_rows_is_refreshed_its_history_kept(golden, tiny
     after = open_golden(golden)
     after.check_files()
     assert [e["reason"] for e in after.history] == ["trusted build, first recording", "replace the damaged golden"]
+
+
+def test_the_change_summary_names_the_decode_rows_as_such():
+    """The decode group (K = 1 in the store) is "decode" in the change summary's table and headline, as in every
+    other report (its rows were listed as K 1 "verify" rows)."""
+    from vd.replayer import words
+    from vd.store.format import DECODE_K
+
+    rows = [(2, "verify", 0, 8, 0.0, 0, ""), (DECODE_K, "prefill", 0, 33, 0.0, 0, ""),
+            (DECODE_K, "verify", 2, 24, 0.5, 1, "3, 5")]
+    assert words.rows_headline(rows) == ["rows moved in the decode rows: 2 of 65 rows, max |delta| 0.5, "
+                                         "1 argmax flip(s)"]
+    md = words.refresh_markdown("t", "r", [], rows, [])
+    assert "| decode | decode | 2 | 24 | 0.5 | 1 | 3, 5 |" in md and "| decode | prefill | 0 | 33 |" in md
+    assert "| 2 | verify | 0 | 8 |" in md and "| steps that moved |" in md
+    rows[0] = (2, "verify", 1, 8, 0.25, 0, "1")
+    assert words.rows_headline(rows)[0].startswith("rows moved at K=[2] and in the decode rows: 3 of 65 rows")
