@@ -146,6 +146,27 @@ def test_python_m_vd_is_the_command_line():
     assert done.returncode == 0 and "record" in done.stdout and "replay" in done.stdout and "slim" in done.stdout
 
 
+@pytest.mark.parametrize(("args", "code", "closed"), [
+    (["show"], 0, ("stdout",)),
+    (["replay", "--report", "{report}"], 0, ("stdout", "stderr")),
+    (["replay", "--forward", "sdpa"], 1, ("stdout",)),
+])
+def test_a_reader_that_goes_away_leaves_the_exit_code_as_judged(tiny_golden, tmp_path, args, code, closed):
+    """`vd replay GOLDEN | head -1`: the pipe closes before vd prints its table. A PASS exited 1, vd's code for
+    a real difference (click's answer to a broken pipe), without a word; it now finishes as judged, its report
+    written, the rest of its output dropped."""
+    report = tmp_path / "r.json"
+    argv = [args[0], str(tiny_golden), *(a.format(report=report) for a in args[1:])]
+    proc = subprocess.Popen([sys.executable, "-m", "vd", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for name in closed:
+        getattr(proc, name).close()
+    err = b"" if "stderr" in closed else proc.stderr.read()
+    assert proc.wait(timeout=120) == code, err
+    assert b"Traceback" not in err and b"Exception ignored" not in err and b"vd: error" not in err
+    if "--report" in args:
+        assert json.loads(report.read_text())["verdict"] == "PASS"
+
+
 def test_another_distribution_named_vd_is_refused_in_one_line(tmp_path):
     """PyPI's `vd` (a vector-database facade) installs a `vd` package and a `vd` command too: beside it vd
     (distributed as vd-goldens) would run on overwritten files, so it refuses in one line, exit 2."""

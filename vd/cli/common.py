@@ -36,7 +36,7 @@ from typer.core import TyperCommand, TyperGroup
 import vd
 from vd import preflight
 from vd.errors import ModelSpecError, Terminated, UsageError, VdError, write_traceback
-from vd.outputs import write_text
+from vd.outputs import ReaderGone, write_text
 from vd.progress import Lines
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
@@ -120,8 +120,20 @@ class Group(_PlainFlags, TyperGroup):
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
             raise _Interrupted() from e
+        except BrokenPipeError as e:  # not stdout's or stderr's (`ReaderGone`): click would exit 1 without a word
+            raise RuntimeError(f"a broken pipe: {e}") from e
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = ReaderGone(sys.stdout), ReaderGone(sys.stderr)  # `vd ... | head`: exit as judged
+        try:
+            self._main(args, prog_name, complete_var, **extra)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
+
+    def _main(self, args, prog_name, complete_var, **extra):
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.Exit as e:
