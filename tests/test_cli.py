@@ -167,6 +167,49 @@ def test_a_reader_that_goes_away_leaves_the_exit_code_as_judged(tiny_golden, tmp
         assert json.loads(report.read_text())["verdict"] == "PASS"
 
 
+def _vd(*args, stdout=subprocess.PIPE, cwd=None):
+    return subprocess.run([sys.executable, "-m", "vd", *map(str, args)], stdout=stdout, stderr=subprocess.PIPE,
+                          timeout=120, cwd=cwd)
+
+
+def test_a_report_to_stdout_is_the_json_alone(tiny_golden, tmp_path):
+    """``--report -`` (or /dev/stdout) writes the JSON to standard output, and the command's own lines go to
+    stderr, so a pipe reads the report alone (``| jq .verdict``); it wrote a file named "-". A JUnit file to
+    /dev/stdout redirected to a file lands in that file."""
+    done = _vd("replay", tiny_golden, "--k", "2", "--report", "-", cwd=tmp_path)
+    assert done.returncode == 0 and json.loads(done.stdout)["verdict"] == "PASS", done.stderr
+    assert b"PASS" in done.stderr and not (tmp_path / "-").exists()
+    with open(tmp_path / "log.xml", "wb") as log:
+        done = _vd("replay", tiny_golden, "--k", "2", "--forward", "sdpa", "--junit=/dev/stdout", stdout=log)
+    assert done.returncode == 1 and ET.parse(tmp_path / "log.xml").getroot().get("failures") != "0"
+    assert os.path.islink("/dev/stdout")
+
+
+def test_a_report_to_a_device_or_a_fifo_is_written_through_them(tiny_golden, tmp_path):
+    """``--report /dev/null`` as root renamed a regular file over the device: /dev/null stopped discarding for
+    every process on the machine (a non-root user was refused: /dev not writable). A device or a named pipe
+    is now written through, and no bundle is made beside it."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    done = _vd("replay", tiny_golden, "--k", "2", "--report", fifo)
+    reader.join(30)
+    assert done.returncode == 0 and json.loads(got[0])["verdict"] == "PASS", done.stderr
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    if os.geteuid() != 0:
+        pytest.skip("making a device node needs root")
+    null = tmp_path / "null"
+    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # what /dev/null is
+    done = _vd("replay", tiny_golden, "--k", "2", "--forward", "sdpa", "--report", null)
+    assert done.returncode == 1 and stat.S_ISCHR(null.stat().st_mode), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "null"]  # no null.bundle
+
+
 def test_another_distribution_named_vd_is_refused_in_one_line(tmp_path):
     """PyPI's `vd` (a vector-database facade) installs a `vd` package and a `vd` command too: beside it vd
     (distributed as vd-goldens) would run on overwritten files, so it refuses in one line, exit 2."""

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -15,8 +18,14 @@ os.umask(_UMASK)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
-    """``data`` at ``path`` (its directory made); ``mode`` its permissions (default: a new file's, umask applied)."""
+    """``data`` at ``path`` (its directory made); ``mode`` its permissions (default: a new file's, umask applied).
+    A path that is no file to put in place (`_through`: ``-`` or /dev/stdout, /dev/null, a named pipe) is written
+    through."""
     path = Path(path)
+    fd = _through(path)
+    if fd is not None:
+        _write_all(fd, data)
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -31,6 +40,69 @@ def write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+_STD = re.compile(r"-|/dev/std(out|err)|/dev/fd/(\d+)|/proc/self/fd/(\d+)")
+
+
+def to_stdout(path: str | os.PathLike | None) -> bool:
+    """Whether an output path names standard output: ``-``, /dev/stdout, /dev/fd/1 or /proc/self/fd/1."""
+    m = None if path is None else _STD.fullmatch(str(path))
+    return m is not None and (m[0] == "-" or m[1] == "out" or "1" in (m[2], m[3]))
+
+
+def stream(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is written through rather than put in place as a file (`_through`): a standard stream
+    (``-`` is stdout), or an existing device, FIFO or socket. Nothing beside it is made (no bundle folder)."""
+    if _STD.fullmatch(str(path)):
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+def _through(path: Path) -> int | None:
+    """A descriptor to write ``path``'s bytes on, where ``path`` is no file to put in place: a standard stream,
+    ``-`` or named by its /dev or /proc path (``--report -``: the descriptor itself, so a redirection to a file
+    keeps its offset), or an existing device, FIFO or socket (``/dev/null``, a named pipe), opened as it is.
+    Renamed over, as root, /dev/null became a regular file for every process on the machine. None: a file (a
+    link at the path is then replaced, never written through: it cannot lead to a device into a golden)."""
+    std = _STD.fullmatch(str(path))
+    try:
+        if std:
+            n = 1 if std[0] == "-" else {"out": 1, "err": 2}[std[1]] if std[1] else int(std[2] or std[3])
+            stream = {1: sys.stdout, 2: sys.stderr}.get(n)
+            with contextlib.suppress(ValueError, OSError):
+                if stream is not None:
+                    stream.flush()  # what was printed before comes first
+            return os.dup(n)
+        try:
+            if stat.S_ISREG(os.stat(path).st_mode) or path.is_dir():
+                return None
+        except FileNotFoundError:
+            return None
+        fd = os.open(path, os.O_WRONLY)  # a FIFO's reader is waited for, as a shell's `>` waits
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+    if stat.S_ISREG(os.fstat(fd).st_mode):  # a file put there since it was looked at: put a file in place
+        os.close(fd)
+        return None
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``data`` on ``fd``, then ``fd`` closed; a reader that went away (a broken pipe) drops the rest, as
+    `ReaderGone` drops a command's printed output."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BrokenPipeError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> None:

@@ -33,6 +33,7 @@ from vd.cli.common import (
     check_replay,
     check_tolerances,
     check_writable,
+    default_bundle,
     err,
     examples,
     foreign_vd,
@@ -337,9 +338,9 @@ def _check_outputs(targets, suite: bool, config: Path | None, rows, outputs: dic
     candidate = outputs.pop("--save-candidate")
     for flag, path in outputs.items():
         check_writable(flag, path, (golden, rows), directory=flag == "--bundle")
-    report = outputs["--report"]
-    if outputs["--bundle"] is None and report is not None:  # the bundle's default place, beside the report
-        check_no_golden("--report", report.with_name(report.name + ".bundle"))
+    beside = default_bundle(outputs["--report"])
+    if outputs["--bundle"] is None and beside is not None:  # the bundle's default place, beside the report
+        check_no_golden("--report", beside)
     check_outside("--save-candidate", candidate, (golden, rows))
     # an earlier candidate is replaced (`vd.replayer.candidate`); any other golden never is
     earlier = not suite and candidate is not None and "candidate" in (preflight.peek(candidate).meta or {})
@@ -403,8 +404,8 @@ def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None,
     from vd.replayer import render  # imported here as the replayer is, for a quick `vd --help`
 
     data = result.to_json()
-    if bundle is None and report is not None:
-        bundle = report.with_name(report.name + ".bundle")
+    if bundle is None:
+        bundle = default_bundle(report)
     if result.verdict == "FAIL" and result.failure_rows is not None and bundle is not None:
         data["bundle"] = str(render.write_bundle(bundle, result, args, args.get("environ")).parent)
     if report is not None:

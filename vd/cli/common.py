@@ -36,7 +36,7 @@ from typer.core import TyperCommand, TyperGroup
 import vd
 from vd import preflight
 from vd.errors import ModelSpecError, Terminated, UsageError, VdError, write_traceback
-from vd.outputs import ReaderGone, write_text
+from vd.outputs import ReaderGone, stream, to_stdout, write_text
 from vd.progress import Lines
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
@@ -126,12 +126,15 @@ class Group(_PlainFlags, TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         streams = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = ReaderGone(sys.stdout), ReaderGone(sys.stderr)  # `vd ... | head`: exit as judged
+        if _stdout_taken(sys.argv[1:] if args is None else list(args)):
+            out.file = sys.stderr  # what a pipe reads is the file alone
         try:
             self._main(args, prog_name, complete_var, **extra)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             sys.stdout, sys.stderr = streams
+            out.file = None  # type: ignore[assignment]  # (rich's: sys.stdout, whichever it is then)
 
     def _main(self, args, prog_name, complete_var, **extra):
         try:
@@ -262,12 +265,33 @@ def parse_device(text: str) -> str:
     return text
 
 
+OUTPUT_FLAGS = ("--report", "--junit", "--html", "--summary", "--json")
+
+
+def _stdout_taken(args: Sequence[str]) -> bool:
+    """Whether an output file goes to standard output (``--report -``, ``--junit /dev/stdout``): the command's
+    own lines then go to stderr, so that ``vd replay GOLDEN --report - | jq .verdict`` reads JSON alone."""
+    for i, arg in enumerate(args):
+        flag, eq, value = str(arg).partition("=")
+        if flag in OUTPUT_FLAGS and to_stdout(value if eq else (args[i + 1] if i + 1 < len(args) else None)):
+            return True
+    return False
+
+
+def default_bundle(report: Path | None) -> Path | None:
+    """Where a replay's first-divergence bundle goes unless --bundle says: beside its report (none where the
+    report goes to a stream: ``-``, /dev/stdout, /dev/null)."""
+    return None if report is None or stream(report) else report.with_name(report.name + ".bundle")
+
+
 def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Path | None] = (), *,
                    directory: bool = False) -> None:
     """Refuse, before any work, an output that could not be written or that would land in (or on) a golden:
     one the command reads (``inputs``) or any other (`check_no_golden`). ``directory``: an output directory
-    (a bundle), written into: one that exists already is used (CI often makes its artifacts' folder first)."""
-    if path is None:
+    (a bundle), written into: one that exists already is used (CI often makes its artifacts' folder first).
+    A stream (``-``, /dev/stdout, /dev/null, a named pipe: `vd.outputs.stream`) is written through, nothing
+    made beside it."""
+    if path is None or (not directory and stream(path)):
         return
     path = Path(path)
     check_outside(flag, path, inputs)

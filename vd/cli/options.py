@@ -110,7 +110,7 @@ ReplayCoverage = Annotated[bool, typer.Option("--require-coverage", help="Fail u
 Rows = Annotated[str | None, typer.Option(metavar="FULL", help="For a slim golden: the full golden it was made from, "
                                           "whose rows measure the rows that differ.")]
 Bundle = Annotated[Path | None, typer.Option(metavar="DIR", help="On failure, write the first-divergence bundle here "
-                                             "(default: REPORT's name + .bundle, when --report is given).")]
+                                             "(default: REPORT's name + .bundle, when --report names a file).")]
 Junit = Annotated[Path | None, typer.Option(metavar="PATH", help="Write JUnit XML here.")]
 Html = Annotated[Path | None, typer.Option(metavar="PATH", help="Write a self-contained HTML page here.")]
 SaveCandidate = Annotated[str | None, typer.Option(metavar="PATH", help="Keep the replayed forward's rows as a golden "
