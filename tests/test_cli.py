@@ -592,6 +592,19 @@ def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_zip_golden_cut_short_is_named_as_such(cli, tiny_golden, tmp_path):
+    """A zip golden truncated (a copy or an upload cut short) was "not a vd golden (a golden is a zarr directory,
+    a .zip file or an s3:// prefix)", which it seemed to be; it is named a zip file that cannot be read."""
+    whole, cut = tmp_path / "g.zip", tmp_path / "cut" / "g.zip"
+    assert cli("pack", tiny_golden, whole)[0] == 0
+    cut.parent.mkdir()
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    for argv in (["show", str(cut)], ["replay", str(cut)], ["verify", str(cut)]):
+        (r,) = _audit(cut.parent, argv)
+        _one_line_error(r["code"], r["out"], r["err"], f"{cut} is not a readable zip file (no zip directory at its "
+                        "end: truncated, damaged or not a zip)")
+
+
 def test_a_bad_tolerance_is_refused_before_a_model_is_loaded(tmp_path):
     (r,) = _audit(tmp_path, ["record", "out.zarr", "--model", "tiny-llama", "--tolerance", "verify=ulp"])
     _one_line_error(r["code"], r["out"], r["err"], "unknown tolerance 'ulp'")

@@ -137,7 +137,10 @@ def peek(where: str | os.PathLike) -> Peek:
         if path.is_dir():
             check_inside(path, "zarr.json", f"{url}/zarr.json")
             doc = read_regular(path / "zarr.json", f"{url}/zarr.json", limit=MAX_META)
-        elif url.endswith(".zip") and _regular(path, url) and zipfile.is_zipfile(path):
+        elif url.endswith(".zip") and _regular(path, url):
+            if not zipfile.is_zipfile(path):  # a zip golden cut short (a copy, an upload) or another file
+                return Peek("other", why=f"{url} is not a readable zip file (no zip directory at its end: "
+                            "truncated, damaged or not a zip)")
             doc = _zip_member(path, "zarr.json", url)
         else:
             return Peek("other", why=f"{url} is not a vd golden (a golden is a zarr directory, a .zip file or an "
