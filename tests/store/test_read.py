@@ -45,6 +45,21 @@ def test_damaged_row_chunks_are_refused_when_read(golden, damage, message):
     assert g.read_rows(2, "verify", np.array([0])).shape == (1, V)  # step 0's chunk is intact
 
 
+def test_files_added_to_a_golden_are_named_with_the_way_back(golden):
+    """A Finder's .DS_Store or a .gitkeep in a golden directory: refused (a golden holds only the files its
+    manifest lists), the line naming them and saying that removing them gives the golden back."""
+    (golden / ".DS_Store").write_bytes(b"\0")
+    with pytest.raises(GoldenCorruptError, match=r"g.zarr/.DS_Store is not in the golden's manifest \(a file added "
+                       r"after it was written; a golden holds only the files it lists: remove it\)$"):
+        open_golden(golden)
+    (golden / "k2" / ".gitkeep").write_bytes(b"")
+    with pytest.raises(GoldenCorruptError, match=r"remove it and the 1 other\(s\): k2/.gitkeep\)$"):
+        open_golden(golden)
+    (golden / ".DS_Store").unlink()
+    (golden / "k2" / ".gitkeep").unlink()
+    open_golden(golden).check_files()
+
+
 def test_a_row_edited_behind_its_digests_is_refused(golden):
     edit_rows(golden, 2, "verify", lambda r: r.__setitem__((3, 1), r[3, 1] ^ 1), digests=False)
     g = open_golden(golden)

@@ -102,9 +102,11 @@ def check_sizes(sizes: Mapping[str, int] | None, manifest: Mapping[str, list], w
         if sizes[key] != size:
             raise GoldenCorruptError(f"{where}/{key} has {sizes[key]} bytes; the manifest says {size}")
     extra = sorted(set(sizes) - set(manifest) - set(OUTSIDE))
-    if extra:
+    if extra:  # (a Finder's .DS_Store, a .gitkeep): removing them gives back the golden as it was written
+        others = f" and the {len(extra) - 1} other(s): {', '.join(extra[1:4])}{' ...' if len(extra) > 4 else ''}"
         raise GoldenCorruptError(f"{where}/{extra[0]} is not in the golden's manifest (a file added after it was "
-                                 "written)")
+                                 f"written; a golden holds only the files it lists: remove it"
+                                 f"{others if len(extra) > 1 else ''})")
 
 
 def check_hashes(get, manifest: Mapping[str, list], where: str) -> None:
