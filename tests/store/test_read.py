@@ -1,6 +1,7 @@
 """Reading a golden: every damaged or malformed part refused with a `GoldenError` naming it, old formats
 read unchanged, and rows read only where asked for."""
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -58,6 +59,53 @@ def test_files_added_to_a_golden_are_named_with_the_way_back(golden):
     (golden / ".DS_Store").unlink()
     (golden / "k2" / ".gitkeep").unlink()
     open_golden(golden).check_files()
+
+
+def test_documents_checked_out_with_crlf_line_endings_are_named_so(golden):
+    """Git for Windows' core.autocrlf checks a golden's array documents out with CRLF line endings, which the
+    manifest's sizes and hashes refuse: the line says that is what happened and what to do (it said only "has
+    572 bytes; the manifest says 537")."""
+    from vd.store import manifest
+
+    doc = golden / "k2" / "tokens" / "zarr.json"
+    lf = doc.read_bytes()
+    doc.write_bytes(lf.replace(b"\n", b"\r\n"))
+    with pytest.raises(GoldenCorruptError, match=r"k2/tokens/zarr.json has \d+ bytes; the manifest says \d+: its line "
+                       r"endings were made CRLF on checkout \(git's core.autocrlf\); add `goldens/\*\*/zarr.json text "
+                       "eol=lf` to .gitattributes"):
+        open_golden(golden)
+    listed = {"k2/tokens/zarr.json": [len(lf), hashlib.sha256(lf).hexdigest()]}
+    with pytest.raises(GoldenCorruptError, match="tokens/zarr.json does not match the golden's manifest: its line "
+                       "endings were made CRLF"):  # where a store cannot list sizes (S3), the hash finds it
+        manifest.check_hashes(lambda key: doc.read_bytes(), listed, "g.zarr")
+    doc.write_bytes(lf.replace(b"\n", b"\r\n", 1) + b" ")  # other damage is not called CRLF
+    with pytest.raises(GoldenCorruptError, match=r"the manifest says \d+$"):
+        open_golden(golden)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="no git on the PATH")
+def test_the_readmes_gitattributes_keep_a_golden_whole_through_an_autocrlf_checkout(golden, tmp_path):
+    """The README's .gitattributes, in a repository cloned with core.autocrlf (Git for Windows' default): the
+    golden opens and its files match; with `text` alone (the README's line before) it is refused."""
+    import subprocess
+
+    def git(*args, cwd):
+        subprocess.run(["git", "-c", "user.email=vd@test", "-c", "user.name=vd", *args], cwd=cwd, check=True,
+                       capture_output=True)
+
+    for attributes, whole in (("text eol=lf diff", True), ("text diff", False)):
+        repo, clone = tmp_path / f"repo-{whole}", tmp_path / f"clone-{whole}"
+        shutil.copytree(golden, repo / "goldens" / "g.zarr")
+        (repo / ".gitattributes").write_text(f"goldens/**/zarr.json {attributes}\n")
+        git("init", "-q", cwd=repo)
+        git("add", "-A", cwd=repo)
+        git("commit", "-qm", "golden", cwd=repo)
+        git("-c", "core.autocrlf=true", "clone", "-q", str(repo), str(clone), cwd=tmp_path)
+        if whole:
+            open_golden(clone / "goldens" / "g.zarr").check_files()
+        else:
+            with pytest.raises(GoldenCorruptError, match="line endings were made CRLF"):
+                open_golden(clone / "goldens" / "g.zarr")
 
 
 def test_a_row_edited_behind_its_digests_is_refused(golden):

@@ -91,16 +91,18 @@ def check_meta(meta: Mapping, where: str) -> dict[str, list]:
     return dict(manifest)
 
 
-def check_sizes(sizes: Mapping[str, int] | None, manifest: Mapping[str, list], where: str) -> None:
+def check_sizes(sizes: Mapping[str, int] | None, manifest: Mapping[str, list], where: str, get=None) -> None:
     """Every listed file present with its listed size (``sizes``: the location's files; None where a location
-    cannot list them cheaply, and `check_hashes` finds the same later)."""
+    cannot list them cheaply, and `check_hashes` finds the same later). ``get`` (a location's) reads a
+    document whose size is off, to say whether its line endings were changed (`_crlf`)."""
     if sizes is None:
         return
-    for key, (size, _) in manifest.items():
+    for key, (size, digest) in manifest.items():
         if key not in sizes:
             raise GoldenCorruptError(f"{where}/{key} is missing")
         if sizes[key] != size:
-            raise GoldenCorruptError(f"{where}/{key} has {sizes[key]} bytes; the manifest says {size}")
+            raise GoldenCorruptError(f"{where}/{key} has {sizes[key]} bytes; the manifest says {size}"
+                                     + _crlf(get, key, digest))
     extra = sorted(set(sizes) - set(manifest) - set(OUTSIDE))
     if extra:  # (a Finder's .DS_Store, a .gitkeep): removing them gives back the golden as it was written
         others = f" and the {len(extra) - 1} other(s): {', '.join(extra[1:4])}{' ...' if len(extra) > 4 else ''}"
@@ -116,5 +118,20 @@ def check_hashes(get, manifest: Mapping[str, list], where: str) -> None:
         if data is None:
             raise GoldenCorruptError(f"{where}/{key} is missing")
         if len(data) != size or _digest(data) != digest:
-            raise GoldenCorruptError(f"{where}/{key} does not match the golden's manifest (damaged, or replaced "
-                                     "after the golden was written)")
+            crlf = _crlf(lambda _, d=data: d, key, digest)
+            raise GoldenCorruptError(f"{where}/{key} does not match the golden's manifest"
+                                     + (crlf or " (damaged, or replaced after the golden was written)"))
+
+
+def _crlf(get, key: str, digest: str) -> str:
+    """Why a zarr document's bytes differ, where they are its written bytes with each line ending made CRLF
+    (git's core.autocrlf, the default of Git for Windows, does so on checkout unless .gitattributes says
+    ``eol=lf``); empty otherwise."""
+    if get is None or not key.endswith("zarr.json"):
+        return ""
+    data = get(key)
+    if not data or b"\r\n" not in data or _digest(data.replace(b"\r\n", b"\n")) != digest:
+        return ""
+    return (": its line endings were made CRLF on checkout (git's core.autocrlf); add `goldens/**/zarr.json text "
+            "eol=lf` to .gitattributes (README, 'Suites, pytest and reviewed refreshes'), remove the golden's folder "
+            "and check it out again (git checkout -- PATH)")

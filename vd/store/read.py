@@ -281,7 +281,7 @@ class Golden:
         """Every file the manifest lists there at its size, and no other (`vd.store.manifest.check_sizes`): what
         `open_golden` checks unless told not to (a replay's reader checks it first, while the model loads)."""
         if self.manifest is not None:
-            manifest.check_sizes(self.location.sizes(), self.manifest, self.url)
+            manifest.check_sizes(self.location.sizes(), self.manifest, self.url, self.location.get)
 
     def check_file(self, key: str) -> None:
         """One file of the manifest read and checked against its size and hash (one it does not list: refused)."""
@@ -381,7 +381,7 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
     if info.version >= F.MANIFEST_SINCE:
         listed = manifest.check_meta(meta, url)  # the metadata as written, hashed to the golden's ID
         if sizes:
-            manifest.check_sizes(location.sizes(), listed, url)  # a missing or truncated file, before any model
+            manifest.check_sizes(location.sizes(), listed, url, location.get)  # a missing or truncated file
     if info.version >= F.VOLATILE_SINCE:
         meta = F.join_volatile(meta, _run_meta(location, url))
     tokens = meta.get("prompt_tokens")
