@@ -83,6 +83,24 @@ def test_documents_checked_out_with_crlf_line_endings_are_named_so(golden):
         open_golden(golden)
 
 
+def test_git_lfs_pointers_in_place_of_chunks_are_named_so(golden):
+    """A clone without Git LFS (or a CI checkout without ``lfs: true``) leaves each chunk file an LFS pointer,
+    which the manifest refuses: the line says so and how to fetch the files. A pointer is written here as
+    git-lfs writes one (its oid is the file's SHA-256, the manifest's digest)."""
+    data_file = chunk(golden, 2, "logits", 0)
+    data = data_file.read_bytes()
+    pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(data).hexdigest()}\n"
+               f"size {len(data)}\n")
+    data_file.write_text(pointer)
+    with pytest.raises(GoldenCorruptError, match=r"has \d+ bytes; the manifest says \d+: it is a Git LFS pointer to "
+                       r"it, not the file; fetch the files \(git lfs install, then git lfs pull; in GitHub Actions, "
+                       r"actions/checkout with lfs: true\)$"):
+        open_golden(golden)
+    data_file.write_text(pointer.replace("oid sha256:", "oid sha256:0"))
+    with pytest.raises(GoldenCorruptError, match="a Git LFS pointer to other bytes than the manifest lists"):
+        open_golden(golden)
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="no git on the PATH")
 def test_the_readmes_gitattributes_keep_a_golden_whole_through_an_autocrlf_checkout(golden, tmp_path):
     """The README's .gitattributes, in a repository cloned with core.autocrlf (Git for Windows' default): the

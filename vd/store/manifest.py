@@ -93,16 +93,17 @@ def check_meta(meta: Mapping, where: str) -> dict[str, list]:
 
 def check_sizes(sizes: Mapping[str, int] | None, manifest: Mapping[str, list], where: str, get=None) -> None:
     """Every listed file present with its listed size (``sizes``: the location's files; None where a location
-    cannot list them cheaply, and `check_hashes` finds the same later). ``get`` (a location's) reads a
-    document whose size is off, to say whether its line endings were changed (`_crlf`)."""
+    cannot list them cheaply, and `check_hashes` finds the same later). ``get`` (a location's) reads a small
+    file whose size is off, to say what happened to it where git did it (`_git`)."""
     if sizes is None:
         return
     for key, (size, digest) in manifest.items():
         if key not in sizes:
             raise GoldenCorruptError(f"{where}/{key} is missing")
         if sizes[key] != size:
+            seen = get(key) if get is not None and sizes[key] <= _SMALL else None
             raise GoldenCorruptError(f"{where}/{key} has {sizes[key]} bytes; the manifest says {size}"
-                                     + _crlf(get, key, digest))
+                                     + _git(seen, key, digest))
     extra = sorted(set(sizes) - set(manifest) - set(OUTSIDE))
     if extra:  # (a Finder's .DS_Store, a .gitkeep): removing them gives back the golden as it was written
         others = f" and the {len(extra) - 1} other(s): {', '.join(extra[1:4])}{' ...' if len(extra) > 4 else ''}"
@@ -118,20 +119,28 @@ def check_hashes(get, manifest: Mapping[str, list], where: str) -> None:
         if data is None:
             raise GoldenCorruptError(f"{where}/{key} is missing")
         if len(data) != size or _digest(data) != digest:
-            crlf = _crlf(lambda _, d=data: d, key, digest)
             raise GoldenCorruptError(f"{where}/{key} does not match the golden's manifest"
-                                     + (crlf or " (damaged, or replaced after the golden was written)"))
+                                     + (_git(data, key, digest) or " (damaged, or replaced after the golden was "
+                                                                   "written)"))
 
 
-def _crlf(get, key: str, digest: str) -> str:
-    """Why a zarr document's bytes differ, where they are its written bytes with each line ending made CRLF
-    (git's core.autocrlf, the default of Git for Windows, does so on checkout unless .gitattributes says
-    ``eol=lf``); empty otherwise."""
-    if get is None or not key.endswith("zarr.json"):
+_SMALL = 64 * 1024  # a file this small whose size is off is read to say why (a document, an LFS pointer)
+_LFS = b"version https://git-lfs.github.com/spec/v1"
+
+
+def _git(data: bytes | None, key: str, digest: str) -> str:
+    """Why a file's bytes are not the listed ones where git made them so (empty otherwise): a Git LFS pointer
+    checked out in its place (LFS not installed, or a CI checkout without it), or a zarr document whose line
+    endings were made CRLF (git's core.autocrlf, the default of Git for Windows, unless .gitattributes says
+    ``eol=lf``)."""
+    if not data:
         return ""
-    data = get(key)
-    if not data or b"\r\n" not in data or _digest(data.replace(b"\r\n", b"\n")) != digest:
-        return ""
-    return (": its line endings were made CRLF on checkout (git's core.autocrlf); add `goldens/**/zarr.json text "
-            "eol=lf` to .gitattributes (README, 'Suites, pytest and reviewed refreshes'), remove the golden's folder "
-            "and check it out again (git checkout -- PATH)")
+    if data.startswith(_LFS):
+        to = "to it" if f"oid sha256:{digest}".encode() in data else "to other bytes than the manifest lists"
+        return (f": it is a Git LFS pointer {to}, not the file; fetch the files (git lfs install, then git lfs "
+                "pull; in GitHub Actions, actions/checkout with lfs: true)")
+    if key.endswith("zarr.json") and b"\r\n" in data and _digest(data.replace(b"\r\n", b"\n")) == digest:
+        return (": its line endings were made CRLF on checkout (git's core.autocrlf); add `goldens/**/zarr.json "
+                "text eol=lf` to .gitattributes (README, 'Suites, pytest and reviewed refreshes'), remove the "
+                "golden's folder and check it out again (git checkout -- PATH)")
+    return ""
