@@ -73,10 +73,10 @@ def _through(path: Path) -> int | None:
     try:
         if std:
             n = 1 if std[0] == "-" else {"out": 1, "err": 2}[std[1]] if std[1] else int(std[2] or std[3])
-            stream = {1: sys.stdout, 2: sys.stderr}.get(n)
+            printed = {1: sys.stdout, 2: sys.stderr}.get(n)
             with contextlib.suppress(ValueError, OSError):
-                if stream is not None:
-                    stream.flush()  # what was printed before comes first
+                if printed is not None:
+                    printed.flush()  # what was printed before comes first
             return os.dup(n)
         try:
             if stat.S_ISREG(os.stat(path).st_mode) or path.is_dir():
@@ -143,9 +143,13 @@ class ReaderGone:
     def _gone(self) -> None:
         """Point the descriptor at /dev/null; the text still buffered above it then flushes there, so nothing
         fails again, at exit included (a failed flush at exit makes Python's status 120)."""
+        try:
+            fd = self.stream.fileno()
+        except (OSError, ValueError):  # no descriptor (a test's captured stream): nothing to point elsewhere
+            return
         null = os.open(os.devnull, os.O_WRONLY)
         try:
-            os.dup2(null, self.stream.fileno())
+            os.dup2(null, fd)
         finally:
             os.close(null)
         with contextlib.suppress(OSError, ValueError):
