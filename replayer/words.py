@@ -531,6 +531,8 @@ def _accept_step(report: Report, declared: str | None, failing: set[str | None])
                 ", then write its slim form again: ",
                 Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
     target = declared if declared is not None else report.golden
+    if own and report.replayed_spec is not None:
+        return _accept_other_model(report, declared, target)
     if own:
         return ("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
                 ", or record the golden again on the trusted build: ",
@@ -542,6 +544,23 @@ def _accept_step(report: Report, declared: str | None, failing: set[str | None])
     return (f"To make {forward} the golden's forward, record it with it: ",
             Code(shlex.join(["vd", "record", target, "--refresh", "--forward", str(forward)]) + " --reason TEXT"),
             f" (vd refresh records the golden's own, {report.golden_forward}).")
+
+
+def _accept_other_model(report: Report, declared: str | None, target: str) -> NextStep:
+    """How to accept what another model SPEC than the golden's computed (a plug-in engine over the golden's
+    model): its rows promoted as a candidate, the golden staying of its model; or that SPEC made the golden's
+    model. A refresh alone records the golden's own model again, which would not take the change."""
+    spec = _portable_spec(str(report.replayed_spec))
+    promote = ("If the change is intended, take these rows, the golden staying of its model: replay with ",
+               Code("--save-candidate PATH"), ", then ",
+               Code(f"vd refresh {shlex.quote(target)} --from PATH --reason TEXT"))
+    if declared is not None:
+        return (*promote, f"; or make {spec} the golden's model: declare ", Code(f'model = "{spec}"'),
+                f" in {declared}'s declaration, then ", Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"),
+                f" (a refresh records the declared model, {report.model.spec}, until then).")
+    return (*promote, f"; or make {spec} the golden's model: ",
+            Code(shlex.join(["vd", "record", target, "--refresh", "--model", spec]) + " --reason TEXT"),
+            f" (vd refresh records the golden's own, {report.model.spec}).")
 
 
 def _axis_steps(report: Report) -> list[NextStep]:

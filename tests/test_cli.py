@@ -79,7 +79,11 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
     at = lines.index("next step:")
     assert lines[at - 1] == "FAIL" and lines[at + 1].startswith("  - Look at the first divergence (K=2, eager,")
     assert f"vd replay {tiny_golden} --k 2 --forward eager" in lines[at + 1]
-    assert f"vd refresh {tiny_golden} --reason TEXT" in lines[at + 2]
+    # A refresh alone would record tiny-llama again: the way on takes the plug-in's rows, or makes it the model.
+    assert lines[at + 2] == (f"  - If the change is intended, take these rows, the golden staying of its model: "
+                             f"replay with --save-candidate PATH, then vd refresh {tiny_golden} --from PATH --reason "
+                             f"TEXT; or make {spec} the golden's model: vd record {tiny_golden} --refresh --model "
+                             f"{spec} --reason TEXT (vd refresh records the golden's own, tiny-llama).")
     assert f"  note: candidate saved: {tmp_path / 'c.zarr'} (review with vd diff" in out
     code, out, err = cli("replay", tiny_golden, "--k", "2")
     assert code == 0 and "next step" not in out
