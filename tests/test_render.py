@@ -194,8 +194,10 @@ def test_html_header_says_what_ran_and_what_to_do_next(perturbed, passing, tmp_p
     assert "Look at the first divergence (K=2, eager, verify step 3 row 1 index 7" in text
     # Every suggested command works as written: a golden replayed by its path is refreshed by that path (a name
     # is suggested only where a suite declares it: test_suite_html_has_a_section_per_golden_and_shows_errors).
-    assert "--k 2 --forward eager" in text and "--refresh</code>" in text
-    assert f"<code>vd refresh {shlex.quote(perturbed.golden)} --reason TEXT</code>" in text
+    # Another model SPEC than the golden's: its rows taken as a candidate, or that SPEC made the golden's model
+    # (a plain refresh would record the golden's own model again).
+    assert "--k 2 --forward eager" in text and "--refresh --model " in text
+    assert f"<code>vd refresh {shlex.quote(perturbed.golden)} --from PATH --reason TEXT</code>" in text
     assert "vd refresh tiny " not in text
     assert "<h1>vd replay: <span class='PASS'>PASS</span></h1>" in ok.read_text()
     assert "nothing needed" in ok.read_text() and "vd refresh" not in ok.read_text()
