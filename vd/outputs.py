@@ -69,6 +69,8 @@ def _through(path: Path) -> int | None:
     keeps its offset), or an existing device, FIFO or socket (``/dev/null``, a named pipe), opened as it is.
     Renamed over, as root, /dev/null became a regular file for every process on the machine. None: a file (a
     link at the path is then replaced, never written through: it cannot lead to a device into a golden)."""
+    if not stream(path):
+        return None
     std = _STD.fullmatch(str(path))
     try:
         if std:
@@ -78,11 +80,6 @@ def _through(path: Path) -> int | None:
                 if printed is not None:
                     printed.flush()  # what was printed before comes first
             return os.dup(n)
-        try:
-            if stat.S_ISREG(os.stat(path).st_mode) or path.is_dir():
-                return None
-        except FileNotFoundError:
-            return None
         fd = os.open(path, os.O_WRONLY)  # a FIFO's reader is waited for, as a shell's `>` waits
     except OSError as e:
         raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None

@@ -126,15 +126,13 @@ class Group(_PlainFlags, TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         streams = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = ReaderGone(sys.stdout), ReaderGone(sys.stderr)  # `vd ... | head`: exit as judged
-        if _stdout_taken(sys.argv[1:] if args is None else list(args)):
-            out.file = sys.stderr  # what a pipe reads is the file alone
         try:
             self._main(args, prog_name, complete_var, **extra)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             sys.stdout, sys.stderr = streams
-            out.file = None  # type: ignore[assignment]  # (rich's: sys.stdout, whichever it is then)
+            out.file = None  # type: ignore[assignment]  # (`check_writable` may have moved it; rich's: sys.stdout)
 
     def _main(self, args, prog_name, complete_var, **extra):
         try:
@@ -265,19 +263,6 @@ def parse_device(text: str) -> str:
     return text
 
 
-OUTPUT_FLAGS = ("--report", "--junit", "--html", "--summary", "--json")
-
-
-def _stdout_taken(args: Sequence[str]) -> bool:
-    """Whether an output file goes to standard output (``--report -``, ``--junit /dev/stdout``): the command's
-    own lines then go to stderr, so that ``vd replay GOLDEN --report - | jq .verdict`` reads JSON alone."""
-    for i, arg in enumerate(args):
-        flag, eq, value = str(arg).partition("=")
-        if flag in OUTPUT_FLAGS and to_stdout(value if eq else (args[i + 1] if i + 1 < len(args) else None)):
-            return True
-    return False
-
-
 def default_bundle(report: Path | None) -> Path | None:
     """Where a replay's first-divergence bundle goes unless --bundle says: beside its report (none where the
     report goes to a stream: ``-``, /dev/stdout, /dev/null)."""
@@ -290,7 +275,11 @@ def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Pa
     one the command reads (``inputs``) or any other (`check_no_golden`). ``directory``: an output directory
     (a bundle), written into: one that exists already is used (CI often makes its artifacts' folder first).
     A stream (``-``, /dev/stdout, /dev/null, a named pipe: `vd.outputs.stream`) is written through, nothing
-    made beside it."""
+    made beside it; one that is standard output (``--report -``) moves the command's own lines (`out`) to
+    stderr, so that ``vd replay GOLDEN --report - | jq .verdict`` reads that file alone. Every output a command
+    takes passes here before the command prints."""
+    if not directory and to_stdout(path):
+        out.file = sys.stderr  # (put back when the command ends: `Group.main`)
     if path is None or (not directory and stream(path)):
         return
     path = Path(path)
