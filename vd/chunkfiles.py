@@ -25,6 +25,8 @@ import msgpack
 import numcodecs
 import numpy as np
 
+from vd.errors import naming
+
 
 def split_planes(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A stored row array as its (high byte, other bytes) planes: ``[...]`` and ``[..., itemsize - 1]``."""
@@ -76,7 +78,8 @@ def write_file(path: Path, data: bytes | memoryview, digest: str | None = None) 
     """Write ``data`` to ``path`` (its folders made); its [size, SHA-256] for the manifest (``digest``: that
     SHA-256, when the caller has it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+    with naming(path):
+        path.write_bytes(data)
     return [len(data), digest or sha256(data)]
 
 
@@ -135,7 +138,8 @@ def do_job(job: dict, arenas: _Arenas) -> dict:
             checked += want is not None
             fd = os.open(job["journal"], os.O_WRONLY | os.O_APPEND)
             try:
-                os.write(fd, msgpack.packb({"k": job["k"], "s": s, "sha256": digest}, use_bin_type=True))
+                with naming(job["journal"]):
+                    os.write(fd, msgpack.packb({"k": job["k"], "s": s, "sha256": digest}, use_bin_type=True))
             finally:
                 os.close(fd)
     return {"files": files, "digests": digests, "checked": checked}
@@ -143,7 +147,8 @@ def do_job(job: dict, arenas: _Arenas) -> dict:
 
 def serve(inp, out) -> None:
     """Answer every message of jobs on ``inp`` on ``out``, in order: per job its result, or an error's
-    ``{"error": (type name, message, traceback)}`` (`Differs`: the step). A recording that died leaves its
+    ``{"error": (type name, message, traceback)}`` (`Differs`: the step; an `OSError`'s ``"os"``: its errno,
+    strerror and filename too). A recording that died leaves its
     jobs done all the same (its journal complete for the resume), unanswered."""
     arenas = _Arenas()
     while True:
@@ -157,6 +162,8 @@ def serve(inp, out) -> None:
             except BaseException as e:  # noqa: BLE001  every failure goes back to the recording to raise
                 answer = {"error": (type(e).__name__, str(e) if not isinstance(e, Differs) else e.args[0],
                                     traceback.format_exc())}
+                if isinstance(e, OSError):  # raised again as the system said it (`GoldenWriter._take`)
+                    answer["os"] = (e.errno, e.strerror, e.filename)
             if out is not None:
                 try:
                     pickle.dump(answer, out, protocol=pickle.HIGHEST_PROTOCOL)

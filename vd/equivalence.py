@@ -26,6 +26,7 @@ import torch
 
 from vd.digest import argmax_rows, digest
 from vd.dtypes import DTYPES, int_bits, int_view, to_storage
+from vd.errors import naming
 from vd.layout import StepLog
 from vd.policy import Spec
 from vd.rowmath import measure_differing, rows_per_block
@@ -144,7 +145,8 @@ class KeptDecode:
         if self.file is None:
             self.file = tempfile.TemporaryFile(prefix="vd-decode-rows-")
         self.n, self.width, self.dtype = self.n + bits.shape[0], bits.shape[1], bits.dtype
-        self.file.write(bits.tobytes())
+        with naming(tempfile.gettempdir()):  # (the file has no name: its folder is where the space ran out)
+            self.file.write(bits.tobytes())
 
     @property
     def count(self) -> int:

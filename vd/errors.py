@@ -3,6 +3,9 @@
 Internal invariants use `assert`; everything here is something the user can fix.
 """
 
+import contextlib
+import os
+
 
 def write_traceback(e: BaseException, prefix: str) -> str:
     """Write ``e``'s traceback to a new file (``/tmp/PREFIX*.txt``) and return its path, for the one line that
@@ -13,6 +16,18 @@ def write_traceback(e: BaseException, prefix: str) -> str:
     with tempfile.NamedTemporaryFile("w", prefix=prefix, suffix=".txt", delete=False) as f:
         traceback.print_exception(e, file=f)
     return f.name
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike):
+    """An `OSError` raised inside named with ``path`` where the system named no file: a write refused for want of
+    space, a quota or a file size limit names none, and the one line the CLI prints of it then says where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = os.fspath(path)
+        raise
 
 
 class VdError(Exception):

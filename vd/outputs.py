@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vd.errors import naming
+
 _UMASK = os.umask(0o022)  # read once (os.umask sets as it reads): what a new file's permissions lose
 os.umask(_UMASK)
 
@@ -32,7 +34,7 @@ def write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -
     except OSError as e:  # named as the user named it, not as the temporary file it could not make
         raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, naming(path):  # (the user's path, not the temporary file's)
             f.write(data)
         os.chmod(tmp, mode if mode is not None else 0o666 & ~_UMASK)  # mkstemp makes it 0600
         os.replace(tmp, path)

@@ -38,7 +38,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 
-from vd.errors import GoldenError, NotAGoldenError, UsageError
+from vd.errors import GoldenError, NotAGoldenError, UsageError, naming
 from vd.store.local import Directory, is_golden, staged_keys
 
 WAIT_ENV, PARTIAL = "VD_S3_WAIT_S", "vd_partial"
@@ -169,7 +169,8 @@ class ObjectPrefix:
                 return False  # deleted since listed: a publish is under way
             path = where / key
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(buf.to_bytes())
+            with naming(path):
+                path.write_bytes(buf.to_bytes())
             return True
 
         async def every() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from vd.errors import GoldenCorruptError, UsageError
+from vd.errors import GoldenCorruptError, UsageError, naming
 from vd.store import format as F
 from vd.store.location import Location, locate
 from vd.store.read import open_golden
@@ -44,7 +44,8 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
                     continue
                 raise GoldenCorruptError(f"{g.url}/{key} is missing")
             (staged / key).parent.mkdir(parents=True, exist_ok=True)
-            (staged / key).write_bytes(data)
+            with naming(staged / key):
+                (staged / key).write_bytes(data)
         g.close()
         location.publish(staged, refresh)
     copy = open_golden(location)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import vd
-from vd.errors import UsageError
+from vd.errors import UsageError, naming
 
 ENV = "VD_WRITER_PROCESSES"
 # Processes a pool runs by default: the writer threads' best on a 16-core H200 host was 8
@@ -57,7 +57,13 @@ class _Arena:
         fd, self.path = tempfile.mkstemp(prefix="vd-arena-", dir=_arena_dir())
         self.fd: int | None = fd
         try:
-            os.ftruncate(fd, size)
+            with naming(self.path):
+                # Its blocks taken now: a mapping past what its file system can hold faults (SIGBUS) when written,
+                # ending the recording without a word; a full /tmp refuses it here instead, named.
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, size)
+                else:  # (macOS: no such call)
+                    os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)

@@ -36,7 +36,7 @@ from vd import digest as _digest
 from vd import preflight
 from vd.chunkfiles import PLANES, row_chunk, write_file
 from vd.dtypes import to_storage, to_tensor
-from vd.errors import UsageError
+from vd.errors import UsageError, naming
 from vd.layout import RowLayout, StepLog
 from vd.store import format as F
 from vd.store import history, manifest, nodes
@@ -326,7 +326,7 @@ class GoldenWriter:
             if kind == "Differs":
                 raise journal_differs(k, message)
             if kind in _OS_ERRORS:  # a refusal of the system's (space, permissions): bad input, as on a thread
-                raise OSError(message)
+                raise OSError(*answer["os"]) if answer.get("os") else OSError(message)
             raise WriterError(f"a writer process failed: {kind}: {message}\n{trace}")
         self.known.update(answer["files"])
         if self.journal is not None:  # (the process appended the blocks' frames)
@@ -412,7 +412,8 @@ def seal(staged: Path, meta: Mapping, known: Mapping[str, list] | None = None, l
     meta = {k: v for k, v in meta.items() if k not in ("complete", "golden_id", "manifest")}
     meta["manifest"] = manifest.build(staged, known, listed)
     meta["golden_id"] = manifest.golden_id(meta)
-    (staged / "zarr.json").write_bytes(nodes.group({**_root_attributes(staged), "vd": {**meta, "complete": True}}))
+    with naming(staged / "zarr.json"):
+        (staged / "zarr.json").write_bytes(nodes.group({**_root_attributes(staged), "vd": {**meta, "complete": True}}))
 
 
 def _root_attributes(staged: Path) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from vd import preflight
 from vd.env import numerics_differences
-from vd.errors import GoldenCorruptError, GoldenError, UsageError
+from vd.errors import GoldenCorruptError, GoldenError, UsageError, naming
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.recorder import RecordSettings, record
@@ -240,7 +240,8 @@ def _copy_golden(g: Golden, dest: Path) -> None:
         if key in g.manifest:  # the bytes copied are the bytes checked
             manifest.check_hashes(lambda _k, d=data: d, {key: g.manifest[key]}, g.url)
         (dest / key).parent.mkdir(parents=True, exist_ok=True)
-        (dest / key).write_bytes(data)
+        with naming(dest / key):
+            (dest / key).write_bytes(data)
 
 
 def _publish(location: Location, new_path: Path, old: Golden | None, unreadable: str | None, reason: str,
