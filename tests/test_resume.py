@@ -59,6 +59,7 @@ def test_a_journal_the_model_does_not_compute_again_refuses_the_resume(tmp_path)
     path.write_bytes(b"".join(msgpack.packb(f, use_bin_type=True) for f in [header, *frames]))
     r = _vd("record", g, "--resume")
     assert r.returncode == 2 and "differs from its journal at K=2" in r.stderr and not g.exists()
+    assert not path.exists()  # the refused resume's own journal goes with it: record afresh, as the line says
     # A journal of an earlier vd (row digests where the SHA-256 now is) is refused, not trusted unchecked.
     frames[b] = {"k": frames[b]["k"], "s": frames[b]["s"], "digests": [[1, 2]]}
     path.write_bytes(b"".join(msgpack.packb(f, use_bin_type=True) for f in [header, *frames]))

@@ -9,7 +9,8 @@ it is finished. A resume records again from the header's settings and checks eve
 the journaled one: the same model on the same build computes the same rows, and a difference (another build,
 a nondeterministic kernel) refuses the resume, naming the K and step, rather than publish a golden
 made of two runs. A frame cut short by the crash is ignored. The journal is removed once the golden is
-published, and replaced by a recording that does not resume.
+published or the recording ends in an error (a cut leaves it: Ctrl-C, a signal, a kill), and replaced by a
+recording that does not resume.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from vd.errors import GoldenError, UsageError
+from vd.errors import GoldenError, UsageError, naming
 from vd.preflight import MAX_META, read_regular
 
 
@@ -112,7 +113,7 @@ class Journal:
         self._append({"journal": 1, **header})
 
     def _append(self, frame: Mapping) -> None:
-        with self.lock:
+        with self.lock, naming(self.path):
             self.file.write(msgpack.packb(dict(frame), use_bin_type=True))
 
     @staticmethod

@@ -399,8 +399,13 @@ class GoldenWriter:
     def __enter__(self) -> GoldenWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, e, tb) -> None:
         self.abort()
+        if isinstance(e, Exception) and self.journal is not None:
+            # An error (a full disk, a crashing engine), not a cut (Ctrl-C, a signal, a kill): what to do is run the
+            # command again once it is mended, which journals afresh, so its journal is not left beside the golden.
+            self.journal.close(remove=True)
+            self.journal = None
 
 
 def seal(staged: Path, meta: Mapping, known: Mapping[str, list] | None = None, listed: bool = True) -> None:
