@@ -109,11 +109,11 @@ def test_a_candidate_whose_control_was_inconclusive_is_refused_with_the_way_forw
 
 
 def test_an_inconclusive_candidate_of_the_goldens_own_forward_is_recorded_by_a_plain_refresh(golden, tmp_path,
-                                                                                              perturbed):
+                                                                                              perturbed, monkeypatch):
     """A build whose every step differs (a new torch, say) replays the golden's own model and forward: the way
     forward is the golden's refresh itself, named without a setting to declare (it said "declare  in")."""
     cand = tmp_path / "cand.zarr"
-    perturbed.step = None  # every step, the controls' included
+    monkeypatch.setattr(perturbed, "step", None)  # every step, the controls' included (the session's, so put back)
     replay(golden, ReplaySettings(save_candidate=str(cand)), model=perturbed)
     assert open_golden(cand).meta["candidate"]["inconclusive"] == ["2", "3"]
     r = promote(cand, golden, reason="torch 2.14")
