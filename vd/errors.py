@@ -54,6 +54,15 @@ class GoldenCorruptError(GoldenError):
     """A golden whose bytes fail their checksum, whose chunks are missing or whose arrays disagree."""
 
 
+class GoldenBusyError(GoldenError):
+    """Another process is writing the golden (it holds the writers' lock): refused at once, or waited for
+    (`vd.store.Location.wait_writer`)."""
+
+
+class CandidateOutdatedError(UsageError):
+    """A saved candidate of a version the golden has moved on from (another process refreshed it since)."""
+
+
 class GoldenExistsError(GoldenError, FileExistsError):
     """Recording over an existing golden without --refresh."""
 

@@ -7,12 +7,13 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from vd.errors import GoldenError
+from vd.errors import GoldenBusyError, GoldenError
 from vd.models import load_model
 from vd.recorder import RecordSettings, record
 from vd.store import atomic, locate, open_golden
@@ -39,6 +40,31 @@ def test_a_second_writer_is_refused_at_once(tmp_path, models, cli):
         assert code == 2 and "being written by another vd process" in err and err.count("\n") == 1
     assert not path.exists() and _debris(path) == []
     assert record(path, TINY, model=models["tiny-llama"]).location is not None  # the lock went with its holder
+
+
+def test_a_writer_can_be_waited_for(tmp_path):
+    """`wait_writer` (pytest workers updating one golden wait for each other): true at once where none writes,
+    false when the time runs out, true once the writer lets go."""
+    path = tmp_path / "g.zarr"
+    assert locate(path).wait_writer(0)
+    held, release = threading.Event(), threading.Event()
+
+    def write():
+        with locate(path).writer():
+            held.set()
+            release.wait(30)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert held.wait(30)
+    with pytest.raises(GoldenBusyError):
+        with locate(path).writer():
+            pass
+    assert not locate(path).wait_writer(0.3)
+    threading.Timer(0.3, release.set).start()
+    t = time.monotonic()
+    assert locate(path).wait_writer(30) and time.monotonic() - t >= 0.25
+    writer.join(30)
 
 
 def test_a_reader_keeps_the_version_it_opened_across_a_refresh(tmp_path, models):

@@ -8,7 +8,7 @@ import pytest
 import zarr
 from store_data import write
 
-from vd.errors import GoldenError, GoldenNotFoundError, NotAGoldenError, UsageError
+from vd.errors import GoldenBusyError, GoldenError, GoldenNotFoundError, NotAGoldenError, UsageError
 from vd.store import locate, open_golden
 from vd.store.location import Directory, ObjectPrefix, ZipFile
 
@@ -219,11 +219,14 @@ def test_one_s3_writer_at_a_time(s3, monkeypatch):
 
     write(s3, seed=1)
     a = ObjectPrefix(s3)
+    assert a.wait_writer(0)
     with a.writer():
-        with pytest.raises(GoldenError, match=r"being written by another vd process \(.* pid \d+ since .*; it holds "
-                                              r"s3://.*\.lock\)"):
+        with pytest.raises(GoldenBusyError, match=r"being written by another vd process \(.* pid \d+ since .*; it "
+                                                  r"holds s3://.*\.lock\)"):
             with ObjectPrefix(s3).writer():
                 pass
+        assert not ObjectPrefix(s3).wait_writer(0.6)  # (pytest workers updating one golden wait for each other)
+    assert ObjectPrefix(s3).wait_writer(0)
     with ObjectPrefix(s3).writer():  # released
         pass
     # A lock whose process is gone (a SIGKILLed writer on this host) is taken over.
@@ -239,6 +242,7 @@ def test_one_s3_writer_at_a_time(s3, monkeypatch):
 
     holder = {"host": __import__("socket").gethostname(), "pid": int(dead), "since": "then", "token": "x"}
     sync(store.fs._pipe_file(f"{parent}/.{name}.lock", json.dumps(holder).encode()))
+    assert ObjectPrefix(s3).wait_writer(0)  # nothing to wait for
     with ObjectPrefix(s3).writer():
         pass
     assert not sync(store.fs._exists(f"{parent}/.{name}.lock"))

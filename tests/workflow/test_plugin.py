@@ -198,3 +198,87 @@ def test_an_update_vd_refuses_fails_the_golden_with_its_one_line(project):
                             "*is slim (a vd slim form of *full.zarr)*vd slim *full.zarr *tiny.zarr --refresh)*"])
     assert "raise UsageError" not in r.stdout.str() and open_golden(goldens / "tiny.zarr").slim
     assert sorted(p.name for p in (goldens / "tiny.zarr").rglob("*")) == before
+
+
+HOLDER = """
+import os, sys
+from vd.store import locate
+with locate("goldens/tiny.zarr").writer():  # another process writing the golden (a pytest-xdist worker)
+    print("held", flush=True)
+    sys.stdin.readline()
+    os.rename("ready.zarr", "goldens/tiny.zarr")
+"""
+TEST_WAITS = f"""
+import subprocess, sys
+import vd.store.atomic as atomic
+
+def test_waits(vd_golden, monkeypatch):
+    holder = subprocess.Popen([sys.executable, "-c", {HOLDER!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline() == "held\\n"
+    waited, wait_writer = [], atomic.wait_writer
+
+    def waiting(target, timeout):
+        waited.append(target)
+        holder.stdin.write("go\\n")  # it puts its golden in place and lets go of the lock
+        holder.stdin.flush()
+        return wait_writer(target, timeout)
+
+    monkeypatch.setattr(atomic, "wait_writer", waiting)
+    report = vd_golden("tiny").replay()
+    assert holder.wait() == 0 and waited
+    assert report is not None and report.verdict == "PASS"  # judged against what the other process wrote
+"""
+
+
+def test_an_update_waits_for_another_process_writing_its_golden(project):
+    """pytest-xdist workers updating one golden: the second found it locked by the first and failed with "is
+    being written by another vd process". It waits for that writer, then judges what it wrote."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    shutil.move(project.path / "goldens" / "tiny.zarr", project.path / "ready.zarr")  # the other process's
+    project.makepyfile(test_waits=TEST_WAITS)
+    r = project.runpytest("test_waits.py", "--vd-update")
+    r.assert_outcomes(passed=1)
+    assert "goldens refreshed" not in r.stdout.str()  # the other process wrote it; this one judged it
+    assert sorted(p.name for p in (project.path / "goldens").iterdir()) == ["tiny.zarr"]
+
+
+TEST_RACED = TEST_ENGINE.split("def test_engine")[0] + """
+import subprocess, sys
+
+class Racing:
+    def __init__(self, inner):
+        self.inner, self.raced = inner, False
+        self.vocab_size, self.device, self.dtype = inner.vocab_size, inner.device, inner.dtype
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, tokens):
+        if not self.raced:  # as its replay starts, another process (a pytest-xdist worker) updates the golden
+            self.raced = True
+            subprocess.run([sys.executable, "-m", "vd", "refresh", "tiny", "--from", "other.zarr", "--reason",
+                            "another worker's update"], check=True, capture_output=True)
+        return self.inner.forward(tokens)
+
+def test_raced(vd_golden):
+    assert vd_golden("tiny").replay(model=Racing(_perturbed())) is None
+"""
+
+
+def test_an_update_whose_golden_another_process_updated_meanwhile_judges_it_again(project, cli, monkeypatch):
+    """The replay's candidate was saved against the version another process has since replaced: the promotion
+    refused it ("saved against another version"); the update judges the new version and promotes from that."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    monkeypatch.setenv("VD_PERTURB_K", "2")  # the other process's engine moves step 3 at K=2, the test's at every K
+    code, _, err = cli("replay", "tiny", "--model", f"{PERTURB}:factory", "--save-candidate", "other.zarr")
+    assert code == 1, err
+    monkeypatch.delenv("VD_PERTURB_K")
+    project.makepyfile(test_raced=TEST_RACED)
+    r = project.runpytest("test_raced.py", "--vd-update")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["tiny: v3 *"])
+    g = open_golden(project.path / "goldens" / "tiny.zarr")
+    assert [v["reason"][:36] for v in g.history[1:]] == ["another worker's update",
+                                                         "pytest --vd-update (test_raced.py::t"]
+    g.close()

@@ -4,7 +4,8 @@ uses them for directory and zip goldens).
 * **One writer at a time**: `writer_lock` takes an exclusive ``flock`` on ``.NAME.lock`` beside the golden for a
   whole recording or refresh; a second writer is refused at once (exit 2) instead of racing the first. Holding
   it, the writer removes what killed writers left behind (`clean`): staging folders (``.NAME.partial-*``) and
-  replaced versions no reader holds (``.NAME.replaced-*``).
+  replaced versions no reader holds (``.NAME.replaced-*``). A caller that would rather wait for the writer
+  (pytest workers updating one golden: `vd.workflow.plugin`) waits with `wait_writer`.
 * **One step to publish**: a new version is swapped with the old in one ``renameat2(RENAME_EXCHANGE)``
   (`exchange`), so at every moment a complete golden is at its path, the old one or the new one. Where the
   kernel or file system cannot exchange (or ``VD_PUBLISH_FALLBACK=1`` asks, as the tests do), three renames
@@ -30,7 +31,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from vd.errors import GoldenError
+from vd.errors import GoldenBusyError
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 FALLBACK = "VD_PUBLISH_FALLBACK"  # "1": publish by renames where the exchange would work (the tests force it)
@@ -119,6 +120,26 @@ def hold(path: Path) -> int:
     return fd
 
 
+def wait_writer(target: Path, timeout: float) -> bool:
+    """Wait until no process holds ``target``'s writers' lock (`writer_lock`), ``timeout`` seconds at most: whether
+    none does now. A writer that dies lets go of it with its descriptor, so only a live one is waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(target.parent / f".{target.name}.lock", os.O_RDONLY)
+        except FileNotFoundError:  # (its last holder removed it)
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        finally:
+            os.close(fd)
+        time.sleep(0.2)
+
+
 def unused(path: Path) -> bool:
     """Whether no reader holds the directory (or file) at ``path``."""
     try:
@@ -166,8 +187,8 @@ def writer_lock(target: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise GoldenError(f"{target} is being written by another vd process (it holds {lock}); try again when "
-                              "it has finished") from None
+            raise GoldenBusyError(f"{target} is being written by another vd process (it holds {lock}); try again "
+                                  "when it has finished") from None
         try:
             same = os.fstat(fd).st_ino == os.stat(lock).st_ino  # not a lock file its last holder removed
         except FileNotFoundError:

@@ -165,6 +165,9 @@ class Directory:
         _check_parent(self.target)
         return atomic.writer_lock(self.target)
 
+    def wait_writer(self, timeout):
+        return atomic.wait_writer(self.target, timeout)
+
     def publish(self, staged, replace):
         old = atomic.replace(staged, self.target)
         self.close()  # later reads open the new version
@@ -275,6 +278,9 @@ class ZipFile:
     def writer(self):
         _check_parent(self.path)
         return atomic.writer_lock(self.path)
+
+    def wait_writer(self, timeout):
+        return atomic.wait_writer(self.path, timeout)
 
     def close(self):
         if self._store is not None:

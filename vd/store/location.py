@@ -63,7 +63,11 @@ class Location(Protocol):
         """Every key's size in bytes, or None where listing them is not cheap."""
 
     def writer(self) -> contextlib.AbstractContextManager:
-        """Held for a whole recording or refresh: the only writer of this golden (`vd.store.atomic`)."""
+        """Held for a whole recording or refresh: the only writer of this golden (`vd.store.atomic`); another
+        process's refused at once (`vd.errors.GoldenBusyError`)."""
+
+    def wait_writer(self, timeout: float) -> bool:
+        """Wait until no other process writes this golden, ``timeout`` seconds at most: whether none does now."""
 
     def close(self) -> None:
         """Let go of the version read so far (a later read opens the one then at the location)."""

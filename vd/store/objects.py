@@ -38,7 +38,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 
-from vd.errors import GoldenError, NotAGoldenError, UsageError, naming
+from vd.errors import GoldenBusyError, GoldenError, NotAGoldenError, UsageError, naming
 from vd.store.local import Directory, is_golden, staged_keys
 
 WAIT_ENV, PARTIAL = "VD_S3_WAIT_S", "vd_partial"
@@ -276,7 +276,7 @@ class ObjectPrefix:
                 self._call("lock", store.fs._pipe_file(lock, json.dumps(mine).encode(), mode="create"))
                 held = self._lock_holder(store, lock)
                 if held is None or held.get("token") != mine["token"]:  # a store that ignores If-None-Match
-                    raise GoldenError(f"{self.url} is being written by another vd process ({_who(held or {})}; it "
+                    raise GoldenBusyError(f"{self.url} is being written by another vd process ({_who(held or {})}; it "
                                       f"holds {lock_url}); try again when it has finished")
                 break
             except GoldenError:
@@ -284,18 +284,28 @@ class ObjectPrefix:
                 if held is None:
                     raise  # not refused for an existing lock: the store's own error
                 if not _dead_here(held):
-                    raise GoldenError(f"{self.url} is being written by another vd process ({_who(held)}; it holds "
+                    raise GoldenBusyError(f"{self.url} is being written by another vd process ({_who(held)}; it holds "
                                       f"{lock_url}); try again when it has finished, or delete {lock_url} if that "
                                       "process is gone") from None
                 self._call("lock", store.fs._rm_file(lock))  # its writer died on this host: take it over
         else:
-            raise GoldenError(f"{self.url}: cannot take {lock_url} (another writer took it first)")
+            raise GoldenBusyError(f"{self.url}: cannot take {lock_url} (another writer took it first)")
         try:
             yield
         finally:
             held = self._lock_holder(store, lock)
             if held is not None and held.get("token") == mine["token"]:
                 self._call("unlock", store.fs._rm_file(lock))
+
+    def wait_writer(self, timeout):
+        store = self._store(False)
+        parent, _, name = store.path.rpartition("/")
+        deadline = time.monotonic() + timeout
+        while (held := self._lock_holder(store, f"{parent}/.{name}.lock")) is not None and not _dead_here(held):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+        return True
 
     def _lock_holder(self, store, lock: str) -> dict | None:
         try:

@@ -11,8 +11,9 @@
   with the test's model (``--vd-update=all``: every golden the run touches is re-recorded so), as is one whose
   candidate's controls were inconclusive (its rows differ at their steps already) where it ran the golden's own
   forward. A thin reference or a blind control refuses the update and fails the test; the run's summary lists each
-  refresh with its change headline. Put ``--vd-update`` last or write ``--vd-update=failed``: it takes an
-  optional value.
+  refresh with its change headline. A golden another process is writing (another pytest-xdist worker updating
+  it) is waited for (`WAIT_WRITER_S` at most) and judged again as that process left it. Put ``--vd-update`` last
+  or write ``--vd-update=failed``: it takes an optional value.
 * ``--vd-forward NAME`` (repeatable) and ``--vd-tolerance [KIND=]SPEC`` (repeatable) pass through to every
   replay whose test does not set ``forwards`` or ``tolerances`` itself (``replay(forwards=("sdpa",))``
   wins); ``--vd-config FILE`` names the declaring file (default: found from the rootdir).
@@ -31,12 +32,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from vd.errors import VdError
+from vd.errors import CandidateOutdatedError, GoldenBusyError, VdError
 
 if TYPE_CHECKING:
     from vd.workflow.refresh import Refreshed
 
 _KEY = pytest.StashKey["_Session"]()
+# An update that met another process's: its writers' lock held, or a candidate saved against the version it replaced.
+RACED = (GoldenBusyError, CandidateOutdatedError)
+WAIT_WRITER_S = 3600.0  # how long an update waits for another process writing its golden (a live one: a dead one
+#                         lets go of the lock at once)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -99,12 +104,32 @@ class _Session:
         """Replay golden ``name`` (refreshing it when asked to update); raise `GoldenFailure` with vd's
         reasons when it fails; the report when it passes (None after a refresh)."""
         __tracebackhide__ = True  # a failure shows the test's line and vd's reasons, not this function
-        from vd.workflow.suite import replay_suite
+        from vd.store import locate
 
         try:
             entry = self.suite.select([name])[0]
         except VdError as e:
             raise GoldenFailure(str(e)) from None
+        try:
+            return self._check(entry, who, model, dict(over))
+        except RACED as e:
+            # Another process writes it, or wrote it since this replay read it (pytest-xdist workers updating one
+            # golden): judged again once it is done, as if this test had run after it (a golden recorded as this
+            # test would record it then passes).
+            if not locate(entry.path).wait_writer(WAIT_WRITER_S):
+                raise GoldenFailure(f"vd golden {name!r}: the refresh was refused:\n  - {e} (waited "
+                                    f"{WAIT_WRITER_S:.0f} s)") from None
+        try:
+            return self._check(entry, who, model, dict(over))
+        except RACED as e:
+            raise GoldenFailure(f"vd golden {name!r}: the refresh was refused:\n  - {e}") from None
+
+    def _check(self, entry, who: str, model, over: dict):
+        """`check` of the declared golden ``entry``; one of `RACED` where another process writes it or wrote it."""
+        __tracebackhide__ = True
+        from vd.workflow.suite import replay_suite
+
+        name = entry.name
         if self.update == "all":
             return self._refresh(entry, who, model, "--vd-update=all")
         problems, way_on = self._problems(entry, model is not None)
@@ -190,6 +215,8 @@ def _refused(name: str):
     __tracebackhide__ = True
     try:
         yield
+    except RACED:
+        raise  # (waited for by `_Session.check`)
     except VdError as e:
         raise GoldenFailure(f"vd golden {name!r}: the refresh was refused:\n  - {e}") from None
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from vd import preflight
 from vd.env import numerics_differences
-from vd.errors import GoldenCorruptError, GoldenError, UsageError, naming
+from vd.errors import CandidateOutdatedError, GoldenCorruptError, GoldenError, UsageError, naming
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
 from vd.recorder import RecordSettings, record
@@ -163,7 +163,7 @@ def _check_candidate(cand: Golden, old: Golden | None, url: str, allow_slim: boo
             raise UsageError(f"{cand.url} is of another {what} ({b}) than {url} ({a}); record that golden "
                              "anew (vd record) instead of promoting it")
     if made.get("of_content") != old.content_digest():
-        raise UsageError(f"{cand.url} was saved against another version of {url} "
+        raise CandidateOutdatedError(f"{cand.url} was saved against another version of {url} "
                          f"({made.get('of_content')}); replay the golden again to save a current candidate")
     return made
 
