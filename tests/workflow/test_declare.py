@@ -38,6 +38,25 @@ policy = "verify=kl:0.05"
     assert [e.name for e in s.select(["remote"])] == ["remote"]
 
 
+def test_a_folder_declaring_in_both_files_is_refused_unless_one_is_named(tmp_path, cli, monkeypatch):
+    """vd.toml was read and pyproject.toml's [tool.vd] beside it ignored without a word: its goldens were never
+    recorded, replayed or listed. A pyproject.toml without [tool.vd] (or one vd cannot read) is no second one."""
+    _write(tmp_path, '[goldens.a]\npath = "a.zarr"\n')
+    py = _write(tmp_path, "[project]\nname = 'x'\n", "pyproject.toml")
+    assert find(tmp_path) == tmp_path / "vd.toml"
+    py.write_text("[project\n")
+    assert find(tmp_path) == tmp_path / "vd.toml"
+    py.write_text('[tool.vd.goldens.b]\npath = "b.zarr"\n')
+    with pytest.raises(DeclarationError, match=r"declares goldens twice, in vd.toml and in pyproject.toml's "
+                                               r"\[tool.vd\]: keep one \(or name the one meant: --config FILE"):
+        find(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("status", "--no-models")
+    assert code == 2 and err.startswith("vd: error: ") and "declares goldens twice" in err and err.count("\n") == 1
+    code, out, err = cli("status", "--no-models", "--config", "pyproject.toml")
+    assert " b " in out and " a " not in out, out
+
+
 @pytest.mark.parametrize("body, message", [
     ('[goldens.a]\npath = "a.zarr"\nkk = 3', r"\[goldens.a\] unknown key 'kk'"),
     ('[goldens.a]\npath = "a.zarr"\nk = "2,3"', r"\[goldens.a\] key 'k': expected a list of distinct verify widths"),

@@ -127,15 +127,28 @@ def resolve(path: str, base: Path) -> str:
 
 def find(start: Path | None = None) -> Path | None:
     """The declaring file for ``start`` (the working directory): the nearest ``vd.toml``, or the nearest
-    ``pyproject.toml`` with a ``[tool.vd]`` table, looking in ``start`` and then its parents."""
+    ``pyproject.toml`` with a ``[tool.vd]`` table, looking in ``start`` and then its parents. A folder holding
+    both is refused (`DeclarationError`): one would be read and the other's goldens never checked, unsaid."""
     here = (start or Path.cwd()).resolve()
     for folder in (here, *here.parents):
-        if (folder / "vd.toml").is_file():
-            return folder / "vd.toml"
         py = folder / "pyproject.toml"
+        if (folder / "vd.toml").is_file():
+            if _declares(py):
+                raise DeclarationError(f"{folder} declares goldens twice, in vd.toml and in pyproject.toml's "
+                                       "[tool.vd]: keep one (or name the one meant: --config FILE, in pytest "
+                                       "--vd-config FILE)")
+            return folder / "vd.toml"
         if py.is_file() and "vd" in _read(py).get("tool", {}):
             return py
     return None
+
+
+def _declares(pyproject: Path) -> bool:
+    """Whether ``pyproject`` is a readable pyproject.toml with a ``[tool.vd]`` table."""
+    try:
+        return pyproject.is_file() and "vd" in _read(pyproject).get("tool", {})
+    except DeclarationError:  # (beside a vd.toml, a pyproject.toml vd cannot read is none of its business)
+        return False
 
 
 def _read(file: Path) -> dict:
