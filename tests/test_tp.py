@@ -1,6 +1,6 @@
 """Tensor parallelism (`vd.models.tp`, ``--tp``): shards generated alone are slices of the whole model; a TP=2
-recording over two CPU processes (gloo, launched with torchrun) replays bit for bit at TP=2 and as another
-build at TP=1; a rank that fails ends every rank with one line; bad degrees and models are refused."""
+recording over two CPU processes (gloo, launched with torchrun) replays bit for bit at TP=2 (its default) and as
+another build at TP=1; a rank that fails ends every rank with one line; bad degrees and models are refused."""
 
 import json
 import os
@@ -84,10 +84,20 @@ def test_tp2_golden_replays_bit_for_bit_at_tp2_and_as_another_build_at_tp1(tmp_p
     assert report["environment"]["numerics_differences"] == []
     assert not [line for line in r.stderr.splitlines() if "Traceback" in line or "SIGABRT" in line], r.stderr
 
-    r = _vd("replay", g, "--report", tmp_path / "r1.json")  # one process: the sums' order differs
+    r = _vd("replay", g, "--tp", "1", "--report", tmp_path / "r1.json")  # one process: the sums' order differs
     report = json.loads((tmp_path / "r1.json").read_text())
     assert r.returncode == 1 and report["verdict"] == "FAIL", r.stdout
     assert "tp: 2 → 1" in report["environment"]["numerics_differences"], report["environment"]
+    assert f"vd replay {g} --k 2 --forward static --tp 1 --tolerance" in r.stdout  # (--tp 2 is the default)
+
+    # Without --tp, the golden's degree, as its forward and device: it took one process, and FAILed as another
+    # build; `vd record --refresh` re-recorded it in one process, moving every row.
+    r = _vd("replay", g)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.startswith("vd: --tp 2, as the golden was recorded (--tp 1: in one process, another build)\n")
+    r = _vd("record", g, "--refresh")
+    assert r.returncode == 0 and "no logit, step or decision moved" in r.stdout, r.stdout + r.stderr
+    assert open_golden(g).meta["environment"]["tp"] == 2
 
 
 def test_a_rank_that_fails_ends_every_rank_with_one_line(tmp_path):

@@ -28,7 +28,8 @@ Reason = Annotated[str | None, typer.Option(metavar="TEXT", help="Why: kept in t
 Summary = Annotated[Path | None, typer.Option(metavar="PATH", help="With --refresh: write the change summary "
                                               "(Markdown) here.")]
 Tp = Annotated[int | None, typer.Option("--tp", metavar="N", min=1, help="Split the model over N ranks (tensor "
-                                       "parallel, launched with torchrun; generated shapes).")]
+                                       "parallel, launched with torchrun; generated shapes). Default: a replay's or "
+                                       "refresh's golden's own degree.")]
 Suite = Annotated[bool, typer.Option("--suite", help="Work on the declared goldens (vd.toml, or the tool.vd table "
                                      "of pyproject.toml): those named, else all.")]
 Tolerances = Annotated[list[str] | None, typer.Option("--tolerance", metavar=TOLERANCE_METAVAR, help="Repeatable: "

@@ -64,14 +64,39 @@ def launch(tp: int | None) -> int | None:
 
 
 def tensor_parallel(command):
-    """A command taking ``--tp``: launched under torchrun first where it asks for it (`launch`)."""
+    """A command taking ``--tp``: launched under torchrun first where it asks for it (`launch`), or, without
+    ``--tp``, where the one golden it replays or refreshes was recorded over ranks (`recorded_tp`), as a replay
+    takes the golden's forward and device unless told otherwise."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
-        code = launch(kwargs.get("tp"))
+        tp = kwargs.get("tp")
+        if tp is None and ranks() == 1 and (tp := recorded_tp(kwargs)) is not None:
+            typer.echo(f"vd: --tp {tp}, as the golden was recorded (--tp 1: in one process, another build)",
+                       err=True)
+        code = launch(tp)
         return command(*args, **kwargs) if code is None else code
 
     return run
+
+
+def recorded_tp(params: dict) -> int | None:
+    """The degree over which the one golden a replay, or a recording's ``--refresh``, names was recorded (its
+    environment's ``tp``), where it is more than one: None for a suite, a new recording, an s3:// golden (its
+    metadata is read once it is opened) or a path holding no readable golden (the command says why)."""
+    from vd.cli.common import golden_path
+    from vd.errors import VdError
+    from vd.preflight import peek
+
+    targets = params.get("targets") or []
+    if params.get("suite") or len(targets) != 1 or params.get("refresh") is False or params.get("resume"):
+        return None
+    try:
+        meta = peek(golden_path(targets[0], params.get("config"))).meta or {}
+    except (VdError, OSError):
+        return None
+    tp = (meta.get("environment") or {}).get("tp")
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else None
 
 
 def _without_tp(argv: list[str]) -> list[str]:
