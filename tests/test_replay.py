@@ -201,6 +201,8 @@ def test_drafter_golden_with_static_forward_determinism_and_phases(cli, tmp_path
     meta = open_golden(path).meta
     assert meta["graphs"] == "eager" and meta["determinism"]["applied"]["deterministic_algorithms"] is True
     assert meta["determinism"]["settings"]["deterministic_algorithms"] is True
+    shown = cli("show", path)[1]
+    assert " tokens, deterministic (--deterministic)\n" in shown, shown  # (it said nothing of it)
     torch.use_deterministic_algorithms(False)  # replay must apply it again by itself
     try:
         r = replay(path, ReplaySettings(ks=(3,))).to_json()

@@ -30,7 +30,8 @@ def describe(where: str | os.PathLike) -> Iterator[str]:
     yield from _model(g.meta)
     tokens = f"{len(g.prompt)} token" + ("" if len(g.prompt) == 1 else "s")
     yield (f"settings  feed {g.info.feed}, dtype {g.logical}, device {g.info.device}, K {g.ks}, "
-           f"{g.info.steps} steps, vocab {g.info.vocab}, prompt {tokens}")
+           f"{g.info.steps} steps, vocab {g.info.vocab}, prompt {tokens}"
+           + (", deterministic (--deterministic)" if _deterministic(g.meta) else ""))
     yield f"prompt    {g.meta.get('prompt_text', '')!r}"
     batch = g.meta.get("batch")
     if batch is not None:
@@ -79,11 +80,18 @@ def _environment(e: Mapping[str, Any]) -> Iterator[str]:
            f"zarr {e.get('zarr')}, python {e.get('python')} on {e.get('host')}")
     gpu = f", GPU {e.get('gpu_name')} (CUDA {e.get('cuda')}, driver {e.get('driver')})" if e.get("gpu_name") else ""
     isa = e.get("cpu_capability") if not e.get("onednn_isa") else f"{e.get('cpu_capability')}, oneDNN {e['onednn_isa']}"
-    yield f"          CPU {e.get('cpu_model')} ({isa}), {e.get('threads')} threads{gpu}"
+    threads = f"{e.get('threads')} thread" + ("" if e.get("threads") == 1 else "s")
+    yield f"          CPU {e.get('cpu_model')} ({isa}), {threads}{gpu}"
     if (e.get("tp") or 1) > 1:
         yield f"          tensor parallel over {e['tp']} ranks ({e.get('collectives')})"
     if isinstance(e.get("engine"), dict):
         yield "          engine " + ", ".join(f"{k} {v}" for k, v in e["engine"].items())
+
+
+def _deterministic(m: Mapping[str, Any]) -> bool:
+    """Whether the recording ran with deterministic algorithms on (``--deterministic``)."""
+    applied = (m.get("determinism") or {}).get("applied")
+    return isinstance(applied, Mapping) and applied.get("deterministic_algorithms") is True
 
 
 def _k_line(g: Golden, k: int) -> str:
