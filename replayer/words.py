@@ -458,7 +458,7 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
             cmd += [f"--{flag}", _portable_spec(value) if flag == "model" else
                     _absolute(value) if flag in ("head", "rows") else value]
     ran, recorded = (e.get("tp") or 1 for e in (report.environment.replayed, report.environment.recorded))
-    if ran != recorded:  # (a replay takes the golden's degree unless told: `vd.cli.ranks.recorded_tp`)
+    if ran != recorded:  # (a replay takes the golden's degree unless told: `vd.cli.ranks.recorded`)
         cmd += ["--tp", str(ran)]
     for kind, spec in report.policy.to_json().items():
         cmd += ["--tolerance", f"{kind}={spec}"]

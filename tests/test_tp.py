@@ -170,7 +170,8 @@ def test_ranks_sharing_a_gpu_are_counted_per_gpu(local_size, devices, shares):
 def test_tp2_on_one_gpu_with_gloo_replays_bit_for_bit(tmp_path):
     """Two ranks sharing one GPU (NCCL refuses that; VD_TP_COLLECTIVES=gloo sums through gloo, without graphs):
     each rank builds its shard on the GPU, the fingerprint is the whole model's (the TP=1 replay is not refused
-    as another model), the TP=2 golden replays bit for bit at TP=2, and in one process as another build."""
+    as another model), the TP=2 golden replays bit for bit at TP=2 (by default too, summing through gloo as it was
+    recorded), and in one process as another build."""
     env = {"VD_TP_COLLECTIVES": "gloo"}
     g = tmp_path / "tp2.zarr"
     args = ["--model", "qwen2.5-0.5b-shape", "--prompt", "Verify.", "--k", "2,4", "--steps", "8", "--allow-thin",
@@ -181,7 +182,10 @@ def test_tp2_on_one_gpu_with_gloo_replays_bit_for_bit(tmp_path):
     r = _vd("replay", g, "--tp", "2", "--report", tmp_path / "r.json", env=env)
     report = json.loads((tmp_path / "r.json").read_text())
     assert r.returncode == 0 and report["verdict"] == "PASS", r.stdout + r.stderr
-    r = _vd("replay", g, "--report", tmp_path / "r1.json")
+    # Without --tp or VD_TP_COLLECTIVES: two ranks summing through gloo, as recorded (NCCL refuses one GPU).
+    r = _vd("replay", g)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    r = _vd("replay", g, "--tp", "1", "--report", tmp_path / "r1.json")
     report = json.loads((tmp_path / "r1.json").read_text())
     assert r.returncode in (0, 1) and "tp: 2 → 1" in report["environment"]["numerics_differences"], r.stderr
 

@@ -65,38 +65,48 @@ def launch(tp: int | None) -> int | None:
 
 def tensor_parallel(command):
     """A command taking ``--tp``: launched under torchrun first where it asks for it (`launch`), or, without
-    ``--tp``, where the one golden it replays or refreshes was recorded over ranks (`recorded_tp`), as a replay
-    takes the golden's forward and device unless told otherwise."""
+    ``--tp``, where the one golden it replays or refreshes was recorded over ranks (`recorded`), as a replay
+    takes the golden's forward and device unless told otherwise; its ranks sum as the golden's did where
+    ``VD_TP_COLLECTIVES`` does not say (gloo on CUDA: ranks sharing one GPU, which NCCL refuses)."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
         tp = kwargs.get("tp")
-        if tp is None and ranks() == 1 and (tp := recorded_tp(kwargs)) is not None:
-            typer.echo(f"vd: --tp {tp}, as the golden was recorded (--tp 1: in one process, another build)",
-                       err=True)
+        if ranks() == 1 and (tp is None or tp > 1):
+            degree, collectives = recorded(kwargs)
+            if tp is None and degree > 1:
+                tp = degree
+                typer.echo(f"vd: --tp {tp}, as the golden was recorded (--tp 1: in one process, another build)",
+                           err=True)
+            if tp is not None and tp > 1 and collectives == "gloo" and "VD_TP_COLLECTIVES" not in os.environ:
+                os.environ["VD_TP_COLLECTIVES"] = "gloo"  # (the ranks' environment: no effect on the CPU)
         code = launch(tp)
         return command(*args, **kwargs) if code is None else code
 
     return run
 
 
-def recorded_tp(params: dict) -> int | None:
-    """The degree over which the one golden a replay, or a recording's ``--refresh``, names was recorded (its
-    environment's ``tp``), where it is more than one: None for a suite, a new recording, an s3:// golden (its
-    metadata is read once it is opened) or a path holding no readable golden (the command says why)."""
+def recorded(params: dict) -> tuple[int, str | None]:
+    """The degree over which the one golden a replay, or a recording's ``--refresh``, names was recorded, and its
+    collectives (its environment's ``tp`` and ``collectives``): (1, None) for a suite, a new recording, an s3://
+    golden (its metadata is read once it is opened) or a path holding no readable golden (the command says
+    why)."""
     from vd.cli.common import golden_path
     from vd.errors import VdError
     from vd.preflight import peek
 
     targets = params.get("targets") or []
     if params.get("suite") or len(targets) != 1 or params.get("refresh") is False or params.get("resume"):
-        return None
+        return 1, None
     try:
         meta = peek(golden_path(targets[0], params.get("config"))).meta or {}
     except (VdError, OSError):
-        return None
-    tp = (meta.get("environment") or {}).get("tp")
-    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else None
+        return 1, None
+    env = meta.get("environment") or {}
+    tp = env.get("tp")
+    collectives = env.get("collectives")
+    return (tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else 1,
+            collectives if isinstance(collectives, str) else None)
 
 
 def _without_tp(argv: list[str]) -> list[str]:
