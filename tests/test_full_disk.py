@@ -79,3 +79,15 @@ def test_an_arena_its_file_system_cannot_hold_is_refused_not_a_fault(tmp_path):
         pytest.skip(f"no tmpfs can be mounted here: {r.stderr.strip()}")
     assert r.returncode == 1, (r.returncode, r.stderr)  # not -7 (SIGBUS)
     assert f"No space left on device: '{small}/vd-arena-" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (Linux's device that is always full)")
+def test_a_full_device_or_standard_output_is_named(tmp_path, tiny_golden):
+    """A report written through a device, or the command's own output on a full disk (``> /dev/full`` stands in
+    for it): "No space left on device" named nothing."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "vd", "show", str(tiny_golden)], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr == "vd: error: No space left on device: standard output\n", r.stderr
+    r = _vd("diff", tiny_golden, tiny_golden, "--report", "/dev/full")
+    assert r.returncode == 2 and _error(r) == "vd: error: No space left on device: /dev/full", r.stderr

@@ -26,7 +26,8 @@ def write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -
     path = Path(path)
     fd = _through(path)
     if fd is not None:
-        _write_all(fd, data)
+        with naming("standard output" if to_stdout(path) else path):  # (/dev/full, a full disk under `> file`)
+            _write_all(fd, data)
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,15 +117,16 @@ class ReaderGone:
     Left alone, the broken pipe ended the command wherever it printed, with click's exit code 1: vd's code
     for a real difference."""
 
-    def __init__(self, stream):
-        self.stream = stream
+    def __init__(self, stream, name: str):
+        self.stream, self.name = stream, name  # (``name``: how an error writing it names it, "standard output")
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
 
     def write(self, text):
         try:
-            return self.stream.write(text)
+            with naming(self.name):  # a refused write (``> /dev/full``, a full disk) says where it went
+                return self.stream.write(text)
         except BrokenPipeError:
             self._gone()
             return len(text)
@@ -135,7 +137,8 @@ class ReaderGone:
 
     def flush(self):
         try:
-            self.stream.flush()
+            with naming(self.name):
+                self.stream.flush()
         except BrokenPipeError:
             self._gone()
 

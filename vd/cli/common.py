@@ -125,7 +125,8 @@ class Group(_PlainFlags, TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         streams = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = ReaderGone(sys.stdout), ReaderGone(sys.stderr)  # `vd ... | head`: exit as judged
+        # `vd ... | head`: exit as judged
+        sys.stdout, sys.stderr = ReaderGone(sys.stdout, "standard output"), ReaderGone(sys.stderr, "standard error")
         try:
             self._main(args, prog_name, complete_var, **extra)
         finally:
