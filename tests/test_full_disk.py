@@ -91,3 +91,11 @@ def test_a_full_device_or_standard_output_is_named(tmp_path, tiny_golden):
     assert r.returncode == 2 and r.stderr == "vd: error: No space left on device: standard output\n", r.stderr
     r = _vd("diff", tiny_golden, tiny_golden, "--report", "/dev/full")
     assert r.returncode == 2 and _error(r) == "vd: error: No space left on device: /dev/full", r.stderr
+
+
+@pytest.mark.parametrize("out", ["copy.zarr", "copy.zip"])
+def test_a_pack_refused_a_write_leaves_nothing_beside_its_target(tmp_path, tiny_golden, out):
+    """`vd pack` left its staging folder (``.copy.zarr.partial-*``) behind when a write failed."""
+    r = _vd("pack", tiny_golden, tmp_path / out, limit=4096)
+    assert r.returncode == 2 and _error(r).startswith(f"vd: error: File too large: {tmp_path}/.{out}.partial-")
+    assert list(tmp_path.iterdir()) == []

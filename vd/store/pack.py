@@ -11,6 +11,7 @@ any store.
 from __future__ import annotations
 
 import os
+import shutil
 
 from vd.errors import GoldenCorruptError, UsageError, naming
 from vd.store import format as F
@@ -37,19 +38,27 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
     g.check_files()  # every file against the manifest before anything is copied
     with location.writer():
         staged = location.staging()
-        for key in [*g.manifest, *_OUTSIDE_MANIFEST]:
-            data = g.location.get(key)
-            if data is None:
-                if key == _OUTSIDE_MANIFEST[1]:  # a golden may do without its run group's metadata
-                    continue
-                raise GoldenCorruptError(f"{g.url}/{key} is missing")
-            (staged / key).parent.mkdir(parents=True, exist_ok=True)
-            with naming(staged / key):
-                (staged / key).write_bytes(data)
-        g.close()
-        location.publish(staged, refresh)
+        try:
+            _copy(g, staged)
+            g.close()
+            location.publish(staged, refresh)
+        finally:  # (publish removes it; a copy that failed, a full disk say, leaves nothing beside the target)
+            shutil.rmtree(staged, ignore_errors=True)
     copy = open_golden(location)
     copy.check_files()
     if copy.meta.get("golden_id") != g.meta.get("golden_id"):
         raise GoldenCorruptError(f"{location.url}: the copy's golden ID is not the source's")
     return location
+
+
+def _copy(g, staged) -> None:
+    """Every file of ``g`` its manifest lists, with the metadata outside it, written under ``staged``."""
+    for key in [*g.manifest, *_OUTSIDE_MANIFEST]:
+        data = g.location.get(key)
+        if data is None:
+            if key == _OUTSIDE_MANIFEST[1]:  # a golden may do without its run group's metadata
+                continue
+            raise GoldenCorruptError(f"{g.url}/{key} is missing")
+        (staged / key).parent.mkdir(parents=True, exist_ok=True)
+        with naming(staged / key):
+            (staged / key).write_bytes(data)
