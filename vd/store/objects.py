@@ -276,17 +276,17 @@ class ObjectPrefix:
                 self._call("lock", store.fs._pipe_file(lock, json.dumps(mine).encode(), mode="create"))
                 held = self._lock_holder(store, lock)
                 if held is None or held.get("token") != mine["token"]:  # a store that ignores If-None-Match
-                    raise GoldenBusyError(f"{self.url} is being written by another vd process ({_who(held or {})}; it "
-                                      f"holds {lock_url}); try again when it has finished")
+                    raise GoldenBusyError(f"{self.url} is being written by another vd process ({_who(held or {})}; "
+                                          f"it holds {lock_url}); try again when it has finished")
                 break
             except GoldenError:
                 held = self._lock_holder(store, lock)
                 if held is None:
                     raise  # not refused for an existing lock: the store's own error
                 if not _dead_here(held):
-                    raise GoldenBusyError(f"{self.url} is being written by another vd process ({_who(held)}; it holds "
-                                      f"{lock_url}); try again when it has finished, or delete {lock_url} if that "
-                                      "process is gone") from None
+                    raise GoldenBusyError(f"{self.url} is being written by another vd process ({_who(held)}; it "
+                                          f"holds {lock_url}); try again when it has finished, or delete {lock_url} "
+                                          "if that process is gone") from None
                 self._call("lock", store.fs._rm_file(lock))  # its writer died on this host: take it over
         else:
             raise GoldenBusyError(f"{self.url}: cannot take {lock_url} (another writer took it first)")
