@@ -99,3 +99,23 @@ def test_a_pack_refused_a_write_leaves_nothing_beside_its_target(tmp_path, tiny_
     r = _vd("pack", tiny_golden, tmp_path / out, limit=4096)
     assert r.returncode == 2 and _error(r).startswith(f"vd: error: File too large: {tmp_path}/.{out}.partial-")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_suite_goes_on_past_a_golden_the_system_refuses(tmp_path, tiny_golden):
+    """A suite replay goes on past a golden that cannot be replayed, an ERROR with its one line: a refused write
+    (here each replay's temporary file of decode rows) ended the whole suite instead."""
+    import json
+
+    shutil.copytree(tiny_golden, tmp_path / "b.zarr")
+    (tmp_path / "vd.toml").write_text(f'[defaults]\nmodel = "tiny-llama"\nsteps = 8\n'
+                                      f'[goldens.a]\npath = "{tiny_golden}"\n[goldens.b]\npath = "b.zarr"\n')
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = subprocess.run([sys.executable, "-m", "vd", "replay", "--suite", "--forward", "eager", "--report", "-"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                       env={**os.environ, "TMPDIR": str(tmp)},
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+    assert r.returncode == 2, r.stderr
+    report = json.loads(r.stdout)
+    assert [(o["name"], o["verdict"], o["error"]) for o in report["goldens"]] == [
+        ("a", "ERROR", f"File too large: {tmp}"), ("b", "ERROR", f"File too large: {tmp}")], report

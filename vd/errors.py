@@ -30,6 +30,12 @@ def naming(path: str | os.PathLike):
         raise
 
 
+def system_refusal(e: OSError) -> str:
+    """An `OSError` (a path the system refused: permissions, space) as the one line vd prints of it: its
+    reason, then the file it names (`naming`)."""
+    return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+
+
 class VdError(Exception):
     """Base of every error vd reports to a user as bad input (exit code 2)."""
 

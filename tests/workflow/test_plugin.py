@@ -282,3 +282,19 @@ def test_an_update_whose_golden_another_process_updated_meanwhile_judges_it_agai
     assert [v["reason"][:36] for v in g.history[1:]] == ["another worker's update",
                                                          "pytest --vd-update (test_raced.py::t"]
     g.close()
+
+
+def test_an_update_the_disk_refuses_fails_with_its_one_line(project):
+    """--vd-update of a golden whose files the file system refuses (a file size limit standing in for a full
+    disk): the test fails with the system's line naming the file, not with a traceback through vd."""
+    project.makeconftest("""
+import resource
+resource.setrlimit(resource.RLIMIT_FSIZE, (24 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+""")
+    project.makepyfile(test_engine=TEST_ENGINE)
+    r = project.runpytest_subprocess("test_engine.py", "--vd-update", "-p", "no:cacheprovider")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*GoldenFailure: vd golden 'tiny': the refresh was not written:*",
+                            "*- File too large: *goldens/.tiny.zarr.partial-*"])
+    assert "def write_bytes" not in r.stdout.str()  # (pathlib's, at the end of vd's traceback)
+    assert sorted(p.name for p in (project.path / "goldens").iterdir()) == []

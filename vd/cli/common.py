@@ -35,7 +35,7 @@ from typer.core import TyperCommand, TyperGroup
 
 import vd
 from vd import preflight
-from vd.errors import ModelSpecError, Terminated, UsageError, VdError, write_traceback
+from vd.errors import ModelSpecError, Terminated, UsageError, VdError, system_refusal, write_traceback
 from vd.outputs import ReaderGone, stream, to_stdout, write_text
 from vd.progress import Lines
 
@@ -160,8 +160,7 @@ class Group(_PlainFlags, TyperGroup):
             typer.echo(f"vd: error: {e}", err=True)
             sys.exit(EXIT_BAD)
         except OSError as e:  # a path the user gave that the system refused (permissions, space, ...)
-            where = f": {e.filename}" if e.filename else ""
-            typer.echo(f"vd: error: {e.strerror or e}{where}", err=True)
+            typer.echo(f"vd: error: {system_refusal(e)}", err=True)
             sys.exit(EXIT_BAD)
         except Exception as e:  # a bug of vd's or a crashing engine: never a bare traceback
             sys.exit(crash(e))

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from vd.errors import CandidateOutdatedError, GoldenBusyError, VdError
+from vd.errors import CandidateOutdatedError, GoldenBusyError, VdError, system_refusal
 
 if TYPE_CHECKING:
     from vd.workflow.refresh import Refreshed
@@ -219,6 +219,8 @@ def _refused(name: str):
         raise  # (waited for by `_Session.check`)
     except VdError as e:
         raise GoldenFailure(f"vd golden {name!r}: the refresh was refused:\n  - {e}") from None
+    except OSError as e:  # a write the system refused (a full disk): its one line, as the command line says it
+        raise GoldenFailure(f"vd golden {name!r}: the refresh was not written:\n  - {system_refusal(e)}") from None
 
 
 def _session(config: pytest.Config) -> _Session:

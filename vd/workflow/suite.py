@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from vd.errors import GoldenError, VdError
+from vd.errors import GoldenError, VdError, system_refusal
 from vd.models.specs import golden_dir, stored
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel
@@ -106,6 +106,8 @@ def _timed(entry: Entry, run: Callable[[], Outcome]) -> Outcome:
         out = run()
     except VdError as e:
         out = Outcome(entry.name, entry.path, "ERROR", error=str(e))
+    except OSError as e:  # a path the system refused (a full disk): that golden's ERROR, and the suite goes on
+        out = Outcome(entry.name, entry.path, "ERROR", error=system_refusal(e))
     out.seconds = time.perf_counter() - t
     return out
 
