@@ -33,9 +33,10 @@ def ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-def launch(tp: int | None) -> int | None:
+def launch(tp: int | None, environ: dict[str, str] | None = None) -> int | None:
     """``--tp``: None where the command runs in this process (no ``--tp``, ``--tp 1``, or torchrun started it
-    with as many ranks), else rank 0's exit code after torchrun ran the command over ``tp`` ranks."""
+    with as many ranks), else rank 0's exit code after torchrun ran the command over ``tp`` ranks (``environ``:
+    variables the ranks get besides this process's)."""
     if tp is None or (tp == 1 and ranks() == 1):
         return None
     if ranks() > 1:
@@ -45,7 +46,7 @@ def launch(tp: int | None) -> int | None:
     argv = _without_tp(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="vd-tp-") as d:
         status = Path(d) / "status"
-        env = {**os.environ, STATUS: str(status)}
+        env = {**os.environ, **(environ or {}), STATUS: str(status)}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
         with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                f"--nproc-per-node={tp}", "-m", "vd", *argv], env=env, stderr=subprocess.PIPE,
@@ -71,7 +72,7 @@ def tensor_parallel(command):
 
     @functools.wraps(command)
     def run(*args, **kwargs):
-        tp = kwargs.get("tp")
+        tp, environ = kwargs.get("tp"), {}
         if ranks() == 1 and (tp is None or tp > 1):
             degree, collectives = recorded(kwargs)
             if tp is None and degree > 1:
@@ -79,8 +80,8 @@ def tensor_parallel(command):
                 typer.echo(f"vd: --tp {tp}, as the golden was recorded (--tp 1: in one process, another build)",
                            err=True)
             if tp is not None and tp > 1 and collectives == "gloo" and "VD_TP_COLLECTIVES" not in os.environ:
-                os.environ["VD_TP_COLLECTIVES"] = "gloo"  # (the ranks' environment: no effect on the CPU)
-        code = launch(tp)
+                environ["VD_TP_COLLECTIVES"] = "gloo"  # (the ranks' alone, not this process's; none on the CPU)
+        code = launch(tp, environ)
         return command(*args, **kwargs) if code is None else code
 
     return run

@@ -120,13 +120,18 @@ def hold(path: Path) -> int:
     return fd
 
 
+def _lock(target: Path) -> Path:
+    """The writers' lock file of the golden at ``target`` (`writer_lock`)."""
+    return target.parent / f".{target.name}.lock"
+
+
 def wait_writer(target: Path, timeout: float) -> bool:
     """Wait until no process holds ``target``'s writers' lock (`writer_lock`), ``timeout`` seconds at most: whether
     none does now. A writer that dies lets go of it with its descriptor, so only a live one is waited for."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            fd = os.open(target.parent / f".{target.name}.lock", os.O_RDONLY)
+            fd = os.open(_lock(target), os.O_RDONLY)
         except FileNotFoundError:  # (its last holder removed it)
             return True
         try:
@@ -176,7 +181,7 @@ def clean(target: Path) -> None:
 def writer_lock(target: Path) -> Iterator[None]:
     """Hold the exclusive lock of ``target``'s writers (see the module's docstring); refuse at once, with a
     `GoldenError`, when another process holds it."""
-    lock = target.parent / f".{target.name}.lock"
+    lock = _lock(target)
     while True:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,12 @@ def _who(holder: dict) -> str:
     return f"{holder.get('host', '?')} pid {holder.get('pid', '?')} since {holder.get('since', '?')}"
 
 
+def _lock(store) -> str:
+    """The writers' lock object beside the golden under ``store``'s prefix (`ObjectPrefix.writer`)."""
+    parent, _, name = store.path.rpartition("/")
+    return f"{parent}/.{name}.lock"
+
+
 def _dead_here(holder: dict) -> bool:
     """Whether ``holder`` was a process of this host that no longer runs."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
@@ -267,8 +273,7 @@ class ObjectPrefix:
     def writer(self) -> Iterator[None]:
         """The only writer of this golden for the block (see the module's docstring)."""
         store = self._store(False)
-        parent, _, name = store.path.rpartition("/")
-        lock = f"{parent}/.{name}.lock"
+        lock = _lock(store)
         lock_url = f"s3://{lock}"
         mine = _holder()
         for _ in range(2):
@@ -299,9 +304,8 @@ class ObjectPrefix:
 
     def wait_writer(self, timeout):
         store = self._store(False)
-        parent, _, name = store.path.rpartition("/")
         deadline = time.monotonic() + timeout
-        while (held := self._lock_holder(store, f"{parent}/.{name}.lock")) is not None and not _dead_here(held):
+        while (held := self._lock_holder(store, _lock(store))) is not None and not _dead_here(held):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.5)

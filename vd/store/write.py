@@ -326,7 +326,7 @@ class GoldenWriter:
             if kind == "Differs":
                 raise journal_differs(k, message)
             if kind in _OS_ERRORS:  # a refusal of the system's (space, permissions): bad input, as on a thread
-                raise OSError(*answer["os"]) if answer.get("os") else OSError(message)
+                raise OSError(*answer["os"])  # (`vd.chunkfiles.serve` sends every OSError's fields)
             raise WriterError(f"a writer process failed: {kind}: {message}\n{trace}")
         self.known.update(answer["files"])
         if self.journal is not None:  # (the process appended the blocks' frames)
