@@ -313,12 +313,13 @@ def _error_outputs(golden: str, e: Exception, report: Path | None, junit: Path |
     """``--report``, ``--junit`` and ``--html`` of a replay that ended before a verdict: the error, its exit code."""
     if report is None and junit is None and html is None:
         return
-    from vd.errors import VdError
+    from vd.errors import VdError, system_refusal
     from vd.replayer import render
     from vd.replayer.report import Unjudged, golden_name
 
     bad_input = isinstance(e, VdError | OSError)
-    first = str(e).splitlines()[0] if str(e) else ""
+    text = system_refusal(e) if isinstance(e, OSError) and not isinstance(e, VdError) else str(e)
+    first = text.splitlines()[0] if text else ""
     done = Unjudged(golden, first if bad_input else f"internal error: {type(e).__name__}: {first}",
                     EXIT_BAD if bad_input else EXIT_INTERNAL)
     if report is not None:
