@@ -100,6 +100,16 @@ def test_tp2_golden_replays_bit_for_bit_at_tp2_and_as_another_build_at_tp1(tmp_p
     assert open_golden(g).meta["environment"]["tp"] == 2
 
 
+def test_an_s3_tp2_golden_replays_over_its_ranks_without_tp(s3):
+    """An s3:// golden's degree is read from its root document (one GET) before the command opens it: without
+    ``--tp`` it replayed in one process and FAILed on every row."""
+    r = _vd("record", s3, *ARGS, "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    r = _vd("replay", s3)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.startswith("vd: --tp 2, as the golden was recorded (--tp 1: in one process, another build)\n")
+
+
 def test_a_rank_that_fails_ends_every_rank_with_one_line(tmp_path):
     """Rank 1's forward raising on its 20th call (a crashing engine on one GPU) ends the run: rank 1 says so in
     one line, rank 0 fails its next collective (an internal error, exit 3), nothing is written."""

@@ -89,18 +89,17 @@ def tensor_parallel(command):
 
 def recorded(params: dict) -> tuple[int, str | None]:
     """The degree over which the one golden a replay, or a recording's ``--refresh``, names was recorded, and its
-    collectives (its environment's ``tp`` and ``collectives``): (1, None) for a suite, a new recording, an s3://
-    golden (its metadata is read once it is opened) or a path holding no readable golden (the command says
-    why)."""
+    collectives (its environment's ``tp`` and ``collectives``): (1, None) for a suite, a new recording or a path
+    holding no readable golden (the command says why). An s3:// golden's root document is read as it is now,
+    one GET before the command opens it."""
     from vd.cli.common import golden_path
     from vd.errors import VdError
-    from vd.preflight import peek
 
     targets = params.get("targets") or []
     if params.get("suite") or len(targets) != 1 or params.get("refresh") is False or params.get("resume"):
         return 1, None
     try:
-        meta = peek(golden_path(targets[0], params.get("config"))).meta or {}
+        meta = _root_meta(golden_path(targets[0], params.get("config"))) or {}
     except (VdError, OSError):
         return 1, None
     env = meta.get("environment") or {}
@@ -108,6 +107,19 @@ def recorded(params: dict) -> tuple[int, str | None]:
     collectives = env.get("collectives")
     return (tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else 1,
             collectives if isinstance(collectives, str) else None)
+
+
+def _root_meta(where: str):
+    """The vd metadata of the golden at ``where`` read without opening it (None: no golden there)."""
+    from vd.preflight import golden_meta, peek
+    from vd.store import locate
+    from vd.store.objects import ObjectPrefix
+
+    if "://" not in where:
+        return peek(where).meta
+    location = locate(where)
+    doc = location.root() if isinstance(location, ObjectPrefix) else None
+    return None if doc is None else golden_meta(doc, where)
 
 
 def _without_tp(argv: list[str]) -> list[str]:

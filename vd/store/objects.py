@@ -199,6 +199,10 @@ class ObjectPrefix:
         (where / "zarr.json").write_bytes(root)
         return Directory(where)
 
+    def root(self) -> bytes | None:
+        """The root ``zarr.json`` at the prefix now (None: none), read without copying the golden (one GET)."""
+        return self._live("zarr.json")
+
     def get(self, key):
         copy = self._opened()
         return None if copy is None else copy.get(key)
