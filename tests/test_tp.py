@@ -110,6 +110,47 @@ def test_an_s3_tp2_golden_replays_over_its_ranks_without_tp(s3):
     assert r.stderr.startswith("vd: --tp 2, as the golden was recorded (--tp 1: in one process, another build)\n")
 
 
+def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path):
+    """``vd replay --suite`` ran a TP=2 suite in one process (every row FAILed as another build) and
+    ``vd record --suite --refresh`` re-recorded it there; a suite of mixed degrees is refused (it runs over one)."""
+    (tmp_path / "vd.toml").write_text(textwrap.dedent("""\
+        [defaults]
+        model = "tiny-llama-shape"
+        steps = 6
+        [goldens.a]
+        path = "a.zarr"
+        k = [2, 3]
+        [goldens.b]
+        path = "b.zarr"
+        k = [2]
+        """))
+
+    def vd(*args):
+        return subprocess.run([sys.executable, "-m", "vd", *args], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+
+    r = vd("record", "--suite", "--tp", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [open_golden(tmp_path / g).meta["environment"]["tp"] for g in ("a.zarr", "b.zarr")] == [2, 2]
+    r = vd("replay", "--suite")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.startswith("vd: --tp 2, as the suite's goldens were recorded (--tp 1: in one process, "), r.stderr
+    r = vd("record", "--suite", "b", "--refresh", "--reason", "again")
+    assert r.returncode == 0 and "REFRESHED" in r.stdout, r.stdout + r.stderr
+    assert open_golden(tmp_path / "b.zarr").meta["environment"]["tp"] == 2
+
+    r = vd("record", str(tmp_path / "c.zarr"), *ARGS)  # one process
+    assert r.returncode == 0, r.stderr
+    with (tmp_path / "vd.toml").open("a") as f:
+        f.write('[goldens.c]\npath = "c.zarr"\nk = [2, 3]\n')
+    r = vd("replay", "--suite")
+    assert r.returncode == 2 and r.stderr == (
+        "vd: error: the suite's goldens were recorded over different numbers of tensor-parallel ranks (c: 1; a, b: 2)"
+        " and a suite runs over one: give --tp N, or name the goldens of one degree\n"), r.stderr
+    r = vd("replay", "--suite", "c")
+    assert r.returncode == 0 and "PASS" in r.stdout and "--tp" not in r.stderr, r.stdout + r.stderr
+
+
 def test_a_rank_that_fails_ends_every_rank_with_one_line(tmp_path):
     """Rank 1's forward raising on its 20th call (a crashing engine on one GPU) ends the run: rank 1 says so in
     one line, rank 0 fails its next collective (an internal error, exit 3), nothing is written."""

@@ -66,8 +66,8 @@ def launch(tp: int | None, environ: dict[str, str] | None = None) -> int | None:
 
 def tensor_parallel(command):
     """A command taking ``--tp``: launched under torchrun first where it asks for it (`launch`), or, without
-    ``--tp``, where the one golden it replays or refreshes was recorded over ranks (`recorded`), as a replay
-    takes the golden's forward and device unless told otherwise; its ranks sum as the golden's did where
+    ``--tp``, where the golden it replays or refreshes (or a suite's) was recorded over ranks (`recorded`), as a
+    replay takes the golden's forward and device unless told otherwise; its ranks sum as the golden's did where
     ``VD_TP_COLLECTIVES`` does not say (gloo on CUDA: ranks sharing one GPU, which NCCL refuses)."""
 
     @functools.wraps(command)
@@ -77,8 +77,8 @@ def tensor_parallel(command):
             degree, collectives = recorded(kwargs)
             if tp is None and degree > 1:
                 tp = degree
-                typer.echo(f"vd: --tp {tp}, as the golden was recorded (--tp 1: in one process, another build)",
-                           err=True)
+                whose = "the suite's goldens were" if kwargs.get("suite") else "the golden was"
+                typer.echo(f"vd: --tp {tp}, as {whose} recorded (--tp 1: in one process, another build)", err=True)
             if tp is not None and tp > 1 and collectives == "gloo" and "VD_TP_COLLECTIVES" not in os.environ:
                 environ["VD_TP_COLLECTIVES"] = "gloo"  # (the ranks' alone, not this process's; none on the CPU)
         code = launch(tp, environ)
@@ -88,25 +88,46 @@ def tensor_parallel(command):
 
 
 def recorded(params: dict) -> tuple[int, str | None]:
-    """The degree over which the one golden a replay, or a recording's ``--refresh``, names was recorded, and its
-    collectives (its environment's ``tp`` and ``collectives``): (1, None) for a suite, a new recording or a path
-    holding no readable golden (the command says why). An s3:// golden's root document is read as it is now,
-    one GET before the command opens it."""
+    """The degree over which the golden a replay, or a recording's ``--refresh``, names was recorded, and its
+    collectives (its environment's ``tp`` and ``collectives``), or, with ``--suite``, the degree its goldens
+    (those named, of the shard) share: (1, None) for a new recording, a suite none of whose goldens is there yet
+    or a path holding no readable golden (the command says why). A suite whose goldens were recorded over
+    different degrees is refused (`UsageError`): it runs over one. An s3:// golden's root document is read as
+    it is now, one GET before the command opens it."""
     from vd.cli.common import golden_path
     from vd.errors import VdError
 
     targets = params.get("targets") or []
-    if params.get("suite") or len(targets) != 1 or params.get("refresh") is False or params.get("resume"):
+    if params.get("refresh") is False or params.get("resume") or (len(targets) != 1 and not params.get("suite")):
         return 1, None
     try:
-        meta = _root_meta(golden_path(targets[0], params.get("config"))) or {}
-    except (VdError, OSError):
-        return 1, None
-    env = meta.get("environment") or {}
-    tp = env.get("tp")
-    collectives = env.get("collectives")
-    return (tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else 1,
-            collectives if isinstance(collectives, str) else None)
+        paths = _suite_paths(params) if params.get("suite") else {"": golden_path(targets[0], params.get("config"))}
+    except VdError:
+        return 1, None  # (the command says why)
+    found: dict[str, tuple[int, str | None]] = {}
+    for name, path in paths.items():
+        try:
+            env = (_root_meta(path) or {}).get("environment") or {}
+        except (VdError, OSError):
+            continue
+        tp, collectives = env.get("tp"), env.get("collectives")
+        found[name] = (tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else 1,
+                       collectives if isinstance(collectives, str) else None)
+    degrees = {tp for tp, _ in found.values()}
+    if len(degrees) > 1:
+        by = "; ".join(f"{', '.join(n for n in found if found[n][0] == d)}: {d}" for d in sorted(degrees))
+        raise UsageError(f"the suite's goldens were recorded over different numbers of tensor-parallel ranks ({by}) "
+                         "and a suite runs over one: give --tp N, or name the goldens of one degree")
+    collectives = {c for _, c in found.values()}
+    return (degrees.pop() if degrees else 1, collectives.pop() if len(collectives) == 1 else None)
+
+
+def _suite_paths(params: dict) -> dict[str, str]:
+    """The paths of the goldens a suite command runs over, by name (a replay's ``--shard`` taken)."""
+    from vd.workflow.declare import load_suite, shard
+
+    entries = load_suite(params.get("config")).select(params.get("targets") or [])
+    return {e.name: e.path for e in shard(entries, params.get("shard"))}
 
 
 def _root_meta(where: str):
