@@ -113,6 +113,33 @@ def test_an_update_of_a_change_at_every_step_records_the_golden_with_the_tests_m
     project.runpytest("test_engine.py").assert_outcomes(failed=1)  # the golden holds the engine's numbers now
 
 
+def test_update_all_records_each_golden_once_per_run_in_every_worker(project, monkeypatch):
+    """--vd-update=all re-recorded a golden for every test that used it (a version each), and again in every
+    pytest-xdist worker; now once per run (its ID, xdist's PYTEST_XDIST_TESTRUNUID), later tests replaying it."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    project.makepyfile(test_twice="""
+def test_one(vd_golden):
+    vd_golden("tiny").replay()
+
+def test_two(vd_golden):
+    vd_golden("tiny").replay()
+""")
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "0123456789abcdef")
+    r = project.runpytest("test_twice.py", "--vd-update=all")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines(["tiny: v2 *"])
+    g = open_golden(project.path / "goldens" / "tiny.zarr")
+    assert [v["reason"] for v in g.history[1:]] == [
+        "pytest --vd-update (test_twice.py::test_one): --vd-update=all, run 0123456789ab"]
+    g.close()
+    r = project.runpytest("test_twice.py", "--vd-update=all")  # another worker of the same run: replayed
+    r.assert_outcomes(passed=2)
+    assert "vd: goldens refreshed" not in r.stdout.str()
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "another run")
+    project.runpytest("test_twice.py", "--vd-update=all").stdout.fnmatch_lines(["tiny: v3 *"])
+    assert len(open_golden(project.path / "goldens" / "tiny.zarr").history) == 3
+
+
 def test_stale_declarations_fail_and_orphans_are_listed(project):
     project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
     shutil.copytree(project.path / "goldens" / "tiny.zarr", project.path / "goldens" / "forgotten.zarr")

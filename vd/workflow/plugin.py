@@ -8,7 +8,9 @@
 * ``--vd-update`` accepts what the run saw, with a reason naming the test: a golden whose replay failed
   becomes that replay's candidate (the engine's rows over the golden's own steps, `vd.workflow.refresh.promote`,
   no second run); a missing golden, or one stale against its declaration, is recorded from its declaration
-  with the test's model (``--vd-update=all``: every golden the run touches is re-recorded so), as is one whose
+  with the test's model (``--vd-update=all``: every golden the run touches is re-recorded so, once per run: its
+  reason ends ``run ID``, pytest-xdist's ``PYTEST_XDIST_TESTRUNUID`` shared by its workers, and a later test of
+  it, in any worker, replays what that recorded), as is one whose
   candidate's controls were inconclusive (its rows differ at their steps already) where it ran the golden's own
   forward. A thin reference or a blind control refuses the update and fails the test; the run's summary lists each
   refresh with its change headline. A golden another process is writing (another pytest-xdist worker updating
@@ -25,8 +27,10 @@ lists orphan goldens, those on disk no declaration names, as syrupy lists unused
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import textwrap
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,6 +74,8 @@ class _Session:
 
         self.models = Models()
         self.refreshed: list[tuple[str, Refreshed]] = []
+        # This run's ID, shared by pytest-xdist's workers: --vd-update=all re-records a golden once per run.
+        self.run = (os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex)[:12]
 
     @property
     def suite(self):
@@ -130,8 +136,8 @@ class _Session:
         from vd.workflow.suite import replay_suite
 
         name = entry.name
-        if self.update == "all":
-            return self._refresh(entry, who, model, "--vd-update=all")
+        if self.update == "all" and not self._recorded_in_run(entry):
+            return self._refresh(entry, who, model, f"--vd-update=all, run {self.run}")
         problems, way_on = self._problems(entry, model is not None)
         if problems and self.update:
             return self._refresh(entry, who, model, "; ".join(problems)[:200])
@@ -154,6 +160,22 @@ class _Session:
                                                                              placeholder=" …"), model)
         raise GoldenFailure(f"vd golden {name!r} ({entry.path}) FAILED:\n" + "\n".join(f"  - {p}" for p in problems)
                             + f"\n  ({way_on})")
+
+    def _recorded_in_run(self, entry) -> bool:
+        """Whether this run's --vd-update=all has re-recorded the golden already (in this process or another
+        worker): a version of its history gives this run's ID."""
+        from vd.store import locate, open_golden
+
+        if locate(entry.path).state() != "golden":
+            return False
+        try:
+            g = open_golden(entry.path)
+        except VdError:
+            return False  # (a damaged golden is recorded again)
+        try:
+            return any(str(v.get("reason", "")).endswith(f"run {self.run}") for v in g.history)
+        finally:
+            g.close()
 
     def _problems(self, entry, own_model: bool) -> tuple[list[str], str]:
         """Why the golden cannot be replayed as declared: missing, unreadable or stale (none: it can); and the
