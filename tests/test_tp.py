@@ -139,14 +139,20 @@ def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path)
     assert r.returncode == 0 and "REFRESHED" in r.stdout, r.stdout + r.stderr
     assert open_golden(tmp_path / "b.zarr").meta["environment"]["tp"] == 2
 
+    with (tmp_path / "vd.toml").open("a") as f:
+        f.write('[goldens.d]\npath = "d.zarr"\n')
+    r = vd("record", "--suite", "--refresh", "--reason", "d added")  # d, not recorded yet, takes the others' degree
+    assert r.returncode == 0 and "RECORDED" in r.stdout, r.stdout + r.stderr
+    assert open_golden(tmp_path / "d.zarr").meta["environment"]["tp"] == 2
+
     r = vd("record", str(tmp_path / "c.zarr"), *ARGS)  # one process
     assert r.returncode == 0, r.stderr
     with (tmp_path / "vd.toml").open("a") as f:
         f.write('[goldens.c]\npath = "c.zarr"\nk = [2, 3]\n')
     r = vd("replay", "--suite")
     assert r.returncode == 2 and r.stderr == (
-        "vd: error: the suite's goldens were recorded over different numbers of tensor-parallel ranks (c: 1; a, b: 2)"
-        " and a suite runs over one: give --tp N, or name the goldens of one degree\n"), r.stderr
+        "vd: error: the suite's goldens were recorded over different numbers of tensor-parallel ranks "
+        "(c: 1; a, b, d: 2) and a suite runs over one: give --tp N, or name the goldens of one degree\n"), r.stderr
     r = vd("replay", "--suite", "c")
     assert r.returncode == 0 and "PASS" in r.stdout and "--tp" not in r.stderr, r.stdout + r.stderr
 

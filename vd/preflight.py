@@ -154,6 +154,28 @@ def peek(where: str | os.PathLike) -> Peek:
         return Peek("other", why=f"{url} cannot be read: {e.strerror or e}")
 
 
+def root_meta(where: str) -> Mapping[str, Any] | None:
+    """The vd metadata of the golden at ``where`` read without opening it: a local golden's (`peek`), or an s3://
+    prefix's root document as it is now (one GET); None where no golden is there."""
+    if "://" not in where:
+        return peek(where).meta
+    from vd.store import locate
+    from vd.store.objects import ObjectPrefix
+
+    location = locate(where)
+    doc = location.root() if isinstance(location, ObjectPrefix) else None
+    return None if doc is None else golden_meta(doc, where)
+
+
+def tensor_parallel(meta: Mapping[str, Any] | None) -> tuple[int, str | None]:
+    """The degree over which a golden with metadata ``meta`` was recorded and its collectives (its environment's
+    ``tp`` and ``collectives``): (1, None) for one process."""
+    env = (meta or {}).get("environment") or {}
+    tp, collectives = env.get("tp"), env.get("collectives")
+    return (tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else 1,
+            collectives if isinstance(collectives, str) else None)
+
+
 def golden_over(path: str | os.PathLike, *, follow: bool = False) -> tuple[str, bool] | None:
     """The vd golden an output at the local ``path`` would be written into or over: ``(golden, itself)``,
     ``itself`` where ``path`` is that golden (replaced) rather than inside it; None where none is (or for a URL).

@@ -96,6 +96,7 @@ def recorded(params: dict) -> tuple[int, str | None]:
     it is now, one GET before the command opens it."""
     from vd.cli.common import golden_path
     from vd.errors import VdError
+    from vd.preflight import root_meta, tensor_parallel
 
     targets = params.get("targets") or []
     if params.get("refresh") is False or params.get("resume") or (len(targets) != 1 and not params.get("suite")):
@@ -107,12 +108,11 @@ def recorded(params: dict) -> tuple[int, str | None]:
     found: dict[str, tuple[int, str | None]] = {}
     for name, path in paths.items():
         try:
-            env = (_root_meta(path) or {}).get("environment") or {}
+            meta = root_meta(path)
         except (VdError, OSError):
             continue
-        tp, collectives = env.get("tp"), env.get("collectives")
-        found[name] = (tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else 1,
-                       collectives if isinstance(collectives, str) else None)
+        if meta is not None:  # (a golden not recorded yet takes the others' degree)
+            found[name] = tensor_parallel(meta)
     degrees = {tp for tp, _ in found.values()}
     if len(degrees) > 1:
         by = "; ".join(f"{', '.join(n for n in found if found[n][0] == d)}: {d}" for d in sorted(degrees))
@@ -128,19 +128,6 @@ def _suite_paths(params: dict) -> dict[str, str]:
 
     entries = load_suite(params.get("config")).select(params.get("targets") or [])
     return {e.name: e.path for e in shard(entries, params.get("shard"))}
-
-
-def _root_meta(where: str):
-    """The vd metadata of the golden at ``where`` read without opening it (None: no golden there)."""
-    from vd.preflight import golden_meta, peek
-    from vd.store import locate
-    from vd.store.objects import ObjectPrefix
-
-    if "://" not in where:
-        return peek(where).meta
-    location = locate(where)
-    doc = location.root() if isinstance(location, ObjectPrefix) else None
-    return None if doc is None else golden_meta(doc, where)
 
 
 def _without_tp(argv: list[str]) -> list[str]:
