@@ -135,6 +135,15 @@ def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path)
     r = vd("replay", "--suite")
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
     assert r.stderr.startswith("vd: --tp 2, as the suite's goldens were recorded (--tp 1: in one process, "), r.stderr
+    # pytest runs one process: its own replay of a TP golden, or an update re-recording it, fails saying so.
+    for update in ((), ("--vd-update",)):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--vd", "-p", "no:cacheprovider", *update],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 1 and "2 failed" in r.stdout, r.stdout
+        assert ("vd golden 'a' (" in r.stdout and "was recorded over 2 tensor-parallel ranks and "
+                "pytest runs it in one process, where its rows differ as another build's" in r.stdout), r.stdout
+        assert "(vd replay b replays it over its ranks; vd record b --refresh --reason TEXT" in r.stdout, r.stdout
+    assert len(open_golden(tmp_path / "a.zarr").history) == 1
     r = vd("record", "--suite", "b", "--refresh", "--reason", "again")
     assert r.returncode == 0 and "REFRESHED" in r.stdout, r.stdout + r.stderr
     assert open_golden(tmp_path / "b.zarr").meta["environment"]["tp"] == 2

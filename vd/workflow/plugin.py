@@ -136,6 +136,8 @@ class _Session:
         from vd.workflow.suite import replay_suite
 
         name = entry.name
+        if model is None:
+            _one_process(entry)
         if self.update == "all" and not self._recorded_in_run(entry):
             return self._refresh(entry, who, model, f"--vd-update=all, run {self.run}")
         problems, way_on = self._problems(entry, model is not None)
@@ -228,6 +230,24 @@ class _Session:
         with _refused(entry.name):
             done = refresh(entry.path, s, reason=f"pytest --vd-update ({who}): {why}", name=entry.name, model=model)
         self._done(entry, done)
+
+
+def _one_process(entry) -> None:
+    """A golden recorded over tensor-parallel ranks, replayed or updated with its own model: pytest runs one
+    process, where its rows differ as another build's (and an update would re-record it there): a failure saying
+    what runs its ranks. (A test's own engine is judged as any other build.)"""
+    __tracebackhide__ = True
+    from vd.preflight import root_meta, tensor_parallel
+
+    try:
+        tp, _ = tensor_parallel(root_meta(entry.path))
+    except (VdError, OSError):
+        return  # (the replay says why)
+    if tp > 1:
+        raise GoldenFailure(f"vd golden {entry.name!r} ({entry.path}) was recorded over {tp} tensor-parallel ranks "
+                            f"and pytest runs it in one process, where its rows differ as another build's:\n"
+                            f"  (vd replay {entry.name} replays it over its ranks; vd record {entry.name} --refresh "
+                            "--reason TEXT re-records it there)")
 
 
 @contextlib.contextmanager
