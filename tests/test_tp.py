@@ -147,6 +147,13 @@ def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path)
     r = vd("record", "--suite", "b", "--refresh", "--reason", "again")
     assert r.returncode == 0 and "REFRESHED" in r.stdout, r.stdout + r.stderr
     assert open_golden(tmp_path / "b.zarr").meta["environment"]["tp"] == 2
+    r = vd("refresh", "a", "--reason", "again")  # (it re-recorded the golden in one process)
+    assert r.returncode == 0 and "refreshed" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.startswith("vd: --tp 2, as the golden was recorded"), r.stderr
+    assert open_golden(tmp_path / "a.zarr").meta["environment"]["tp"] == 2
+    r = vd("refresh", "a", "--from", "cand.zarr", "--tp", "2", "--reason", "r")
+    assert r.returncode == 2 and r.stderr == ("vd: error: --tp splits the model a refresh records; a promotion "
+                                              "(--from) records nothing\n"), r.stderr
 
     with (tmp_path / "vd.toml").open("a") as f:
         f.write('[goldens.d]\npath = "d.zarr"\n')

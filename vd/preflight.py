@@ -154,19 +154,6 @@ def peek(where: str | os.PathLike) -> Peek:
         return Peek("other", why=f"{url} cannot be read: {e.strerror or e}")
 
 
-def root_meta(where: str) -> Mapping[str, Any] | None:
-    """The vd metadata of the golden at ``where`` read without opening it: a local golden's (`peek`), or an s3://
-    prefix's root document as it is now (one GET); None where no golden is there."""
-    if "://" not in where:
-        return peek(where).meta
-    from vd.store import locate
-    from vd.store.objects import ObjectPrefix
-
-    location = locate(where)
-    doc = location.root() if isinstance(location, ObjectPrefix) else None
-    return None if doc is None else golden_meta(doc, where)
-
-
 def tensor_parallel(meta: Mapping[str, Any] | None) -> tuple[int, str | None]:
     """The degree over which a golden with metadata ``meta`` was recorded and its collectives (its environment's
     ``tp`` and ``collectives``): (1, None) for one process."""

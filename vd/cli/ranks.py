@@ -88,18 +88,21 @@ def tensor_parallel(command):
 
 
 def recorded(params: dict) -> tuple[int, str | None]:
-    """The degree over which the golden a replay, or a recording's ``--refresh``, names was recorded, and its
-    collectives (its environment's ``tp`` and ``collectives``), or, with ``--suite``, the degree its goldens
+    """The degree over which the golden a replay, a recording's ``--refresh`` or `vd refresh` names was recorded,
+    and its collectives (its environment's ``tp`` and ``collectives``), or, with ``--suite``, the degree its goldens
     (those named, of the shard) share: (1, None) for a new recording, a suite none of whose goldens is there yet
     or a path holding no readable golden (the command says why). A suite whose goldens were recorded over
     different degrees is refused (`UsageError`): it runs over one. An s3:// golden's root document is read as
     it is now, one GET before the command opens it."""
     from vd.cli.common import golden_path
     from vd.errors import VdError
-    from vd.preflight import root_meta, tensor_parallel
+    from vd.preflight import tensor_parallel
 
-    targets = params.get("targets") or []
-    if params.get("refresh") is False or params.get("resume") or (len(targets) != 1 and not params.get("suite")):
+    targets = params.get("targets") or ([params["target"]] if params.get("target") else [])  # (vd refresh's)
+    if params.get("from_") is not None and params.get("tp") is not None:
+        raise UsageError("--tp splits the model a refresh records; a promotion (--from) records nothing")
+    if (params.get("refresh") is False or params.get("resume") or params.get("from_") is not None
+            or (len(targets) != 1 and not params.get("suite"))):
         return 1, None
     try:
         paths = _suite_paths(params) if params.get("suite") else {"": golden_path(targets[0], params.get("config"))}
@@ -108,7 +111,7 @@ def recorded(params: dict) -> tuple[int, str | None]:
     found: dict[str, tuple[int, str | None]] = {}
     for name, path in paths.items():
         try:
-            meta = root_meta(path)
+            meta = _root_meta(path)
         except (VdError, OSError):
             continue
         if meta is not None:  # (a golden not recorded yet takes the others' degree)
@@ -120,6 +123,17 @@ def recorded(params: dict) -> tuple[int, str | None]:
                          "and a suite runs over one: give --tp N, or name the goldens of one degree")
     collectives = {c for _, c in found.values()}
     return (degrees.pop() if degrees else 1, collectives.pop() if len(collectives) == 1 else None)
+
+
+def _root_meta(path: str):
+    """`vd.store.root_meta`, importing vd.store (1.3 s) for an s3:// golden alone."""
+    from vd.preflight import peek
+
+    if "://" not in path:
+        return peek(path).meta
+    from vd.store import root_meta
+
+    return root_meta(path)
 
 
 def _suite_paths(params: dict) -> dict[str, str]:

@@ -14,6 +14,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from vd.cli import options as opt
+from vd.cli import ranks
 from vd.cli.common import (
     CONFIG_HELP,
     EXIT_FAIL,
@@ -266,6 +268,7 @@ def settings_for(path: str, entry, overrides: dict):
 @app.command(cls=Command, epilog=examples(
     'vd refresh smollm2-default --reason "fused attention kernel, reviewed in #123" --summary changes.md',
     'vd refresh goldens/smollm2.zarr --from candidate.zarr --reason "accept the SDPA numbers"'))
+@ranks.tensor_parallel
 def refresh(
     target: Annotated[str, typer.Argument(metavar="NAME|GOLDEN", help="A declared golden's name, or a golden.")],
     reason: Annotated[str, typer.Option(metavar="TEXT", help="Why the golden changes (kept in its history).")],
@@ -276,12 +279,14 @@ def refresh(
     config: Annotated[Path | None, typer.Option(metavar="FILE", help=CONFIG_HELP)] = None,
     allow_slim: Annotated[bool, typer.Option("--allow-slim", help="With --from: promote a slim candidate over "
                                              "a full golden, dropping its rows.")] = False,
+    tp: opt.Tp = None,  # (taken by ranks.tensor_parallel)
 ) -> int:
     """Re-record a golden (or promote a candidate) with a reason and a change summary.
 
     It records what the golden's declaration says (or, undeclared, what recorded it), replays the new
     recording once, and publishes it with its history; refused (exit 1, the old golden kept) if the new
-    recording is thin or its detection control blind."""
+    recording is thin or its detection control blind. A golden recorded over tensor-parallel ranks is recorded
+    over as many again (--tp N: another degree)."""
     return refresh_golden(target, config, reason, summary, {}, candidate=from_, allow_slim=allow_slim)
 
 

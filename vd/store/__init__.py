@@ -10,7 +10,7 @@ beside a GPU replay), `slim` and `migrate` on top; `manifest`, `schema`, `histor
 """
 
 from vd.store.format import FORMAT_VERSION
-from vd.store.location import Location, locate
+from vd.store.location import Location, locate, root_meta
 from vd.store.migrate import migrate
 from vd.store.prefetch import Prefetcher
 from vd.store.read import Golden, open_golden
@@ -19,5 +19,5 @@ from vd.store.slim import slim
 from vd.store.write import GoldenWriter, check_target
 
 __all__ = ["FORMAT_VERSION", "Golden", "GoldenSide", "GoldenWriter", "Location", "Prefetcher", "SlimGoldenError",
-           "check_target", "locate", "migrate", "open_golden",
+           "check_target", "locate", "migrate", "open_golden", "root_meta",
            "slim"]

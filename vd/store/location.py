@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from zarr.abc.store import Store
 
 from vd.errors import UsageError
-from vd.preflight import check_named
+from vd.preflight import check_named, golden_meta, peek
 from vd.store.local import Directory, ZipFile
 from vd.store.objects import ObjectPrefix
 
-__all__ = ["Directory", "Location", "ObjectPrefix", "ZipFile", "locate"]
+__all__ = ["Directory", "Location", "ObjectPrefix", "ZipFile", "locate", "root_meta"]
 
 
 @runtime_checkable
@@ -71,6 +72,16 @@ class Location(Protocol):
 
     def close(self) -> None:
         """Let go of the version read so far (a later read opens the one then at the location)."""
+
+
+def root_meta(where: str) -> Mapping[str, Any] | None:
+    """The vd metadata of the golden at ``where`` read without opening it: a local golden's (`vd.preflight.peek`),
+    or an s3:// prefix's root document as it is now (one GET); None where no golden is there."""
+    if "://" not in where:
+        return peek(where).meta
+    location = locate(where)
+    doc = location.root() if isinstance(location, ObjectPrefix) else None
+    return None if doc is None else golden_meta(doc, where)
 
 
 def locate(where: str | os.PathLike) -> Location:

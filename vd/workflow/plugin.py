@@ -237,7 +237,8 @@ def _one_process(entry) -> None:
     process, where its rows differ as another build's (and an update would re-record it there): a failure saying
     what runs its ranks. (A test's own engine is judged as any other build.)"""
     __tracebackhide__ = True
-    from vd.preflight import root_meta, tensor_parallel
+    from vd.preflight import tensor_parallel
+    from vd.store import root_meta
 
     try:
         tp, _ = tensor_parallel(root_meta(entry.path))
