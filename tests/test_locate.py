@@ -130,7 +130,8 @@ def test_two_equal_forwards_agree(tiny_golden, cli):
     ([], "holds no module traces: record it with vd record --trace, or compare two forwards here with vd locate "
          "--between NAME"),
     (["--between", "eager", "--model", "tests/plugins/perturb.py:factory"],
-     "cannot be traced: it cannot trace its modules"),
+     "forward 'eager' cannot be traced: the model (a Perturbed) implements no vd.protocol.ModuleTrace, which "
+     "tracing its modules needs"),
 ])
 def test_what_locate_cannot_do_is_refused(tiny_golden, cli, args, message):
     code, out, err = cli("locate", tiny_golden, *args)

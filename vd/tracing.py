@@ -148,10 +148,12 @@ def check_traceable(model: VerifyModel, forward: str, what: str) -> protocol.Mod
     """The model as a `vd.protocol.ModuleTrace` that traces ``forward``; else a one-line `UsageError` saying why."""
     trace = protocol.tracer(model)
     can = [] if trace is None else list(trace.trace_forwards())
-    if trace is None or forward not in can:
-        why = ("it cannot trace its modules (vd.protocol.ModuleTrace)" if trace is None else
-               f"it traces the modules of {', '.join(can) or 'no forward'} only")
-        raise UsageError(f"{what}: forward {forward!r} cannot be traced: {why}")
+    if trace is None:
+        raise UsageError(f"{what}: forward {forward!r} cannot be traced: the model (a {type(model).__name__}) "
+                         "implements no vd.protocol.ModuleTrace, which tracing its modules needs")
+    if forward not in can:
+        raise UsageError(f"{what}: forward {forward!r} cannot be traced: the model (a {type(model).__name__}) "
+                         f"traces the modules of {', '.join(can) or 'no forward'} only")
     return trace
 
 
