@@ -157,9 +157,11 @@ def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path)
 
     with (tmp_path / "vd.toml").open("a") as f:
         f.write('[goldens.d]\npath = "d.zarr"\n')
-    r = vd("record", "--suite", "--refresh", "--reason", "d added")  # d, not recorded yet, takes the others' degree
+    r = vd("record", "--suite")  # d, not recorded yet, is recorded at the degree of the others
     assert r.returncode == 0 and "RECORDED" in r.stdout, r.stdout + r.stderr
     assert open_golden(tmp_path / "d.zarr").meta["environment"]["tp"] == 2
+    r = vd("record", "--suite")  # none missing: nothing to launch ranks for
+    assert r.returncode == 0 and "PRESENT" in r.stdout and "--tp" not in r.stderr, r.stdout + r.stderr
 
     r = vd("record", str(tmp_path / "c.zarr"), *ARGS)  # one process
     assert r.returncode == 0, r.stderr

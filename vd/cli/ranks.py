@@ -90,7 +90,8 @@ def tensor_parallel(command):
 def recorded(params: dict) -> tuple[int, str | None]:
     """The degree over which the golden a replay, a recording's ``--refresh`` or `vd refresh` names was recorded,
     and its collectives (its environment's ``tp`` and ``collectives``), or, with ``--suite``, the degree its goldens
-    (those named, of the shard) share: (1, None) for a new recording, a suite none of whose goldens is there yet
+    (those named, of the shard) share, and in which ``vd record --suite`` records those missing: (1, None) for a
+    new recording, a suite none of whose goldens is there yet (or none missing, recording without ``--refresh``)
     or a path holding no readable golden (the command says why). A suite whose goldens were recorded over
     different degrees is refused (`UsageError`): it runs over one. An s3:// golden's root document is read as
     it is now, one GET before the command opens it."""
@@ -101,14 +102,16 @@ def recorded(params: dict) -> tuple[int, str | None]:
     targets = params.get("targets") or ([params["target"]] if params.get("target") else [])  # (vd refresh's)
     if params.get("from_") is not None and params.get("tp") is not None:
         raise UsageError("--tp splits the model a refresh records; a promotion (--from) records nothing")
-    if (params.get("refresh") is False or params.get("resume") or params.get("from_") is not None
-            or (len(targets) != 1 and not params.get("suite"))):
+    suite, new = params.get("suite"), params.get("refresh") is False  # (new: vd record without --refresh)
+    one = len(targets) == 1 and not suite
+    if (new and not suite) or params.get("resume") or params.get("from_") is not None or not (one or suite):
         return 1, None
     try:
         paths = _suite_paths(params) if params.get("suite") else {"": golden_path(targets[0], params.get("config"))}
     except VdError:
         return 1, None  # (the command says why)
     found: dict[str, tuple[int, str | None]] = {}
+    missing = False
     for name, path in paths.items():
         try:
             meta = _root_meta(path)
@@ -116,6 +119,9 @@ def recorded(params: dict) -> tuple[int, str | None]:
             continue
         if meta is not None:  # (a golden not recorded yet takes the others' degree)
             found[name] = tensor_parallel(meta)
+        missing = missing or meta is None
+    if new and not missing:
+        return 1, None  # (vd record --suite records only missing goldens: here none)
     degrees = {tp for tp, _ in found.values()}
     if len(degrees) > 1:
         by = "; ".join(f"{', '.join(n for n in found if found[n][0] == d)}: {d}" for d in sorted(degrees))
