@@ -107,7 +107,7 @@ def recorded(params: dict) -> tuple[int, str | None]:
     if (new and not suite) or params.get("resume") or params.get("from_") is not None or not (one or suite):
         return 1, None
     try:
-        paths = _suite_paths(params) if params.get("suite") else {"": golden_path(targets[0], params.get("config"))}
+        paths = _suite_paths(params) if suite else {"": golden_path(targets[0], params.get("config"))}
     except VdError:
         return 1, None  # (the command says why)
     found: dict[str, tuple[int, str | None]] = {}

@@ -165,19 +165,14 @@ class _Session:
 
     def _recorded_in_run(self, entry) -> bool:
         """Whether this run's --vd-update=all has re-recorded the golden already (in this process or another
-        worker): a version of its history gives this run's ID."""
-        from vd.store import locate, open_golden
+        worker): a version in its history (root metadata) gives this run's ID."""
+        from vd.store import root_meta
 
-        if locate(entry.path).state() != "golden":
-            return False
         try:
-            g = open_golden(entry.path)
-        except VdError:
-            return False  # (a damaged golden is recorded again)
-        try:
-            return any(str(v.get("reason", "")).endswith(f"run {self.run}") for v in g.history)
-        finally:
-            g.close()
+            history = (root_meta(entry.path) or {}).get("history") or []
+        except (VdError, OSError):
+            return False  # (a golden that cannot be read is recorded again)
+        return any(isinstance(v, dict) and str(v.get("reason", "")).endswith(f"run {self.run}") for v in history)
 
     def _problems(self, entry, own_model: bool) -> tuple[list[str], str]:
         """Why the golden cannot be replayed as declared: missing, unreadable or stale (none: it can); and the
