@@ -51,6 +51,7 @@ def test_a_missing_or_foreign_file_is_one_line(cli, tmp_path):
                          (f"llamacpp:{Path(__file__)}", "not a .gguf file")):
         code, _, err = cli("record", tmp_path / "g.zarr", "--model", spec, "--steps", "2")
         assert code == 2 and needle in err.strip().splitlines()[-1], err
+        assert "loading model" not in err, err  # (refused before the model loads)
 
 
 def test_a_batch_of_three_keeps_its_members_and_the_single_sequence_apart():

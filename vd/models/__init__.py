@@ -76,10 +76,22 @@ def import_code(spec: str) -> None:
             import llama_cpp  # noqa: F401
 
 
+def check_gguf(path: str | Path) -> None:
+    """A `ModelSpecError` where ``llamacpp:PATH`` names no ``.gguf`` file (checked before anything loads)."""
+    if not Path(path).is_file():
+        raise ModelSpecError(f"llamacpp:{path}: no such file")
+    if Path(path).suffix != ".gguf":
+        raise ModelSpecError(f"llamacpp:{path}: not a .gguf file")
+
+
 def check_forward_names(spec: str, names: list[str]) -> None:
     """A UsageError naming every forward in ``names`` that no built-in model offers, for a ``spec`` that
-    names a built-in model (a plug-in's forwards are known only once it is loaded)."""
-    if spec_kind(spec) in ("plugin", "llamacpp"):
+    names a built-in model (a plug-in's forwards are known only once it is loaded); a llama.cpp GGUF that is
+    not there, refused as early."""
+    kind = spec_kind(spec)
+    if kind == "llamacpp":
+        check_gguf(spec[len("llamacpp:"):])
+    if kind in ("plugin", "llamacpp"):
         return
     unknown = [n for n in names if n not in BUILTIN_FORWARDS]
     if unknown:

@@ -46,6 +46,7 @@ import torch
 
 from vd import env
 from vd.errors import ModelSpecError
+from vd.models import check_gguf
 from vd.protocol import ModelIdentity
 
 PREFIX = "llamacpp:"
@@ -140,10 +141,7 @@ class LlamaCppModel:
     def __init__(self, path: str | Path, *, device: torch.device, dtype: torch.dtype):
         self.lib = _llama_cpp()
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelSpecError(f"{PREFIX}{path}: no such file")
-        if self.path.suffix != ".gguf":
-            raise ModelSpecError(f"{PREFIX}{path}: not a .gguf file")
+        check_gguf(path)
         self.device, self.dtype = torch.device("cpu"), dtype  # rows come back on the host, whatever runs them
         self.threads = torch.get_num_threads()
         self.n_ctx = N_CTX
