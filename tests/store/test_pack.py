@@ -36,6 +36,8 @@ def test_pack_refuses_what_it_cannot_copy_and_keeps_what_is_there(cli, tiny_gold
     assert code == 2 and "vd migrate" in err and not (tmp_path / "old.zip").exists()
     code, out, err = cli("pack", tiny_golden, tiny_golden / "inside.zip")
     assert code == 2 and "inside the golden" in err
+    code, out, err = cli("pack", tiny_golden, tiny_golden, "--refresh")  # (it said "is inside the golden")
+    assert code == 2 and f"is the golden {tiny_golden} the command reads; write it elsewhere" in err, err
     code, out, err = cli("pack", tiny_golden, tmp_path / "g.tar.gz")  # not a directory named g.tar.gz
     assert code == 2 and "not a .tar.gz archive" in err and not (tmp_path / "g.tar.gz").exists()
     damaged = tmp_path / "damaged.zarr"

@@ -333,7 +333,9 @@ def check_outside(flag: str, path: str | Path | None, inputs: Sequence[str | Pat
     for where in inputs:
         if where is not None and "://" not in str(where):
             golden = Path(os.path.realpath(where))
-            if out == golden or golden in out.parents:
+            if out == golden:
+                raise UsageError(f"{flag} {path} is the golden {where} the command reads; write it elsewhere")
+            if golden in out.parents:
                 raise UsageError(f"{flag} {path} is inside the golden {where}; write it elsewhere")
 
 
