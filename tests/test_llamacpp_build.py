@@ -48,6 +48,7 @@ def test_a_build_exporting_libstdcxx_is_refused_in_one_line(cli, libs, tmp_path,
     fake = types.ModuleType("llama_cpp")
     fake.__file__ = str(pkg / "__init__.py")
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    (tmp_path / "m.gguf").touch()  # (a missing GGUF is refused before the library is looked at)
     code, _, err = cli("record", tmp_path / "g.zarr", "--model", f"llamacpp:{tmp_path / 'm.gguf'}", "--steps", "2")
     line = err.strip().splitlines()[-1]
     assert code == 2 and "libggml-cuda.so" in line and "libstdc++" in line and HIDE_STATIC in line, err
