@@ -9,6 +9,7 @@ those values, a function here, and its test.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from collections.abc import Mapping, Sequence
@@ -248,13 +249,19 @@ def replay_table(report: Report) -> TextTable:
             first = "-" if m is None else f"step {m.step} row {m.row}" + ("" if m.index is None else f" [{m.index}]")
             label = "decode" if v is report.decode else str(v.k)
             cells = [label, c.variant, "equal" if c.prefill_equal else "DIFFERS", f"{c.mismatched_steps}/{c.steps}",
-                     first, f"{c.max_abs_diff:.4g}", _flips(c), "pass" if c.passed else "FAIL",
+                     first, _size(c.max_abs_diff), _flips(c), "pass" if c.passed else "FAIL",
                      f"{tm.median_ms:.2f}", control]
             if report.mtp:
                 cells[4:4] = ["-" if c.draft_mismatched_steps is None else
                               f"{c.draft_mismatched_steps}/{c.steps}{'' if c.bootstrap_equal else ' +bootstrap'}"]
             rows.append(tuple(cells))
     return TextTable(f"vd replay {report.golden}  (policy: {report.policy.describe()})", tuple(cols), tuple(rows))
+
+
+def _size(x: float | None, form: str = ".4g") -> str:
+    """A size of difference in a table: ``-`` where it is unknown (None, or NaN: a slim golden's rows are not
+    there to measure)."""
+    return "-" if x is None or math.isnan(x) else format(x, form)
 
 
 def _flips(c: Comparison) -> str:
@@ -277,7 +284,7 @@ def axes_table(report: Report) -> TextTable:
 def axes_table_rows(v: KResult) -> list[tuple[str, ...]]:
     """K's rows of the table of axes (`AXES_COLUMNS`)."""
     def cell(x) -> str:
-        return "-" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
+        return _size(x) if isinstance(x, float) or x is None else str(x)
 
     return [(str(v.k), a.forward, a.axis, cell(a.rows), cell(a.identical), cell(a.max_abs), cell(a.flips),
              a.verdict) for a in v.axes()]
@@ -635,7 +642,14 @@ def k_table_row(c: Comparison) -> tuple[str, ...]:
     return (c.variant, "pass" if c.passed else "FAIL", str(sum(s.rows_differ for s in kinds)),
             str(sum(s.rows_failed for s in kinds)),
             f"{sum(s.argmax_flips for s in kinds)} ({sum(f.allowed for f in c.flips)})",
-            f"{max(s.max_abs for s in kinds):.4g}", f"{max(s.max_ulp for s in kinds):.0f}", kl, same, dp, first)
+            _size(_largest(s.max_abs for s in kinds)), _size(_largest(s.max_ulp for s in kinds), ".0f"), kl, same, dp,
+            first)
+
+
+def _largest(xs) -> float:
+    """The largest of sizes of difference, NaN (unknown) where any is (``max`` would depend on their order)."""
+    xs = [float(x) for x in xs]
+    return math.nan if any(math.isnan(x) for x in xs) else max(xs, default=0.0)
 
 
 def coverage_text(v: KResult) -> str:

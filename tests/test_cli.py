@@ -456,6 +456,12 @@ def test_slim_command_and_its_replays(cli, tiny_golden, tmp_path):
     _one_line_error(*cli("replay", slim, "--tolerance", "kl:0.1"), "is slim", "--rows")
     code, out, err = cli("replay", slim, "--tolerance", "kl:0.1", "--rows", tiny_golden)
     assert code == 0, err
+    # A slim golden's rows are not there to measure: its table says "-", not "nan".
+    page = tmp_path / "s.html"
+    code, out, err = cli("replay", slim, "--model", "tests/plugins/perturb.py:factory", "--k", "2", "--html", page)
+    row = next(line for line in out.splitlines() if line.startswith("│ 2 ") and "FAIL" in line)
+    assert code == 1 and "nan" not in out and row.split("│")[6].strip() == "-", out
+    assert ">nan<" not in page.read_text()
     _one_line_error(*cli("slim", tiny_golden, slim), "already holds a golden")
     assert cli("slim", tiny_golden, slim, "--refresh")[0] == 0
 
