@@ -110,20 +110,23 @@ def test_an_s3_tp2_golden_replays_over_its_ranks_without_tp(s3):
     assert r.stderr.startswith("vd: --tp 2, as the golden was recorded (--tp 1: in one process, another build)\n")
 
 
+SUITE_TOML = """\
+[defaults]
+model = "tiny-llama-shape"
+steps = 6
+[goldens.a]
+path = "a.zarr"
+k = [2, 3]
+[goldens.b]
+path = "b.zarr"
+k = [2]
+"""
+
+
 def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path):
     """``vd replay --suite`` ran a TP=2 suite in one process (every row FAILed as another build) and
     ``vd record --suite --refresh`` re-recorded it there; a suite of mixed degrees is refused (it runs over one)."""
-    (tmp_path / "vd.toml").write_text(textwrap.dedent("""\
-        [defaults]
-        model = "tiny-llama-shape"
-        steps = 6
-        [goldens.a]
-        path = "a.zarr"
-        k = [2, 3]
-        [goldens.b]
-        path = "b.zarr"
-        k = [2]
-        """))
+    (tmp_path / "vd.toml").write_text(SUITE_TOML)
 
     def vd(*args):
         return subprocess.run([sys.executable, "-m", "vd", *args], capture_output=True, text=True, timeout=300,
@@ -135,7 +138,13 @@ def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path)
     r = vd("replay", "--suite")
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
     assert r.stderr.startswith("vd: --tp 2, as the suite's goldens were recorded (--tp 1: in one process, "), r.stderr
-    # pytest runs one process: its own replay of a TP golden, or an update re-recording it, fails saying so.
+    _pytest_fails_tp_goldens(tmp_path)
+    _refreshes_keep_the_degree(tmp_path, vd)
+    _missing_goldens_take_the_degree_and_mixed_ones_are_refused(tmp_path, vd)
+
+
+def _pytest_fails_tp_goldens(tmp_path):
+    """pytest runs one process: its own replay of a TP golden, or an update re-recording it, fails saying so."""
     for update in ((), ("--vd-update",)):
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--vd", "-p", "no:cacheprovider", *update],
                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -144,6 +153,9 @@ def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path)
                 "pytest runs it in one process, where its rows differ as another build's" in r.stdout), r.stdout
         assert "(vd replay b replays it over its ranks; vd record b --refresh --reason TEXT" in r.stdout, r.stdout
     assert len(open_golden(tmp_path / "a.zarr").history) == 1
+
+
+def _refreshes_keep_the_degree(tmp_path, vd):
     r = vd("record", "--suite", "b", "--refresh", "--reason", "again")
     assert r.returncode == 0 and "REFRESHED" in r.stdout, r.stdout + r.stderr
     assert open_golden(tmp_path / "b.zarr").meta["environment"]["tp"] == 2
@@ -155,6 +167,8 @@ def test_a_suite_replays_and_refreshes_at_the_degree_its_goldens_share(tmp_path)
     assert r.returncode == 2 and r.stderr == ("vd: error: --tp splits the model a refresh records; a promotion "
                                               "(--from) records nothing\n"), r.stderr
 
+
+def _missing_goldens_take_the_degree_and_mixed_ones_are_refused(tmp_path, vd):
     with (tmp_path / "vd.toml").open("a") as f:
         f.write('[goldens.d]\npath = "d.zarr"\n')
     r = vd("record", "--suite")  # d, not recorded yet, is recorded at the degree of the others
