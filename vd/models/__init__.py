@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from vd.errors import ModelSpecError, PluginError, Terminated, UsageError, VdError, write_traceback
 from vd.models.device import CUDA_ONLY, check_device
 from vd.models.presets import DEFAULT_MODEL, PRESETS
+from vd.models.specs import LLAMACPP
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,7 @@ BUILTIN_FORWARDS = ("eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient"
 
 def spec_kind(spec: str) -> str:
     """``llamacpp``, ``plugin``, ``path`` or ``preset``; a ModelSpecError for a spec that names nothing."""
-    if spec.startswith("llamacpp:"):
+    if spec.startswith(LLAMACPP):
         return "llamacpp"
     if _PLUGIN.match(spec) and not Path(spec).exists():
         return "plugin"
@@ -79,9 +80,9 @@ def import_code(spec: str) -> None:
 def check_gguf(path: str | Path) -> None:
     """A `ModelSpecError` where ``llamacpp:PATH`` names no ``.gguf`` file (checked before anything loads)."""
     if not Path(path).is_file():
-        raise ModelSpecError(f"llamacpp:{path}: no such file")
+        raise ModelSpecError(f"{LLAMACPP}{path}: no such file")
     if Path(path).suffix != ".gguf":
-        raise ModelSpecError(f"llamacpp:{path}: not a .gguf file")
+        raise ModelSpecError(f"{LLAMACPP}{path}: not a .gguf file")
 
 
 def check_forward_names(spec: str, names: list[str]) -> None:
@@ -90,7 +91,7 @@ def check_forward_names(spec: str, names: list[str]) -> None:
     not there, refused as early."""
     kind = spec_kind(spec)
     if kind == "llamacpp":
-        check_gguf(spec[len("llamacpp:"):])
+        check_gguf(spec[len(LLAMACPP):])
     if kind in ("plugin", "llamacpp"):
         return
     unknown = [n for n in names if n not in BUILTIN_FORWARDS]

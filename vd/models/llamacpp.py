@@ -47,9 +47,10 @@ import torch
 from vd import env
 from vd.errors import ModelSpecError
 from vd.models import check_gguf
+from vd.models.specs import LLAMACPP
 from vd.protocol import ModelIdentity
 
-PREFIX = "llamacpp:"
+PREFIX = LLAMACPP
 N_CTX = 2048  # positions a context holds unless `prepare` asks for more
 KV_PAD = 256  # llama.cpp pads a sequence's KV cells to this many
 FORWARDS = {
