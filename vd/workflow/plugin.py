@@ -136,9 +136,10 @@ class _Session:
         from vd.workflow.suite import replay_suite
 
         name = entry.name
+        meta = _root_meta(entry) if model is None or self.update == "all" else None  # (read once, where asked)
         if model is None:
-            _one_process(entry)
-        if self.update == "all" and not self._recorded_in_run(entry):
+            _one_process(entry, meta)
+        if self.update == "all" and not self._recorded_in_run(meta):
             return self._refresh(entry, who, model, f"--vd-update=all, run {self.run}")
         problems, way_on = self._problems(entry, model is not None)
         if problems and self.update:
@@ -163,15 +164,10 @@ class _Session:
         raise GoldenFailure(f"vd golden {name!r} ({entry.path}) FAILED:\n" + "\n".join(f"  - {p}" for p in problems)
                             + f"\n  ({way_on})")
 
-    def _recorded_in_run(self, entry) -> bool:
-        """Whether this run's --vd-update=all has re-recorded the golden already (in this process or another
-        worker): a version in its history (root metadata) gives this run's ID."""
-        from vd.store import root_meta
-
-        try:
-            history = (root_meta(entry.path) or {}).get("history") or []
-        except (VdError, OSError):
-            return False  # (a golden that cannot be read is recorded again)
+    def _recorded_in_run(self, meta) -> bool:
+        """Whether this run's --vd-update=all has re-recorded the golden (root metadata ``meta``) already, in this
+        process or another worker: a version in its history gives this run's ID."""
+        history = (meta or {}).get("history") or []
         return any(isinstance(v, dict) and str(v.get("reason", "")).endswith(f"run {self.run}") for v in history)
 
     def _problems(self, entry, own_model: bool) -> tuple[list[str], str]:
@@ -227,18 +223,25 @@ class _Session:
         self._done(entry, done)
 
 
-def _one_process(entry) -> None:
-    """A golden recorded over tensor-parallel ranks, replayed or updated with its own model: pytest runs one
-    process, where its rows differ as another build's (and an update would re-record it there): a failure saying
-    what runs its ranks. (A test's own engine is judged as any other build.)"""
-    __tracebackhide__ = True
-    from vd.preflight import tensor_parallel
+def _root_meta(entry):
+    """The golden's root metadata (`vd.store.root_meta`), read once per check; None where it cannot be read (a
+    recording, or the replay, says why)."""
     from vd.store import root_meta
 
     try:
-        tp, _ = tensor_parallel(root_meta(entry.path))
+        return root_meta(entry.path)
     except (VdError, OSError):
-        return  # (the replay says why)
+        return None
+
+
+def _one_process(entry, meta) -> None:
+    """A golden recorded over tensor-parallel ranks (root metadata ``meta``), replayed or updated with its own
+    model: pytest runs one process, where its rows differ as another build's (and an update would re-record it
+    there): a failure saying what runs its ranks. (A test's own engine is judged as any other build.)"""
+    __tracebackhide__ = True
+    from vd.preflight import tensor_parallel
+
+    tp, _ = tensor_parallel(meta)
     if tp > 1:
         raise GoldenFailure(f"vd golden {entry.name!r} ({entry.path}) was recorded over {tp} tensor-parallel ranks "
                             f"and pytest runs it in one process, where its rows differ as another build's:\n"
