@@ -95,6 +95,13 @@ def warm_folder(tmp_path_factory) -> Path:
     yield from _session_folder(tmp_path_factory, "VD_WARM_DIR", "vd-warm")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def traceback_folder(tmp_path_factory) -> Path:
+    """A folder of the session's own for the traceback files an internal error's, a plug-in's or a rank's one
+    line names (`vd.errors.write_traceback`), so the tests that cause them leave none in the user's /tmp."""
+    yield from _session_folder(tmp_path_factory, "VD_TRACEBACK_DIR", "vd-tracebacks")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default model, loaded once (about 30 s on 2 cores)."""

@@ -412,10 +412,23 @@ def test_unwritable_destinations_exit_2(cli, tiny_golden, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
-def test_an_internal_error_is_one_line_naming_its_traceback_file(cli, tiny_golden, monkeypatch):
+@pytest.mark.parametrize("folder", ["unset", "missing", "a file"])
+def test_an_internal_error_is_one_line_naming_its_traceback_file(cli, tiny_golden, monkeypatch, tmp_path, folder):
     """A crash of vd's own engine (here the built-in HF adapter's forward raising mid-run) exits 3 with one
-    line; the traceback goes to the file that line names."""
+    line; the traceback goes to the file that line names: in $VD_TRACEBACK_DIR, made if missing, else (unset,
+    or a folder that cannot be made) in the system's temporary folder."""
+    import tempfile
+
     from vd.models.hf import HFModel
+
+    chosen = tmp_path / "ci" / "tracebacks"
+    if folder == "unset":
+        monkeypatch.delenv("VD_TRACEBACK_DIR")
+    elif folder == "missing":
+        monkeypatch.setenv("VD_TRACEBACK_DIR", str(chosen))
+    else:
+        (tmp_path / "ci").write_text("")
+        monkeypatch.setenv("VD_TRACEBACK_DIR", str(chosen))
 
     calls, forward = [], HFModel.forward
 
@@ -430,6 +443,7 @@ def test_an_internal_error_is_one_line_naming_its_traceback_file(cli, tiny_golde
     _one_line_error(code, out, err, "internal error", "RuntimeError", "kernel fault at step 2", exit_code=3)
     trace = Path(err.split("traceback in ")[1].rstrip(")\n"))
     assert "Traceback" in trace.read_text() and "kernel fault at step 2" in trace.read_text()
+    assert trace.parent == (chosen if folder == "missing" else Path(tempfile.gettempdir()))
     trace.unlink()
 
 

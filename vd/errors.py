@@ -6,14 +6,29 @@ Internal invariants use `assert`; everything here is something the user can fix.
 import contextlib
 import os
 
+TRACEBACK_DIR = "VD_TRACEBACK_DIR"
+
 
 def write_traceback(e: BaseException, prefix: str) -> str:
-    """Write ``e``'s traceback to a new file (``/tmp/PREFIX*.txt``) and return its path, for the one line that
-    names it (an internal error's, a plug-in's)."""
+    """Write ``e``'s traceback to a new file ``PREFIX*.txt`` and return its path, for the one line that names it
+    (an internal error's, a plug-in's, a rank's). The file goes to ``$VD_TRACEBACK_DIR`` where that is set
+    (made if missing: a CI job points it at the folder it keeps as an artifact), else to the system's temporary
+    folder, as also when that folder cannot be made or written: a bad setting never loses the traceback."""
+    chosen = os.environ.get(TRACEBACK_DIR)
+    if chosen:
+        try:
+            os.makedirs(chosen, exist_ok=True)
+            return _write_traceback(e, prefix, chosen)
+        except OSError:
+            pass  # the system's temporary folder takes it
+    return _write_traceback(e, prefix, None)
+
+
+def _write_traceback(e: BaseException, prefix: str, folder: str | None) -> str:
     import tempfile
     import traceback
 
-    with tempfile.NamedTemporaryFile("w", prefix=prefix, suffix=".txt", delete=False) as f:
+    with tempfile.NamedTemporaryFile("w", prefix=prefix, suffix=".txt", delete=False, dir=folder) as f:
         traceback.print_exception(e, file=f)
     return f.name
 
