@@ -191,7 +191,9 @@ def _missing_goldens_take_the_degree_and_mixed_ones_are_refused(tmp_path, vd):
 
 def test_a_rank_that_fails_ends_every_rank_with_one_line(tmp_path):
     """Rank 1's forward raising on its 20th call (a crashing engine on one GPU) ends the run: rank 1 says so in
-    one line, rank 0 fails its next collective (an internal error, exit 3), nothing is written."""
+    one line, its traceback in the folder $VD_TRACEBACK_DIR names, rank 0 fails its next collective (an internal
+    error, exit 3), nothing is written, and nothing is left in the temporary folder (torchrun's log folders
+    went with vd's own)."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(textwrap.dedent("""
@@ -206,10 +208,16 @@ def test_a_rank_that_fails_ends_every_rank_with_one_line(tmp_path):
                 return forward(self, tokens)
             tp.TPModel.forward = failing
     """))
-    env = {"PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])}
+    temporary, tracebacks = tmp_path / "tmp", tmp_path / "tracebacks"
+    temporary.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(temporary), "VD_TRACEBACK_DIR": str(tracebacks)}
     r = _vd("record", tmp_path / "g.zarr", *ARGS, "--tp", "2", env=env)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "vd: error: rank 1: RuntimeError: injected failure on rank 1 (traceback in" in r.stderr, r.stderr
+    trace = Path(r.stderr.split("traceback in ")[1].split(")")[0])
+    assert trace.parent == tracebacks and "injected failure on rank 1" in trace.read_text()
+    assert [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")] == []  # (a cache)
     assert "tensor-parallel ranks ended without an outcome" in r.stderr or "internal error" in r.stderr
     assert not (tmp_path / "g.zarr").exists()
 

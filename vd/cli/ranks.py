@@ -1,14 +1,14 @@
 """The command line split over ranks (`vd.models.tp`): ``--tp N`` launches the command under torchrun, and a
 command torchrun started runs on rank 0 while every other rank serves its model calls.
 
-Under torchrun (``WORLD_SIZE`` > 1) rank 0 runs the command as the command line always does; every other
-rank runs `vd.models.tp.follow` and prints nothing unless it fails (one line, its traceback in a file).
-Rank 0 ends the others when its command is done (exit 0, 1 or 2); an internal error (3) or a signal ends it
-without them, and torchrun ends the rest. ``--tp N`` runs ``python -m torch.distributed.run --standalone
---nproc-per-node N -m vd ...`` with the same arguments and passes on the ranks' own lines (torchrun's logging
-and failure reports left out); rank 0 hands its exit code back through a file (``VD_TP_STATUS``) and exits 0
-after a verdict or a refusal, so torchrun sees no failed rank for an ordinary FAIL; ``vd`` exits with rank 0's
-code, or 3 with one line when the ranks ended without one (a rank failed and torchrun ended the rest).
+Under torchrun (``WORLD_SIZE`` > 1) rank 0 runs the command as the command line always does; every other rank runs
+`vd.models.tp.follow` and prints nothing unless it fails (one line, its traceback in a file). Rank 0 ends the others
+when its command is done (exit 0, 1 or 2); an internal error (3) or a signal ends it without them, and torchrun ends
+the rest. ``--tp N`` runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m vd ...`` with the
+same arguments and passes on the ranks' own lines (torchrun's logging and failure reports left out, its log folders
+made in a temporary folder removed after it); rank 0 hands its exit code back through a file (``VD_TP_STATUS``) and
+exits 0 after a verdict or a refusal, so torchrun sees no failed rank for an ordinary FAIL; ``vd`` exits with rank
+0's code, or 3 with one line when the ranks ended without one (a rank failed and torchrun ended the rest).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def launch(tp: int | None, environ: dict[str, str] | None = None) -> int | None:
         status = Path(d) / "status"
         env = {**os.environ, **(environ or {}), STATUS: str(status)}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
-        with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={tp}", "-m", "vd", *argv], env=env, stderr=subprocess.PIPE,
-                              text=True, bufsize=1) as proc:
+        run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
+               f"--log-dir={Path(d) / 'torchrun'}", "-m", "vd", *argv]  # its log folders go with this one
+        with subprocess.Popen(run, env=env, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
             assert proc.stderr is not None  # stderr=PIPE
             for line in proc.stderr:  # the ranks' own lines; torchrun's logging and failure reports left out
                 if line.startswith("vd:"):
