@@ -64,10 +64,14 @@ def serve(data: Path, timeout: float = 60.0) -> Iterator[str]:
     ports = dict(zip(_PORTS, _free_ports(len(_PORTS))))
     cmd = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={BUCKET}",
            "-webdav=false", "-admin.ui=false", *(f"-{n}={p}" for n, p in ports.items())]
+    socket = data / "s3.sock"  # the S3 gateway's local socket, else /tmp/seaweedfs-s3-PORT.sock, left there
+    if len(os.fsencode(socket)) < 100:  # a Unix socket's path holds 107 bytes
+        cmd.append(f"-s3.localSocket={socket}")
     with open(data / "weed.log", "w") as log:
         try:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET})
+                                    env={**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                                         "TMPDIR": str(data)})  # its glog files with the rest
         except OSError as e:
             raise Unavailable(f"SeaweedFS's weed binary cannot run here: {e}") from e
         endpoint = f"http://127.0.0.1:{ports['s3.port']}"

@@ -2,6 +2,7 @@
 S3 server (SeaweedFS, started by the tests); each published whole, never half."""
 
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,6 +62,20 @@ def test_a_failed_zip_publish_leaves_the_old_zip(tmp_path, monkeypatch):
     assert path.read_bytes() == before and len(calls) == 5
     assert np.array_equal(open_golden(path).verify_rows(2)["verify"], old[2]["verify"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zip"]
+
+
+def test_the_test_s3_server_keeps_its_socket_and_logs_in_its_folder(tmp_path):
+    """The tests' SeaweedFS (`seaweed.serve`) puts its S3 socket and its log files in its own folder, not in /tmp,
+    where each run used to leave them."""
+    import seaweed
+
+    try:
+        with seaweed.serve(tmp_path) as endpoint:
+            port = endpoint.rsplit(":", 1)[1]
+            assert (tmp_path / "s3.sock").is_socket() and not Path(f"/tmp/seaweedfs-s3-{port}.sock").exists()
+            assert any(".log.INFO." in p.name for p in tmp_path.iterdir())
+    except seaweed.Unavailable as e:
+        pytest.skip(str(e))
 
 
 def test_s3_golden_round_trip_and_refresh(s3, tmp_path):
