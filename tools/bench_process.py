@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vd-bench-process-"))
+    try:
+        measure(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # its goldens and converted weights (0.6 GB for SmolLM2)
+
+
+def measure(a: argparse.Namespace, work: Path) -> None:
+    """The runs ``main`` asked for, in the folder ``work``; their figures to ``a.out``."""
     cache = work / "cache"
     result: dict = {"command": "python tools/bench_process.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
                     "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **provenance(),
@@ -111,7 +120,7 @@ def startup(golden: Path, cache: Path, reps: int, warm: Path | None) -> dict:
     """Start-up of ``reps`` replays of ``golden``, each a `vd` process (forked from the server in ``warm``)."""
     starts = []
     for i in range(reps):
-        report = Path(tempfile.mkdtemp(prefix="vd-start-")) / "report.json"
+        report = Path(tempfile.mkdtemp(prefix="vd-start-", dir=cache.parent)) / "report.json"  # in `main`'s folder
         p = run(["replay", str(golden), "--report", str(report)], cache, warm)
         starts.append({**json.loads(report.read_text())["timing"], "wall_s": p["wall_s"], "exit": p["exit"]})
         if starts[-1]["warm"] != (warm is not None) or p["exit"] != 0:  # its own golden, on this machine: PASS
