@@ -309,11 +309,12 @@ def replay_lines(report: Report) -> list[str]:
     return out + [f"  note: {note}" for note in report.notes] + [f"  - {reason}" for reason in report.reasons]
 
 
-def next_lines(report: Report, declared: str | None = None) -> list[str]:
-    """What to do about a FAIL, in lines for a terminal (`next_steps`); none on a PASS."""
+def next_lines(report: Report, declared: str | None = None, bundle: str | None = None) -> list[str]:
+    """What to do about a FAIL, in lines for a terminal (`next_steps`; ``bundle``: the first-divergence bundle
+    the command wrote); none on a PASS."""
     if report.verdict == "PASS":
         return []
-    return ["next step:"] + [f"  - {plain_text(step)}" for step in next_steps(report, declared)]
+    return ["next step:"] + [f"  - {plain_text(step)}" for step in next_steps(report, declared, bundle)]
 
 
 def agreement_line(k: int, c: Comparison) -> str | None:
@@ -490,9 +491,10 @@ def _portable_spec(spec: str) -> str:
     return _absolute(spec) if os.path.exists(spec) else spec
 
 
-def next_steps(report: Report, declared: str | None) -> list[NextStep]:
-    """What to do about the verdict: nothing on a PASS; on a FAIL how to look at the first divergence and
-    how to accept the change, and what the golden's own failures or a changed environment call for. Every
+def next_steps(report: Report, declared: str | None, bundle: str | None = None) -> list[NextStep]:
+    """What to do about the verdict: nothing on a PASS; on a FAIL how to look at the first divergence (in
+    ``bundle``, the first-divergence bundle the command wrote, else the command that writes one) and how to
+    accept the change, and what the golden's own failures or a changed environment call for. Every
     command works as written: ``declared`` is the golden's name in its suite's declaration, which `vd refresh`
     takes; a golden replayed by its path (``declared`` None) is refreshed by that path."""
     if report.verdict == "PASS":
@@ -502,17 +504,24 @@ def next_steps(report: Report, declared: str | None) -> list[NextStep]:
     rows = report.failure_rows
     # failure_rows may be the control's (which always fails); a forward's failure is what to look at
     if rows is not None and any(r.variant == rows.forward for r in report.reasons_of(("rows", "draft"))):
-        rows_from = report.rows.source if report.rows.slim else None  # (a full golden's source is itself)
-        cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec, "rows": rows_from}, "replay.json"))
         where = failure_place(rows.first_failure) if rows.first_failure else f"{rows.kind} step {rows.step}"
         tokens = "" if rows.tokens is None else f"; the step verified tokens {rows.tokens}" + (
             "" if rows.text is None else f" ({rows.text!r})")
         both = ("the candidate's rows in ", Code("rows.npz"), " (the golden is slim: add ", Code("--rows FULL"),
                 ", the full golden it was made from, for its rows too)") \
             if report.rows.slim and report.rows.source is None else ("both rows in ", Code("rows.npz"))
-        out.append((f"Look at the first divergence (K={rows.k}, {rows.forward}, {where}{tokens}): ", Code(cmd),
-                    " replays just that and writes its first-divergence bundle to ", Code("replay.json.bundle/"),
-                    " (", *both, ", ", Code("failure.json"), ", ", Code("command.sh"), ")."))
+        look = f"Look at the first divergence (K={rows.k}, {rows.forward}, {where}{tokens})"
+        if bundle is not None:
+            out.append((f"{look} in its bundle ", Code(shlex.quote(bundle.rstrip('/') + '/')), " (", *both, ", ",
+                        Code("failure.json"), "): ", Code(shlex.join(["sh", os.path.join(bundle, "command.sh")])),
+                        " replays just that."))
+        else:
+            rows_from = report.rows.source if report.rows.slim else None  # (a full golden's source is itself)
+            cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec, "rows": rows_from},
+                                               "replay.json"))
+            out.append((f"{look}: ", Code(cmd), " replays just that and writes its first-divergence bundle to ",
+                        Code("replay.json.bundle/"), " (", *both, ", ", Code("failure.json"), ", ",
+                        Code("command.sh"), ")."))
     out += _axis_steps(report)
     failing = {r.variant for r in report.reasons_of(("rows", "draft", "decode"))}
     if failing:

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -102,12 +103,20 @@ def test_a_fail_of_another_forward_says_how_to_record_with_it(cli, tiny_golden):
 
 
 def test_a_bundle_goes_into_a_folder_that_exists_and_never_onto_a_file(cli, tiny_golden, tmp_path):
-    """--bundle names a folder: one a CI job made for its artifacts is written into; a file is refused, kept."""
-    folder = tmp_path / "artifacts"
+    """--bundle names a folder: one a CI job made for its artifacts is written into; a file is refused, kept.
+    The next step then points at the bundle written (its command.sh, quoted, replays the failure) rather than at
+    a command that would write another."""
+    folder = tmp_path / "CI artifacts"
     folder.mkdir()
     spec = f"{PLUGINS / 'perturb.py'}:factory"
     code, out, err = cli("replay", tiny_golden, "--model", spec, "--k", "2", "--bundle", folder)
     assert code == 1 and {p.name for p in folder.iterdir()} >= {"command.sh", "rows.npz", "failure.json"}, out + err
+    look = next(line for line in out.splitlines() if "Look at the first divergence" in line)
+    assert look.endswith(f") in its bundle '{folder}/' (both rows in rows.npz, failure.json): sh "
+                         f"'{folder / 'command.sh'}' replays just that."), look
+    done = subprocess.run(shlex.split(look.split("): ", 1)[1].removesuffix(" replays just that.")),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "FAIL" in done.stdout.splitlines(), done.stdout + done.stderr
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     _one_line_error(*cli("replay", tiny_golden, "--model", spec, "--bundle", blocker), "is a file; give a directory")

@@ -48,6 +48,8 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     assert r["goldens"][0]["report"]["model"]["replayed_spec"] == plugin
     classes = {c.get("classname") for c in ET.parse(project / "j.xml").getroot().iter("testcase")}
     assert {"vd.a.K2", "vd.a.K3", "vd.b.K2"} <= classes
+    assert ") in its bundle bundles/a/ (both rows in rows.npz, failure.json): sh bundles/a/command.sh replays just " \
+           "that." in out, out  # the bundle written, not a command writing another
     command = (project / "bundles" / "a" / "command.sh").read_text()
     assert f"--model {plugin}" in command  # the suite's --model, so the command replays the engine that failed
     done = subprocess.run(["sh", str(project / "bundles" / "a" / "command.sh")], capture_output=True, text=True,

@@ -394,7 +394,7 @@ def _replayed(result, data: dict) -> int:
     out.print(result.verdict, style="bold")
     if data.get("bundle"):
         out.print(words.bundle_line(data["bundle"]))
-    for line in words.next_lines(result):
+    for line in words.next_lines(result, bundle=data.get("bundle")):
         out.print(line)
     return EXIT_PASS if result.verdict == "PASS" else EXIT_FAIL
 

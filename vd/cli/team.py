@@ -123,15 +123,17 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
         render.write_suite_junit(junit, listed)
     if html is not None:
         render.write_suite_html(html, listed, command=["vd", *sys.argv[1:]])
+    bundles: dict[str, str] = {}
     for o in outcomes:
         if bundle is not None and o.report is not None and o.report.failure_rows is not None:
-            render.write_bundle(bundle / o.name, o.report, _bundle_args(settings), environ)
+            bundles[o.name] = str(render.write_bundle(bundle / o.name, o.report, _bundle_args(settings),
+                                                      environ).parent)
         for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, done.details(o), bullet="- "):
             out.print(line)
     out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads, shard, len(selected)),
               style="bold")
     for o in outcomes:  # what to do about each golden that failed
-        for line in words.next_lines(o.report, declared=o.name) if o.report is not None else []:
+        for line in words.next_lines(o.report, o.name, bundles.get(o.name)) if o.report is not None else []:
             out.print(f"{o.name}: {line}" if line == "next step:" else line)
     return done.code
 
