@@ -274,11 +274,18 @@ def test_a_bundle_exports_what_was_read_not_what_was_copied(monkeypatch):
     monkeypatch.setenv("N", "8")
     monkeypatch.setenv("MY_PLUGIN_SWITCH", "on")
     monkeypatch.setenv("MY_ENDPOINT", "https://key:secret@store.example/b")
+    monkeypatch.setenv("MY_CACHE", "/home/ci/cache")
+    monkeypatch.delenv("MY_DEFAULT", raising=False)
     with reading_environment() as found:
         dict(os.environ), {**os.environ}, list(os.environ.items()), os.environ.copy()
         subprocess.run(["true"], env={**os.environ, "X": "1"}, check=True)
         assert os.environ.get("MY_PLUGIN_SWITCH") == "on" and os.environ["MY_ENDPOINT"]
-    assert found == {"MY_PLUGIN_SWITCH": "on"}
+        # Set by the process itself (as vd sets its kernel-cache caps, torch its TORCHINDUCTOR_CACHE_DIR): a
+        # command run again sets it again, so it is not pinned; one the shell set is, with the shell's value.
+        os.environ["MY_DEFAULT"] = "/tmp/x"
+        os.environ["MY_CACHE"] = "/tmp/y"
+        assert os.environ["MY_DEFAULT"] and os.environ["MY_CACHE"]
+    assert found == {"MY_CACHE": "/home/ci/cache", "MY_PLUGIN_SWITCH": "on"}
 
 
 def test_code_torch_compile_traces_compiles_as_it_does_unwatched(monkeypatch):

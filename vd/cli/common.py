@@ -443,16 +443,20 @@ class _Reading(os._Environ):  # type: ignore[name-defined]  # os._Environ is os.
 @contextlib.contextmanager
 def reading_environment():
     """Note the environment variables Python code looks up meanwhile (a plug-in's switch, torch's settings);
-    yields the mapping of those that were set, secrets and the shell's own left out, filled when it ends."""
+    yields the mapping of those that were set when it began, with the values they had then (a variable the
+    process set itself, vd's kernel-cache caps or torch's TORCHINDUCTOR_CACHE_DIR, is set again by a command
+    run again: pinning it would pin this machine's paths), secrets and the shell's own left out, filled when it
+    ends."""
     found: dict[str, str] = {}
+    given = dict(os.environ)
     before, _Reading.read, _Reading.copying = os.environ.__class__, set(), collections.deque()
     os.environ.__class__ = _Reading
     try:
         yield found
     finally:
         os.environ.__class__ = before
-        found.update({name: os.environ[name] for name in sorted(_Reading.read) if name in os.environ
-                      and not _NOT_EXPORTED.search(name) and not _CREDENTIALS.search(os.environ[name])})
+        found.update({name: given[name] for name in sorted(_Reading.read) if name in given
+                      and not _NOT_EXPORTED.search(name) and not _CREDENTIALS.search(given[name])})
 
 
 @contextlib.contextmanager
