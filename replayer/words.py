@@ -523,9 +523,8 @@ def next_steps(report: Report, declared: str | None, bundle: str | None = None) 
                         Code("replay.json.bundle/"), " (", *both, ", ", Code("failure.json"), ", ",
                         Code("command.sh"), ")."))
     out += _axis_steps(report)
-    failing = {r.variant for r in report.reasons_of(("rows", "draft", "decode"))}
-    if failing:
-        out.append(_accept_step(report, declared, failing))
+    if failing_forwards(report):
+        out.append(_accept_step(report, declared))
     if report.reasons_of(("control", "thin", "coverage")):
         out.append(("The golden's own checks failed (see the reasons): a blind control means the policy is too loose "
                     "to see a changed draft; a thin or uncovered golden needs recording again with more steps (",
@@ -536,12 +535,26 @@ def next_steps(report: Report, declared: str | None, bundle: str | None = None) 
     return out
 
 
-def _accept_step(report: Report, declared: str | None, failing: set[str | None]) -> NextStep:
+def failing_forwards(report: Report) -> set[str | None]:
+    """The forwards whose rows failed (None: rows of no one forward)."""
+    return {r.variant for r in report.reasons_of(("rows", "draft", "decode"))}
+
+
+def other_forward(report: Report) -> str | None:
+    """Where only forwards other than the golden's failed, the first of them (by name): what a refresh, which
+    records the golden's own forward again, would not take. None where the golden's own failed, or none did."""
+    failing = failing_forwards(report)
+    if not failing or report.golden_forward in failing or None in failing:
+        return None
+    return sorted(f for f in failing if f is not None)[0]
+
+
+def _accept_step(report: Report, declared: str | None) -> NextStep:
     """How to accept what failed: a refresh (it records the golden's own forward again); or, where only other
     forwards failed, a recording with the first of them, which a refresh would not make. A slim golden is not
     recorded over (`vd.workflow.refresh`): the full golden it was made from is, and then slimmed again."""
-    own = report.golden_forward in failing or None in failing
-    forward = None if own else sorted(f for f in failing if f is not None)[0]
+    forward = other_forward(report)
+    own = forward is None
     if report.rows.slim:
         full = shlex.quote(report.rows.source or "FULL")
         record = f"vd refresh {full} --reason TEXT" if own else \

@@ -194,12 +194,18 @@ def test_no_such_field(vd_golden):
 def test_an_update_its_control_cannot_vouch_for_names_the_recording_to_run(project):
     """A test replaying another forward (sdpa against an eager golden) differs at every step, so with
     --vd-update its candidate's control is inconclusive and the promotion refused: the failure shows the test's
-    line and the command that records the change (by the golden's declared name), not the plugin's source."""
+    line and the command that records the change (by the golden's declared name), not the plugin's source. Its
+    failure without --vd-update names that recording too, not --vd-update."""
     project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
     project.makepyfile(test_engine="""
 def test_sdpa(vd_golden):
     vd_golden("tiny").replay(forwards="sdpa")
 """)
+    r = project.runpytest("test_engine.py")  # without --vd-update: the way on it names is the same recording
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*(accept an intended change: declare forward = \"sdpa\" in tiny's declaration, then vd "
+                            "refresh tiny --reason TEXT; pytest --vd-update takes a change of the golden's own forward, "
+                            "eager, not another's)"])
     r = project.runpytest("test_engine.py", "--vd-update")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["*the candidate's detection control was inconclusive*",

@@ -133,6 +133,7 @@ class _Session:
     def _check(self, entry, who: str, model, over: dict):
         """`check` of the declared golden ``entry``; one of `RACED` where another process writes it or wrote it."""
         __tracebackhide__ = True
+        from vd.replayer import words
         from vd.workflow.suite import replay_suite
 
         name = entry.name
@@ -158,6 +159,10 @@ class _Session:
                 if outcome.report is None:  # nothing judged, so no candidate for --vd-update to accept
                     way_on = (f"fix what the line above names; or record the golden again from its declaration: "
                               f"vd refresh {name} --reason TEXT")
+                elif (forward := words.other_forward(outcome.report)) is not None:  # --vd-update refuses it
+                    way_on = (f'accept an intended change: declare forward = "{forward}" in {name}\'s declaration, '
+                              f"then vd refresh {name} --reason TEXT; pytest --vd-update takes a change of the "
+                              f"golden's own forward, {outcome.report.golden_forward}, not another's")
                 if self.update and outcome.report is not None and keep is not None:
                     return self._promote(entry, who, keep, textwrap.shorten("; ".join(problems), 200,
                                                                              placeholder=" …"), model)
