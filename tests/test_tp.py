@@ -309,7 +309,8 @@ def test_tp2_batch_meets_the_batch_conformance(tmp_path):
         tp.finish()
         tp.leave(0)
     """))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        f"--log-dir={tmp_path / 'torchrun'}", str(script)],  # (else torchrun's stay in /tmp)
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "BATCH OK" in r.stdout, r.stdout + r.stderr
 
