@@ -204,8 +204,8 @@ def test_sdpa(vd_golden):
     r = project.runpytest("test_engine.py")  # without --vd-update: the way on it names is the same recording
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["*(accept an intended change: declare forward = \"sdpa\" in tiny's declaration, then vd "
-                            "refresh tiny --reason TEXT; pytest --vd-update takes a change of the golden's own forward, "
-                            "eager, not another's)"])
+                            "refresh tiny --reason TEXT; pytest --vd-update takes a change of the golden's own "
+                            "forward, eager, not another's)"])
     r = project.runpytest("test_engine.py", "--vd-update")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["*the candidate's detection control was inconclusive*",
