@@ -138,6 +138,26 @@ def test_s3_credentials_are_checked(s3, monkeypatch):
         open_golden(s3)
 
 
+def test_s3_without_credentials_says_where_they_come_from(s3, cli, monkeypatch, tmp_path):
+    """No credentials at all: reading and recording refuse (exit 2) in one line naming the golden (not the lock a
+    writer takes first) and where credentials come from."""
+    import s3fs
+
+    write(s3)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    where = "(S3 credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials)"
+    code, out, err = cli("show", s3)
+    assert code == 2 and err.startswith(f"vd: error: cannot read {s3}: NoCredentialsError: ") and where in err, err
+    code, out, err = cli("record", s3 + "-new", "--model", "tiny-llama", "--steps", "4")
+    assert code == 2 and err.startswith(f"vd: error: cannot read {s3}-new (its writers' lock s3://") and where in err
+    assert err.count("\n") == 1, err
+
+
 def _golden_id(url) -> str:
     g = open_golden(url)
     try:

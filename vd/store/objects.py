@@ -91,6 +91,18 @@ def _wait_s() -> float:
         raise UsageError(f"{WAIT_ENV}={text!r} is not a number of seconds") from None
 
 
+_CREDENTIALS_HELP = ("S3 credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
+                     "~/.aws/credentials")
+
+
+def _failure(what: str, e: Exception) -> GoldenError:
+    """The one line for an S3 call that failed: ``what`` ("read s3://…"), the error, and where credentials come
+    from when none were found."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    hint = f" ({_CREDENTIALS_HELP})" if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError") else ""
+    return GoldenError(f"cannot {what}: {type(e).__name__}: {first}{hint}")
+
+
 class ObjectPrefix:
     """A golden under ``s3://bucket/prefix`` (see the module's docstring)."""
 
@@ -119,7 +131,7 @@ class ObjectPrefix:
         except GoldenError:
             raise
         except Exception as e:  # network, credentials, a missing bucket: one line naming the URL
-            raise GoldenError(f"cannot {what} {self.url}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+            raise _failure(f"{what} {self.url}", e) from e
 
     def _live(self, key: str) -> bytes | None:
         buf = self._call("read", self._store(True).get(key, default_buffer_prototype()))
@@ -321,7 +333,7 @@ class ObjectPrefix:
         except FileNotFoundError:
             return None
         except Exception as e:
-            raise GoldenError(f"cannot read s3://{lock}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+            raise _failure(f"read {self.url} (its writers' lock s3://{lock})", e) from e
         try:
             held = json.loads(doc)
         except ValueError:
