@@ -433,8 +433,9 @@ def test_an_internal_error_is_one_line_naming_its_traceback_file(cli, tiny_golde
     chosen = tmp_path / "ci" / "tracebacks"
     if folder == "unset":
         monkeypatch.delenv("VD_TRACEBACK_DIR")
-    elif folder == "missing":
-        monkeypatch.setenv("VD_TRACEBACK_DIR", str(chosen))
+    elif folder == "missing":  # (and relative: the line names it whole)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("VD_TRACEBACK_DIR", str(chosen.relative_to(tmp_path)))
     else:
         (tmp_path / "ci").write_text("")
         monkeypatch.setenv("VD_TRACEBACK_DIR", str(chosen))
