@@ -536,8 +536,12 @@ def next_steps(report: Report, declared: str | None, bundle: str | None = None) 
 
 
 def failing_forwards(report: Report) -> set[str | None]:
-    """The forwards whose rows failed (None: rows of no one forward)."""
-    return {r.variant for r in report.reasons_of(("rows", "draft", "decode"))}
+    """The forwards whose rows failed (None: rows of no one forward); failing decode rows count as the forward
+    that computed them (``--decode-forward``'s where one was named, whichever forward they were computed for)."""
+    failing = {r.variant for r in report.reasons_of(("rows", "draft"))}
+    if report.decode is not None:
+        failing |= {j.comparison.variant for j in report.decode.comparisons if j.reasons}
+    return failing
 
 
 def other_forward(report: Report) -> str | None:

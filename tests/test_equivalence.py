@@ -86,6 +86,31 @@ def test_a_replay_reports_each_forwards_equivalence_and_judges_it_when_asked(ste
     assert code == 0, out
 
 
+def test_decode_forward_computes_the_decode_rows_each_forward_is_measured_against(cli, tiny_golden, tmp_path):
+    """--decode-forward NAME (an engine that decodes with another kernel than it verifies): each forward's verify
+    rows are measured against the decode rows NAME computed, and those decode rows are judged against the
+    golden's like any rows. On the eager tiny-llama golden, sdpa's decode rows differ from the golden's (the
+    FAIL names them as sdpa's, and the way to accept them is a recording with sdpa, not a refresh of eager),
+    while eager's verify rows still match; naming the golden's own forward is the default replay."""
+    code, out, err = cli("replay", tiny_golden, "--k", "2", "--decode-forward", "sdpa", "--report", tmp_path / "r.json")
+    assert code == 1 and "FAIL" in out.splitlines(), out + err
+    r = json.loads((tmp_path / "r.json").read_text())
+    (decoded,) = r["decode"]["comparisons"]
+    assert decoded["variant"] == "sdpa" and not decoded["passed"]
+    (v,) = r["verify"]
+    assert v["comparisons"][0]["variant"] == "eager" and v["comparisons"][0]["passed"]
+    assert v["equivalence"]["decode_forward"] == "sdpa" and v["equivalence"]["forwards"][0]["variant"] == "eager"
+    (why,) = r["reasons"]
+    assert why.startswith("decode rows (computed with sdpa), eager: "), why
+    assert f"To make sdpa the golden's forward, record it with it: vd record {tiny_golden} --refresh --forward sdpa " \
+           "--reason TEXT" in out and "vd refresh" not in out.split("next step:")[1].split("(vd refresh")[0], out
+    code, out, err = cli("replay", tiny_golden, "--k", "2", "--decode-forward", "eager", "--report",
+                         tmp_path / "e.json")
+    assert code == 0, out + err
+    own = json.loads((tmp_path / "e.json").read_text())["verify"][0]["equivalence"]
+    assert own["decode_forward"] == "eager" and own["forwards"][0]["identical"] == own["golden"]["identical"]
+
+
 def test_a_golden_without_decode_rows_says_the_axis_is_not_recorded(cli, tmp_path):
     golden = DATA / "tiny-llama-v6.zarr"
     code, out, err = cli("replay", golden, "--k", "2", "--report", tmp_path / "r.json")
