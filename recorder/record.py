@@ -463,7 +463,7 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
         result.left_greedy[k] = _left_at(run, greedy)
     if (reason := thin_reason(k, accepted)) is not None:
         result.thin.append(reason)
-    if settings.require_coverage and (reason := coverage_reason(k, accepted)) is not None:
+    if settings.require_coverage and (reason := coverage_reason(k, accepted, not mtp)) is not None:
         result.short.append(reason)
     return log, summary
 

@@ -186,7 +186,8 @@ def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> BatchAxis:
 def _own_checks(s: Session, k: int, accepted: list[int]) -> list[Reason]:
     """The golden's own checks at ``k``: too thin, and (when asked) an accept count missing."""
     found = [("thin", thin_reason(k, accepted)),
-             ("coverage", coverage_reason(k, accepted) if s.settings.require_coverage else None)]
+             ("coverage", coverage_reason(k, accepted, not s.golden.info.drafted_at(k))
+              if s.settings.require_coverage else None)]
     return [Reason(what, text, k) for what, text in found if text is not None]
 
 

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from vd.coverage import coverage_reason, histogram, thin_reason
+from vd.coverage import coverage_reason, histogram, reference_accepts, thin_reason
 from vd.layout import RowLayout, Step, StepLog
+from vd.loop import reference_drafts
 
 
 def test_rows_are_laid_out_prefill_verify_then_draft():
@@ -43,3 +44,25 @@ def test_accept_counts_thin_and_coverage():
     assert coverage_reason(3, [2, 0, 2, 1]) is None
     assert coverage_reason(3, [2, 1]) == "coverage K=3: no step accepted 0 draft(s) (steps per accept count 0..2: " \
                                         "[0, 1, 1])"
+
+
+@pytest.mark.parametrize("k", range(2, 9))
+def test_the_reference_feeds_accept_counts_are_named_where_steps_cannot_reach_them(k):
+    """The reference feed's rule (draft 1 + s % (K-1) corrupted on odd steps) run over a model that accepts its own
+    greedy drafts makes exactly `reference_accepts(k)`: every count at an even K, at an odd K only the odd ones
+    below K-1 and K-1. A coverage reason says so for the counts it can never make (K=3 misses 0 however many
+    steps), and only for the reference feed's steps."""
+    greedy, p, made = list(range(100, 1000)), 0, set()
+    for s in range(64):
+        drafts = reference_drafts(greedy, p, s, k, 5000)
+        n = next((j for j, t in enumerate(drafts) if t != greedy[p + 1 + j]), k - 1)
+        made.add(n)
+        p += n + 1
+    assert made == reference_accepts(k) and (made == set(range(k))) == (k % 2 == 0)
+    missing = sorted(set(range(k)) - made)
+    if missing:
+        why = coverage_reason(k, sorted(made), reference=True)
+        assert why is not None and why.endswith(f"at K={k} never leaves {', '.join(map(str, missing))} accepted (only "
+                                                "a model rejecting its own greedy draft does): more steps cannot "
+                                                "reach it, the drafter feed or other widths can")
+        assert "reference feed" not in coverage_reason(k, sorted(made))
