@@ -46,12 +46,18 @@ def test_a_thin_reference_is_refused_unless_allowed(cli, tmp_path, tiny_model):
     assert r.path == str(path) and open_golden(path).meta["thin"] == r.thin
 
 
+# What a coverage reason adds where the reference feed's rule cannot make the missing count (`reference_accepts`).
+NEVER_AT_3 = ("; the reference feed corrupts draft 1 + s % (K-1) on odd steps, which at K=3 never leaves 0 accepted "
+              "(only a model rejecting its own greedy draft does): more steps cannot reach it, the drafter feed or "
+              "other widths can")
+
+
 def test_require_coverage_refuses_to_store_even_a_thin_allowed_reference(tmp_path, tiny_model):
     for allow_thin in (False, True):
         r = record(tmp_path / "g.zarr", RecordSettings(model="tiny-llama", steps=8, require_coverage=True,
                                                        allow_thin=allow_thin), model=tiny_model)
         assert r.location is None and r.short == ["coverage K=3: no step accepted 0 draft(s) (steps per accept "
-                                                  "count 0..2: [0, 4, 4])"]
+                                                  f"count 0..2: [0, 4, 4]){NEVER_AT_3}"]
         assert not (tmp_path / "g.zarr").exists()
 
 

@@ -182,7 +182,10 @@ def test_coverage_table_and_require_coverage(tiny_golden, tiny_model):
     assert r.verdict == "PASS" and cov[3] == {"accepted_counts": [0, 4, 4], "missing": [0]}
     r = replay(tiny_golden, ReplaySettings(require_coverage=True, control=False), model=tiny_model)
     assert [x.text for x in r.reasons] == ["coverage K=3: no step accepted 0 draft(s) (steps per accept count "
-                                           "0..2: [0, 4, 4])"]
+                                           "0..2: [0, 4, 4]); the reference feed corrupts draft 1 + s % (K-1) on "
+                                           "odd steps, which at K=3 never leaves 0 accepted (only a model rejecting "
+                                           "its own greedy draft does): more steps cannot reach it, the drafter "
+                                           "feed or other widths can"]
     assert r.reasons[0].what == "coverage" and r.reasons[0].k == 3
 
 
