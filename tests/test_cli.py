@@ -792,6 +792,28 @@ def test_progress_lines_count_steps_and_seconds():
                                  "vd: writing golden\nvd: writing golden: done in 0.5 s\n")
 
 
+def test_a_phase_that_failed_is_not_said_done(cli, tmp_path, monkeypatch):
+    """A phase ended by an error says so: counted, where it stopped. A suite ends a golden's last phase so when
+    the golden is an ERROR (a declared model that does not load was `loading smolm2: done in 0.0 s`)."""
+    times = iter([0.0, 0.5, 1.0, 1.25, 2.0])
+    stream = io.StringIO()
+    p = Lines(stream, clock=times.__next__)
+    p.phase("loading m", 0)
+    p.end(failed=True)
+    p.phase("K=2 eager", 16)
+    p.step(0)
+    p.end(failed=True)
+    assert stream.getvalue().splitlines() == ["vd: loading m", "vd: loading m: failed after 0.5 s",
+                                              "vd: K=2 eager (16 steps)", "vd: K=2 eager: failed at 1/16 steps after "
+                                              "1.0 s"]
+    (tmp_path / "vd.toml").write_text('[goldens.c]\npath = "c.zarr"\nmodel = "smolm2"\n')
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("record", "--suite")
+    lines = err.splitlines()
+    assert code == 2 and lines[0] == "vd: loading smolm2" and lines[1].startswith("vd: loading smolm2: failed after ")
+    assert "done" not in err, err
+
+
 def test_a_long_phase_says_its_count_every_half_minute():
     """The greedy continuation is about half a CPU recording: a log gets its count every 30 s, not one line
     at each end minutes apart."""

@@ -56,13 +56,17 @@ class Lines:
             self.said = now
             self._line(f"{self.name}: {self.done}/{self.total} steps, {now - self.started:.0f} s")
 
-    def end(self) -> None:
-        """The current phase is over: its closing line (nothing when no phase is open)."""
+    def end(self, failed: bool = False) -> None:
+        """The current phase is over: its closing line (nothing when no phase is open); ``failed``: it ended in
+        an error (a suite's golden that could not be loaded or run), said so rather than done."""
         if self.name is None:
             return
         seconds = self.clock() - self.started
         count = f"{self.done}/{self.total} steps" if self.total else "done"
-        self._line(f"{self.name}: {count} in {seconds:.1f} s")
+        if failed:
+            self._line(f"{self.name}: failed" + (f" at {count}" if self.total else "") + f" after {seconds:.1f} s")
+        else:
+            self._line(f"{self.name}: {count} in {seconds:.1f} s")
         self.name = None
 
     def _line(self, text: str) -> None:

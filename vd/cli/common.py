@@ -498,10 +498,11 @@ class TerminalBar:
         if self.progress is not None and self.task is not None:
             self.progress.advance(self.task)
 
-    def end(self) -> None:
-        """The phases so far are over (as `vd.progress.Lines.end`): the bars taken off the terminal, so that what
-        the command prints next (a suite's line for each golden) stands on lines of its own rather than inside
-        the bars' redrawing; the next phase starts bars anew."""
+    def end(self, failed: bool = False) -> None:
+        """The phases so far are over (as `vd.progress.Lines.end`; ``failed`` changes nothing here, as the line
+        the command prints next says what failed): the bars taken off the terminal, so that what the command
+        prints next (a suite's line for each golden) stands on lines of its own rather than inside the bars'
+        redrawing; the next phase starts bars anew."""
         if self.progress is not None:
             self.progress.stop()
         self.progress, self.task = None, None

@@ -80,7 +80,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
             with resumable(e.path):  # (Ctrl-C, a CI timeout) leaves no published golden its pin refuses
                 [o] = do_record([e], refresh_existing=refresh, reason=reason or "first recording", models=models,
                                 progress=progress)
-            progress.end()  # its last phase's line before the golden's own
+            progress.end(failed=o.verdict == "ERROR")  # its last phase's line before the golden's own
             if o.verdict in ("RECORDED", "REFRESHED"):
                 repin(e, config, e.path)
             for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds,
@@ -115,6 +115,7 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     with reporting() as progress, reading_environment() as environ:  # (what bundles' command.sh sets again)
         for e in entries:
             outcomes += do_replay([e], for_entry(settings, e), models=models, progress=progress)
+            progress.end(failed=outcomes[-1].verdict == "ERROR")  # (a golden that could not be replayed)
     done = SuiteReport(str(suite.file), shard, models.loads, time.perf_counter() - t, tuple(outcomes))
     if report is not None:
         write_json(report, done.to_json())
