@@ -31,7 +31,7 @@ from vd.equivalence import Accumulator, Equivalence, KeptDecode, decode_map, of_
 from vd.equivalence import describe as describe_equivalence
 from vd.errors import GoldenError, ModelOutputError, UsageError
 from vd.layout import KINDS, RowLayout, StepLog
-from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, generated, hold_bytes, prepare, run_verify
+from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, generated, hold_bytes, prepare, reference_accepts, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import caches_off, compiles, keep_artifacts
 from vd.models.specs import golden_dir, portable
@@ -463,7 +463,8 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
         result.left_greedy[k] = _left_at(run, greedy)
     if (reason := thin_reason(k, accepted)) is not None:
         result.thin.append(reason)
-    if settings.require_coverage and (reason := coverage_reason(k, accepted, not mtp)) is not None:
+    made = None if mtp else reference_accepts(k)  # (the counts the feed can make)
+    if settings.require_coverage and (reason := coverage_reason(k, accepted, made)) is not None:
         result.short.append(reason)
     return log, summary
 

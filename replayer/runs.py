@@ -20,7 +20,7 @@ from vd.coverage import coverage_reason, thin_reason
 from vd.dtypes import to_storage
 from vd.equivalence import Accumulator, DecodeRows, Equivalence, KeptDecode, decode_map
 from vd.layout import Step
-from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, run_verify
+from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, reference_accepts, run_verify
 from vd.protocol import VerifyModel
 from vd.replayer import words
 from vd.replayer.comparison import Comparison
@@ -186,7 +186,7 @@ def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> BatchAxis:
 def _own_checks(s: Session, k: int, accepted: list[int]) -> list[Reason]:
     """The golden's own checks at ``k``: too thin, and (when asked) an accept count missing."""
     found = [("thin", thin_reason(k, accepted)),
-             ("coverage", coverage_reason(k, accepted, not s.golden.info.drafted_at(k))
+             ("coverage", coverage_reason(k, accepted, None if s.golden.info.drafted_at(k) else reference_accepts(k))
               if s.settings.require_coverage else None)]
     return [Reason(what, text, k) for what, text in found if text is not None]
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from vd.coverage import coverage_reason, histogram, reference_accepts, thin_reason
+from vd.coverage import coverage_reason, histogram, thin_reason
 from vd.layout import RowLayout, Step, StepLog
-from vd.loop import reference_drafts
+from vd.loop import reference_accepts, reference_drafts
 
 
 def test_rows_are_laid_out_prefill_verify_then_draft():
@@ -61,7 +61,7 @@ def test_the_reference_feeds_accept_counts_are_named_where_steps_cannot_reach_th
     assert made == reference_accepts(k) and (made == set(range(k))) == (k % 2 == 0)
     missing = sorted(set(range(k)) - made)
     if missing:
-        why = coverage_reason(k, sorted(made), reference=True)
+        why = coverage_reason(k, sorted(made), reference_accepts(k))
         assert why is not None and why.endswith(f"at K={k} never leaves {', '.join(map(str, missing))} accepted (only "
                                                 "a model rejecting its own greedy draft does): more steps cannot "
                                                 "reach it, the drafter feed or other widths can")

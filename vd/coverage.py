@@ -27,9 +27,9 @@ def thin_reason(k: int, accepted: Sequence[int]) -> str | None:
     return None
 
 
-def coverage_reason(k: int, accepted: Sequence[int], reference: bool = False) -> str | None:
-    """Which accept counts 0..K-1 no step had, or None when every one occurred. ``reference``: the steps are the
-    reference feed's, whose rule (`vd.loop.reference_drafts`) never drafts some counts at some K: those missing
+def coverage_reason(k: int, accepted: Sequence[int], made: set[int] | None = None) -> str | None:
+    """Which accept counts 0..K-1 no step had, or None when every one occurred. ``made``: the counts the steps'
+    feed can make at all (the reference feed's, `vd.loop.reference_accepts`; None: any): those missing outside it
     are named as such, since no number of steps reaches them."""
     hist = histogram(k, accepted)
     missing = [i for i, n in enumerate(hist) if n == 0]
@@ -37,16 +37,10 @@ def coverage_reason(k: int, accepted: Sequence[int], reference: bool = False) ->
         return None
     text = (f"coverage K={k}: no step accepted {', '.join(map(str, missing))} draft(s) "
             f"(steps per accept count 0..{k - 1}: {hist})")
-    never = [i for i in missing if i not in reference_accepts(k)] if reference else []
+    never = [i for i in missing if i not in made] if made is not None else []
     if never:
         text += (f"; the reference feed corrupts draft 1 + s % (K-1) on odd steps, which at K={k} never leaves "
                  f"{', '.join(map(str, never))} accepted (only a model rejecting its own greedy draft does): more "
                  "steps cannot reach it, the drafter feed or other widths can")
     return text
 
-
-def reference_accepts(k: int) -> set[int]:
-    """The accept counts the reference feed's drafts make at ``k`` when the model accepts its own greedy drafts:
-    all K-1 on an even step, and on an odd step those before the corrupted draft ``1 + s % (k-1)``, that is
-    ``s % (k-1)``: every count at an even K, only the odd ones below K-1 at an odd K."""
-    return {k - 1} | {s % (k - 1) for s in range(1, 2 * (k - 1), 2)}

@@ -205,14 +205,28 @@ def accepted(tokens: Sequence[int], argmaxes: Sequence[int]) -> int:
     return n
 
 
+def corrupted_draft(s: int, k: int) -> int | None:
+    """The draft (1 .. K-1) the reference feed corrupts at step ``s``: ``1 + s % (k-1)`` on an odd step, none on
+    an even one (the seed's rule), nor where a step has no drafts (a one-token decode, K = 1)."""
+    return 1 + s % (k - 1) if s % 2 == 1 and k > 1 else None
+
+
 def reference_drafts(greedy: Sequence[int], p: int, s: int, k: int, vocab: int) -> list[int]:
-    """The drafts of step ``s`` at committed position ``p``: ``greedy[p+1 .. p+k-1]``, with draft
-    ``1 + s % (k-1)`` bumped by one on an odd step (a position past ``greedy`` drafts token 0)."""
+    """The drafts of step ``s`` at committed position ``p``: ``greedy[p+1 .. p+k-1]``, with the
+    `corrupted_draft` bumped by one (a position past ``greedy`` drafts token 0)."""
+    bad = corrupted_draft(s, k)
     out = []
     for j in range(1, k):
         t = greedy[p + j] if p + j < len(greedy) else 0
-        out.append((t + 1) % vocab if s % 2 == 1 and j == 1 + s % (k - 1) else t)
+        out.append((t + 1) % vocab if j == bad else t)
     return out
+
+
+def reference_accepts(k: int) -> set[int]:
+    """The accept counts the reference feed's drafts make at ``k`` when the model accepts its own greedy drafts:
+    all K-1 on an even step, those before the `corrupted_draft` on an odd one (it cycles with period 2(K-1)):
+    every count at an even K, only the odd ones below K-1 at an odd K."""
+    return {k - 1 if (bad := corrupted_draft(s, k)) is None else bad - 1 for s in range(2 * (k - 1))}
 
 
 class Feed:
