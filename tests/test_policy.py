@@ -118,3 +118,27 @@ def test_sensitivity_names_figures_for_each_policy():
     assert "0.1 near zero, 0.9 at" in sensitivity(parse_spec("atol:0.1,rtol:0.1"), "bfloat16", stats)
     assert "not seen" in sensitivity(parse_spec("argmax"), "bfloat16", stats)
     assert f"{math.sqrt(2 * 0.01 / 0.25):.3g}" in sensitivity(parse_spec("kl:0.01"), "bfloat16", stats)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 63, 64, 65, 1000, 4099])
+def test_measures_and_histogram_match_their_definitions(vocab):
+    """`measure_differing`'s figures against their definitions written out element by element: the histogram
+    counts each differing element in bin ``c * BINS // V`` (as a list of places would), ``max_ulp`` is the
+    largest step between the ordered bit patterns, a NaN against a number is infinitely far."""
+    from vd.rowmath import POSITION_BINS, measure_differing, ordered
+
+    gen = torch.Generator().manual_seed(vocab)
+    gold = (torch.randn(3, vocab, generator=gen) * 4).to(torch.bfloat16)
+    got = gold.clone()
+    bits = got.view(torch.int16)
+    places = torch.randint(0, vocab, (3, max(1, vocab // 7)), generator=gen)
+    bits.scatter_(1, places, bits.gather(1, places) + torch.randint(1, 4, places.shape, generator=gen).to(torch.int16))
+    got[2, 0] = float("nan")
+    vals, ok, hist = measure_differing(gold.view(torch.int16), got, "bfloat16", parse_spec("ulp:3"))
+    differ = gold.view(torch.int16) != got.view(torch.int16)
+    cols = differ.nonzero()[:, 1]
+    assert hist.tolist() == torch.bincount(cols * POSITION_BINS // vocab, minlength=POSITION_BINS).tolist()
+    assert vals["n_diff"].tolist() == differ.sum(1).tolist()
+    steps = (ordered(gold.view(torch.int16)) - ordered(got.view(torch.int16))).abs().amax(1)
+    assert vals["max_ulp"][:2].tolist() == steps[:2].tolist() and vals["max_ulp"][2] == math.inf
+    assert ok.tolist() == [bool(steps[0] <= 3), bool(steps[1] <= 3), False]

@@ -44,36 +44,47 @@ def measure_differing(gb: torch.Tensor, got: torch.Tensor, logical: str, spec: S
                        ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Rows that differ, measured (`MEASURES`) and judged under ``spec`` on the device, golden bits ``gb``
     against candidate rows ``got`` (both ``[D, V]``), with the histogram of their differing elements over
-    the vocabulary. One read-back."""
-    v = got.shape[1]
+    the vocabulary. One read-back, and no other wait for the device: each figure has a size known before
+    the rows are (the histogram sums the differing elements per column, then per bin of columns, where a
+    list of the differing elements' places would make the host wait for its length)."""
+    d, v = got.shape
     cb = int_view(got)
     gd, cd, dm = gb.view(DTYPES[logical].torch).float(), got.float(), gb != cb
     first = dm.to(torch.int8).argmax(dim=1)
-    nan = gd.isnan() | cd.isnan()
-    absd = torch.where(dm, (gd - cd).abs(), 0.0)
-    absd = torch.where(dm & nan, torch.inf, absd)
-    ulp = (ordered(gb) - ordered(cb)).abs().to(torch.float64)
-    ulp = torch.where(dm & nan, torch.inf, ulp)
+    nan = (gd.isnan() | cd.isnan()) & dm
+    absd = torch.where(dm, (gd - cd).abs(), 0.0).masked_fill_(nan, torch.inf)
+    ulp = (ordered(gb) - ordered(cb)).abs().amax(1).double().masked_fill_(nan.any(1), torch.inf)
     pg = torch.softmax(gd, 1)
     kl = (pg * (torch.log_softmax(gd, 1) - torch.log_softmax(cd, 1))).sum(1)
-    kl = torch.nan_to_num(kl.to(torch.float64), nan=torch.inf).clamp_min(0.0)
-    rows_at = torch.arange(gb.shape[0], device=got.device)
+    kl = torch.nan_to_num(kl.double(), nan=torch.inf).clamp_min(0.0)
+    rows_at = torch.arange(d, device=got.device)
     top = gd.argmax(1)
     dp = torch.softmax(cd, 1)[rows_at, top] - pg[rows_at, top]
-    positions = torch.bincount(dm.nonzero()[:, 1] * POSITION_BINS // v, minlength=POSITION_BINS)
     vals = {"n_diff": dm.sum(1), "first_index": first, "first_golden": gd[rows_at, first],
-            "first_got": cd[rows_at, first], "max_abs": absd.max(1).values, "max_ulp": ulp.max(1).values, "kl": kl,
-            "dp": dp}
+            "first_got": cd[rows_at, first], "max_abs": absd.amax(1), "max_ulp": ulp, "kl": kl, "dp": dp}
     ok = judge(spec, gd, cd, absd, ulp, kl)
-    packed = torch.cat([torch.stack([vals[n].to(torch.float64) for n in MEASURES]), ok.double()[None]]).cpu().numpy()
-    return {n: packed[i] for i, n in enumerate(MEASURES)}, packed[-1] != 0, positions.cpu().numpy()
+    packed = torch.cat([torch.stack([vals[n].to(torch.float64) for n in MEASURES]).flatten(), ok.double(),
+                        _bins(dm).double()]).cpu().numpy()
+    per = packed[:len(MEASURES) * d].reshape(len(MEASURES), d)
+    return ({n: per[i] for i, n in enumerate(MEASURES)}, packed[len(MEASURES) * d:][:d] != 0,
+            packed[(len(MEASURES) + 1) * d:].astype(np.int64))
+
+
+def _bins(dm: torch.Tensor) -> torch.Tensor:
+    """Differing elements (``dm``, ``[D, V]``) per vocabulary bin: column ``c`` in bin ``c * POSITION_BINS // V``
+    (bin ``b`` holds columns ``ceil(b V / BINS)`` up to ``ceil((b + 1) V / BINS)``), summed over rows."""
+    v = dm.shape[1]
+    per_column = torch.cat([dm.new_zeros(1, dtype=torch.int64), dm.sum(0).cumsum(0)])
+    edges = (torch.arange(POSITION_BINS + 1, device=dm.device) * v + POSITION_BINS - 1) // POSITION_BINS
+    return per_column[edges[1:]] - per_column[edges[:-1]]
 
 
 def judge(spec: Spec, gd: torch.Tensor, cd: torch.Tensor, absd: torch.Tensor, ulp: torch.Tensor,
            kl: torch.Tensor) -> torch.Tensor:
-    """Which differing rows pass ``spec`` (golden and candidate values ``gd``, ``cd``, and their measures)."""
+    """Which differing rows pass ``spec`` (golden and candidate values ``gd``, ``cd``, the absolute differences
+    ``absd`` element by element, and each row's largest ULP difference ``ulp`` and KL divergence ``kl``)."""
     if spec.name == "ulp":
-        return ulp.max(1).values <= spec.n
+        return ulp <= spec.n
     if spec.name == "close":
         return ~(absd > spec.atol + spec.rtol * gd.abs()).any(1)
     if spec.name == "argmax":
