@@ -1,10 +1,13 @@
 """A suite recorded and replayed together, each model loaded once; status finds missing, stale and
 orphaned goldens."""
 
+import re
 import shutil
 
+import pytest
 from golden_edit import chunk, flip_byte
 
+from vd.errors import UsageError
 from vd.replayer import ReplaySettings
 from vd.store import open_golden
 from vd.workflow.declare import load_suite, shard
@@ -56,6 +59,10 @@ def test_shards_split_the_suite_by_name(tmp_path):
     entries = _suite(tmp_path).select()
     parts = [[e.name for e in shard(entries, f"{i}/2")] for i in (1, 2)]
     assert parts == [["a", "c"], ["b"]]
+    for spec, says in (("1/0", "N, the number of shards, must be at least 1"), ("3/2", "I must be 1..2"),
+                       ("0/2", "I must be 1..2"), ("a/2", "takes I/N like 2/4")):
+        with pytest.raises(UsageError, match=re.escape(says)):
+            shard(entries, spec)
 
 
 def test_status_finds_missing_stale_and_orphaned_goldens(tmp_path, tiny):

@@ -291,8 +291,10 @@ def shard(entries: list[Entry], spec: str | None) -> list[Entry]:
         i, n = (int(x) for x in spec.split("/"))
     except ValueError:
         raise UsageError(f"--shard takes I/N like 2/4; got {spec!r}") from None
+    if n < 1:
+        raise UsageError(f"--shard {spec}: N, the number of shards, must be at least 1")
     if not 1 <= i <= n:
-        raise UsageError(f"--shard {spec}: I must be 1..N")
+        raise UsageError(f"--shard {spec}: I must be 1..{n} (shard I of {n})")
     ordered = sorted(entries, key=lambda e: e.name)
     return ordered[i - 1::n]
 
