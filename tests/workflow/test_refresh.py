@@ -52,6 +52,13 @@ def test_a_refresh_asked_to_change_a_setting_says_so(golden, tiny):
     assert open_golden(golden).info.steps == 6
 
 
+def test_a_refresh_to_another_forward_says_it_once(golden, tiny):
+    r = refresh(golden, RecordSettings(model="tiny-llama", steps=4, ks=(2, 3), forward="sdpa"), reason="sdpa",
+                model=tiny)
+    assert r.published and open_golden(golden).info.forward == "sdpa"
+    assert [c for c in r.changes if "forward" in c] == ["asked: forward: 'eager' -> 'sdpa'"]
+
+
 def test_a_thin_or_blind_new_recording_is_refused_and_the_old_golden_kept(golden, tiny):
     before = files(golden)
     thin = refresh(golden, RecordSettings(model="tiny-llama", steps=1, ks=(3,)), reason="thin", model=tiny)

@@ -279,7 +279,7 @@ def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: l
                        ("forward", old.info.forward, new.info.forward),
                        ("head fingerprint", (old.meta.get("mtp") or {}).get("fingerprint"),
                         (new.meta.get("mtp") or {}).get("fingerprint"))):
-        if a != b:
+        if a != b and not any(line.startswith(f"asked: {what}:") for line in asked):  # (said once)
             lines.append(f"{what}: {a} -> {b}")
     env = numerics_differences(old.meta.get("environment") or {}, new.meta.get("environment") or {})
     lines += [f"environment: {d}" for d in env]
