@@ -50,10 +50,12 @@ processes (each needs its own GPU memory) into one file. Under torchrun the mode
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as _dt
 import gc
 import json
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -233,6 +235,7 @@ def main() -> None:
           f"{fingerprint_s:.2f} s", flush=True)
 
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="vd-bench-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its goldens, whatever ends the run
     earlier = json.loads(args.out.read_text()) if args.out.exists() else []
     run = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),

@@ -12,10 +12,12 @@ medians and each location's ratio to the directory's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,6 +49,7 @@ def main() -> None:
     model = load_model(a.model)
     settings = RecordSettings(model=a.model, steps=a.steps)
     work = Path(tempfile.mkdtemp(prefix="vd-stores-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # its goldens and the server's data
     samples: dict[str, dict[str, list[float]]] = {}
     sizes: dict[str, int] = {}
     with seaweed.serve(work) as endpoint:

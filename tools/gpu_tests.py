@@ -10,10 +10,12 @@ GPU, the commit and the command. Exits with pytest's code.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("pytest_args", nargs="*")
     a = ap.parse_args()
     junit = Path(tempfile.mkdtemp(prefix="vd-gpu-tests-")) / "junit.xml"
+    atexit.register(shutil.rmtree, junit.parent, ignore_errors=True)
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={junit}",
             *a.pytest_args]
     started = provenance()

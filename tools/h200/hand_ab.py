@@ -9,6 +9,11 @@ answers read as they came, ``WriterPool.take_ready``, removed after it for savin
 
     python3 tools/h200/hand_ab.py qwen2.5-0.5b-shape compiled-graphed OUT.json [REPS [DEVICE]]
 
+``AB=hand`` (5711e33): ``hand``, each step's rows handed to the writer processes as the run logs them (as
+committed), against ``nohand``, the run's hold handing nothing (`vd.recorder.record._Settled.hold` without
+``each``: the rows and the K's documents written once the run ends, as without writer processes): what the
+hand-over costs the runs, and what it saves the tail.
+
 (``AB=artifacts``, as at bd07c04, whose recorder handed them early since 1585ad7: the Inductor artifacts
 handed before the runs against in the publish, both written by a writer process; tools/h200/artifacts_ab_05b_cg.json:
 no difference beyond the noise, recording 80.1 against 78.2 ms, so the recorder hands them in the publish again.)
@@ -16,8 +21,11 @@ no difference beyond the noise, recording 80.1 against 78.2 ms, so the recorder 
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -29,12 +37,15 @@ import bench_gpu  # noqa: E402
 import checkout  # noqa: F401,E402
 
 import vd.store.write as W  # noqa: E402
+from vd.loop import Hold, hold_bytes  # noqa: E402
 from vd.models import load_model  # noqa: E402
 from vd.store import open_golden  # noqa: E402
 from vd.store.local import finish_removals  # noqa: E402
 
 rec = importlib.import_module("vd.recorder.record")
 LATER = W.GoldenWriter.later
+HOLD = rec._Settled.hold
+AB = os.environ.get("AB", "later")
 
 
 def now(self, units) -> None:
@@ -42,8 +53,15 @@ def now(self, units) -> None:
     self.catch_up()
 
 
+def no_hand(self, device) -> Hold:
+    return Hold(hold_bytes(device), self.add, None)
+
+
 def configure(name: str) -> None:
-    W.GoldenWriter.later = LATER if name == "later" else now
+    if AB == "hand":
+        rec._Settled.hold = HOLD if name == "hand" else no_hand
+    else:
+        W.GoldenWriter.later = LATER if name == "later" else now
 
 
 def once(path: Path, settings, m) -> dict:
@@ -62,9 +80,10 @@ def main() -> None:
     device = sys.argv[5] if len(sys.argv) > 5 else "cuda"
     m = load_model(model_name, device=device, dtype="bfloat16")
     path = Path(tempfile.mkdtemp()) / "g.zarr"
+    atexit.register(shutil.rmtree, path.parent, ignore_errors=True)
     settings = rec.RecordSettings(model=model_name, ks=(2,), steps=16, prompt="Verify.", allow_thin=True,
                                   forward=forward, device=device)
-    names = ("later", "now")
+    names = ("hand", "nohand") if AB == "hand" else ("later", "now")
     samples: dict[str, dict[str, list[float]]] = {n: {} for n in (*names, "bare")}
     for n in names:  # warm-up
         configure(n)

@@ -15,8 +15,10 @@ histogram from per-column sums, one read-back). Two figures each:
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,6 +74,7 @@ def whole(variants: dict, model_name: str, forward: str, reps: int) -> dict:
     prompt = model.encode("Verify.")
     prepare(model, len(prompt), 16, [2, 3, 4])
     tmp, out = Path(tempfile.mkdtemp(prefix="vd-measure-ab-")), {}
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     for k in (2, 3, 4):
         path = tmp / f"k{k}.zarr"
         record(path, RecordSettings(model=model_name, prompt="Verify.", ks=(k,), steps=16, forward=forward,

@@ -7,11 +7,13 @@ the functions by own time and by cumulative time (the first 60 of each) as text,
 
 from __future__ import annotations
 
+import atexit
 import cProfile
 import io
 import json
 import os
 import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -40,6 +42,7 @@ def main() -> None:
     prompt = model.encode("Verify.")
     prepare(model, len(prompt), 16, [k])
     path = Path(tempfile.mkdtemp(prefix="vd-profile-")) / "g.zarr"
+    atexit.register(shutil.rmtree, path.parent, ignore_errors=True)
     settings = RecordSettings(model=name, prompt="Verify.", ks=(k,), steps=16, forward=forward, allow_thin=True)
     replay_settings = ReplaySettings(forwards=(forward,), control=False)
     record(path, settings, refresh=True, model=model)
