@@ -97,7 +97,8 @@ def main() -> None:
         bare = bench_gpu.bare_decode(m, prompt, 16 * 2 + 1) + bench_gpu.bare_verify(m, prompt, steps)[0]
         samples["bare"].setdefault("total", []).append(bare * 1e3)
     med = {n: {k: round(statistics.median(v), 3) for k, v in s.items()} for n, s in samples.items()}
-    doc = {"command": " ".join([*([f"AB={AB}"] if "AB" in os.environ else []), "python3", *sys.argv]), "model": model_name, "forward": forward, "reps": reps,
+    run = [*([f"AB={AB}"] if "AB" in os.environ else []), "python3", *sys.argv]
+    doc = {"command": " ".join(run), "model": model_name, "forward": forward, "reps": reps,
            "median_ms": med, "samples_ms": samples}
     Path(out).write_text(json.dumps(doc, indent=1))
     for n, v in med.items():
