@@ -96,7 +96,10 @@ def test_bad_tolerances_are_usage_errors():
     for bad, wants in (("ulp:-1", "ulp:N takes a whole N >= 0"), ("ulp:1.5", "ulp:N takes a whole N >= 0"),
                        ("topk:0", "topk:N takes a whole N >= 1"), ("kl:-0.1", "kl:X takes a finite X >= 0"),
                        ("atol:-1,rtol:0", "atol:X,rtol:Y take finite X, Y >= 0"),
-                       ("atol:0.1", "unknown tolerance 'atol:0.1'"), ("atol:0.1", "atol takes its rtol")):
+                       ("atol:0.1", "unknown tolerance 'atol:0.1'"), ("atol:0.1", "atol takes its rtol"),
+                       # two SPECs in one item: not a bad number, but an item per kind
+                       ("verify=ulp:2,draft", "'ulp:2,draft' is more than one SPEC"),
+                       ("kl:0.1,exact", "give each kind's its own item")):
         with pytest.raises(UsageError, match=re.escape(wants)):
             Policy.parse([bad])
 

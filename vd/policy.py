@@ -65,6 +65,10 @@ def parse_spec(text: str) -> Spec:
         alone = " (atol takes its rtol: atol:X,rtol:Y)" if text.strip().startswith(("atol:", "rtol:")) else ""
         raise UsageError(f"unknown tolerance {text!r}: use exact, ulp:N, atol:X,rtol:Y, argmax, topk:N or kl:X{alone}")
     t = text.strip()
+    number = m["ulp"] or m["topk"] or m["kl"]
+    if number is not None and "," in number:  # (a list where one SPEC goes: each item names one kind's)
+        raise UsageError(f"tolerance {text!r} is more than one SPEC: give each kind's its own item (two "
+                         "--tolerance options, or two entries of a policy list: verify=ulp:2 and draft=exact)")
     try:
         if m["exact"]:
             return Spec("exact", t)
