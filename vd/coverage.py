@@ -43,4 +43,3 @@ def coverage_reason(k: int, accepted: Sequence[int], made: set[int] | None = Non
                  f"{', '.join(map(str, never))} accepted (only a model rejecting its own greedy draft does): more "
                  "steps cannot reach it, the drafter feed or other widths can")
     return text
-

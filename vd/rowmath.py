@@ -65,9 +65,8 @@ def measure_differing(gb: torch.Tensor, got: torch.Tensor, logical: str, spec: S
     ok = judge(spec, gd, cd, absd, ulp, kl)
     packed = torch.cat([torch.stack([vals[n].to(torch.float64) for n in MEASURES]).flatten(), ok.double(),
                         _bins(dm).double()]).cpu().numpy()
-    per = packed[:len(MEASURES) * d].reshape(len(MEASURES), d)
-    return ({n: per[i] for i, n in enumerate(MEASURES)}, packed[len(MEASURES) * d:][:d] != 0,
-            packed[(len(MEASURES) + 1) * d:].astype(np.int64))
+    per, ok_at, bins = np.split(packed, [len(MEASURES) * d, (len(MEASURES) + 1) * d])
+    return dict(zip(MEASURES, per.reshape(len(MEASURES), d))), ok_at != 0, bins.astype(np.int64)
 
 
 def _bins(dm: torch.Tensor) -> torch.Tensor:
