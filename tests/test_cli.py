@@ -294,6 +294,10 @@ def test_non_golden_paths_exit_2(cli, tiny_golden, tmp_path):
     (["--model", "tiny-llama", "--steps", "0"], "--steps"),
     (["--model", "tiny-llama", "--dtype", "int8"], "--dtype"),
     (["--model", f"{PLUGINS / 'notamodel.py'}:factory"], "lacks"),
+    (["--model", f"{PLUGINS / 'positional.py'}:factory"],  # said before the call, not as its TypeError
+     "its factory does not take the keywords device= and dtype= (vd calls factory(device=..., dtype=...))"),
+    (["--model", f"{PLUGINS / 'positional.py'}:number"], "returned an object of type int, which lacks"),
+    (["--model", f"{PLUGINS / 'positional.py'}:nothing"], "returned None, which lacks"),
     (["--model", f"{PLUGINS / 'absent.py'}:factory"], "does not exist"),
     (["--model", "tiny-llama", "--device", "cuda"] if not torch.cuda.is_available() else
      ["--model", "tiny-llama", "--device", "tpu"], "device"),

@@ -19,8 +19,10 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -135,6 +137,7 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ModelSpecError(f"plug-in {target} has no callable {factory_name!r}")
+    _check_keywords(factory, spec)
     try:
         model = factory(device=device, dtype=dtype)
     except KeyboardInterrupt:  # a user's Ctrl-C (see `_guarded`)
@@ -144,9 +147,9 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
     _check_plain(model, spec)
     if not isinstance(model, VerifyModel):
         missing = [n for n in protocol_members() if not hasattr(model, n)]
+        what = "None" if model is None else f"an object of type {type(model).__name__}"
         raise ModelSpecError(
-            f"plug-in {spec} returned a {type(model).__name__}, which lacks {', '.join(sorted(missing))} "
-            "of the vd model protocol"
+            f"plug-in {spec} returned {what}, which lacks {', '.join(sorted(missing))} of the vd model protocol"
         )
     _guard(model, spec)
     mark_plugin(model, spec)  # the spec that named it, for the errors that name the adapter
@@ -225,6 +228,20 @@ def _guarded(method, spec: str, name: str):
             raise _plugin_error(spec, name, e) from e
 
     return call
+
+
+def _check_keywords(factory: Callable, spec: str) -> None:
+    """Refuse a factory that cannot be called as ``factory(device=..., dtype=...)`` (its signature says so), in
+    the protocol's words rather than as the call's TypeError; one whose signature Python cannot read is called."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or extension callable without one
+        return
+    try:
+        signature.bind(device=None, dtype=None)
+    except TypeError as e:
+        raise ModelSpecError(f"plug-in {spec}: its factory does not take the keywords device= and dtype= (vd calls "
+                             f"factory(device=..., dtype=...)); its signature is {signature}") from e
 
 
 def _plugin_error(spec: str, what: str, e: BaseException) -> PluginError:
