@@ -38,7 +38,7 @@ from vd.models.specs import golden_dir, portable
 from vd.policy import Policy
 from vd.preflight import check_batch, check_threads
 from vd.progress import SILENT, Progress
-from vd.protocol import VerifyModel
+from vd.protocol import VerifyModel, require_model
 from vd.store import GoldenWriter, Location, check_target, journal, locate
 from vd.store import format as F
 from vd.store.processes import pool_for
@@ -214,6 +214,8 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
     continues one a crash cut short: ``settings``, ``refresh`` and ``reason`` are then the journal's, every
     block computed again is checked against it, and the golden is the one the uninterrupted run would have
     written."""
+    if model is not None:
+        require_model(model, "vd.recorder.record()")
     location = locate(out)
     jpath = journal.of_location(location)
     header, frames = None, None

@@ -37,7 +37,7 @@ from vd.loop import generated
 from vd.models import check_device, check_forward_names, load_model, require_forwards
 from vd.models.specs import golden_dir, stored
 from vd.preflight import BATCH, DECODE, axis, batch_size, untraced
-from vd.protocol import VerifyModel
+from vd.protocol import VerifyModel, require_model
 from vd.store import Golden, Location, open_golden
 from vd.store.format import DECODE_K
 from vd.tracing import Call, Point, Traced, check_traceable, steps_run
@@ -338,6 +338,8 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
            model: VerifyModel | None = None, on_k: Callable[[Located], None] | None = None) -> LocateReport:
     """``forward`` through the golden at ``where``, each K (or ``ks``), against the golden's module traces or
     against ``between``; see the module."""
+    if model is not None:
+        require_model(model, "vd.replayer.locate.locate()")
     g = open_golden(where)
     try:
         check_locatable(g, between)

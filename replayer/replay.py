@@ -28,7 +28,7 @@ from vd import env, protocol, warm
 from vd.errors import GoldenError
 from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
-from vd.protocol import VerifyModel
+from vd.protocol import VerifyModel, require_model
 from vd.replayer import words
 from vd.replayer.locate import LocateReport, locate_k
 from vd.replayer.report import (
@@ -67,6 +67,8 @@ def replay(golden: str | os.PathLike | Location | Opened, settings: ReplaySettin
     Bad input (a missing or damaged golden, an unknown model or forward, a fingerprint mismatch, a policy a
     slim golden cannot judge) raises a `vd.errors.VdError` before any comparison.
     """
+    if model is not None:
+        require_model(model, "vd.replayer.replay()")
     clock = Clock()
     opened = golden if isinstance(golden, Opened) else clock.timed("open", lambda: open_golden_for(golden, settings))
     s = set_up(opened, settings, model, progress, clock)

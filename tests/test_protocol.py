@@ -2,6 +2,8 @@
 value where it has it, and the conformance checks that hold a declared member to its contract (run here on
 small hand-written fakes)."""
 
+import re
+
 import pytest
 import torch
 
@@ -118,3 +120,40 @@ def test_conformance_refuses_part_of_a_draft_head():
     bad = type("Bad", (Full,), {"propose": lambda self, last, n: ([], None)})()
     with pytest.raises(AssertionError, match="offers propose of an MTP draft head but not head_info"):
         ModelConformance().test_draft_head_is_whole(bad)
+
+
+def _factory(device="cpu", dtype="bfloat16"):
+    return Bare()
+
+
+@pytest.mark.parametrize("given, what", [
+    (42, "an object of type int, which lacks default_forward, device, dtype, encode"),
+    (_factory, r"the callable _factory, which lacks .* \(a factory\? pass what it returns: model=factory\("),
+    (Bare, r"the class Bare, which lacks default_forward, encode"),
+])
+def test_the_python_api_refuses_a_model_that_is_no_model_before_touching_a_golden(tiny_copy, tmp_path, given, what):
+    """Each entry point that takes ``model=`` (replay, record, refresh, a suite's replay, locate) refuses an object
+    that is not a `VerifyModel` as a TypeError naming the function, what it got and what that lacks, before it
+    reads or writes a golden; the golden it was pointed at is as it was."""
+    from vd.recorder import RecordSettings, record
+    from vd.replayer import replay
+    from vd.replayer.locate import locate
+    from vd.workflow.declare import Entry
+    from vd.workflow.refresh import refresh
+    from vd.workflow.suite import replay_suite
+
+    before = {p: p.read_bytes() for p in tiny_copy.rglob("*") if p.is_file()}
+    calls = {
+        "vd.replayer.replay()": lambda: replay(tiny_copy, model=given),
+        "vd.recorder.record()": lambda: record(tmp_path / "new.zarr", RecordSettings(model="tiny-llama"), model=given),
+        "vd.workflow.refresh()": lambda: refresh(tiny_copy, RecordSettings(model="tiny-llama"), reason="r",
+                                                 model=given),
+        "vd.workflow.suite.replay_suite()": lambda: replay_suite([Entry("tiny", str(tiny_copy))], model=given),
+        "vd.replayer.locate.locate()": lambda: locate(tiny_copy, "eager", model=given),
+    }
+    for where, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{re.escape(where)} takes a vd.protocol.VerifyModel as model=; got "
+                                            rf"{what}"):
+            call()
+    assert not (tmp_path / "new.zarr").exists()
+    assert {p: p.read_bytes() for p in tiny_copy.rglob("*") if p.is_file()} == before

@@ -401,3 +401,25 @@ def protocol_members(proto: type = VerifyModel) -> list[str]:
     names = set(getattr(proto, "__annotations__", {}))
     names |= {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
     return sorted(names)
+
+
+def not_a_model(model: object) -> str | None:
+    """None where ``model`` fits `VerifyModel`; else what it is and what of the protocol it lacks, for an
+    error's line."""
+    if isinstance(model, VerifyModel):
+        return None
+    missing = ", ".join(n for n in protocol_members() if not hasattr(model, n))
+    what = "None" if model is None else f"an object of type {type(model).__name__}"
+    if isinstance(model, type):
+        what = f"the class {model.__qualname__}"
+    elif callable(model):
+        what = f"the callable {getattr(model, '__qualname__', type(model).__name__)}"
+    return f"{what}, which lacks {missing} of the vd model protocol"
+
+
+def require_model(model: object, where: str) -> None:
+    """Refuse, as a TypeError (a mistake in the caller's code, as a bad keyword is), a ``model`` handed to the
+    Python API ``where`` that is not a `VerifyModel`: before anything reads a golden or writes one."""
+    if (why := not_a_model(model)) is not None:
+        called = " (a factory? pass what it returns: model=factory(device=..., dtype=...))" if callable(model) else ""
+        raise TypeError(f"{where} takes a vd.protocol.VerifyModel as model=; got {why}{called}")

@@ -191,6 +191,34 @@ def test_no_such_field(vd_golden):
     project.runpytest("test_engine.py", "--vd-forward", "sdpa", "--vd-tolerance", "argmax").assert_outcomes(passed=4)
 
 
+def test_a_model_that_is_no_model_is_a_type_error_naming_what_it_lacks(project):
+    """``replay(model=factory)`` (the factory, not what it returns) or ``model=42``: a TypeError in the test's
+    line that says what vd takes and what the object lacks, not an AttributeError from inside vd; with
+    --vd-update too, and the golden is not refreshed."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    before = {p: p.read_bytes() for p in (project.path / "goldens").rglob("*") if p.is_file()}
+    project.makepyfile(test_engine="""
+import pytest
+from vd.models import load_model
+
+def factory(device="cpu", dtype="bfloat16"):
+    return load_model("tiny-llama", device=device, dtype=dtype)
+
+def test_the_factory_itself(vd_golden):
+    with pytest.raises(TypeError, match=r"vd_golden\\(...\\).replay\\(\\) takes a vd.protocol.VerifyModel as model=; "
+                                        r"got the callable factory, which lacks .*forward.* \\(a factory\\? pass "
+                                        r"what it returns: model=factory\\(device=..., dtype=...\\)\\)"):
+        vd_golden("tiny").replay(model=factory)
+
+def test_a_number(vd_golden):
+    with pytest.raises(TypeError, match="got an object of type int, which lacks default_forward, device"):
+        vd_golden("tiny").replay(model=42)
+""")
+    project.runpytest("test_engine.py").assert_outcomes(passed=2)
+    project.runpytest("test_engine.py", "--vd-update=all").assert_outcomes(passed=2)
+    assert {p: p.read_bytes() for p in (project.path / "goldens").rglob("*") if p.is_file()} == before
+
+
 def test_an_update_its_control_cannot_vouch_for_names_the_recording_to_run(project):
     """A test replaying another forward (sdpa against an eager golden) differs at every step, so with
     --vd-update its candidate's control is inconclusive and the promotion refused: the failure shows the test's

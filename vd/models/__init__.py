@@ -128,7 +128,7 @@ def _plugin_module(target: str) -> ModuleType:
 
 
 def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyModel:
-    from vd.protocol import VerifyModel, mark_plugin, protocol_members
+    from vd.protocol import mark_plugin, not_a_model
 
     m = _PLUGIN.match(spec)
     assert m is not None, "spec_kind says the spec names a plug-in"
@@ -145,12 +145,8 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
     except BaseException as e:  # the engine could not be built (or ended the process): bad input, named
         raise _plugin_error(spec, "factory", e) from e
     _check_plain(model, spec)
-    if not isinstance(model, VerifyModel):
-        missing = [n for n in protocol_members() if not hasattr(model, n)]
-        what = "None" if model is None else f"an object of type {type(model).__name__}"
-        raise ModelSpecError(
-            f"plug-in {spec} returned {what}, which lacks {', '.join(sorted(missing))} of the vd model protocol"
-        )
+    if (why := not_a_model(model)) is not None:
+        raise ModelSpecError(f"plug-in {spec} returned {why}")
     _guard(model, spec)
     mark_plugin(model, spec)  # the spec that named it, for the errors that name the adapter
     return model

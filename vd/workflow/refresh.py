@@ -25,7 +25,7 @@ from vd import preflight
 from vd.env import numerics_differences
 from vd.errors import CandidateOutdatedError, GoldenCorruptError, GoldenError, UsageError, naming
 from vd.progress import SILENT, Progress
-from vd.protocol import VerifyModel
+from vd.protocol import VerifyModel, require_model
 from vd.recorder import RecordSettings, record
 from vd.replayer import ReplaySettings, replay, words
 from vd.replayer.diff import diff
@@ -78,6 +78,8 @@ def _check_reason(reason: str) -> None:
 def refresh(where: str | os.PathLike, settings: RecordSettings, *, reason: str, name: str | None = None,
             model: VerifyModel | None = None, progress: Progress = SILENT) -> Refreshed:
     """Record ``settings`` as the golden at ``where``'s next version (see the module's docstring)."""
+    if model is not None:
+        require_model(model, "vd.workflow.refresh()")
     _check_reason(reason)
     settings.check()
     location = locate(where)

@@ -18,7 +18,7 @@ from pathlib import Path
 from vd.errors import GoldenError, VdError, system_refusal
 from vd.models.specs import golden_dir, stored
 from vd.progress import SILENT, Progress
-from vd.protocol import VerifyModel
+from vd.protocol import VerifyModel, require_model
 from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
 from vd.replayer import ReplaySettings, replay
 from vd.replayer.report import Report
@@ -119,6 +119,8 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
     ``model``, when given, replays every golden (an engine under test), else each golden's own model. A golden
     stale against its declaration is not replayed (an ERROR naming what changed): what it holds is no longer
     what the suite declares."""
+    if model is not None:
+        require_model(model, "vd.workflow.suite.replay_suite()")
     models = models or Models()
 
     def one(e: Entry) -> Outcome:
