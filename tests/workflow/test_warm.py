@@ -169,6 +169,9 @@ def test_status_exits_1_when_no_server_runs_and_stop_is_then_a_no_op(tmp_path):
     assert as_json.returncode == 1 and json.loads(as_json.stdout) is None
     stop = vd_run(["warm", "--stop"], env)  # what --stop asks for holds already
     assert stop.returncode == 0 and stop.stdout.startswith("no warm server runs"), stop
+    both = vd_run(["warm", "--status", "--stop"], env)  # two questions: which exit code answers?
+    assert both.returncode == 2 and both.stderr.strip() == (
+        "vd: error: --status and --stop ask different things: give one"), both
 
 
 def test_a_folder_others_can_enter_is_refused(tmp_path):

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from vd.cli.common import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, Command, app, err, examples, out
+from vd.errors import UsageError
 
 
 @app.command(cls=Command, epilog=examples("vd warm", "vd warm --idle 600", "vd warm --status", "vd warm --stop"))
@@ -26,6 +27,8 @@ def warm(
     numbers."""
     from vd import warm as w
 
+    if stop and status:
+        raise UsageError("--status and --stop ask different things: give one")
     if stop or status:
         answer = w.ask("stop" if stop else "status")
         if as_json:
