@@ -70,6 +70,31 @@ def test_goldens_are_collected_recorded_when_missing_and_replayed(project):
                             "the golden again from its declaration: vd refresh tiny --reason TEXT)*"])
 
 
+def test_a_replay_its_own_arguments_stop_points_at_them_not_at_a_refresh(project):
+    """``replay(ks=5)`` or an unknown tolerance stops the replay before a verdict, as a damaged golden does; but
+    recording the golden again would not help: the way on names the test's arguments, and no refresh."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    project.makepyfile(test_engine="""
+def test_k(vd_golden):
+    vd_golden("tiny").replay(ks=5)
+
+def test_tolerance(vd_golden):
+    vd_golden("tiny").replay(tolerances="bogus")
+""")
+    r = project.runpytest("test_engine.py")
+    r.assert_outcomes(failed=2)
+    r.stdout.fnmatch_lines(["*has no verify width [[]5[]]*", "*(fix what the line above names: the test's replay() "
+                            "arguments or the model it hands in)*", "*unknown tolerance 'bogus'*",
+                            "*(fix what the line above names: the test's replay() arguments or the model it hands "
+                            "in)*"])
+    assert "vd refresh" not in r.stdout.str()
+    (project.path / "test_engine.py").unlink()
+    r = project.runpytest("--vd", "--vd-forward", "flash")  # the command line's, for a golden no test names
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*no forward 'flash'*", "*(fix what the line above names)*"])
+    assert "vd refresh" not in r.stdout.str()
+
+
 def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):
     project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
     project.makepyfile(test_engine=TEST_ENGINE)

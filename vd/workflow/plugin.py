@@ -156,9 +156,13 @@ class _Session:
                     return outcome.report
                 problems = ([r.text for r in outcome.report.reasons] if outcome.report is not None
                             else [outcome.error or "the replay did not complete"])
-                if outcome.report is None:  # nothing judged, so no candidate for --vd-update to accept
+                if outcome.report is None and outcome.of_golden:  # nothing judged, so no candidate to accept
                     way_on = (f"fix what the line above names; or record the golden again from its declaration: "
                               f"vd refresh {name} --reason TEXT")
+                elif outcome.report is None:  # the test's replay() arguments or its model, not the golden
+                    way_on = "fix what the line above names" + (
+                        ": the test's replay() arguments or the model it hands in" if model is not None or over
+                        else "")
                 elif (forward := words.other_forward(outcome.report)) is not None:  # --vd-update refuses it
                     way_on = (f'accept an intended change: declare forward = "{forward}" in {name}\'s declaration, '
                               f"then vd refresh {name} --reason TEXT; pytest --vd-update takes a change of the "

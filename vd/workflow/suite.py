@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from vd.errors import GoldenError, VdError, system_refusal
+from vd.errors import GoldenError, ModelMismatchError, VdError, system_refusal
 from vd.models.specs import golden_dir, stored
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
@@ -87,6 +87,8 @@ class Outcome:
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
     content: str | None = None
+    of_golden: bool = False  # an ERROR the golden's state caused (damaged, not a golden, another model's), not
+    # the settings or the model: recording it again can end it (the pytest plugin's way on says so)
 
     def to_json(self) -> dict:
         return {"name": self.name, "path": self.path, "verdict": self.verdict, "content_digest": self.content,
@@ -105,7 +107,8 @@ def _timed(entry: Entry, run: Callable[[], Outcome]) -> Outcome:
     try:
         out = run()
     except VdError as e:
-        out = Outcome(entry.name, entry.path, "ERROR", error=str(e))
+        out = Outcome(entry.name, entry.path, "ERROR", error=str(e),
+                      of_golden=isinstance(e, GoldenError | ModelMismatchError))
     except OSError as e:  # a path the system refused (a full disk): that golden's ERROR, and the suite goes on
         out = Outcome(entry.name, entry.path, "ERROR", error=system_refusal(e))
     out.seconds = time.perf_counter() - t
