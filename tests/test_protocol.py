@@ -128,7 +128,7 @@ def _factory(device="cpu", dtype="bfloat16"):
 
 @pytest.mark.parametrize("given, what", [
     (42, "an object of type int, which lacks default_forward, device, dtype, encode"),
-    (_factory, r"the callable _factory, which lacks .* \(a factory\? pass what it returns: model=factory\("),
+    (_factory, r"the function _factory, which lacks .* \(a factory\? pass what it returns: model=factory\("),
     (Bare, r"the class Bare, which lacks default_forward, encode"),
 ])
 def test_the_python_api_refuses_a_model_that_is_no_model_before_touching_a_golden(tiny_copy, tmp_path, given, what):
@@ -157,3 +157,10 @@ def test_the_python_api_refuses_a_model_that_is_no_model_before_touching_a_golde
             call()
     assert not (tmp_path / "new.zarr").exists()
     assert {p: p.read_bytes() for p in tiny_copy.rglob("*") if p.is_file()} == before
+
+
+def test_a_callable_engine_object_is_not_taken_for_a_factory():
+    """An object that is merely callable (a torch module handed in unwrapped) is named by its type, with no
+    advice to call it; a function or class is told to be called."""
+    with pytest.raises(TypeError, match=r"got an object of type Linear, which lacks .* of the vd model protocol$"):
+        protocol.require_model(torch.nn.Linear(2, 2), "f()")

@@ -35,6 +35,7 @@ The methods among them are runtime-checkable protocols (`TokenDecoder`, `DraftHe
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -412,14 +413,21 @@ def not_a_model(model: object) -> str | None:
     what = "None" if model is None else f"an object of type {type(model).__name__}"
     if isinstance(model, type):
         what = f"the class {model.__qualname__}"
-    elif callable(model):
-        what = f"the callable {getattr(model, '__qualname__', type(model).__name__)}"
+    elif _factory_like(model):
+        what = f"the function {getattr(model, '__qualname__', '?')}"
     return f"{what}, which lacks {missing} of the vd model protocol"
+
+
+def _factory_like(model: object) -> bool:
+    """A class, function or method: something that makes a model, handed in where the model belongs (an engine
+    object that is merely callable, a torch module say, is not one)."""
+    return isinstance(model, type) or inspect.isfunction(model) or inspect.ismethod(model)
 
 
 def require_model(model: object, where: str) -> None:
     """Refuse, as a TypeError (a mistake in the caller's code, as a bad keyword is), a ``model`` handed to the
     Python API ``where`` that is not a `VerifyModel`: before anything reads a golden or writes one."""
     if (why := not_a_model(model)) is not None:
-        called = " (a factory? pass what it returns: model=factory(device=..., dtype=...))" if callable(model) else ""
+        called = " (a factory? pass what it returns: model=factory(device=..., dtype=...))" if _factory_like(model) \
+            else ""
         raise TypeError(f"{where} takes a vd.protocol.VerifyModel as model=; got {why}{called}")

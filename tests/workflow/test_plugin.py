@@ -231,7 +231,7 @@ def factory(device="cpu", dtype="bfloat16"):
 
 def test_the_factory_itself(vd_golden):
     with pytest.raises(TypeError, match=r"vd_golden\\(...\\).replay\\(\\) takes a vd.protocol.VerifyModel as model=; "
-                                        r"got the callable factory, which lacks .*forward.* \\(a factory\\? pass "
+                                        r"got the function factory, which lacks .*forward.* \\(a factory\\? pass "
                                         r"what it returns: model=factory\\(device=..., dtype=...\\)\\)"):
         vd_golden("tiny").replay(model=factory)
 
