@@ -117,3 +117,17 @@ def test_a_fifo_as_the_journal_is_refused(tmp_path):
     os.mkfifo(journal.path_for(g))
     r = _vd("record", g, "--resume")
     assert r.returncode == 2 and "is a FIFO" in r.stderr and "without --resume" in r.stderr, r.stderr
+
+
+def test_a_recording_started_afresh_beside_a_journal_says_it_replaces_it(tmp_path):
+    """A plain `vd record` where a cut-short recording left its journal starts afresh (as the README says) but
+    not silently: a note names the journal and --resume, and the golden is recorded."""
+    g = tmp_path / "g.zarr"
+    assert _vd("record", g, *ARGS, die_at=30).returncode == -9
+    r = _vd("record", g, *ARGS)
+    assert r.returncode == 0, r.stderr
+    assert (f"vd: note: {journal.path_for(g)} keeps the rows of a recording of {g} that was cut short; this one "
+            f"starts afresh and replaces it (vd record {g} --resume continues that one instead)") in r.stderr
+    assert open_golden(g).ks == [2, 3] and not journal.path_for(g).exists()
+    r = _vd("record", tmp_path / "other.zarr", *ARGS)
+    assert r.returncode == 0 and "note" not in r.stderr
