@@ -3,8 +3,10 @@
     python3 tools/gpu_tests.py --out tools/h200/gpu_tests.json [-- PYTEST ARGS]
 
 Runs ``python3 -m pytest -m gpu`` (plus any arguments after ``--``) with a JUnit XML report, and writes the
-counts (passed, failed, skipped, deselected), each failure's test id and first line, each skip's reason, the
-GPU, the commit and the command. Exits with pytest's code.
+counts (passed, failed, skipped, deselected), each failure's test id and message (its first 20 lines), each
+skip's reason, the GPU, the commit and the command. A traceback file a failure names (vd's "traceback in
+PATH") is copied beside the JSON, into ``OUT-tracebacks/``: a lent machine is gone once the run ends.
+Exits with pytest's code.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import atexit
 import datetime as dt
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,6 +26,23 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from figures import ROOT, cpu_model, load_average, provenance
+
+TRACEBACK = re.compile(r"traceback in (/\S+?\.txt)")  # vd's one-line errors name the file they wrote
+
+
+def keep_tracebacks(failures: list[dict], out: Path) -> None:
+    """Copy the traceback files the failures name into ``OUT-tracebacks/``, each failure's list then naming the
+    copies (relative to the JSON's folder); a file that is gone is named as it was."""
+    folder = out.with_name(out.stem + "-tracebacks")
+    for f in failures:
+        kept = []
+        for path in f.get("tracebacks", []):
+            if os.path.isfile(path):
+                folder.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, folder / Path(path).name)
+                path = str((folder / Path(path).name).relative_to(out.parent))
+            kept.append(path)
+        f["tracebacks"] = kept
 
 
 def outcomes(junit: Path) -> dict:
@@ -37,8 +57,9 @@ def outcomes(junit: Path) -> dict:
         skip = case.find("skipped")
         if bad is not None:
             out["failed"] += 1
-            first = (bad.get("message") or "").splitlines()[:1]
-            out["failures"].append({"test": tid, "message": [m[:2000] for m in first]})
+            lines = (bad.get("message") or "").splitlines()[:20]
+            out["failures"].append({"test": tid, "message": [m[:2000] for m in lines],
+                                    "tracebacks": sorted(set(TRACEBACK.findall(bad.text or "")))})
         elif skip is not None:
             out["skipped"] += 1
             out["skips"].append({"test": tid, "reason": skip.get("message") or ""})
@@ -74,6 +95,7 @@ def main() -> None:
               "exit": done.returncode, "summary": tail[0],
               **(outcomes(junit) if junit.exists() else {"error": done.stderr[-2000:]})}
     a.out.parent.mkdir(parents=True, exist_ok=True)
+    keep_tracebacks(result.get("failures", []), a.out)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(done.stdout[-4000:])
     sys.exit(done.returncode)

@@ -423,14 +423,22 @@ def _short(text: str, width: int = 160) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
+def _telling(message: list[str]) -> str:
+    """The line of a failure's message that says most: vd's own error line where it holds one (an assertion on a
+    command's exit code starts with the command's first progress line), else its first."""
+    return next((m.strip() for m in message if "vd: error:" in m or "vd: internal error:" in m), message[0])
+
+
 def render_gpu_tests(d: dict | None) -> str:
     if d is None:
         return "The GPU tests have not been run with `tools/gpu_tests.py` yet."
     counts = ", ".join(f"{d[n]} {n}" for n in ("passed", "failed", "skipped") if d.get(n))
     lines = [made(d) + f" The last GPU run: **{counts}** (`{d.get('summary', '')}`)."]
-    lines += [f"- failed: `{f['test']}`" + (f": {_short(f['message'][0])}" if f.get("message") else "")
+    lines += [f"- failed: `{f['test']}`" + (f": {_short(_telling(f['message']))}" if f.get("message") else "")
               for f in d.get("failures", [])]
     lines += [f"- skipped: `{x['test']}`: {x['reason']}" for x in d.get("skips", [])]
+    if d.get("note"):
+        lines.append(f"\n{d['note'][:1].upper()}{d['note'][1:]}.")
     return "\n".join(lines)
 
 
