@@ -71,7 +71,11 @@ def replay(golden: str | os.PathLike | Location | Opened, settings: ReplaySettin
         require_model(model, "vd.replayer.replay()")
     clock = Clock()
     opened = golden if isinstance(golden, Opened) else clock.timed("open", lambda: open_golden_for(golden, settings))
-    s = set_up(opened, settings, model, progress, clock)
+    try:
+        s = set_up(opened, settings, model, progress, clock)  # (a refusal there stops the golden's reader)
+    except BaseException:
+        opened.golden.close()
+        raise
     try:
         decode, decoded = replay_decode(s)  # first: each K's verify rows are measured against these
         outcomes = [replay_k(s, k, decoded) for k in s.ks]

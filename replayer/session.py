@@ -186,6 +186,10 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
         candidate = CandidateWriter(s.save_candidate, g) if s.save_candidate is not None else None
     except GoldenError:
         reader.check_files()  # a damaged file, named, before whatever it broke
+        reader.close()
+        raise
+    except BaseException:
+        reader.close()  # refused: the thread reads no more (`_load_model`)
         raise
     clock.phases["setup"] = time.perf_counter() - t - clock.phases["load"]
     asked = BatchPlan(s.batch, s.slot, s.batch_seed or 0) if s.batch is not None else None
@@ -296,12 +300,20 @@ def _load_model(opened: Opened, s: ReplaySettings, clock: Clock, progress: Progr
     head = s.head if s.head is not None or s.model is not None else stored_head
     device = check_device(dev)
     reader = opened.reader or _reader(opened, device)
-    reader.check_listing()
-    progress.phase("loading model", 0)
-    t = time.perf_counter()
-    import_code(s.model or spec)
-    clock.within["model_code"] = time.perf_counter() - t
-    return reader, load_model(s.model or spec, device=device, dtype=g.logical, head=head)
+    try:
+        reader.check_listing()
+        progress.phase("loading model", 0)
+        t = time.perf_counter()
+        import_code(s.model or spec)
+        clock.within["model_code"] = time.perf_counter() - t
+        return reader, load_model(s.model or spec, device=device, dtype=g.logical, head=head)
+    except BaseException:
+        # Refused (a listing that is off, a model that will not load) or interrupted: the reader stops here. In a
+        # process that goes on (a suite's next golden, a test session) a thread still reading would copy to the
+        # GPU beside the next model's graph capture, which CUDA refuses ("operation not permitted when stream
+        # is capturing").
+        reader.close()
+        raise
 
 
 def check_model(golden: Golden, model: VerifyModel, allow_mismatch: bool, lacks: str | None = None, *,

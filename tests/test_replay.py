@@ -4,6 +4,8 @@ judged as its full golden is."""
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -325,3 +327,26 @@ def test_a_replay_probes_no_pinned_backend_it_does_not_run(tiny_golden, monkeypa
     assert r.variants[0].name == "sdpa-math" and probed == ["sdpa-math"]
     assert "sdpa-math" in list(m.forwards()) and "sdpa-cudnn" not in m.forwards()  # listing probes the rest, once
     assert sorted(probed) == sorted(["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"])
+
+
+@pytest.mark.parametrize("settings, error", [
+    (ReplaySettings(model="tiny-qwen2"), "vocab"),  # the model loads, then its check refuses it
+    (ReplaySettings(model=f"{PLUGINS / 'positional.py'}:number"), "lacks"),  # the model's load refuses it
+])
+def test_a_replay_refused_before_its_runs_leaves_no_reader_behind(tiny_golden, monkeypatch, settings, error):
+    """The golden's reader starts while the model loads (its files hashed, on CUDA its side copied to the device
+    on a thread). A replay refused after that (another model, a plug-in that returns no model) stops the thread
+    before it returns: in a long-lived process (a suite, the pytest plugin) a thread left reading would touch the
+    GPU beside the next golden's graph capture, which CUDA then refuses."""
+    from vd.store import prefetch
+
+    real = prefetch.Prefetcher._run
+
+    def slow(self, u, who):  # each unit long enough that the thread is still reading when the refusal comes
+        time.sleep(0.05)
+        real(self, u, who)
+
+    monkeypatch.setattr(prefetch.Prefetcher, "_run", slow)
+    with pytest.raises(Exception, match=error):
+        replay(tiny_golden, settings)
+    assert not [t for t in threading.enumerate() if t.name == "vd-golden"]

@@ -132,7 +132,11 @@ class Prefetcher:
 
     # -- who runs units ---------------------------------------------------------------------------
     def start_thread(self) -> None:
-        """Run units on a thread until they are all done or `pause` stops it."""
+        """Run units on a thread until they are all done or `pause` stops it; one started before (stopped by
+        `check_listing`) has ended first, so one thread at most reads and `close` has one to wait for."""
+        if self.thread is not None:
+            self.stop.set()
+            self.thread.join()
         self.stop.clear()
 
         def work():
@@ -161,6 +165,14 @@ class Prefetcher:
         self.stop.set()
         with self.lock:
             pass
+
+    def close(self) -> None:
+        """Stop the thread for good and wait for it to end (a replay refused before its runs): the unit in hand
+        finished, nothing of this reader touches the GPU or the golden's files after. What is left is dropped:
+        `ready` or `check_files` would still run it on the caller's thread."""
+        self.pause()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
 
     def ready(self) -> None:
         """Every unit left run now, on the caller's thread (a replay's, before its first run): after this the
