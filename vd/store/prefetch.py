@@ -168,8 +168,8 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop the thread for good and wait for it to end (a replay refused before its runs): the unit in hand
-        finished, nothing of this reader touches the GPU or the golden's files after. What is left is dropped:
-        `ready` or `check_files` would still run it on the caller's thread."""
+        finished, nothing of this reader touches the GPU or the golden's files after on a thread of its own (what
+        is left stays queued: `ready` or `check_files` would run it on the caller's thread)."""
         self.pause()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
