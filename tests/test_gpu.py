@@ -347,3 +347,39 @@ def test_a_traced_graphed_or_compiled_golden_locates_the_other(cli, tmp_path, re
         r = json.loads((tmp_path / "s.json").read_text())
         assert all(c["prefill_equal"] and c["mismatched_steps"] == 0 for v in r["verify"] for c in v["comparisons"])
         assert r["locate"] == []
+
+
+def test_a_collection_inside_a_capture_cannot_reset_an_earlier_graph():
+    """An earlier model's graphs freed by Python's cyclic collector while another graph is captured would be
+    reset mid-capture, which CUDA refuses ("operation not permitted when stream is capturing": the capture
+    fails). `GraphSet.capture` pauses the collector, so the collection the captured call would start (threshold
+    1, a cycle holding the old graphs dropped inside it) waits until the capture is over."""
+    import gc
+
+    from vd.models.static import WARMUP_RUNS, GraphSet
+
+    cuda = torch.device("cuda")
+    x = torch.arange(4.0, device=cuda)
+    old = GraphSet(lambda t: t * 2, cuda)
+    old.capture("old", (x,))
+    held, calls = {"old": old}, []
+    del old
+
+    def step(t):
+        calls.append(t)
+        if len(calls) == WARMUP_RUNS + 1 and "old" in held:  # the captured call
+            cycle: list = [held.pop("old")]
+            cycle.append(cycle)  # the old graphs now go with the collector alone
+            del cycle
+            gc.set_threshold(1)
+            _ = [[] for _ in range(1000)]  # enough new containers to start a collection, were it running
+        return t * 3
+
+    threshold = gc.get_threshold()
+    try:
+        new = GraphSet(step, cuda)
+        new.capture("new", (x,))
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()  # the old graphs go now, outside any capture
+    assert torch.equal(new.replay("new"), x * 3) and not held

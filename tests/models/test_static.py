@@ -141,3 +141,18 @@ def test_generated_model_is_reproducible_and_fingerprinted_by_content():
     b.forget_identity()
     assert b.identity().fingerprint != a.identity().fingerprint  # the checksum sees one changed weight
     assert device_checksum(torch.tensor([1, 2], dtype=torch.int16)) == 1 * 1 + 2 * 2
+
+
+def test_a_graph_is_captured_with_the_collector_paused(monkeypatch):
+    """`GraphSet.capture` runs its warm-ups and capture with Python's cyclic collector paused (a collection there
+    could reset an earlier model's graphs mid-capture: the GPU test
+    ``test_a_collection_inside_a_capture_cannot_reset_an_earlier_graph``), and leaves it as it was."""
+    import gc
+
+    from vd.models.static import GraphSet
+
+    seen = []
+    monkeypatch.setattr(GraphSet, "_capture", lambda self, key, inputs, fn: seen.append((key, fn, gc.isenabled())))
+    step = lambda: None  # noqa: E731
+    GraphSet(step, torch.device("cpu")).capture("k", ())
+    assert seen == [("k", step, False)] and gc.isenabled()

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from vd.loop import gc_paused
 from vd.models.inductor import inductor_settings
 from vd.models.lean import LeanStack
 from vd.models.lean import unsupported as lean_unsupported
@@ -189,8 +190,15 @@ class GraphSet:
         return key in self.graphs
 
     def capture(self, key: Any, inputs: tuple[Any, ...], fn: Callable | None = None) -> None:
-        """Capture ``fn`` (default: the set's) over ``inputs`` as the graph of ``key``."""
-        fn = fn or self.fn
+        """Capture ``fn`` (default: the set's) over ``inputs`` as the graph of ``key``, with Python's cyclic
+        collector paused: a collection inside a capture that frees an earlier model's graphs (a runner is freed
+        by the collector alone: its step closes over it) resets them mid-capture, which CUDA refuses
+        ("operation not permitted when stream is capturing") and the capture fails. `vd.loop.run_verify`
+        pauses it for the captures made mid-run; this covers those its `prepare` makes before."""
+        with gc_paused():
+            self._capture(key, inputs, fn or self.fn)
+
+    def _capture(self, key: Any, inputs: tuple[Any, ...], fn: Callable) -> None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
