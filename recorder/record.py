@@ -214,8 +214,7 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
     continues one a crash cut short: ``settings``, ``refresh`` and ``reason`` are then the journal's, every
     block computed again is checked against it, and the golden is the one the uninterrupted run would have
     written."""
-    if model is not None:
-        require_model(model, "vd.recorder.record()")
+    require_model(model, "vd.recorder.record()")
     location = locate(out)
     jpath = journal.of_location(location)
     header, frames = None, None

@@ -338,8 +338,7 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
            model: VerifyModel | None = None, on_k: Callable[[Located], None] | None = None) -> LocateReport:
     """``forward`` through the golden at ``where``, each K (or ``ks``), against the golden's module traces or
     against ``between``; see the module."""
-    if model is not None:
-        require_model(model, "vd.replayer.locate.locate()")
+    require_model(model, "vd.replayer.locate.locate()")
     g = open_golden(where)
     try:
         check_locatable(g, between)

@@ -67,8 +67,7 @@ def replay(golden: str | os.PathLike | Location | Opened, settings: ReplaySettin
     Bad input (a missing or damaged golden, an unknown model or forward, a fingerprint mismatch, a policy a
     slim golden cannot judge) raises a `vd.errors.VdError` before any comparison.
     """
-    if model is not None:
-        require_model(model, "vd.replayer.replay()")
+    require_model(model, "vd.replayer.replay()")
     clock = Clock()
     opened = golden if isinstance(golden, Opened) else clock.timed("open", lambda: open_golden_for(golden, settings))
     try:

@@ -184,12 +184,12 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
     try:
         forwards, offered, notes = _forwards(g, model, s, clock.within)
         candidate = CandidateWriter(s.save_candidate, g) if s.save_candidate is not None else None
-    except GoldenError:
-        reader.check_files()  # a damaged file, named, before whatever it broke
-        reader.close()
-        raise
-    except BaseException:
-        reader.close()  # refused: the thread reads no more (`_load_model`)
+    except BaseException as e:
+        try:
+            if isinstance(e, GoldenError):
+                reader.check_files()  # a damaged file, named, before whatever it broke
+        finally:
+            reader.close()  # refused: the thread reads no more (`_load_model`)
         raise
     clock.phases["setup"] = time.perf_counter() - t - clock.phases["load"]
     asked = BatchPlan(s.batch, s.slot, s.batch_seed or 0) if s.batch is not None else None

@@ -410,11 +410,12 @@ def not_a_model(model: object) -> str | None:
     if isinstance(model, VerifyModel):
         return None
     missing = ", ".join(n for n in protocol_members() if not hasattr(model, n))
-    what = "None" if model is None else f"an object of type {type(model).__name__}"
-    if isinstance(model, type):
-        what = f"the class {model.__qualname__}"
+    if model is None:
+        what = "None"
     elif _factory_like(model):
-        what = f"the function {getattr(model, '__qualname__', '?')}"
+        what = f"the {'class' if isinstance(model, type) else 'function'} {getattr(model, '__qualname__', '?')}"
+    else:
+        what = f"an object of type {type(model).__name__}"
     return f"{what}, which lacks {missing} of the vd model protocol"
 
 
@@ -426,8 +427,9 @@ def _factory_like(model: object) -> bool:
 
 def require_model(model: object, where: str) -> None:
     """Refuse, as a TypeError (a mistake in the caller's code, as a bad keyword is), a ``model`` handed to the
-    Python API ``where`` that is not a `VerifyModel`: before anything reads a golden or writes one."""
-    if (why := not_a_model(model)) is not None:
+    Python API ``where`` that is not a `VerifyModel`: before anything reads a golden or writes one. None is no
+    model handed in (the golden's or the settings' own is loaded) and passes."""
+    if model is not None and (why := not_a_model(model)) is not None:
         called = " (a factory? pass what it returns: model=factory(device=..., dtype=...))" if _factory_like(model) \
             else ""
         raise TypeError(f"{where} takes a vd.protocol.VerifyModel as model=; got {why}{called}")

@@ -38,6 +38,7 @@ from vd.cli.common import (
     examples,
     foreign_vd,
     golden_path,
+    kept_journal,
     out,
     reading_environment,
     reporting,
@@ -188,10 +189,7 @@ def _one(targets: list[str] | None, what: str) -> str:
 def _note_journal(out_path: str) -> None:
     """Say so where a recording starts afresh beside the journal of one cut short (`vd record --resume`
     continues that one instead): the new recording replaces the journal, and with it the rows it kept."""
-    from vd.store import journal, locate
-
-    kept = journal.of_location(locate(out_path))
-    if kept is not None and kept.is_file():
+    if (kept := kept_journal(out_path)) is not None:
         err.print(f"vd: note: {kept} keeps the rows of a recording of {out_path} that was cut short; this one "
                   f"starts afresh and replaces it (vd record {out_path} --resume continues that one instead)")
 

@@ -95,6 +95,14 @@ def interrupted(e: BaseException) -> str:
     return f"vd: {what}" + "".join(f"; {n}" for n in notes)
 
 
+def kept_journal(out_path: str) -> Path | None:
+    """The journal a recording into ``out_path`` cut short left (`vd record --resume` continues it), if any."""
+    from vd.store import journal, locate
+
+    kept = journal.of_location(locate(out_path))
+    return kept if kept is not None and kept.is_file() else None
+
+
 @contextlib.contextmanager
 def resumable(out_path: str):
     """Around a recording into ``out_path``: cut short by Ctrl-C or a signal, where it kept a journal (it had
@@ -102,11 +110,8 @@ def resumable(out_path: str):
     try:
         yield
     except (KeyboardInterrupt, Terminated) as e:
-        from vd.store import journal, locate
-
         with contextlib.suppress(Exception):  # (a path that cannot be located journals nothing)
-            kept = journal.of_location(locate(out_path))
-            if kept is not None and kept.is_file():
+            if (kept := kept_journal(out_path)) is not None:
                 e.add_note(f"{out_path} was not written; its journal {kept} keeps the rows computed: "
                            f"vd record {out_path} --resume continues it")
         raise

@@ -293,10 +293,9 @@ class Golden:
         """Replay through ``model`` (default: the golden's own), with `vd.replayer.ReplaySettings` fields as
         keywords; fails the test with vd's reasons, returns the report on PASS."""
         __tracebackhide__ = True
-        if model is not None:
-            from vd.protocol import require_model
+        from vd.protocol import require_model
 
-            require_model(model, "vd_golden(...).replay()")
+        require_model(model, "vd_golden(...).replay()")
         return self.session.check(self.name, self.who, model, **settings)
 
 

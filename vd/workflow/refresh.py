@@ -78,8 +78,7 @@ def _check_reason(reason: str) -> None:
 def refresh(where: str | os.PathLike, settings: RecordSettings, *, reason: str, name: str | None = None,
             model: VerifyModel | None = None, progress: Progress = SILENT) -> Refreshed:
     """Record ``settings`` as the golden at ``where``'s next version (see the module's docstring)."""
-    if model is not None:
-        require_model(model, "vd.workflow.refresh()")
+    require_model(model, "vd.workflow.refresh()")
     _check_reason(reason)
     settings.check()
     location = locate(where)

@@ -122,8 +122,7 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
     ``model``, when given, replays every golden (an engine under test), else each golden's own model. A golden
     stale against its declaration is not replayed (an ERROR naming what changed): what it holds is no longer
     what the suite declares."""
-    if model is not None:
-        require_model(model, "vd.workflow.suite.replay_suite()")
+    require_model(model, "vd.workflow.suite.replay_suite()")
     models = models or Models()
 
     def one(e: Entry) -> Outcome:
