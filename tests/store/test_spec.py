@@ -149,12 +149,67 @@ def test_format_md_names_every_key(golden):
     assert not missing, f"{golden.path}: keys FORMAT.md does not name: {missing}"
 
 
+def _small_arrays(g, k: int, prompt: list[int]) -> dict:
+    """The small arrays FORMAT.md gives K's group of golden ``g``: name -> (shape, data type)."""
+    s = g.steps_of(k)
+    small = {"tokens": ((s, k), "int32"), "accepted": ((s,), "int32")}
+    if g.version < 5:
+        small["step_ms"] = ((s,), "float64")
+    if g.drafted_at(k):
+        small["drafts"] = ((s, k - 1), "int32")
+    total = len(prompt) + s * k + (1 + s * (k - 1) if g.drafted_at(k) else 0)
+    if g.version >= 3:
+        small.update(digests=((total, 6), "int64"), stats=((total, 5), "float64"))
+    if "trace" in g.meta and k != 1:
+        t, m = len(prompt) + (1 if g.drafted_at(k) else 0) + s * k, len(g.meta["trace"]["points"])
+        small.update(trace_digests=((t, m, 6), "int64"), trace_stats=((t, m, 2), "float32"))
+    return small
+
+
+def _row_arrays(g, k: int, prompt: list[int]) -> dict:
+    """The logits-row arrays FORMAT.md gives K's group of golden ``g``: name -> shape."""
+    s, v = g.steps_of(k), g.vocab
+    rows = {"prefill": (len(prompt), v), "logits": (s, k, v)}
+    if g.drafted_at(k):
+        rows.update(bootstrap_logits=(1, v), draft_logits=(s, k - 1, v))
+    return rows
+
+
+def _check_small(g, k: int, small: dict) -> None:
+    for name, (shape, dtype) in small.items():
+        doc = g.zarr_doc(f"k{k}/{name}")
+        assert (tuple(doc["shape"]), doc["data_type"]) == (shape, dtype), name
+        assert doc["chunk_grid"]["configuration"]["chunk_shape"] == [max(x, 1) for x in shape], name
+        assert [c["name"] for c in doc["codecs"]] == (["bytes", "zstd", "crc32c"] if g.version <= 2
+                                                      else ["bytes", "crc32c"]), name
+
+
+def _check_rows(g, k: int, rows: dict, prompt: list[int]) -> None:
+    n = S.STORAGE[g.logical].itemsize
+    for name, shape in rows.items():
+        chunk0 = S.prefill_chunk_rows(len(prompt), g.vocab, n) if name == "prefill" else 1
+        if g.version < 4:
+            per = [(name, shape, S.STORAGE[g.logical].name)]
+        else:
+            per = [(f"{name}.hi", shape, "uint8"), (f"{name}.lo", (*shape, n - 1), "uint8")]
+        for array, want, dtype in per:
+            doc = g.zarr_doc(f"k{k}/{array}")
+            assert (tuple(doc["shape"]), doc["data_type"], doc["fill_value"]) == (want, dtype, 0), array
+            chunks = doc["chunk_grid"]["configuration"]["chunk_shape"]
+            assert chunks == [chunk0, *want[1:]], array
+            codecs = [c["name"] for c in doc["codecs"]]
+            plain = array.endswith(".lo") or g.version == 3
+            assert codecs == (["bytes", "crc32c"] if plain else ["bytes", "zstd", "crc32c"]), array
+            if "zstd" in codecs:
+                assert doc["codecs"][1]["configuration"]["level"] == 1
+            chunk_files = [key for key in g.files if key.startswith(f"k{k}/{array}/c/")]
+            assert len(chunk_files) == -(-want[0] // chunks[0]), array  # every chunk written
+
+
 @pytest.mark.parametrize("golden", _goldens(), indirect=True)
 def test_layout_and_codecs_are_format_md_s(golden):
-    g, v = golden, golden.vocab
-    n = S.STORAGE[g.logical].itemsize
-    zipped = g.path.suffix == ".zip"
-    if zipped:
+    g = golden
+    if g.path.suffix == ".zip":
         with zipfile.ZipFile(g.path) as z:
             assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
     prompt = g.prompt()
@@ -163,52 +218,17 @@ def test_layout_and_codecs_are_format_md_s(golden):
         assert g.meta["prompt_tokens"] == prompt
     assert g.meta["format"] == "vd-golden" and 1 <= g.version <= 7
     for k in g.groups:
-        s = g.steps_of(k)
         attrs = g.k_attrs(k)
-        assert attrs["k"] == k and attrs["steps"] == s
-        small = {"tokens": ((s, k), "int32"), "accepted": ((s,), "int32")}
-        if g.version < 5:
-            small["step_ms"] = ((s,), "float64")
-        if g.drafted_at(k):
-            small["drafts"] = ((s, k - 1), "int32")
-        rows = {"prefill": (len(prompt), v), "logits": (s, k, v)}
-        if g.drafted_at(k):
-            rows.update(bootstrap_logits=(1, v), draft_logits=(s, k - 1, v))
-        total = len(prompt) + s * k + (1 + s * (k - 1) if g.drafted_at(k) else 0)
-        if g.version >= 3:
-            small.update(digests=((total, 6), "int64"), stats=((total, 5), "float64"))
-        if "trace" in g.meta and k != 1:
-            t, m = len(prompt) + (1 if g.drafted_at(k) else 0) + s * k, len(g.meta["trace"]["points"])
-            small.update(trace_digests=((t, m, 6), "int64"), trace_stats=((t, m, 2), "float32"))
+        assert attrs["k"] == k and attrs["steps"] == g.steps_of(k)
+        small, rows = _small_arrays(g, k, prompt), _row_arrays(g, k, prompt)
         names = {key.split("/")[1] for key in g.files if key.startswith(f"k{k}/") and key.count("/") >= 2}
         expected = set(small)
         if g.rows_stored:
             expected |= {f"{r}{p}" for r in rows for p in ((".hi", ".lo") if g.version >= 4 else ("",))}
         assert names == expected, f"k{k}"
-        for name, (shape, dtype) in small.items():
-            doc = g.zarr_doc(f"k{k}/{name}")
-            assert (tuple(doc["shape"]), doc["data_type"]) == (shape, dtype), name
-            assert doc["chunk_grid"]["configuration"]["chunk_shape"] == [max(x, 1) for x in shape], name
-            assert [c["name"] for c in doc["codecs"]] == (["bytes", "zstd", "crc32c"] if g.version <= 2
-                                                          else ["bytes", "crc32c"]), name
-        for name, shape in rows.items() if g.rows_stored else ():
-            chunk0 = S.prefill_chunk_rows(len(prompt), v, n) if name == "prefill" else 1
-            if g.version < 4:
-                per = [(name, shape, S.STORAGE[g.logical].name)]
-            else:
-                per = [(f"{name}.hi", shape, "uint8"), (f"{name}.lo", (*shape, n - 1), "uint8")]
-            for array, want, dtype in per:
-                doc = g.zarr_doc(f"k{k}/{array}")
-                assert (tuple(doc["shape"]), doc["data_type"], doc["fill_value"]) == (want, dtype, 0), array
-                chunks = doc["chunk_grid"]["configuration"]["chunk_shape"]
-                assert chunks == [chunk0, *want[1:]], array
-                codecs = [c["name"] for c in doc["codecs"]]
-                plain = array.endswith(".lo") or g.version == 3
-                assert codecs == (["bytes", "crc32c"] if plain else ["bytes", "zstd", "crc32c"]), array
-                if "zstd" in codecs:
-                    assert doc["codecs"][1]["configuration"]["level"] == 1
-                chunk_files = [key for key in g.files if key.startswith(f"k{k}/{array}/c/")]
-                assert len(chunk_files) == -(-want[0] // chunks[0]), array  # every chunk written
+        _check_small(g, k, small)
+        if g.rows_stored:
+            _check_rows(g, k, rows, prompt)
 
 
 @pytest.mark.parametrize("golden", _goldens(), indirect=True)
