@@ -45,6 +45,59 @@ def bare_verify(model, prompt, golden) -> None:
             model.rewind(k - 1 - int(na))
 
 
+def _timed(a: argparse.Namespace, model, prompt: list[int], ks: tuple[int, ...], path: Path) -> dict[str, list[float]]:
+    """Each variant's seconds, ``a.reps`` interleaved repetitions; the golden is left at ``path``."""
+    times: dict[str, list[float]] = {n: [] for n in
+                                     ("bare_record", "record", "bare_replay", "replay", "replay_with_control")}
+    for _ in range(a.reps):
+        t = time.perf_counter()
+        record(path, RecordSettings(model=a.model, ks=ks, steps=a.steps), refresh=True, model=model)
+        times["record"].append(time.perf_counter() - t)
+        golden = open_golden(path)
+
+        t = time.perf_counter()
+        continuation(model, prompt, a.steps * max(ks) + 1)
+        bare_verify(model, prompt, golden)
+        times["bare_record"].append(time.perf_counter() - t)
+
+        t = time.perf_counter()
+        bare_verify(model, prompt, golden)
+        times["bare_replay"].append(time.perf_counter() - t)
+
+        t = time.perf_counter()
+        assert replay(path, ReplaySettings(control=False), model=model).verdict == "PASS"
+        times["replay"].append(time.perf_counter() - t)
+
+        t = time.perf_counter()
+        assert replay(path, model=model).verdict == "PASS"
+        times["replay_with_control"].append(time.perf_counter() - t)
+    return times
+
+
+def _sizes(path: Path, ks: tuple[int, ...], work: Path) -> dict[str, float]:
+    """The golden's bytes, its logits rows' against raw bf16, and its slim form's (made under ``work``)."""
+    golden = open_golden(path)
+    raw = sum((golden.layout(k).counts["prefill"] + golden.layout(k).counts["verify"]) * golden.info.vocab * 2
+              for k in ks)
+    stored = locate(path).nbytes()
+    logits_stored = sum(f.stat().st_size for k in ks for d in (path / f"k{k}").iterdir()
+                        if d.name.split(".")[0] in ("prefill", "logits") for f in d.rglob("*") if f.is_file())
+    slim_bytes = slim(path, work / "slim.zarr").nbytes()
+    return {"golden_bytes": stored, "golden_logits_bytes": logits_stored, "raw_bf16_logits_bytes": raw,
+            "logits_stored_over_raw": logits_stored / raw, "slim_bytes": slim_bytes,
+            "slim_over_full": slim_bytes / stored}
+
+
+NOTES = ("each ratio is taken repetition by repetition (the repetitions are interleaved) and given as "
+         "min, median and max: the eager forward's time on a shared 2-core host varies from one "
+         "repetition to the next by more than vd's own cost. record includes the greedy "
+         "continuation, the rows' digests and the zarr write; bare_record the same continuation "
+         "and verify steps with no storage. replay includes opening the "
+         "golden, reading its step logs and digests, and comparing every row by digest (rows read "
+         "only where digests differ); replay_with_control adds the detection-control pass (one "
+         "more replay of every K, whose changed rows are read), which the CLI always runs.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -58,40 +111,9 @@ def main() -> None:
     prompt = model.encode(DEFAULT_PROMPT)
     ks = (2, 3, 4)
     work = Path(tempfile.mkdtemp(prefix="vd-bench-"))
-    times: dict[str, list[float]] = {n: [] for n in
-                                     ("bare_record", "record", "bare_replay", "replay", "replay_with_control")}
     try:
-        path = work / "g.zarr"
-        for _ in range(a.reps):
-            t = time.perf_counter()
-            record(path, RecordSettings(model=a.model, ks=ks, steps=a.steps), refresh=True, model=model)
-            times["record"].append(time.perf_counter() - t)
-            golden = open_golden(path)
-
-            t = time.perf_counter()
-            continuation(model, prompt, a.steps * max(ks) + 1)
-            bare_verify(model, prompt, golden)
-            times["bare_record"].append(time.perf_counter() - t)
-
-            t = time.perf_counter()
-            bare_verify(model, prompt, golden)
-            times["bare_replay"].append(time.perf_counter() - t)
-
-            t = time.perf_counter()
-            assert replay(path, ReplaySettings(control=False), model=model).verdict == "PASS"
-            times["replay"].append(time.perf_counter() - t)
-
-            t = time.perf_counter()
-            assert replay(path, model=model).verdict == "PASS"
-            times["replay_with_control"].append(time.perf_counter() - t)
-
-        golden = open_golden(path)
-        raw = sum((golden.layout(k).counts["prefill"] + golden.layout(k).counts["verify"]) * golden.info.vocab * 2
-                  for k in ks)
-        stored = locate(path).nbytes()
-        logits_stored = sum(f.stat().st_size for k in ks for d in (path / f"k{k}").iterdir()
-                            if d.name.split(".")[0] in ("prefill", "logits") for f in d.rglob("*") if f.is_file())
-        slim_bytes = slim(path, work / "slim.zarr").nbytes()
+        times = _timed(a, model, prompt, ks, work / "g.zarr")
+        sizes = _sizes(work / "g.zarr", ks, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -110,26 +132,13 @@ def main() -> None:
         "seconds": {n: spread(v) for n, v in times.items()},
         "seconds_all": times,
         **per_rep,
-        "golden_bytes": stored,
-        "golden_logits_bytes": logits_stored,
-        "raw_bf16_logits_bytes": raw,
-        "logits_stored_over_raw": logits_stored / raw,
-        "slim_bytes": slim_bytes,
-        "slim_over_full": slim_bytes / stored,
-        "notes": "each ratio is taken repetition by repetition (the repetitions are interleaved) and given as "
-                 "min, median and max: the eager forward's time on a shared 2-core host varies from one "
-                 "repetition to the next by more than vd's own cost. record includes the greedy "
-                 "continuation, the rows' digests and the zarr write; bare_record the same continuation "
-                 "and verify steps with no storage. replay includes opening the "
-                 "golden, reading its step logs and digests, and comparing every row by digest (rows read "
-                 "only where digests differ); replay_with_control adds the detection-control pass (one "
-                 "more replay of every K, whose changed rows are read), which the CLI always runs.",
+        **sizes,
+        "notes": NOTES,
     }
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("seconds", "record_ratio", "replay_ratio",
                                              "replay_with_control_ratio", "logits_stored_over_raw",
                                              "slim_over_full")}, indent=2))
-
 
 if __name__ == "__main__":
     main()
