@@ -160,7 +160,7 @@ def acceptance(model, ks, steps):
     return out
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", type=Path, required=True)
@@ -181,7 +181,34 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--eval-only", action="store_true", help="measure an existing head on --device and add "
                     "the figures to its JSON")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def _train(layer, host, data: list, a: argparse.Namespace) -> list[float]:
+    """Train ``layer`` on ``data`` for ``a.epochs`` (AdamW, one-cycle schedule, seeded order): each epoch's
+    mean loss."""
+    opt = torch.optim.AdamW(layer.parameters(), lr=a.lr, weight_decay=0.0)
+    total = a.epochs * len(data)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=total, pct_start=0.1)
+    gen = torch.Generator().manual_seed(a.seed)
+    losses = []
+    for epoch in range(a.epochs):
+        ep = 0.0
+        for i in torch.randperm(len(data), generator=gen).tolist():
+            loss = unrolled_loss(layer, host.model, *data[i], a.depth)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            ep += float(loss.detach())
+        losses.append(ep / len(data))
+        print(f"epoch {epoch}: loss {losses[-1]:.3f}", file=sys.stderr)
+    return losses
+
+
+def main() -> None:
+    a = _args()
     if a.eval_only:
         return evaluate_only(a)
 
@@ -201,23 +228,7 @@ def main() -> None:
     layer, cfg = new_attached_layer(host.model, intermediate_size=a.intermediate)
     seeded_init(layer, a.seed, 0.02)
     layer.train()
-    opt = torch.optim.AdamW(layer.parameters(), lr=a.lr, weight_decay=0.0)
-    total = a.epochs * len(data)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=total, pct_start=0.1)
-    gen = torch.Generator().manual_seed(a.seed)
-    losses = []
-    for epoch in range(a.epochs):
-        ep = 0.0
-        for i in torch.randperm(len(data), generator=gen).tolist():
-            loss = unrolled_loss(layer, host.model, *data[i], a.depth)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            ep += float(loss.detach())
-        losses.append(ep / len(data))
-        print(f"epoch {epoch}: loss {losses[-1]:.3f}", file=sys.stderr)
+    losses = _train(layer, host, data, a)
     t_train = time.perf_counter() - t0 - t_data
 
     # Measure as vd will run it: bf16 host, the head rounded to bf16 as it is saved.
