@@ -67,6 +67,26 @@ def kernel_profile(model, prompt, k: int, steps: int) -> dict:
     }
 
 
+def graphed_step_ms(model, forward: str, prompt, k: int, reps: int = 50) -> float:
+    """The median device time of one verify step of width ``k`` under the graphed ``forward``, over ``reps``
+    replays (CUDA events around each, the step rewound after)."""
+    model.set_forward(forward)
+    model.prepare(len(prompt) + 64, [k])
+    model.reset()
+    model.forward(prompt)
+    tokens = prompt[-k:]
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        model.forward(tokens)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+        model.rewind(k)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3-8b-shape")
@@ -104,21 +124,7 @@ def main() -> None:
         save()
         graphed = {"static": "graphed", "compiled": "compiled-graphed"}.get(args.forward)
         if graphed in model.forwards():
-            model.set_forward(graphed)
-            model.prepare(len(prompt) + 64, [args.k])
-            model.reset()
-            model.forward(prompt)
-            tokens = prompt[-args.k:]
-            times = []
-            for _ in range(50):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                model.forward(tokens)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-                model.rewind(args.k)
-            run["graphed_step_ms"] = statistics.median(times)
+            run["graphed_step_ms"] = graphed_step_ms(model, graphed, prompt, args.k)
             print(f"  graphed step {run['graphed_step_ms']:.3f} ms", flush=True)
             save()
 
