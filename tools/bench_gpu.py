@@ -199,7 +199,7 @@ def _raw_bytes(path: Path, k: int) -> int:
     return (counts["prefill"] + counts["verify"]) * g.info.vocab * g.info.dtype.storage.itemsize
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3-8b-shape")
     ap.add_argument("--forwards", default="eager,sdpa,static,graphed,compiled,compiled-graphed")
@@ -208,11 +208,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    started = provenance()
-    device = torch.device("cuda")
-    ks = [int(x) for x in args.k.split(",")]
+    return ap.parse_args()
 
+
+def _start(args: argparse.Namespace, device: torch.device) -> tuple:
+    """The model built on ``device``, and the run's header: where start-up went (transformers' model code
+    imported, CUDA started, the build, the fingerprint) and the weight-streaming floor."""
     t = time.perf_counter()
     import transformers.models.llama.modeling_llama  # noqa: F401  imported apart from the build it serves
     import_s = time.perf_counter() - t
@@ -229,10 +230,99 @@ def main() -> None:
     bw = copy_bandwidth(device)
     wbytes = weight_bytes(model)
     floor_ms = wbytes / bw * 1e3
-    prompt = model.encode(args.prompt)
     print(f"{args.model}: {wbytes / 1e9:.2f} GB of weights, copy {bw / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms; "
           f"import {import_s:.1f} s, CUDA init {cuda_init_s:.1f} s, build {load_s:.2f} s, fingerprint "
           f"{fingerprint_s:.2f} s", flush=True)
+    header = {
+        "gpu": torch.cuda.get_device_name(device),
+        "gpu_id": gpu_id(device),
+        "environment": env.of_model(model),
+        "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
+        "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
+        "prompt_tokens": len(model.encode(args.prompt)), "import_s": import_s, "cuda_init_s": cuda_init_s,
+        "load_s": load_s, "fingerprint_s": fingerprint_s,
+    }
+    return model, header
+
+
+def _repetitions(model, path: Path, settings: RecordSettings, args: argparse.Namespace, k: int,
+                 collections: Collections) -> tuple[dict[str, list], dict]:
+    """``args.reps`` interleaved repetitions of a recording, its bare loop, a replay and its bare loop (so
+    drift hits both sides alike): every sample, and the last replay's report."""
+    prompt = model.encode(args.prompt)
+    steps = open_golden(path).checked_log(k).steps
+    replay_settings = ReplaySettings(forwards=(settings.forward,), control=False)
+    timed_replay(path, replay_settings, model)  # warm-up
+    samples: dict[str, list] = {"record_s": [], "bare_record_s": [], "replay_s": [], "bare_replay_s": [],
+                                "step_ms": []}
+    for _ in range(args.reps):
+        collections.take()
+        t = time.perf_counter()
+        done = record(path, settings, refresh=True, model=model)
+        samples["record_s"].append(time.perf_counter() - t)
+        samples.setdefault("record_gc_ms", []).append(collections.take())
+        t = time.perf_counter()
+        finish_removals()  # the version the refresh replaced, removed on a thread: not beside what is timed
+        samples.setdefault("refresh_removal_s", []).append(time.perf_counter() - t)
+        for name, sec in done.seconds.items():  # where record's own time went
+            samples.setdefault(f"record_{name}_s", []).append(sec)
+        for name, sec in done.parts.items():  # parts of its store and write (RecordResult.parts)
+            samples.setdefault(f"record_part_{name}_s", []).append(sec)
+        bare_s, _ = bare_verify(model, prompt, steps)
+        samples["bare_record_s"].append(bare_decode(model, prompt, args.steps * k + 1) + bare_s)
+        replay_s, opened_s, read_s, r = timed_replay(path, replay_settings, model)
+        samples["replay_s"].append(replay_s)
+        samples.setdefault("replay_opened_s", []).append(opened_s)
+        samples.setdefault("replay_read_s", []).append(read_s)
+        for name, sec in r["phases"].items():  # where replay's own time went
+            samples.setdefault(f"replay_{name}_s", []).append(sec)
+        samples["bare_replay_s"].append(bare_replay(model, prompt, path))
+        samples["step_ms"].extend(bare_verify(model, prompt, steps, timed=True)[1])
+    return samples, r
+
+
+def _figures(samples: dict[str, list]) -> dict:
+    """Each figure's spread over the repetitions: the step, the record ratio without and with the store's
+    tail, the tail, the replay ratio."""
+    tail_s = [a + b + c for a, b, c in zip(samples["record_store_s"], samples["record_write_s"],
+                                           samples["record_equivalence_s"])]
+    loop_s = [a - b for a, b in zip(samples["record_s"], tail_s)]
+    return {
+        "step_ms": spread(samples["step_ms"]),
+        "record_ratio": ratios(loop_s, samples["bare_record_s"]),
+        "record_total_ratio": ratios(samples["record_s"], samples["bare_record_s"]),
+        "record_tail_ms": spread([1e3 * x for x in tail_s]),
+        "replay_ratio": ratios(samples["replay_s"], samples["bare_replay_s"]),
+    }
+
+
+def _row(model, name: str, fwd: str, k: int, path: Path, floor_ms: float, accepted, samples: dict[str, list],
+         r: dict) -> dict:
+    """One forward and K's row of the run (``name``: the model as the command named it)."""
+    step_ms = statistics.median(samples["step_ms"])
+    figures = _figures(samples)
+    graphed = bool(r["graphs"] == "graphed")
+    return {
+        "model": name, "forward": fwd, "description": model.forwards()[fwd], "k": k,
+        "graphs": r["graphs"], "verdict": r["verdict"], "reasons": r["reasons"],
+        "step_ms": step_ms, "floor_ms": floor_ms, "step_over_floor": step_ms / floor_ms,
+        **({n: figures[n]["median"] for n in ("record_ratio", "record_total_ratio", "replay_ratio")}
+           if graphed else {"host_bound": "an ungraphed forward launches every kernel from Python: its "
+                                         "ratios below are the host's noise as much as vd's cost"}),
+        "record_tail_ms": figures["record_tail_ms"]["median"],
+        "spread": figures,
+        "accepted": accepted, "reader": r["reader"], "samples": samples,
+        "golden_bytes": locate(path).nbytes(), "raw_rows_bytes": _raw_bytes(path, k),
+    }
+
+
+def main() -> None:
+    args = _args()
+    started = provenance()
+    device = torch.device("cuda")
+    ks = [int(x) for x in args.k.split(",")]
+    model, header = _start(args, device)
+    prompt = model.encode(args.prompt)
 
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="vd-bench-"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its goldens, whatever ends the run
@@ -240,15 +330,7 @@ def main() -> None:
     run = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        **started, "load_after": None,
-        "gpu": torch.cuda.get_device_name(device),
-        "gpu_id": gpu_id(device),
-        "environment": env.of_model(model),
-        "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
-        "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
-        "prompt_tokens": len(prompt), "import_s": import_s, "cuda_init_s": cuda_init_s, "load_s": load_s,
-        "fingerprint_s": fingerprint_s,
-        "rows": rows,
+        **started, "load_after": None, **header, "rows": rows,
     }
 
     def save():  # after every row, so a run cut short still leaves its figures
@@ -271,66 +353,16 @@ def main() -> None:
                                       allow_thin=True)
             rec = record(path, settings, refresh=True, model=model)  # warm-up: the first record compiles too
             finish_removals()
-            steps = open_golden(path).checked_log(k).steps
-            replay_settings = ReplaySettings(forwards=(fwd,), control=False)
-            timed_replay(path, replay_settings, model)  # warm-up
-            samples = {"record_s": [], "bare_record_s": [], "replay_s": [], "bare_replay_s": [], "step_ms": []}
-            for _ in range(args.reps):  # interleaved, so drift hits both sides alike
-                collections.take()
-                t = time.perf_counter()
-                done = record(path, settings, refresh=True, model=model)
-                samples["record_s"].append(time.perf_counter() - t)
-                samples.setdefault("record_gc_ms", []).append(collections.take())
-                t = time.perf_counter()
-                finish_removals()  # the version the refresh replaced, removed on a thread: not beside what is timed
-                samples.setdefault("refresh_removal_s", []).append(time.perf_counter() - t)
-                for name, sec in done.seconds.items():  # where record's own time went
-                    samples.setdefault(f"record_{name}_s", []).append(sec)
-                for name, sec in done.parts.items():  # parts of its store and write (RecordResult.parts)
-                    samples.setdefault(f"record_part_{name}_s", []).append(sec)
-                bare_s, _ = bare_verify(model, prompt, steps)
-                samples["bare_record_s"].append(bare_decode(model, prompt, args.steps * k + 1) + bare_s)
-                replay_s, opened_s, read_s, r = timed_replay(path, replay_settings, model)
-                samples["replay_s"].append(replay_s)
-                samples.setdefault("replay_opened_s", []).append(opened_s)
-                samples.setdefault("replay_read_s", []).append(read_s)
-                for name, sec in r["phases"].items():  # where replay's own time went
-                    samples.setdefault(f"replay_{name}_s", []).append(sec)
-                samples["bare_replay_s"].append(bare_replay(model, prompt, path))
-                samples["step_ms"].extend(bare_verify(model, prompt, steps, timed=True)[1])
-            med = {n: statistics.median(v) for n, v in samples.items()}
-            graphed = bool(r["graphs"] == "graphed")
-            tail_s = [a + b + c for a, b, c in zip(samples["record_store_s"], samples["record_write_s"],
-                                                   samples["record_equivalence_s"])]
-            loop_s = [a - b for a, b in zip(samples["record_s"], tail_s)]
-            figures = {
-                "step_ms": spread(samples["step_ms"]),
-                "record_ratio": ratios(loop_s, samples["bare_record_s"]),
-                "record_total_ratio": ratios(samples["record_s"], samples["bare_record_s"]),
-                "record_tail_ms": spread([1e3 * x for x in tail_s]),
-                "replay_ratio": ratios(samples["replay_s"], samples["bare_replay_s"]),
-            }
-            row = {
-                "model": args.model, "forward": fwd, "description": model.forwards()[fwd], "k": k,
-                "graphs": r["graphs"], "verdict": r["verdict"], "reasons": r["reasons"],
-                "step_ms": med["step_ms"], "floor_ms": floor_ms, "step_over_floor": med["step_ms"] / floor_ms,
-                **({n: figures[n]["median"] for n in ("record_ratio", "record_total_ratio", "replay_ratio")}
-                   if graphed else {"host_bound": "an ungraphed forward launches every kernel from Python: its "
-                                                 "ratios below are the host's noise as much as vd's cost"}),
-                "record_tail_ms": figures["record_tail_ms"]["median"],
-                "spread": figures,
-                "accepted": rec.accepted[k], "reader": r["reader"], "samples": samples,
-                "golden_bytes": locate(path).nbytes(), "raw_rows_bytes": _raw_bytes(path, k),
-            }
+            samples, r = _repetitions(model, path, settings, args, k, collections)
+            row = _row(model, args.model, fwd, k, path, header["floor_ms"], rec.accepted[k], samples, r)
             rows.append(row)
-            f = figures
+            f = row["spread"]
             print(f"  {fwd:17s} K={k}: step {row['step_ms']:.3f} ms ({row['step_over_floor']:.2f}x floor), record "
                   f"{f['record_ratio']['min']:.3f}-{f['record_ratio']['max']:.3f}x + tail "
                   f"{f['record_tail_ms']['median']:.1f} ms, replay {f['replay_ratio']['min']:.3f}-"
                   f"{f['replay_ratio']['max']:.3f}x, {r['verdict']}", flush=True)
             row["prepare_s"] = warm_s  # graph capture (and compilation) before the first K
             save()
-
 
 if __name__ == "__main__":
     from vd.models import tp
