@@ -3,6 +3,7 @@ orphaned goldens."""
 
 import re
 import shutil
+import weakref
 
 import pytest
 from golden_edit import chunk, flip_byte
@@ -12,7 +13,7 @@ from vd.replayer import ReplaySettings
 from vd.store import open_golden
 from vd.workflow.declare import load_suite, shard
 from vd.workflow.status import orphans, prune, status
-from vd.workflow.suite import Models, exit_code, record_suite, replay_suite
+from vd.workflow.suite import Models, exit_code, record_key, record_suite, replay_plan, replay_suite
 
 SUITE = """
 [defaults]
@@ -53,6 +54,53 @@ def test_a_suite_is_recorded_and_replayed_with_its_model_loaded_once(tmp_path, p
     gone = replay_suite(suite.select(), models=models)
     assert [o.verdict for o in gone] == ["ERROR", "PASS", "PASS"] and "does not exist" in gone[0].error
     assert exit_code(gone) == 2
+
+
+TWO_MODELS = """
+[defaults]
+steps = 4
+k = [2]
+[goldens.a]
+path = "goldens/a.zarr"
+model = "tiny-llama"
+[goldens.b]
+path = "goldens/b.zarr"
+model = "tiny-qwen2"
+[goldens.c]
+path = "goldens/c.zarr"
+model = "tiny-llama"
+prompt = "Another prompt entirely."
+"""
+
+
+class Watching(Models):
+    """`Models` that notes which models it holds at each golden, and keeps a weak reference to each it loads."""
+
+    def __init__(self, plan=()):
+        super().__init__(plan)
+        self.held_at, self.loaded = [], []
+
+    def get(self, *args, **kwargs):
+        m = super().get(*args, **kwargs)
+        if not any(r() is m for r in self.loaded):
+            self.loaded.append(weakref.ref(m))
+        self.held_at.append(sorted(key[0] for key in self.held))
+        return m
+
+
+def test_a_suite_lets_each_model_go_after_its_last_golden(tmp_path):
+    entries = _suite(tmp_path, TWO_MODELS).select()
+    recording = Watching([record_key(e) for e in entries])
+    assert [o.verdict for o in record_suite(entries, models=recording)] == ["RECORDED"] * 3
+    replaying = Watching(replay_plan(entries, ReplaySettings()))  # each golden's model read from it
+    assert [o.verdict for o in replay_suite(entries, models=replaying)] == ["PASS"] * 3
+    for models in (recording, replaying):
+        # tiny-llama is held until its last golden (c), tiny-qwen2 goes after its only one (b), and each is
+        # freed, not only dropped (a GPU gets its memory back for the next model)
+        assert models.held_at == [["tiny-llama"], ["tiny-llama", "tiny-qwen2"], ["tiny-llama"]]
+        assert models.loads == 2 and not models.held and [r() for r in models.loaded] == [None, None]
+    kept = Models()  # no plan (the pytest plugin's): every model stays for the session
+    assert [o.verdict for o in replay_suite(entries, models=kept)] == ["PASS"] * 3 and len(kept.held) == 2
 
 
 def test_shards_split_the_suite_by_name(tmp_path):

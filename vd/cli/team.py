@@ -71,10 +71,10 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
         check_no_golden(e.name, e.path, replace=True)
     from vd.replayer import words
-    from vd.workflow.suite import Models, exit_code
+    from vd.workflow.suite import Models, exit_code, record_key
     from vd.workflow.suite import record_suite as do_record
 
-    models, outcomes = Models(), []
+    models, outcomes = Models([record_key(e) for e in entries]), []  # each model let go after its last golden
     with reporting() as progress:
         for e in entries:  # each golden's pin set and its line printed as it is published: a suite cut short
             with resumable(e.path):  # (Ctrl-C, a CI timeout) leaves no published golden its pin refuses
@@ -107,11 +107,11 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
         check_writable(flag, path, [e.path for e in entries], directory=flag == "--bundle")
     from vd.replayer import ReplaySettings, render, words
-    from vd.workflow.suite import Models, SuiteReport, for_entry
+    from vd.workflow.suite import Models, SuiteReport, for_entry, replay_plan
     from vd.workflow.suite import replay_suite as do_replay
 
     settings = ReplaySettings(**asked)
-    models, outcomes, t = Models(), [], time.perf_counter()
+    models, outcomes, t = Models(replay_plan(entries, settings)), [], time.perf_counter()
     with reporting() as progress, reading_environment() as environ:  # (what bundles' command.sh sets again)
         for e in entries:
             outcomes += do_replay([e], for_entry(settings, e), models=models, progress=progress)

@@ -1,5 +1,6 @@
 """A suite's goldens recorded and replayed together (`record_suite`, `replay_suite`), each model loaded once
-per process however many goldens use it (`Models`), with one aggregated verdict (`Outcome`, `verdict`).
+per process however many goldens use it and let go after the last of them (`Models`), with one aggregated
+verdict (`Outcome`, `verdict`).
 
 A golden that cannot be replayed (missing, damaged, made by another model) is one ``ERROR`` outcome with its
 one-line reason; the others still run. The suite's exit code is the worst of its goldens': 2 where any
@@ -9,8 +10,10 @@ golden could not be judged, else 1 where any FAILed, else 0.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -31,12 +34,22 @@ _COMPARED = ("model", "head", "feed", "prompt", "ks", "steps", "dtype", "device"
              "deterministic", "threads")
 
 
-class Models:
-    """Models by (spec, device, dtype, head), each loaded at its first use (``loads`` counts the loads)."""
+Key = tuple[str, str, str, str | None]  # a model as `Models` holds it: (spec, device, dtype, head)
 
-    def __init__(self):
-        self.held: dict[tuple, VerifyModel] = {}
+
+class Models:
+    """Models by (spec, device, dtype, head), each loaded at its first use (``loads`` counts the loads).
+
+    With a ``plan`` (each golden's key in the order they run; None for one that will not load a model), a
+    model is let go once the last golden planned for it is `done`: a suite of goldens of several models holds
+    at once only those whose goldens are still to come (keep each model's goldens together and that is one),
+    instead of every model until the suite ends, which runs a GPU out of memory. Without one (the pytest
+    plugin, whose tests come in pytest's order), every model stays held."""
+
+    def __init__(self, plan: Iterable[Key | None] = ()):
+        self.held: dict[Key, VerifyModel] = {}
         self.loads = 0
+        self.left = Counter(key for key in plan if key is not None)
 
     def get(self, spec: str, device: str, dtype: str, head: str | None, progress: Progress = SILENT) -> VerifyModel:
         key = (spec, device, dtype, head)
@@ -47,6 +60,57 @@ class Models:
             self.held[key] = load_model(spec, device=check_device(device), dtype=dtype, head=head)
             self.loads += 1
         return self.held[key]
+
+    def done(self, key: Key | None) -> None:
+        """A golden planned for ``key`` is done with it; after the last, the model is let go."""
+        if key is None or key not in self.left:
+            return
+        self.left[key] -= 1
+        if self.left[key] > 0:
+            return
+        del self.left[key]
+        model = self.held.pop(key, None)
+        if model is None:
+            return
+        cuda = model.device.type == "cuda"
+        del model
+        gc.collect()  # a model's modules and its forwards' closures refer to each other: counting frees none
+        if cuda:
+            import torch
+
+            torch.cuda.empty_cache()  # what it held goes back to the device for the next model
+
+
+def record_key(entry: Entry) -> Key:
+    """The model an entry records with."""
+    s = record_settings(entry)
+    return (s.model, s.device, s.dtype, s.head)
+
+
+def replay_key(settings: ReplaySettings, g: Golden) -> Key:
+    """The model a golden replays with under ``settings``: its own, or the one they name."""
+    spec, head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
+    return (settings.model or spec, settings.device or g.info.device, g.logical,
+            settings.head if settings.model else head)
+
+
+def replay_plan(entries: Sequence[Entry], settings: ReplaySettings) -> list[Key | None]:
+    """Each entry's `replay_key`, its golden opened for it and closed (None where it cannot be: its replay
+    says why)."""
+    plan: list[Key | None] = []
+    for e in entries:
+        try:
+            g = open_golden(e.path)
+        except (VdError, OSError):
+            plan.append(None)
+            continue
+        try:
+            plan.append(replay_key(settings, g))
+        except (VdError, KeyError, TypeError):
+            plan.append(None)
+        finally:
+            g.close()
+    return plan
 
 
 def record_settings(entry: Entry) -> RecordSettings:
@@ -123,51 +187,69 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
     stale against its declaration is not replayed (an ERROR naming what changed): what it holds is no longer
     what the suite declares."""
     require_model(model, "vd.workflow.suite.replay_suite()")
-    models = models or Models()
+    models = models or Models(replay_plan(entries, settings) if model is None else ())
 
     def one(e: Entry) -> Outcome:
-        g = open_golden(e.path)
+        used: list[Key] = []
         try:
-            stale = stale_reasons(e, g)
-            if stale:
-                raise GoldenError("stale, the declaration changed since it was recorded: " + "; ".join(stale)
-                                  + f"; record it again: vd record --suite {e.name} --refresh --reason TEXT")
-            spec, head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
-            m = model or models.get(settings.model or spec, settings.device or g.info.device,
-                                    g.logical, settings.head if settings.model else head, progress)
-            report = replay(g.location, settings, model=m, progress=progress)
-            content = g.content_digest()
-        finally:
-            g.close()  # a refresh in this process (pytest --vd-update) may then remove this version
-        return Outcome(e.name, e.path, report.verdict, report=report, content=content)
+            return _replay_one(e, settings, model, models, progress, used)
+        finally:  # once its replay's frame is gone, so that nothing of this golden's holds the model
+            models.done(used[0] if used else None)
 
     return [_timed(e, partial(one, e)) for e in entries]
+
+
+def _replay_one(e: Entry, settings: ReplaySettings, model: VerifyModel | None, models: Models, progress: Progress,
+                used: list[Key]) -> Outcome:
+    """One entry of `replay_suite`; the key of the model it used from ``models`` is put in ``used``."""
+    g = open_golden(e.path)
+    try:
+        if model is None:
+            used.append(replay_key(settings, g))
+        stale = stale_reasons(e, g)
+        if stale:
+            raise GoldenError("stale, the declaration changed since it was recorded: " + "; ".join(stale)
+                              + f"; record it again: vd record --suite {e.name} --refresh --reason TEXT")
+        m = model if model is not None else models.get(*used[0], progress)
+        report = replay(g.location, settings, model=m, progress=progress)
+        content = g.content_digest()
+    finally:
+        g.close()  # a refresh in this process (pytest --vd-update) may then remove this version
+    return Outcome(e.name, e.path, report.verdict, report=report, content=content)
 
 
 def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, reason: str = "first recording",
                  models: Models | None = None, progress: Progress = SILENT) -> list[Outcome]:
     """Record each entry's golden from its declaration: a missing one recorded, an existing one left as it is
     (PRESENT) or, with ``refresh_existing``, refreshed with ``reason`` (`vd.workflow.refresh`)."""
-    models = models or Models()
+    models = models or Models([record_key(e) for e in entries])
 
     def one(e: Entry) -> Outcome:
-        s = record_settings(e)
-        location = locate(e.path)
-        present = location.state() not in ("absent", "partial")  # partial: an interrupted S3 write
-        if present and not refresh_existing:
-            check_target(location, refresh=True)  # a golden is left as it is (said if stale); anything else errs
-            return Outcome(e.name, e.path, "PRESENT", reasons=_stale_note(e))
-        m = models.get(s.model, s.device, s.dtype, s.head, progress)
-        if present:
-            done = refresh(e.path, s, reason=reason, name=e.name, model=m, progress=progress)
-            return Outcome(e.name, e.path, "REFUSED" if done.refused else "REFRESHED",
-                           reasons=done.refused or done.changes)
-        r = record(e.path, s, model=m, progress=progress, reason=reason)
-        if r.location is None:
-            return Outcome(e.name, e.path, "REFUSED", reasons=[*r.thin, *r.short])
-        return Outcome(e.name, e.path, "RECORDED", reasons=[f"K={k}: accepted {a}" for k, a in r.accepted.items()])
+        try:
+            return _record_one(e, refresh_existing, reason, models, progress)
+        finally:
+            models.done(record_key(e))
 
     return [_timed(e, partial(one, e)) for e in entries]
+
+
+def _record_one(e: Entry, refresh_existing: bool, reason: str, models: Models, progress: Progress) -> Outcome:
+    """One entry of `record_suite`."""
+    s = record_settings(e)
+    location = locate(e.path)
+    present = location.state() not in ("absent", "partial")  # partial: an interrupted S3 write
+    if present and not refresh_existing:
+        check_target(location, refresh=True)  # a golden is left as it is (said if stale); anything else errs
+        return Outcome(e.name, e.path, "PRESENT", reasons=_stale_note(e))
+    m = models.get(s.model, s.device, s.dtype, s.head, progress)
+    if present:
+        done = refresh(e.path, s, reason=reason, name=e.name, model=m, progress=progress)
+        return Outcome(e.name, e.path, "REFUSED" if done.refused else "REFRESHED",
+                       reasons=done.refused or done.changes)
+    r = record(e.path, s, model=m, progress=progress, reason=reason)
+    if r.location is None:
+        return Outcome(e.name, e.path, "REFUSED", reasons=[*r.thin, *r.short])
+    return Outcome(e.name, e.path, "RECORDED", reasons=[f"K={k}: accepted {a}" for k, a in r.accepted.items()])
 
 
 def stale_now(e: Entry) -> list[str]:
