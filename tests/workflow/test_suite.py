@@ -12,8 +12,8 @@ from vd.errors import UsageError
 from vd.replayer import ReplaySettings
 from vd.store import open_golden
 from vd.workflow.declare import load_suite, shard
-from vd.workflow.status import orphans, prune, status
-from vd.workflow.suite import Models, exit_code, record_key, record_suite, replay_plan, replay_suite
+from vd.workflow.status import orphans, prune, status, status_key
+from vd.workflow.suite import Models, exit_code, plan_of, record_key, record_suite, replay_plan, replay_suite
 
 SUITE = """
 [defaults]
@@ -89,12 +89,15 @@ class Watching(Models):
 
 
 def test_a_suite_lets_each_model_go_after_its_last_golden(tmp_path):
-    entries = _suite(tmp_path, TWO_MODELS).select()
+    suite = _suite(tmp_path, TWO_MODELS)
+    entries = suite.select()
     recording = Watching([record_key(e) for e in entries])
     assert [o.verdict for o in record_suite(entries, models=recording)] == ["RECORDED"] * 3
     replaying = Watching(replay_plan(entries, ReplaySettings()))  # each golden's model read from it
     assert [o.verdict for o in replay_suite(entries, models=replaying)] == ["PASS"] * 3
-    for models in (recording, replaying):
+    checking = Watching(plan_of(entries, status_key))  # vd status loads each model to check its fingerprint
+    assert [s.state for s in status(suite, entries, models=checking)] == ["current"] * 3
+    for models in (recording, replaying, checking):
         # tiny-llama is held until its last golden (c), tiny-qwen2 goes after its only one (b), and each is
         # freed, not only dropped (a GPU gets its memory back for the next model)
         assert models.held_at == [["tiny-llama"], ["tiny-llama", "tiny-qwen2"], ["tiny-llama"]]

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from vd.errors import GoldenError, VdError
 from vd.progress import SILENT, Progress
-from vd.store import locate, open_golden
+from vd.store import Golden, locate, open_golden
 from vd.store.location import Directory, ZipFile
 from vd.workflow.declare import Entry, Suite
-from vd.workflow.suite import Models, stale_reasons
+from vd.workflow.suite import Key, Models, plan_of, stale_reasons
 
 
 @dataclass(slots=True)
@@ -49,8 +49,12 @@ def status(suite: Suite, entries: Sequence[Entry], *, check_models: bool = True,
     """Each entry's `GoldenStatus`. ``report``: a suite report (``vd replay --suite --report``) to take each
     golden's last verdict from."""
     last = _last_verdicts(report)
-    models = models or Models()
-    return [_one(e, check_models, models, last.get(e.name), progress) for e in entries]
+    models = models or Models(plan_of(entries, status_key) if check_models else ())  # each let go after its last
+    out = []
+    for e in entries:
+        out.append(_one(e, check_models, models, last.get(e.name), progress))
+        models.done()
+    return out
 
 
 def _one(e: Entry, check_models: bool, models: Models, last: tuple[str, str | None] | None,
@@ -104,18 +108,24 @@ def git_ignored(golden: str, keys: Sequence[str]) -> list[str]:
     return [os.path.relpath(line, path.parent) for line in done.stdout.splitlines() if line]
 
 
-def _fingerprint(g, models: Models, progress: Progress) -> list[str]:
-    """Whether the model (and head) the golden names still has the fingerprint it was recorded with."""
+def status_key(g: Golden) -> Key:
+    """The model `vd status` loads to check a golden's fingerprint: its own, on the CPU where CUDA is not
+    here (fingerprints cover weights and config, not the device they sit on)."""
     import torch
 
+    m, device = g.meta["model"], g.info.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"
+    return (m["spec"], device, g.logical, m.get("head"))
+
+
+def _fingerprint(g: Golden, models: Models, progress: Progress) -> list[str]:
+    """Whether the model (and head) the golden names still has the fingerprint it was recorded with."""
     from vd import protocol
 
     m = g.meta["model"]
-    device = g.info.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        device = "cpu"  # fingerprints cover weights and config, not the device they sit on
     try:
-        model = models.get(m["spec"], device, g.logical, m.get("head"), progress)
+        model = models.get(*status_key(g), progress)
     except VdError as e:
         return [f"model {m['spec']}: {e}"]
     out = []

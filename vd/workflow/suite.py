@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -40,16 +39,18 @@ Key = tuple[str, str, str, str | None]  # a model as `Models` holds it: (spec, d
 class Models:
     """Models by (spec, device, dtype, head), each loaded at its first use (``loads`` counts the loads).
 
-    With a ``plan`` (each golden's key in the order they run; None for one that will not load a model), a
-    model is let go once the last golden planned for it is `done`: a suite of goldens of several models holds
-    at once only those whose goldens are still to come (keep each model's goldens together and that is one),
-    instead of every model until the suite ends, which runs a GPU out of memory. Without one (the pytest
-    plugin, whose tests come in pytest's order), every model stays held."""
+    With a ``plan`` (each golden's key in the order they run; None for one that loads no model), each
+    golden, whatever became of it, calls `done` once it is over, and a model no golden still to come needs
+    is let go then: a suite of goldens of several models holds at once only those whose goldens are still to
+    come (keep each model's goldens together and that is one), instead of every model until the suite ends,
+    which runs a GPU out of memory. Without one (the pytest plugin, whose tests come in pytest's order), every
+    model stays held."""
 
     def __init__(self, plan: Iterable[Key | None] = ()):
         self.held: dict[Key, VerifyModel] = {}
         self.loads = 0
-        self.left = Counter(key for key in plan if key is not None)
+        self.plan = list(plan)
+        self.at = 0  # goldens of the plan done
 
     def get(self, spec: str, device: str, dtype: str, head: str | None, progress: Progress = SILENT) -> VerifyModel:
         key = (spec, device, dtype, head)
@@ -61,15 +62,14 @@ class Models:
             self.loads += 1
         return self.held[key]
 
-    def done(self, key: Key | None) -> None:
-        """A golden planned for ``key`` is done with it; after the last, the model is let go."""
-        if key is None or key not in self.left:
+    def done(self) -> None:
+        """The plan's next golden is over: its model is let go unless a later golden needs it. Called once
+        nothing of that golden's run refers to the model any more."""
+        if self.at >= len(self.plan):
             return
-        self.left[key] -= 1
-        if self.left[key] > 0:
-            return
-        del self.left[key]
-        model = self.held.pop(key, None)
+        key = self.plan[self.at]
+        self.at += 1
+        model = self.held.pop(key, None) if key is not None and key not in self.plan[self.at:] else None
         if model is None:
             return
         cuda = model.device.type == "cuda"
@@ -94,9 +94,9 @@ def replay_key(settings: ReplaySettings, g: Golden) -> Key:
             settings.head if settings.model else head)
 
 
-def replay_plan(entries: Sequence[Entry], settings: ReplaySettings) -> list[Key | None]:
-    """Each entry's `replay_key`, its golden opened for it and closed (None where it cannot be: its replay
-    says why)."""
+def plan_of(entries: Sequence[Entry], key_of: Callable[[Golden], Key]) -> list[Key | None]:
+    """``key_of`` each entry's golden, opened for it and closed (None where it cannot be: its own run says
+    why): a `Models` plan."""
     plan: list[Key | None] = []
     for e in entries:
         try:
@@ -105,12 +105,17 @@ def replay_plan(entries: Sequence[Entry], settings: ReplaySettings) -> list[Key 
             plan.append(None)
             continue
         try:
-            plan.append(replay_key(settings, g))
+            plan.append(key_of(g))
         except (VdError, KeyError, TypeError):
             plan.append(None)
         finally:
             g.close()
     return plan
+
+
+def replay_plan(entries: Sequence[Entry], settings: ReplaySettings) -> list[Key | None]:
+    """The models a replay of ``entries`` under ``settings`` uses, in order (`replay_key`)."""
+    return plan_of(entries, partial(replay_key, settings))
 
 
 def record_settings(entry: Entry) -> RecordSettings:
@@ -190,32 +195,29 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
     models = models or Models(replay_plan(entries, settings) if model is None else ())
 
     def one(e: Entry) -> Outcome:
-        used: list[Key] = []
+        g = open_golden(e.path)
         try:
-            return _replay_one(e, settings, model, models, progress, used)
-        finally:  # once its replay's frame is gone, so that nothing of this golden's holds the model
-            models.done(used[0] if used else None)
+            stale = stale_reasons(e, g)
+            if stale:
+                raise GoldenError("stale, the declaration changed since it was recorded: " + "; ".join(stale)
+                                  + f"; record it again: vd record --suite {e.name} --refresh --reason TEXT")
+            m = model or models.get(*replay_key(settings, g), progress)
+            report = replay(g.location, settings, model=m, progress=progress)
+            content = g.content_digest()
+        finally:
+            g.close()  # a refresh in this process (pytest --vd-update) may then remove this version
+        return Outcome(e.name, e.path, report.verdict, report=report, content=content)
 
-    return [_timed(e, partial(one, e)) for e in entries]
+    return _each(entries, one, models)
 
 
-def _replay_one(e: Entry, settings: ReplaySettings, model: VerifyModel | None, models: Models, progress: Progress,
-                used: list[Key]) -> Outcome:
-    """One entry of `replay_suite`; the key of the model it used from ``models`` is put in ``used``."""
-    g = open_golden(e.path)
-    try:
-        if model is None:
-            used.append(replay_key(settings, g))
-        stale = stale_reasons(e, g)
-        if stale:
-            raise GoldenError("stale, the declaration changed since it was recorded: " + "; ".join(stale)
-                              + f"; record it again: vd record --suite {e.name} --refresh --reason TEXT")
-        m = model if model is not None else models.get(*used[0], progress)
-        report = replay(g.location, settings, model=m, progress=progress)
-        content = g.content_digest()
-    finally:
-        g.close()  # a refresh in this process (pytest --vd-update) may then remove this version
-    return Outcome(e.name, e.path, report.verdict, report=report, content=content)
+def _each(entries: Sequence[Entry], one: Callable[[Entry], Outcome], models: Models) -> list[Outcome]:
+    """``one`` of each entry, timed; the models told after each, once its run's frames are gone."""
+    out = []
+    for e in entries:
+        out.append(_timed(e, partial(one, e)))
+        models.done()
+    return out
 
 
 def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, reason: str = "first recording",
@@ -223,14 +225,8 @@ def record_suite(entries: Sequence[Entry], *, refresh_existing: bool = False, re
     """Record each entry's golden from its declaration: a missing one recorded, an existing one left as it is
     (PRESENT) or, with ``refresh_existing``, refreshed with ``reason`` (`vd.workflow.refresh`)."""
     models = models or Models([record_key(e) for e in entries])
-
-    def one(e: Entry) -> Outcome:
-        try:
-            return _record_one(e, refresh_existing, reason, models, progress)
-        finally:
-            models.done(record_key(e))
-
-    return [_timed(e, partial(one, e)) for e in entries]
+    return _each(entries, partial(_record_one, refresh_existing=refresh_existing, reason=reason, models=models,
+                                  progress=progress), models)
 
 
 def _record_one(e: Entry, refresh_existing: bool, reason: str, models: Models, progress: Progress) -> Outcome:
