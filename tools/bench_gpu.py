@@ -60,6 +60,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
@@ -103,21 +105,25 @@ def gpu_id(device: torch.device) -> str | None:
     return None if uuid is None else str(uuid)
 
 
+def event_ms(op: Callable[[], object]) -> float:
+    """The device time of what ``op()`` issues, in ms: CUDA events recorded around it, waited for."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    op()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes per second (read plus written), median of ``reps``."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
+    copy = partial(b.copy_, a)
+    times = [event_ms(copy) / 1e3 for _ in range(reps)]
+    del a, b, copy
     return 2 * nbytes / statistics.median(times)
 
 
@@ -212,8 +218,9 @@ def _args() -> argparse.Namespace:
 
 
 def _start(args: argparse.Namespace, device: torch.device) -> tuple:
-    """The model built on ``device``, and the run's header: where start-up went (transformers' model code
-    imported, CUDA started, the build, the fingerprint) and the weight-streaming floor."""
+    """The model built on ``device``, the prompt's tokens, and the run's header: where start-up went
+    (transformers' model code imported, CUDA started, the build, the fingerprint) and the weight-streaming
+    floor."""
     t = time.perf_counter()
     import transformers.models.llama.modeling_llama  # noqa: F401  imported apart from the build it serves
     import_s = time.perf_counter() - t
@@ -230,6 +237,7 @@ def _start(args: argparse.Namespace, device: torch.device) -> tuple:
     bw = copy_bandwidth(device)
     wbytes = weight_bytes(model)
     floor_ms = wbytes / bw * 1e3
+    prompt = model.encode(args.prompt)
     print(f"{args.model}: {wbytes / 1e9:.2f} GB of weights, copy {bw / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms; "
           f"import {import_s:.1f} s, CUDA init {cuda_init_s:.1f} s, build {load_s:.2f} s, fingerprint "
           f"{fingerprint_s:.2f} s", flush=True)
@@ -239,17 +247,16 @@ def _start(args: argparse.Namespace, device: torch.device) -> tuple:
         "environment": env.of_model(model),
         "model": args.model, "fingerprint": fingerprint, "weight_bytes": wbytes,
         "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms, "steps": args.steps, "reps": args.reps,
-        "prompt_tokens": len(model.encode(args.prompt)), "import_s": import_s, "cuda_init_s": cuda_init_s,
+        "prompt_tokens": len(prompt), "import_s": import_s, "cuda_init_s": cuda_init_s,
         "load_s": load_s, "fingerprint_s": fingerprint_s,
     }
-    return model, header
+    return model, prompt, header
 
 
-def _repetitions(model, path: Path, settings: RecordSettings, args: argparse.Namespace, k: int,
+def _repetitions(model, prompt: list[int], path: Path, settings: RecordSettings, args: argparse.Namespace, k: int,
                  collections: Collections) -> tuple[dict[str, list], dict]:
     """``args.reps`` interleaved repetitions of a recording, its bare loop, a replay and its bare loop (so
     drift hits both sides alike): every sample, and the last replay's report."""
-    prompt = model.encode(args.prompt)
     steps = open_golden(path).checked_log(k).steps
     replay_settings = ReplaySettings(forwards=(settings.forward,), control=False)
     timed_replay(path, replay_settings, model)  # warm-up
@@ -321,8 +328,7 @@ def main() -> None:
     started = provenance()
     device = torch.device("cuda")
     ks = [int(x) for x in args.k.split(",")]
-    model, header = _start(args, device)
-    prompt = model.encode(args.prompt)
+    model, prompt, header = _start(args, device)
 
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="vd-bench-"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its goldens, whatever ends the run
@@ -353,7 +359,7 @@ def main() -> None:
                                       allow_thin=True)
             rec = record(path, settings, refresh=True, model=model)  # warm-up: the first record compiles too
             finish_removals()
-            samples, r = _repetitions(model, path, settings, args, k, collections)
+            samples, r = _repetitions(model, prompt, path, settings, args, k, collections)
             row = _row(model, args.model, fwd, k, path, header["floor_ms"], rec.accepted[k], samples, r)
             rows.append(row)
             f = row["spread"]

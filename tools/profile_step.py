@@ -27,7 +27,7 @@ from pathlib import Path
 import checkout  # noqa: F401,E402  (the checkout's vd first on sys.path)
 import torch
 
-from tools.bench_gpu import PROMPT, copy_bandwidth  # noqa: E402
+from tools.bench_gpu import PROMPT, copy_bandwidth, event_ms  # noqa: E402
 from vd import env  # noqa: E402
 from vd.models import load_model  # noqa: E402
 
@@ -77,12 +77,7 @@ def graphed_step_ms(model, forward: str, prompt, k: int, reps: int = 50) -> floa
     tokens = prompt[-k:]
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        model.forward(tokens)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(event_ms(lambda: model.forward(tokens)))
         model.rewind(k)
     return statistics.median(times)
 
