@@ -108,16 +108,13 @@ class RecordSettings:
         """What recorded the golden with metadata ``meta``: recording these settings again re-records it."""
         model, env = meta.get("model") or {}, meta.get("environment") or {}
         policy = Policy.parse((), meta.get("policy"))
-        default = Policy.parse(())
         return cls(model=model.get("spec", DEFAULT_MODEL), head=model.get("head"),
                    prompt=meta.get("prompt_text", DEFAULT_PROMPT), ks=tuple(meta.get("k") or DEFAULT_KS),
                    steps=meta.get("steps", DEFAULT_STEPS), forward=meta.get("forward"),
                    feed=meta.get("feed", "reference"), device=meta.get("device", "cpu"),
                    dtype=meta.get("dtype", "bfloat16"), threads=env.get("threads"),
                    deterministic=(meta.get("determinism") or {}).get("applied") is not None,
-                   tolerances=tuple(f"{kind}={policy[kind].text}" for kind in KINDS
-                                    if policy[kind].text != default[kind].text)
-                   + ((f"decisions={policy.decisions}",) if policy.margin is not None else ()),
+                   tolerances=policy.terms(),
                    require_coverage=bool(meta.get("require_coverage")), allow_thin=bool(meta.get("thin")),
                    trace=meta.get("trace") is not None, **_batch_settings(meta.get("batch")))
 

@@ -160,3 +160,28 @@ class _Reweighted:
     def identity(self):
         ident = self.inner.identity()
         return type(ident)(ident.name, "sha256:" + "0" * 64, ident.details)
+
+
+def test_a_declared_policy_stays_current_and_a_refresh_keeps_it(tmp_path, tiny):
+    """A declared equivalence term (and a SPEC without a kind) is what the golden records: status calls it
+    current, and a refresh from the golden's own settings keeps every term (it dropped equivalence=)."""
+    from vd.recorder import RecordSettings
+    from vd.workflow.refresh import refresh
+
+    text = SUITE.replace('k = [2]\n', 'k = [2]\npolicy = ["kl:0.5", "equivalence=kl:1", "decisions=margin:0.5"]\n')
+    suite = _suite(tmp_path, text)
+    models = Models()
+    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    record_suite(suite.select(["b"]), models=models)
+    want = {"prefill": "kl:0.5", "verify": "kl:0.5", "draft": "kl:0.5", "decisions": "margin:0.5",
+            "equivalence": "kl:1"}
+    path = suite.entries["b"].path
+    assert open_golden(path).meta["policy"] == want
+    assert status(suite, suite.select(["b"]), check_models=False)[0].state == "current"
+    settings = RecordSettings.of_golden(open_golden(path).meta)
+    assert refresh(path, settings, reason="new runner", model=tiny).published
+    assert open_golden(path).meta["policy"] == want
+    assert status(suite, suite.select(["b"]), check_models=False)[0].state == "current"
+    changed = _suite(tmp_path, text.replace('"equivalence=kl:1", ', ""))
+    stale = status(changed, changed.select(["b"]), check_models=False)[0]
+    assert stale.state == "stale" and stale.reasons[0].startswith("tolerances: recorded"), stale

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from vd.errors import GoldenError, ModelMismatchError, VdError, system_refusal
 from vd.models.specs import golden_dir, stored
+from vd.policy import Policy
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
 from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
@@ -136,6 +137,8 @@ def stale_reasons(entry: Entry, golden: Golden) -> list[str]:
     out = []
     for name in _COMPARED:
         a, b = getattr(have, name), getattr(want, name)
+        if name == "tolerances":  # as the policies they make: kl:1 is prefill=kl:1, verify=kl:1, draft=kl:1
+            a, b = Policy.parse(a).terms(), Policy.parse(b).terms()
         if name not in skip and a != b:
             shown = "the default prompt" if b == DEFAULT_PROMPT else repr(list(b) if isinstance(b, tuple) else b)
             out.append(f"{name}: recorded {list(a) if isinstance(a, tuple) else a!r}, declared {shown}")
