@@ -36,7 +36,8 @@ from vd import __version__
 from vd.outputs import write_bytes, write_text
 from vd.replayer import words
 from vd.replayer.comparison import Comparison, plain
-from vd.replayer.report import Control, Judged, KResult, Report, golden_name
+from vd.replayer.report import Control, Judged, KResult, Reason, Report, golden_name
+from vd.store.format import DECODE_K
 
 # One golden of a suite: its name, and its report or the error that kept it from being replayed.
 Entry = tuple[str, Report | None, str | None]
@@ -66,6 +67,10 @@ def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mappin
                "reasons": [r.text for r in report.reasons]}
     if rows.text is not None:
         failure["text"] = rows.text
+    if rows.decode_forward is not None:  # k 1: the golden's decode rows
+        failure["decode_forward"] = rows.decode_forward
+    if rows.batch is not None:
+        failure["batch"] = dict(rows.batch)
     write_text(directory / "failure.json", json.dumps(failure, indent=2, default=str) + "\n")
     write_text(directory / "environment.json", json.dumps(plain(report.environment), indent=2, default=str) + "\n")
     cmd = words.reproduce_command(report, dict(args), "replay.json")
@@ -120,13 +125,25 @@ def junit_suite(report: Report, name: str) -> ET.Element:
                        ("environment_differences", env_diff), ("vd", __version__)):
         if value is not None:
             ET.SubElement(props, "property", name=key, value=str(value))
-    for v in report.verify:
-        classname = f"vd.{name}.K{v.k}"
+    placed: list[Reason] = []
+    for v in ([report.decode] if report.decode is not None else []) + list(report.verify):
+        classname = f"vd.{name}.{words.group(v.k).replace('=', '')}"
         for j in v.comparisons:
             ms = sum(sum(t.step_ms) for t in v.timings if t.variant == j.comparison.variant)
             _junit_case(suite, words.junit_case(v.k, j.comparison.variant), classname, ms / 1e3, list(j.reasons))
-        _junit_case(suite, words.junit_checks_case(v.k), classname, 0.0,
-                    report.reasons_of(("control", "thin", "coverage"), v.k))
+            placed += j.reasons
+        if v.k != DECODE_K:
+            checks = report.reasons_of(("control", "thin", "coverage"), v.k)
+            _junit_case(suite, words.junit_checks_case(v.k), classname, 0.0, checks)
+            placed += checks
+    # every other reason (a batch's rows, the environment, ...) fails a case of its own: none is left out
+    left: dict[tuple[str, int | None], list[Reason]] = {}
+    for r in report.reasons:
+        if not any(r is p for p in placed):
+            left.setdefault((r.what, r.k), []).append(r)
+    for (what, k), reasons in left.items():
+        classname = f"vd.{name}" + ("" if k is None else f".{words.group(k).replace('=', '')}")
+        _junit_case(suite, words.junit_other_case(what, k), classname, 0.0, reasons)
     _tally(suite)
     return suite
 

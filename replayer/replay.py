@@ -151,7 +151,8 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
         seconds=sum(s.clock.phases[n] for n in PHASES if n not in ("open", "load", "setup", "write")),
         phases={**s.clock.phases, "finish": finish}, timing=_timing_of(s.clock, finish),
         reader=s.reader.summary(),
-        failure_rows=next((o.failure for o in outcomes if o.failure is not None), None),
+        failure_rows=next((o.failure for o in [*outcomes, *([decode] if decode else [])] if o.failure is not None),
+                          None),
         decode=None if decode is None else decode.result,
         batch=None if s.batch is None else s.batch.describe())
 

@@ -254,6 +254,10 @@ class FailureRows:
     tokens: list[int] | None
     first_failure: Failure | None
     text: str | None = None
+    # Where the failing rows were computed, beside K and forward: the decode rows (``k`` 1) by this forward
+    # (``--decode-forward``'s, else ``forward``), or a run in a batch (its n, slot and seed: ``--batch``).
+    decode_forward: str | None = None
+    batch: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

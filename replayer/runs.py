@@ -90,8 +90,10 @@ def replay_k(s: Session, k: int, decoded: Mapping[str, DecodeRows]) -> KOutcome:
         if s.candidate is not None:
             s.candidate.keep(k, ran.run)
         if s.batch is not None:
-            batches.append(batch_axis(s, k, name, log.steps))
-            reasons += words.batch_reasons(k, f"verify K={k}", batches[-1])
+            in_batch, batch_failure = batch_axis(s, k, name, log.steps)
+            batches.append(in_batch)
+            reasons += words.batch_reasons(k, f"verify K={k}", in_batch)
+            failure = failure or batch_failure
     control = _control(s, k, log.steps, judged[-1].comparison) if s.settings.control else None
     if control is not None and not control.fired and not control.inconclusive:
         reasons.append(words.control_reason(k, control.changed_step, s.policy))
@@ -148,6 +150,7 @@ def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
     kept: dict[str, DecodeRows] = {}
     batches: list[BatchAxis] = []
     timings = [Timing(f"{g.info.forward} (golden)", tuple(log.step_ms.tolist()))]
+    failure: FailureRows | None = None
     for name in s.forwards:
         decode_forward = s.settings.decode_forward or name
         s.progress.phase(f"decode {decode_forward}", g.layout(DECODE_K).steps)
@@ -158,19 +161,24 @@ def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
         judged.append(Judged(ran.comparison, why))
         timings.append(Timing(decode_forward, tuple(ran.run.step_ms)))
         kept[name] = rows.result()
+        if failure is None and not ran.comparison.passed:
+            failure = failure_rows(DECODE_K, name, ran, protocol.decoder(s.model), decode_forward=decode_forward)
         if s.candidate is not None:
             s.candidate.keep(DECODE_K, ran.run)
         if s.batch is not None and decode_forward not in [b.forward for b in batches]:
-            batches.append(batch_axis(s, DECODE_K, decode_forward, log.steps))
-            reasons += words.batch_reasons(DECODE_K, "decode rows", batches[-1])
+            in_batch, batch_failure = batch_axis(s, DECODE_K, decode_forward, log.steps)
+            batches.append(in_batch)
+            reasons += words.batch_reasons(DECODE_K, "decode rows", in_batch)
+            failure = failure or batch_failure
     result = KResult(DECODE_K, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), None,
                      batch=tuple(batches))
-    return KOutcome(result, tuple(reasons), None), kept
+    return KOutcome(result, tuple(reasons), failure), kept
 
 
-def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> BatchAxis:
+def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> tuple[BatchAxis, FailureRows | None]:
     """Forward ``name``'s run of ``steps`` at ``k`` with the golden's sequence one member of the model's batch
-    (``s.batch``, `vd.batch`), judged against the golden like any run; its time counted as the batch's."""
+    (``s.batch``, `vd.batch`), judged against the golden like any run; its time counted as the batch's. With
+    the rows of its first failing step, where it fails (a first-divergence bundle's)."""
     view = s.batch
     assert view is not None, "a batch axis is run only with --batch"
     t = time.perf_counter()
@@ -180,7 +188,10 @@ def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> BatchAxis:
     ran = _execute(s, k, steps, name, Clock(), model=view)
     s.clock.phases["batch"] += time.perf_counter() - t
     p = view.plan
-    return BatchAxis(name, p.n, p.slot, p.seed, ran.comparison, tuple(view.slots), tuple(ran.run.step_ms))
+    failure = None if ran.comparison.passed else failure_rows(
+        k, name, ran, protocol.decoder(s.model), decode_forward=name if k == DECODE_K else None,
+        batch={"n": p.n, "slot": p.slot, "seed": p.seed})
+    return BatchAxis(name, p.n, p.slot, p.seed, ran.comparison, tuple(view.slots), tuple(ran.run.step_ms)), failure
 
 
 def _own_checks(s: Session, k: int, accepted: list[int]) -> list[Reason]:
@@ -254,8 +265,10 @@ def _control(s: Session, k: int, steps: list[Step], own: Comparison) -> Control:
     return Control(ran.comparison, at, fired, inconclusive)
 
 
-def failure_rows(k: int, name: str, ran: _Ran, decoder: protocol.TokenDecoder | None = None) -> FailureRows | None:
-    """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle)."""
+def failure_rows(k: int, name: str, ran: _Ran, decoder: protocol.TokenDecoder | None = None, *,
+                 decode_forward: str | None = None, batch: dict | None = None) -> FailureRows | None:
+    """The golden's and the candidate's rows of the first failing step (for a first-divergence bundle); where
+    they were computed beside ``k`` and forward ``name`` (`FailureRows`)."""
     c, side = ran.comparison, ran.side
     f = c.first_failure
     if f is not None:
@@ -271,4 +284,5 @@ def failure_rows(k: int, name: str, ran: _Ran, decoder: protocol.TokenDecoder | 
     return FailureRows(k=k, forward=name, kind=kind, step=step,
                        golden=side.host_rows(kind, idx) if side.has_rows else None,
                        candidate=to_storage(ran.kept[kind][1]), tokens=tokens, first_failure=f,
-                       text=None if decoder is None or tokens is None else decoder.decode(tokens))
+                       text=None if decoder is None or tokens is None else decoder.decode(tokens),
+                       decode_forward=decode_forward, batch=batch)

@@ -409,7 +409,12 @@ def refresh_markdown(title: str, reason: str, lines: Sequence[str],
 
 
 def junit_case(k: int, variant: str) -> str:
-    return f"K={k} {variant}"
+    return f"{group(k)} {variant}"
+
+
+def junit_other_case(what: str, k: int | None) -> str:
+    """A JUnit case for reasons no K × forward case holds: ``K=2 batch``, ``decode batch``, ``environment``."""
+    return what if k is None else f"{group(k)} {what}"
 
 
 def junit_checks_case(k: int) -> str:
@@ -459,7 +464,14 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
     the golden, a plug-in's file and the other local paths absolute, so it runs from any directory."""
     rows = report.failure_rows
     assert rows is not None, "a replay that failed at a step"
-    cmd = ["vd", "replay", _absolute(report.golden), "--k", str(rows.k), "--forward", rows.forward]
+    # the decode rows (K = 1) run before any K's: the smallest K replayed runs them too
+    k = rows.k if rows.k != DECODE_K else min(v.k for v in report.verify)
+    cmd = ["vd", "replay", _absolute(report.golden), "--k", str(k), "--forward", rows.forward]
+    if rows.decode_forward not in (None, rows.forward):
+        cmd += ["--decode-forward", str(rows.decode_forward)]
+    if rows.batch is not None:
+        cmd += ["--batch", str(rows.batch["n"]), *(["--slot", str(rows.batch["slot"])] if rows.batch["slot"]
+                                                   is not None else []), "--batch-seed", str(rows.batch["seed"])]
     for flag in ("model", "head", "device", "threads", "rows"):
         if args.get(flag) is not None:
             value = str(args[flag])

@@ -77,13 +77,15 @@ def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path, monke
     again = json.loads((bundle / "replay.json").read_text())
     assert [v["k"] for v in again["verify"]] == [2] and not list(elsewhere.iterdir())
     assert again["verify"][0]["comparisons"][0]["first_failure"] == r["verify"][0]["comparisons"][0]["first_failure"]
-    # JUnit: one case per K x forward and one per K for the golden's checks; the perturbed ones fail.
+    # JUnit: one case per forward for the decode rows, one per K x forward and one per K for the golden's
+    # checks; the perturbed ones fail.
     suite = ET.parse(tmp_path / "j.xml").getroot()
     cases = suite.findall("testcase")
-    assert len(cases) == 6 and suite.get("failures") == "3" and suite.get("name") == "vd.tiny"
+    assert len(cases) == 7 and suite.get("failures") == "3" and suite.get("name") == "vd.tiny"
     failed = [c.get("name") for c in cases if c.find("failure") is not None]
-    assert failed == ["K=2 eager", "K=3 eager", "K=4 eager"]
-    assert [c.get("classname") for c in cases] == ["vd.tiny.K2"] * 2 + ["vd.tiny.K3"] * 2 + ["vd.tiny.K4"] * 2
+    assert failed == ["K=2 eager", "K=3 eager", "K=4 eager"] and cases[0].get("name") == "decode eager"
+    assert [c.get("classname") for c in cases] == ["vd.tiny.decode"] + ["vd.tiny.K2"] * 2 + ["vd.tiny.K3"] * 2 + [
+        "vd.tiny.K4"] * 2
 
 
 def test_junit_files_the_golden_checks_under_their_own_case(cli, tmp_path):
@@ -96,6 +98,32 @@ def test_junit_files_the_golden_checks_under_their_own_case(cli, tmp_path):
     assert cases["K=3 eager"].find("failure") is None
     assert "full and partial accepts" in cases["K=3 golden checks (control, thin, coverage)"].find("failure").get(
         "message")
+
+
+def test_a_decode_or_batch_failure_fails_a_junit_case_and_writes_a_bundle(cli, tmp_path):
+    """A FAIL that only the decode rows (--decode-forward) or only a batch (--batch) show fails a JUnit case
+    (before, the file said failures="0") and leaves a bundle whose command.sh fails the same way."""
+    for name, extra, case in (("decode", ["--decode-forward", "sdpa"], "decode sdpa"),
+                              ("batch", ["--batch", "2"], "K=2 batch")):
+        path = tmp_path / f"{name}.zarr"  # sdpa's batched rows differ from its rows alone; eager's do not
+        forward = "eager" if name == "decode" else "sdpa"
+        assert cli("record", path, "--model", "tiny-llama", "--k", "2", "--steps", "8", "--forward", forward)[0] == 0
+        report, junit = tmp_path / f"{name}.json", tmp_path / f"{name}.xml"
+        code, out, err = cli("replay", path, *extra, "--report", report, "--junit", junit)
+        assert code == 1, (name, out, err)
+        suite = ET.parse(junit).getroot()
+        failed = [c.get("name") for c in suite.findall("testcase") if c.find("failure") is not None]
+        assert case in failed and suite.get("failures") == str(len(failed)), (name, failed)
+        bundle = Path(json.loads(report.read_text())["bundle"])
+        failure = json.loads((bundle / "failure.json").read_text())
+        command = (bundle / "command.sh").read_text()
+        if name == "decode":
+            assert failure["k"] == 1 and failure["decode_forward"] == "sdpa" and "--decode-forward sdpa" in command
+            assert "--k 2" in command
+        else:
+            assert failure["batch"] == {"n": 2, "slot": None, "seed": 0} and "--batch 2 --batch-seed 0" in command
+        done = subprocess.run(["sh", str(bundle / "command.sh")], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1, (name, done.stdout, done.stderr)
 
 
 def test_a_slim_golden_bundle_has_the_candidate_rows_only(cli, tiny_golden, tmp_path):
@@ -140,8 +168,8 @@ def test_junit_names_the_golden_in_suite_and_class_names(perturbed, tmp_path):
     render.write_junit(tmp_path / "b.xml", perturbed, name="smollm2-mtp")
     a, b = (ET.parse(tmp_path / f).getroot() for f in ("a.xml", "b.xml"))
     assert a.tag == b.tag == "testsuite" and a.get("name") == "vd.tiny" and b.get("name") == "vd.smollm2-mtp"
-    assert {c.get("classname") for c in b.iter("testcase")} == {"vd.smollm2-mtp.K2", "vd.smollm2-mtp.K3",
-                                                                 "vd.smollm2-mtp.K4"}
+    assert {c.get("classname") for c in b.iter("testcase")} == {"vd.smollm2-mtp.decode", "vd.smollm2-mtp.K2",
+                                                                 "vd.smollm2-mtp.K3", "vd.smollm2-mtp.K4"}
     props = {p.get("name"): p.get("value") for p in a.iter("property")}
     assert props["verdict"] == "FAIL" and props["model"] == "tiny-llama" and props["vd"] == vd.__version__
 
@@ -154,8 +182,8 @@ def test_suite_junit_has_a_testsuite_per_golden_and_an_error_case(perturbed, pas
     suites = root.findall("testsuite")
     assert root.tag == "testsuites" and [s.get("name") for s in suites] == ["vd.tiny", "vd.tiny-again", "vd.missing"]
     assert [(s.get("tests"), s.get("failures"), s.get("errors")) for s in suites] == [
-        ("6", "3", "0"), ("6", "0", "0"), ("1", "0", "1")]
-    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("13", "3", "1")
+        ("7", "3", "0"), ("7", "0", "0"), ("1", "0", "1")]
+    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("15", "3", "1")
     classes = [c.get("classname") for c in root.iter("testcase")]
     assert len(set(classes) & {"vd.tiny.K2", "vd.tiny-again.K2"}) == 2  # two goldens no longer collide
     error = suites[2].find("testcase/error")
