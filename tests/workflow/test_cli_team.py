@@ -275,6 +275,26 @@ def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_pat
     assert code == 0, out + err
 
 
+def test_a_broken_declaration_that_may_declare_the_golden_is_refused(project, cli):
+    """A mistake elsewhere in the declaration found from here made every command on one golden pass it over,
+    and with it the golden's pin: a pinned golden then PASSed whatever its content. Where the broken
+    declaration names the golden (by name or path), or its TOML cannot be read, the command now fails with the
+    declaration's error (exit 2); one that plainly declares it not is still passed over."""
+    toml = project / "vd.toml"
+    text = toml.read_text().replace("k = [2, 3]", f'k = [2, 3]\npin = "sha256:{"0" * 64}"')
+    toml.write_text(text)
+    assert cli("replay", "goldens/a.zarr")[0] == 2  # the pin, as declared
+    toml.write_text(text + '\n[goldens.other]\npath = "goldens/o.zarr"\nstpes = 4\n')
+    for target in ("goldens/a.zarr", "a"):
+        code, out, err = cli("replay", target)
+        assert code == 2 and "unknown key 'stpes'" in err and err.count("\n") == 1, (target, out, err)
+    toml.write_text('[goldens.other]\npath = "goldens/o.zarr"\nstpes = 4\n')  # declares no golden a
+    assert cli("replay", "goldens/a.zarr")[0] == 0
+    toml.write_text("[goldens.a\n")
+    code, out, err = cli("replay", "goldens/a.zarr")
+    assert code == 2 and "not valid TOML" in err, out + err
+
+
 def test_a_suite_refresh_cut_short_pins_what_it_published(project, cli, monkeypatch):
     """Ctrl-C (or a CI timeout) in the middle of a suite's refresh: the goldens published before it have their new
     pins in the declaration at once, so the suite's replay still takes them; one line says it was aborted."""

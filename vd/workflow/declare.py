@@ -214,15 +214,39 @@ def entry_for(target: str, config: str | os.PathLike | None = None) -> Entry | N
 
 
 def declared(target: str, config: str | os.PathLike | None = None) -> Entry | None:
-    """`entry_for` for a command on one golden: a declaration found from here that cannot be read declares
-    nothing (the command does not depend on it; a suite command refuses it); one named by ``config`` is the
-    user's, and its error is theirs (exit 2)."""
+    """`entry_for` for a command on one golden. A declaration found from here that cannot be read is passed
+    over where it plainly does not declare ``target`` (its TOML read, and no golden in it of that name or
+    path: the command does not depend on it; a suite command refuses it). Where it may declare it, or its TOML
+    cannot be read at all, its error is the command's (exit 2): the golden's pin and settings are in it, and a
+    pin must not go unchecked without a word. One named by ``config`` is the user's, and its error is theirs."""
     try:
         return entry_for(target, config)
     except DeclarationError:
-        if config is not None:
+        file = None if config is not None else find()
+        if file is None or _may_declare(file, target):
             raise
         return None
+
+
+def _may_declare(file: Path, target: str) -> bool:
+    """Whether the declaration ``file`` (which `load_suite` refuses) may declare ``target`` (a NAME or a
+    path): true unless its TOML reads and no golden in it has that name or a ``path`` leading there."""
+    try:
+        doc = _read(file)
+    except DeclarationError:
+        return True
+    table = doc if file.name != "pyproject.toml" else doc.get("tool", {}).get("vd")
+    goldens = table.get("goldens") if isinstance(table, Mapping) else None
+    if goldens is None:
+        return False
+    if not isinstance(goldens, Mapping):
+        return True
+    here = resolve(target, Path.cwd())
+    for name, body in goldens.items():
+        path = body.get("path") if isinstance(body, Mapping) else None
+        if name == target or (isinstance(path, str) and resolve(path, file.parent.absolute()) == here):
+            return True
+    return False
 
 
 def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
