@@ -82,3 +82,18 @@ def test_refresh_brings_a_copy_of_an_earlier_version_up_to_date(cli, tiny_copy, 
         assert now.info.steps == 5 and [h["reason"] for h in now.history] == ["first recording", "five steps"]
     code, out, err = cli("pack", tiny_copy, slim, "--refresh")
     assert code == 2 and "a slim golden" in err  # a slim copy is still not replaced by a full one
+
+
+def test_refresh_never_rolls_a_later_version_back(cli, tiny_copy, tmp_path):
+    """The other way round: a copy of an earlier version packed (or slimmed) over the golden that has since been
+    refreshed replaced it without a word, its newer content and history gone. Refused (exit 2), golden kept."""
+    old, old_slim, slim = tmp_path / "old.zip", tmp_path / "old-slim.zarr", tmp_path / "s.zarr"
+    assert cli("pack", tiny_copy, old)[0] == 0 and cli("slim", tiny_copy, old_slim)[0] == 0
+    assert cli("refresh", tiny_copy, "--reason", "v2")[0] == 0
+    assert cli("slim", tiny_copy, slim)[0] == 0
+    for command, source, target in (("pack", old, tiny_copy), ("slim", old, slim), ("pack", old_slim, slim)):
+        before = {p: p.read_bytes() for p in Path(target).rglob("*") if p.is_file()}
+        code, out, err = cli(command, source, target, "--refresh")
+        assert code == 2 and "is a later version of" in err and "(version 2, against 1)" in err, (command, out, err)
+        assert {p: p.read_bytes() for p in Path(target).rglob("*") if p.is_file()} == before
+    assert len(open_golden(tiny_copy).history) == 2

@@ -79,6 +79,11 @@ def check_copy_target(location: Location, source: Golden, *, slim: bool) -> None
     except VdError:
         return  # a damaged copy: replacing it is what --refresh is for
     try:
+        if earlier_version(source, old) and not earlier_version(old, source):  # old is the newer: a rollback
+            n, m = len(old.meta.get("history") or []), len(source.meta.get("history") or [])
+            raise UsageError(f"{location.url} is a later version of {source.url} (version {n}, against {m}): "
+                             "--refresh would roll it back and drop its newer history; copy the newer version, "
+                             "or remove it first")
         differ = None if earlier_version(old, source) else recording_difference(old, source) or (
             None if old.meta["model"].get("fingerprint") == source.meta["model"].get("fingerprint") else "model")
         why = f"a recording of another kind: {differ}" if differ is not None else None
