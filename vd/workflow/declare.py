@@ -275,6 +275,12 @@ def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
         if e.path in paths:
             raise DeclarationError(f"{file}: [{at}] key 'path': {values['path']!r} is also golden "
                                    f"{paths[e.path]!r}'s; each golden needs its own path")
+        for other, other_name in paths.items():  # a golden inside another's folder would damage it
+            inner, outer = (e.path, other) if e.path.startswith(other.rstrip("/") + "/") else (other, e.path)
+            if inner.startswith(outer.rstrip("/") + "/"):
+                raise DeclarationError(f"{file}: [{at}] key 'path': {values['path']!r} and golden "
+                                       f"{other_name!r}'s path are one inside the other; a golden cannot hold "
+                                       "another: give each a folder of its own")
         entries[name], paths[e.path] = e, name
     return entries
 
