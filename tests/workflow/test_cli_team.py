@@ -3,8 +3,10 @@ its reports, refreshed with a reason and a summary, its history and status; a re
 the golden says; bad declarations refused with one line."""
 
 import json
+import os
 import subprocess
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -297,6 +299,32 @@ def test_a_broken_declaration_that_may_declare_the_golden_is_refused(project, cl
     toml.write_text("[goldens.a\n")
     code, out, err = cli("replay", "goldens/a.zarr")
     assert code == 2 and "not valid TOML" in err, out + err
+
+
+def test_a_pinned_golden_is_not_refreshed_when_its_pin_cannot_be_written(project, cli, monkeypatch):
+    """A refresh published the golden and then failed to write the new pin (a read-only declaration), leaving a
+    golden its own pin refused, with an OSError line that said neither. The declaration is checked first now:
+    nothing is published (exit 2); a pin that still cannot be written after publishing says what to write."""
+    import vd.workflow.declare as D
+
+    toml = project / "vd.toml"
+    pin = open_golden(project / "goldens" / "a.zarr").content_digest()
+    toml.write_text(toml.read_text().replace("k = [2, 3]", f'k = [2, 3]\npin = "{pin}"'))
+    real = os.access
+    monkeypatch.setattr(D.os, "access", lambda f, mode: False if Path(f) == toml else real(f, mode))
+    for args in (("refresh", "a", "--reason", "x"), ("record", "--suite", "--refresh", "--reason", "x"),
+                 ("record", "a", "--refresh", "--steps", "5", "--reason", "x")):
+        code, out, err = cli(*args)
+        assert code == 2 and "cannot be written" in err and "nothing was recorded" in err, (args, out, err)
+        assert len(open_golden(project / "goldens" / "a.zarr").history) == 1
+    monkeypatch.setattr(D.os, "access", real)
+    monkeypatch.setattr(D, "set_pin", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
+    code, out, err = cli("record", "a", "--refresh", "--steps", "5", "--reason", "x")
+    new = open_golden(project / "goldens" / "a.zarr").content_digest()
+    assert code == 2 and "was published, but its pin in" in err and f'set pin = "{new}" for a by hand' in err, err
+    toml.write_text(toml.read_text() + f'# was "{pin}"\n')  # the pin's text twice: refused first
+    code, out, err = cli("refresh", "a", "--reason", "y")
+    assert code == 2 and "does not appear exactly once" in err, err
 
 
 def test_a_suite_refresh_cut_short_pins_what_it_published(project, cli, monkeypatch):

@@ -151,6 +151,7 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     else:
         given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
         settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
+    team.check_repin(entry, config)
     _note_journal(out_path)
     with reporting() as progress, resumable(out_path):
         r = do_record(out_path, settings, refresh=refresh, progress=progress, reason=reason or "first recording")

@@ -34,7 +34,7 @@ from vd.cli.common import (
 )
 from vd.errors import UsageError
 from vd.outputs import write_text
-from vd.workflow.declare import declared, entry_for
+from vd.workflow.declare import DeclarationError, declared, entry_for
 
 
 def _suite(config: Path | None):
@@ -70,6 +70,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     check_writable("--summary", summary, [e.path for e in entries])
     for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
         check_no_golden(e.name, e.path, replace=True)
+        check_repin(e, config)
     from vd.replayer import words
     from vd.workflow.suite import Models, exit_code, record_key
     from vd.workflow.suite import record_suite as do_record
@@ -157,6 +158,7 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     entry = entry_for(target, config)
     path = _existing(target, entry, config)
     check_writable("--summary", summary, (path, candidate))
+    check_repin(entry, config)
     _check_not_slim(path, candidate)
     from vd.workflow import refresh as R
 
@@ -225,8 +227,22 @@ def repin(entry, config: Path | None, path: str) -> None:
         g.close()
     if digest != entry.pin:
         file = _suite(config).file
-        set_pin(file, entry, digest)
+        try:
+            set_pin(file, entry, digest)
+        except (OSError, DeclarationError) as e:  # checked before the refresh (`check_repin`); changed since
+            raise DeclarationError(f"{path} was published, but its pin in {file} could not be written "
+                                   f"({str(e).splitlines()[0]}): set pin = \"{digest}\" for {entry.name} by hand"
+                                   ) from e
         out.print(f"pin of {entry.name} in {file}: {digest}")
+
+
+def check_repin(entry, config: Path | None) -> None:
+    """Before a recording or refresh publishes a pinned golden: its declaration can take the new pin
+    (`vd.workflow.declare.check_pin_writable`)."""
+    if entry is not None and entry.pin is not None:
+        from vd.workflow.declare import check_pin_writable
+
+        check_pin_writable(_suite(config).file, entry)
 
 
 def _existing(target: str, entry, config: Path | None) -> str:

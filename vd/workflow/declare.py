@@ -329,6 +329,21 @@ def shard(entries: list[Entry], spec: str | None) -> list[Entry]:
     return ordered[i - 1::n]
 
 
+def check_pin_writable(file: Path, entry: Entry) -> None:
+    """Refuse (`DeclarationError`), before anything is published, a golden whose pin `set_pin` could not change:
+    its pin's text not there once, or the file not writable. A refresh that published and then failed to write
+    the pin would leave a golden its own pin refuses."""
+    if entry.pin is None:
+        return
+    text = file.read_text()
+    if text.count(f'"{entry.pin}"') + text.count(f"'{entry.pin}'") != 1:
+        raise DeclarationError(f"{file}: golden {entry.name!r}'s pin {entry.pin} does not appear exactly once, so a "
+                               "refresh could not change it with the golden; write it once (pin = \"sha256:...\")")
+    if not os.access(file, os.W_OK):
+        raise DeclarationError(f"{file} cannot be written, and golden {entry.name!r}'s pin must change with it: "
+                               "make it writable first (nothing was recorded)")
+
+
 def set_pin(file: Path, entry: Entry, digest: str) -> None:
     """Write ``digest`` as ``entry``'s pin in the declaration ``file`` (a refresh of a pinned golden: the new pin in
     the same review as the new golden). The old pin's text is replaced where it occurs once in the file (else
