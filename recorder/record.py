@@ -120,11 +120,12 @@ class RecordSettings:
 
     def changes_from(self, other: RecordSettings) -> list[str]:
         """What these settings change from ``other``, one ``field: old -> new`` line each. A setting left
-        unset here (None: the model's forward, torch's threads, no head) asks for no change and is not listed."""
+        unset here (None: the model's forward, torch's threads, no head) asks for no change and is not listed;
+        but ``batch`` None is a recording alone, and a change from a batch."""
         out = []
         for f in fields(self):
             a, b = getattr(other, f.name), getattr(self, f.name)
-            if b is not None and a != b:
+            if (b is not None or f.name == "batch") and a != b:  # batch None: alone, a setting of its own
                 out.append(f"{f.name}: {_short(a)} -> {_short(b)}")
         return out
 

@@ -147,6 +147,8 @@ def test_record_refresh_re_records_what_the_golden_says(tmp_path, cli, monkeypat
     ('[goldens.a]\npath = "a.zarr"\nk = 3\n', "[goldens.a] key 'k': expected a list"),
     ('[goldens.a]\npath = "x.zarr"\n[goldens.b]\npath = "x.zarr"\n', "[goldens.b] key 'path'"),
     ('[goldens.a]\npath = "a.zarr"\nstep = 3\n', "[goldens.a] unknown key 'step'"),
+    pytest.param('[goldens.a]\npath = "a.zarr"\nbatch = 2\nslot = 5\n', "a batch of 2 has slots 0 to 1",
+                 id="a-slot-outside-its-batch"),
     pytest.param('[goldens.a]\npath = "a.zarr"\n[goldens.b]\npath = "a.zarr/b.zarr"\n',
                  "are one inside the other", id="one-golden-inside-another"),
     pytest.param('[goldens.b]\npath = "a.zarr/b.zarr"\n[goldens.a]\npath = "a.zarr/"\n',

@@ -13,7 +13,16 @@ from vd.replayer import ReplaySettings
 from vd.store import open_golden
 from vd.workflow.declare import load_suite, shard
 from vd.workflow.status import orphans, prune, status, status_key
-from vd.workflow.suite import Models, exit_code, plan_of, record_key, record_suite, replay_plan, replay_suite
+from vd.workflow.suite import (
+    Models,
+    exit_code,
+    plan_of,
+    record_key,
+    record_settings,
+    record_suite,
+    replay_plan,
+    replay_suite,
+)
 
 SUITE = """
 [defaults]
@@ -185,3 +194,27 @@ def test_a_declared_policy_stays_current_and_a_refresh_keeps_it(tmp_path, tiny):
     changed = _suite(tmp_path, text.replace('"equivalence=kl:1", ', ""))
     stale = status(changed, changed.select(["b"]), check_models=False)[0]
     assert stale.state == "stale" and stale.reasons[0].startswith("tolerances: recorded"), stale
+
+
+def test_a_batch_is_declared_and_a_golden_recorded_otherwise_is_stale(tmp_path, tiny):
+    """A declaration could not say `batch`: a golden recorded in a batch was 'current' against a declaration of one
+    recorded alone, and a refresh from the declaration dropped the batch without a word. `batch`, `slot` and
+    `batch_seed` are declared now, compared by status, and a refresh that drops a batch says so."""
+    from vd.recorder import RecordSettings
+    from vd.workflow.refresh import refresh
+
+    text = SUITE.replace('k = [2]\n', 'k = [2]\nbatch = 2\nslot = 1\n')
+    suite = _suite(tmp_path, text)
+    models = Models()
+    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    record_suite(suite.select(["b"]), models=models)
+    path = suite.entries["b"].path
+    assert open_golden(path).meta["batch"]["n"] == 2 and open_golden(path).meta["batch"]["slot"] == 1
+    assert status(suite, suite.select(["b"]), check_models=False)[0].state == "current"
+    alone = _suite(tmp_path, SUITE)
+    stale = status(alone, alone.select(["b"]), check_models=False)[0]
+    assert stale.state == "stale" and stale.reasons[0].startswith("batch: recorded 2, declared None"), stale
+    r = refresh(path, record_settings(alone.entries["b"]), reason="alone again", model=tiny)
+    assert r.published and "batch" not in open_golden(path).meta
+    assert any(c.startswith("asked: batch: 2 -> None") for c in r.changes), r.changes
+    assert RecordSettings.of_golden(open_golden(path).meta).batch is None

@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from vd.errors import UsageError
+from vd.preflight import check_batch
 
 FILES = ("vd.toml", "pyproject.toml")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a golden's name: it names files (NAME.zarr, NAME/)
@@ -61,6 +62,9 @@ KEYS = {
     "require_coverage": (lambda v: isinstance(v, bool), "true or false"),
     "allow_thin": (lambda v: isinstance(v, bool), "true or false"),
     "trace": (lambda v: isinstance(v, bool), "true or false"),
+    "batch": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a batch size (vd record --batch N)"),
+    "slot": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a slot in the batch (--slot I)"),
+    "batch_seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a seed (--batch-seed S)"),
     "pin": (lambda v: isinstance(v, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", v) is not None,
             'a content digest, "sha256:" and 64 hex digits (vd show prints it)'),
 }
@@ -89,6 +93,9 @@ class Entry:
     require_coverage: bool | None = None
     allow_thin: bool | None = None
     trace: bool | None = None
+    batch: int | None = None  # recorded as one member of a batch of this size (`vd.batch`); None: alone
+    slot: int | None = None
+    batch_seed: int | None = None
     pin: str | None = None  # the content digest the golden must have (a replay refuses another; a refresh updates it)
 
     def declared(self) -> dict:
@@ -310,6 +317,10 @@ def _entry(name: str, values: Mapping, base: Path, at: str) -> Entry:
             Policy.parse(v["policy"])
         except UsageError as e:
             raise DeclarationError(f"{at} key 'policy': {e}") from e
+    try:
+        check_batch(v.get("batch"), v.get("slot"), v.get("batch_seed"), v.get("feed") == "mtp")
+    except UsageError as e:
+        raise DeclarationError(f"{at} key 'batch': {e}") from e
     return Entry(name=name, **v)
 
 

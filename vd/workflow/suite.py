@@ -31,7 +31,7 @@ from vd.workflow.refresh import refresh
 
 # What a stale check compares: the golden's recorded setting against the declaration's (resolved).
 _COMPARED = ("model", "head", "feed", "prompt", "ks", "steps", "dtype", "device", "forward", "tolerances",
-             "deterministic", "threads")
+             "deterministic", "threads", "batch", "slot", "batch_seed")
 
 
 Key = tuple[str, str, str, str | None]  # a model as `Models` holds it: (spec, device, dtype, head)
@@ -134,6 +134,7 @@ def stale_reasons(entry: Entry, golden: Golden) -> list[str]:
     skip = {"forward"} if entry.forward is None else set()
     if entry.threads is None:
         skip.add("threads")
+    skip.update(n for n in ("slot", "batch_seed") if getattr(entry, n) is None)  # the recorder's choice then
     out = []
     for name in _COMPARED:
         a, b = getattr(have, name), getattr(want, name)
