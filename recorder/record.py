@@ -29,8 +29,8 @@ from vd.digest import Summary
 from vd.dtypes import of_torch
 from vd.equivalence import Accumulator, Equivalence, KeptDecode, decode_map, of_golden
 from vd.equivalence import describe as describe_equivalence
-from vd.errors import GoldenError, ModelOutputError, UsageError
-from vd.layout import KINDS, RowLayout, StepLog
+from vd.errors import GoldenError, GoldenExistsError, ModelOutputError, UsageError
+from vd.layout import RowLayout, StepLog
 from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, generated, hold_bytes, prepare, reference_accepts, run_verify
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import caches_off, compiles, keep_artifacts
@@ -223,7 +223,14 @@ def record(out: str | os.PathLike, settings: RecordSettings = RecordSettings(), 
         settings, refresh, reason = _from_header(header, jpath)
     policy = settings.check()
     with location.writer():
-        check_target(location, refresh)  # before the expensive part, holding the lock the writer is made under
+        try:
+            check_target(location, refresh)  # before the expensive part, holding the lock the writer is made under
+        except GoldenExistsError:
+            if not resume:
+                raise
+            raise GoldenExistsError(f"{location.url} holds a golden now, and the recording its journal continues was a "
+                                    "first recording, not a refresh: --resume cannot replace it (vd record "
+                                    f"{location.url} --refresh records afresh over it)") from None
         return _record(location, settings, policy, refresh, model, progress, reason,
                        (jpath, header, frames))
 

@@ -131,3 +131,20 @@ def test_a_recording_started_afresh_beside_a_journal_says_it_replaces_it(tmp_pat
     assert open_golden(g).ks == [2, 3] and not journal.path_for(g).exists()
     r = _vd("record", tmp_path / "other.zarr", *ARGS)
     assert r.returncode == 0 and "note" not in r.stderr
+
+
+def test_resume_takes_no_other_settings_and_says_why_it_cannot_replace_a_golden(tmp_path, killed, cli):
+    """`--resume --model X --steps 5` continued the journal's recording and dropped the flags without a word; and a
+    journal beside a golden recorded since said 'pass --refresh', which --resume then also ignored. Both are one
+    line, exit 2, the journal kept."""
+    g = tmp_path / "g.zarr"
+    path = journal.path_for(g)
+    path.write_bytes(_pack(*killed))
+    code, out, err = cli("record", g, "--resume", "--model", "tiny-qwen2", "--steps", "5")
+    assert code == 2 and "--model, --steps cannot change them" in err and path.is_file(), err
+    assert cli("record", g, "--model", "tiny-llama", "--k", "2", "--steps", "4", "--allow-thin")[0] == 0
+    path.write_bytes(_pack(*killed))  # (the recording afresh replaced the journal)
+    code, out, err = cli("record", g, "--resume")
+    assert code == 2 and "holds a golden now" in err and "pass --refresh" not in err and path.is_file(), err
+    code, out, err = cli("record", g, "--resume", "--refresh")
+    assert code == 2 and "--refresh cannot change them" in err, err

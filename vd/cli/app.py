@@ -97,6 +97,11 @@ def record(
         return team.record_suite(targets or [], config, refresh, reason, summary)
     out_path, entry = _record_target(_one(targets, "OUT"), config)
     if resume:
+        given = [name for name in ctx.params if name not in ("targets", "resume", "config") and _given(ctx, name)]
+        if given:  # the journal's settings are what it continues: another flag would be ignored without a word
+            raise UsageError(f"--resume continues the cut-short recording with the settings it started with; "
+                             f"{', '.join('--' + n.replace('_', '-') for n in given)} cannot change them (record "
+                             "afresh without --resume to change them)")
         return _resumed(out_path)
     _check_record(out_path, refresh, summary, model, forward, device, threads, tolerance)
     preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp)
