@@ -268,6 +268,9 @@ def check_target(url: str, state: str, refresh: bool) -> None:
     if state == "absent" and url.lower().endswith(_ARCHIVES):  # would be a directory of that name
         raise UsageError(f"{url}: vd writes a golden as a directory, a .zip file or an s3:// prefix, not a "
                          f"{next(a for a in _ARCHIVES if url.lower().endswith(a))} archive")
+    if state == "absent" and "://" not in url and url.lower().endswith(".zip") and not url.endswith(".zip"):
+        raise UsageError(f"{url}: a zip golden's name ends in .zip, in lower case; with {url[-4:]} vd would write "
+                         "a directory of that name")
 
 
 _ARCHIVES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar", ".tgz", ".gz", ".bz2", ".xz", ".zst", ".7z",

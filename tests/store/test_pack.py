@@ -40,6 +40,10 @@ def test_pack_refuses_what_it_cannot_copy_and_keeps_what_is_there(cli, tiny_gold
     assert code == 2 and f"is the golden {tiny_golden} the command reads; write it elsewhere" in err, err
     code, out, err = cli("pack", tiny_golden, tmp_path / "g.tar.gz")  # not a directory named g.tar.gz
     assert code == 2 and "not a .tar.gz archive" in err and not (tmp_path / "g.tar.gz").exists()
+    for args in (("pack", tiny_golden, tmp_path / "g.ZIP"),  # (it wrote a directory named g.ZIP)
+                 ("record", tmp_path / "g.ZIP", "--model", "tiny-llama", "--k", "2", "--steps", "2")):
+        code, out, err = cli(*args)
+        assert code == 2 and "ends in .zip, in lower case" in err and not (tmp_path / "g.ZIP").exists(), err
     damaged = tmp_path / "damaged.zarr"
     shutil.copytree(tiny_golden, damaged)
     chunk = next(p for p in damaged.rglob("c/*") if p.is_file())
