@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 
 from vd.dtypes import to_tensor
+from vd.equivalence import of_golden
 from vd.errors import UsageError
 from vd.loop import Run
 from vd.policy import Policy
@@ -24,6 +25,7 @@ from vd.replayer import words
 from vd.replayer.judge import compare_run
 from vd.replayer.report import DiffK, DiffReport
 from vd.store import Golden, open_golden
+from vd.store.format import DECODE_K
 from vd.store.read import recording_difference
 
 
@@ -76,6 +78,26 @@ def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> DiffReport:
             reasons.append(words.bootstrap_reason(k, log_a.bootstrap, log_b.bootstrap))
         if not c.passed:
             reasons.append(words.diff_rows_reason(k, c))
+        if k != DECODE_K and policy.equivalence is not None and b.decoded:  # B's own, as a replay judges its forward's
+            own = of_golden(b, k, policy.equivalence)
+            if own is not None:
+                reasons += words.equivalence_reasons(k, f"B ({b.info.forward})", own, policy)
         verify.append(DiffK(k, c, tuple(changed)))
     return DiffReport(a.url, b.url, policy, a.logical, (a.meta.get("environment"), b.meta.get("environment")),
-                      tuple(verify), tuple(reasons))
+                      tuple(verify), tuple(reasons), tuple(made_differently(a, b)))
+
+
+def made_differently(a: Golden, b: Golden) -> list[str]:
+    """How the two recordings were made differently, beside what they asked (which must match): the forward, a
+    batch, the model's weights, the device, the packages. Said, not judged: the rows say whether it mattered."""
+    def batch(g: Golden) -> str:
+        m = g.meta.get("batch")
+        slot = "" if m is None or m["slot"] is None else f"slot {m['slot']}, "
+        return "alone" if m is None else f"in a batch of {m['n']} ({slot}seed {m['seed']})"
+
+    env_a, env_b = (g.meta.get("environment") or {} for g in (a, b))
+    pairs = [("forward", a.info.forward, b.info.forward), ("batch", batch(a), batch(b)),
+             ("model fingerprint", a.meta["model"].get("fingerprint"), b.meta["model"].get("fingerprint")),
+             ("device", a.info.device, b.info.device),
+             *((key, env_a.get(key), env_b.get(key)) for key in ("torch", "transformers", "cuda", "gpu"))]
+    return [f"{what}: {x} vs {y}" for what, x, y in pairs if x != y and not (x is None and y is None)]

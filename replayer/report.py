@@ -456,6 +456,7 @@ class DiffReport:
     environments: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None]  # A's and B's
     verify: tuple[DiffK, ...]
     reasons: tuple[Reason, ...]
+    made: tuple[str, ...] = ()  # how A and B were made differently (`vd.replayer.diff.made_differently`)
 
     @property
     def verdict(self) -> str:
@@ -463,6 +464,6 @@ class DiffReport:
 
     def to_json(self) -> dict:
         return {"a": self.a, "b": self.b, "policy": self.policy.to_json(), "dtype": self.dtype,
-                "environment": {"a": self.environments[0], "b": self.environments[1]},
+                "environment": {"a": self.environments[0], "b": self.environments[1]}, "made": list(self.made),
                 "verify": [v.to_json() for v in self.verify], "verdict": self.verdict,
                 "reasons": [r.text for r in self.reasons]}

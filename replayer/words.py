@@ -225,10 +225,10 @@ def diff_rows_reason(k: int, c: Comparison) -> Reason:
     """A diff's K whose rows fail the policy."""
     f = c.first_failure
     return Reason("rows", f"{group(k)}: rows differ under {c.policy.describe()}: "
-                  + ", ".join(f"{n} {s.rows_failed}/{s.rows} rows fail, {s.argmax_flips} argmax flip(s), max |Δ| "
-                              f"{s.max_abs:.4g}" for n, s in c.summary.items())
-                  + (f" (first: {f.kind}{'' if f.step is None else f' step {f.step}'} row {f.row} index {f.index})"
-                     if f else ""), k)
+                  + ", ".join(f"{_row_kind(k, n)} {s.rows_failed}/{s.rows} rows fail, {s.argmax_flips} argmax "
+                              f"flip(s), max |Δ| {_measure(s.max_abs)}" for n, s in c.summary.items())
+                  + (f" (first: {_row_kind(k, f.kind)}{'' if f.step is None else f' step {f.step}'} row {f.row}"
+                     f"{'' if f.index is None else f' index {f.index}'})" if f else ""), k)
 
 
 # -- the command line ------------------------------------------------------------------------------------------
@@ -332,10 +332,24 @@ def bundle_line(path: str) -> str:
 
 
 def diff_lines(d: DiffReport) -> list[str]:
-    """A diff's lines: per K each kind's rows that differ and fail, then the reasons."""
-    out = [f"{group(v.k)}: " + "; ".join(f"{n} {s.rows_differ}/{s.rows} rows differ, {s.rows_failed} fail, max |Δ| "
-                                    f"{s.max_abs:.4g}" for n, s in v.comparison.summary.items()) for v in d.verify]
+    """A diff's lines: how A and B were made differently, per K each kind's rows that differ and fail, then the
+    reasons."""
+    out = [f"made differently: {m}" for m in d.made]
+    for v in d.verify:
+        out.append(f"{group(v.k)}: " + "; ".join(
+            f"{_row_kind(v.k, n)} {s.rows_differ}/{s.rows} rows differ, {s.rows_failed} fail, max |Δ| "
+            f"{_measure(s.max_abs)}" for n, s in v.comparison.summary.items()))
     return out + [f"  - {reason}" for reason in d.reasons]
+
+
+def _row_kind(k: int, kind: str) -> str:
+    """A kind of row as a diff names it: the decode group's rows are its one-token decodes, not verify rows."""
+    return "decode" if k == DECODE_K and kind == "verify" else kind
+
+
+def _measure(x: float) -> str:
+    """A measure in words: unknown where it is NaN (a slim side's rows were not read)."""
+    return "unknown" if x != x else f"{x:.4g}"
 
 
 # -- a refresh's change summary ----------------------------------------------------------------------------

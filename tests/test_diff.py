@@ -65,3 +65,25 @@ def test_a_damaged_golden_is_refused_on_either_side(cli, tiny_golden, tmp_path):
         code, out, err = cli("diff", a, b)
         assert code == 2 and "PASS" not in out, out + err
         assert "a.zarr/k3/logits.hi/c/2" in err and "does not match the golden's manifest" in err, err
+
+
+def test_diff_says_how_the_goldens_were_made_and_judges_bs_own_equivalence(cli, tmp_path):
+    """vd diff never said that A was recorded with eager and B with sdpa, or B in a batch; `--tolerance
+    equivalence=exact` was echoed and not judged (PASS over B's own failing pairs); the decode group's rows were
+    called verify rows. Now: the ways they were made differently, B's own verify-vs-decode judged, decode named."""
+    args = ("--model", "tiny-llama", "--k", "2", "--steps", "16")
+    paths = {name: tmp_path / f"{name}.zarr" for name in ("eager", "sdpa", "batched")}
+    assert cli("record", paths["eager"], *args)[0] == 0
+    assert cli("record", paths["sdpa"], *args, "--forward", "sdpa")[0] == 0
+    assert cli("record", paths["batched"], *args, "--forward", "sdpa", "--batch", "2", "--slot", "1")[0] == 0
+    code, out, err = cli("diff", paths["eager"], paths["sdpa"], "--report", tmp_path / "d.json")
+    assert code == 1 and "made differently: forward: eager vs sdpa" in out, out
+    assert "decode 32/32 rows differ" in out and "decode 32/32 rows fail" in out, out
+    assert json.loads((tmp_path / "d.json").read_text())["made"] == ["forward: eager vs sdpa"]
+    code, out, err = cli("diff", paths["sdpa"], paths["batched"])
+    assert "made differently: batch: alone vs in a batch of 2 (slot 1, seed 0)" in out, out
+    code, out, err = cli("diff", paths["sdpa"], paths["sdpa"])
+    assert code == 0 and "made differently" not in out
+    code, out, err = cli("diff", paths["sdpa"], paths["sdpa"], "--tolerance", "equivalence=exact")
+    assert code == 1 and "verify K=2, B (sdpa):" in out and "fail equivalence=exact" in out, out
+    assert cli("diff", paths["eager"], paths["eager"], "--tolerance", "equivalence=exact")[0] == 0
