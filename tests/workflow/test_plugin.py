@@ -2,6 +2,7 @@
 pytest-regressions test theirs): goldens collected with --vd, the vd_golden fixture failing with vd's
 reasons, --vd-update refreshing what failed, stale and orphan goldens reported."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -111,8 +112,8 @@ def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):
     assert sorted(p.name for p in (project.path / "goldens").iterdir()) == ["tiny.zarr"]
     g = open_golden(project.path / "goldens" / "tiny.zarr")
     reason = g.history[-1]["reason"]
-    assert reason.startswith("pytest --vd-update (test_engine.py::test_engine): verify K=2")
-    assert reason.endswith(" …") and len(reason) < 260  # shortened at a word (textwrap), not cut mid-word
+    assert re.match(r"pytest --vd-update \(test_engine.py::test_engine, run [0-9a-f]{12}\): verify K=2", reason)
+    assert reason.endswith(" …") and len(reason) < 280  # shortened at a word (textwrap), not cut mid-word
     g.close()
     project.runpytest("test_engine.py").assert_outcomes(passed=1)  # the golden now holds the engine's numbers
 
@@ -138,6 +139,24 @@ def test_an_update_of_a_change_at_every_step_records_the_golden_with_the_tests_m
     project.runpytest("test_engine.py").assert_outcomes(failed=1)  # the golden holds the engine's numbers now
 
 
+def test_a_second_update_of_a_golden_in_one_run_fails_instead(project):
+    """Two tests whose engines disagree on one golden, under --vd-update: the first updated it, the second failed
+    against that update and updated it back, and the run reported two updates and no failure (the update asked
+    for silently undone). The second now fails, naming the test whose update it disagrees with."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    project.makepyfile(test_both=TEST_ENGINE + """
+def test_plain(vd_golden):
+    vd_golden("tiny").replay()
+""")
+    r = project.runpytest("test_both.py", "--vd-update")
+    r.assert_outcomes(passed=1, failed=1)
+    r.stdout.fnmatch_lines(["*vd golden 'tiny' (*tiny.zarr) FAILED against the update test_both.py::test_engine made "
+                            "in this run:*", "*two tests' engines give this golden different rows*"])
+    g = open_golden(project.path / "goldens" / "tiny.zarr")
+    assert len(g.history) == 2 and "test_both.py::test_engine" in g.history[-1]["reason"]
+    g.close()
+
+
 def test_update_all_records_each_golden_once_per_run_in_every_worker(project, monkeypatch):
     """--vd-update=all re-recorded a golden for every test that used it (a version each), and again in every
     pytest-xdist worker; now once per run (its ID, xdist's PYTEST_XDIST_TESTRUNUID), later tests replaying it."""
@@ -155,7 +174,7 @@ def test_two(vd_golden):
     r.stdout.fnmatch_lines(["tiny: v2 *"])
     g = open_golden(project.path / "goldens" / "tiny.zarr")
     assert [v["reason"] for v in g.history[1:]] == [
-        "pytest --vd-update (test_twice.py::test_one): --vd-update=all, run 0123456789ab"]
+        "pytest --vd-update (test_twice.py::test_one, run 0123456789ab): --vd-update=all"]
     g.close()
     r = project.runpytest("test_twice.py", "--vd-update=all")  # another worker of the same run: replayed
     r.assert_outcomes(passed=2)

@@ -141,9 +141,10 @@ class _Session:
         if model is None:
             _one_process(entry, meta)
         if self.update == "all" and not self._recorded_in_run(meta):
-            return self._refresh(entry, who, model, f"--vd-update=all, run {self.run}")
+            return self._refresh(entry, who, model, "--vd-update=all")
         problems, way_on = self._problems(entry, model is not None)
         if problems and self.update:
+            self._not_updated_yet(entry, problems)
             return self._refresh(entry, who, model, "; ".join(problems)[:200])
         with tempfile.TemporaryDirectory(prefix="vd-candidate-") as tmp:
             if not problems:
@@ -168,16 +169,32 @@ class _Session:
                               f"then vd refresh {name} --reason TEXT; pytest --vd-update takes a change of the "
                               f"golden's own forward, {outcome.report.golden_forward}, not another's")
                 if self.update and outcome.report is not None and keep is not None:
+                    self._not_updated_yet(entry, problems)
                     return self._promote(entry, who, keep, textwrap.shorten("; ".join(problems), 200,
                                                                              placeholder=" …"), model)
         raise GoldenFailure(f"vd golden {name!r} ({entry.path}) FAILED:\n" + "\n".join(f"  - {p}" for p in problems)
                             + f"\n  ({way_on})")
 
+    def _not_updated_yet(self, entry, problems: list[str]) -> None:
+        """Refuse (`GoldenFailure`) a second --vd-update of a golden in one run (this process or another worker:
+        its history names the run): a test that fails against what an earlier test of the run accepted would
+        undo that update, and both would be reported as updates. Two tests' engines disagree on one golden."""
+        __tracebackhide__ = True
+        mark = f", run {self.run}): "
+        history = (_root_meta(entry) or {}).get("history") or []
+        by = [str(v.get("reason")) for v in history if isinstance(v, dict) and mark in str(v.get("reason", ""))]
+        if by:
+            who = by[-1].removeprefix("pytest --vd-update (").split(mark)[0]
+            raise GoldenFailure(f"vd golden {entry.name!r} ({entry.path}) FAILED against the update {who} made in this "
+                                "run:\n" + "\n".join(f"  - {p}" for p in problems) + "\n  (two tests' engines give "
+                                "this golden different rows; a second update would undo the first: give each engine "
+                                "its own golden, or update them in separate runs)")
+
     def _recorded_in_run(self, meta) -> bool:
         """Whether this run's --vd-update=all has re-recorded the golden (root metadata ``meta``) already, in this
         process or another worker: a version in its history gives this run's ID."""
         history = (meta or {}).get("history") or []
-        return any(isinstance(v, dict) and str(v.get("reason", "")).endswith(f"run {self.run}") for v in history)
+        return any(isinstance(v, dict) and f", run {self.run}): " in str(v.get("reason", "")) for v in history)
 
     def _problems(self, entry, own_model: bool) -> tuple[list[str], str]:
         """Why the golden cannot be replayed as declared: missing, unreadable or stale (none: it can); and the
@@ -208,7 +225,8 @@ class _Session:
         from vd.workflow.refresh import promote
 
         with _refused(entry.name):
-            done = promote(candidate, entry.path, reason=f"pytest --vd-update ({who}): {why}", name=entry.name)
+            done = promote(candidate, entry.path, reason=f"pytest --vd-update ({who}, run {self.run}): {why}",
+                           name=entry.name)
         if done.record_instead == {}:
             return self._refresh(entry, who, model, why)
         return self._done(entry, done)
@@ -228,7 +246,8 @@ class _Session:
         s = record_settings(entry)
         model = model or self.models.get(s.model, s.device, s.dtype, s.head)
         with _refused(entry.name):
-            done = refresh(entry.path, s, reason=f"pytest --vd-update ({who}): {why}", name=entry.name, model=model)
+            done = refresh(entry.path, s, reason=f"pytest --vd-update ({who}, run {self.run}): {why}", name=entry.name,
+                           model=model)
         self._done(entry, done)
 
 
