@@ -35,7 +35,7 @@ from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, generated, hold_bytes
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import caches_off, compiles, keep_artifacts
 from vd.models.specs import golden_dir, portable
-from vd.policy import Policy
+from vd.policy import Policy, Spec
 from vd.preflight import check_batch, check_threads
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
@@ -305,7 +305,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     result.parts.update({f"write_{n}": sec for n, sec in writer.seconds.items()})
     result.location = location
     t = time.perf_counter()
-    _read_back_equivalence(location, settings.ks, result)
+    _read_back_equivalence(location, settings.ks, result, policy)
     seconds["equivalence"] = time.perf_counter() - t  # the golden's own verify-vs-decode figures read back
     return result
 
@@ -332,16 +332,26 @@ def _set_forward(model: VerifyModel, settings: RecordSettings) -> str:
     return forward
 
 
-def _read_back_equivalence(location: Location, ks: Sequence[int], result: RecordResult) -> None:
+def _read_back_equivalence(location: Location, ks: Sequence[int], result: RecordResult, policy: Policy) -> None:
     """The verify-vs-decode figures of the K runs that let verify rows go before their end (the others were
-    measured from the rows they held), read back from the published golden; ``result.equivalence`` in K order."""
+    measured from the rows they held), read back from the published golden; ``result.equivalence`` in K order,
+    judged under the ``policy``'s ``equivalence=``: a K whose own pairs fail it is a warning (every replay with
+    this forward would FAIL on it)."""
     if missing := [k for k in ks if k not in result.equivalence]:
         stored = open_golden(location)
         try:
-            result.equivalence.update({k: e for k in missing if (e := of_golden(stored, k)) is not None})
+            result.equivalence.update({k: e for k in missing
+                                       if (e := of_golden(stored, k, policy.equivalence)) is not None})
         finally:
             stored.close()
     result.equivalence = {k: result.equivalence[k] for k in ks if k in result.equivalence}
+    spec = policy.equivalence
+    for k, e in result.equivalence.items():
+        if spec is not None and not e.passed:
+            result.warnings.append(f"K={k}: the golden's own verify rows fail its equivalence={spec.text} against its "
+                                   f"decode rows ({len(e.failing)} of {e.rows}): every replay with its forward fails "
+                                   "on that; loosen equivalence= or record a forward whose verify rows equal its "
+                                   "decode rows")
 
 
 def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: GoldenWriter, tokens: list[int],
@@ -459,7 +469,9 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
         _refuse_nonfinite(layout, summary[1], k)
     settled.rows.finish(log, summary, drafts, later)
     at = _part(result, "store_files", at)
-    if (own := _own_equivalence(log, settled, len(tokens), continuation, of_torch(model.dtype).name)) is not None:
+    spec = Policy.parse(settings.tolerances).equivalence  # (judged as a replay judges: a failing pair is warned of)
+    if (own := _own_equivalence(log, settled, len(tokens), continuation, of_torch(model.dtype).name, spec)
+            ) is not None:
         result.equivalence[k] = own
     _part(result, "store_own", at)
     result.seconds["store"] += time.perf_counter() - t
@@ -559,7 +571,7 @@ def _finished(run: Run, same: bool, settled: _Settled) -> tuple[StepLog, tuple[n
 
 
 def _own_equivalence(log: StepLog, settled: _Settled, prompt: int, continuation: tuple[list[int], KeptDecode],
-                     logical: str) -> Equivalence | None:
+                     logical: str, spec: Spec | None = None) -> Equivalence | None:
     """A K's verify rows against the decode rows of the same positions, measured on the run's device as a
     replay measures its candidate's (`vd.equivalence.Accumulator`), from the rows the run held at its end: the
     golden's own figures without reading it back. None for a run that let verify rows go before its end (one
@@ -569,7 +581,7 @@ def _own_equivalence(log: StepLog, settled: _Settled, prompt: int, continuation:
     if start != 0 or rows is None:
         return None
     greedy, decode = continuation
-    acc = Accumulator(log.k, decode_map(log, prompt, greedy, decode.count), decode.result(), logical, None)
+    acc = Accumulator(log.k, decode_map(log, prompt, greedy, decode.count), decode.result(), logical, spec)
     acc.add(0, rows)
     return acc.result()
 

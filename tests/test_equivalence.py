@@ -86,6 +86,21 @@ def test_a_replay_reports_each_forwards_equivalence_and_judges_it_when_asked(ste
     assert code == 0, out
 
 
+def test_a_recording_warns_when_its_own_rows_fail_its_equivalence_policy(cli, tmp_path):
+    """`vd record --tolerance equivalence=exact` of a forward whose own verify rows differ from its decode rows
+    stored a golden every replay of that forward FAILs, without a word. It is stored, and a warning says so,
+    per K that fails; a policy its rows meet warns of nothing."""
+    path = tmp_path / "g.zarr"
+    args = ("record", path, "--model", STEPWISE, "--steps", "6", "--k", "2,3")
+    code, out, err = cli(*args, "--tolerance", "equivalence=exact")
+    assert code == 0 and "K=3: verify vs decode: " in out and "; FAIL" in out, out + err
+    assert "vd: warning: K=3: the golden's own verify rows fail its equivalence=exact against its decode rows " \
+           "(1 of " in err and "warning: K=2" not in err, err
+    assert cli("replay", path, "--model", STEPWISE)[0] == 1  # as the warning says
+    code, out, err = cli(*args, "--tolerance", "equivalence=ulp:1", "--refresh", "--reason", "one ULP allowed")
+    assert code == 0 and "warning" not in err, err
+
+
 def test_decode_forward_computes_the_decode_rows_each_forward_is_measured_against(cli, tiny_golden, tmp_path):
     """--decode-forward NAME (an engine that decodes with another kernel than it verifies): each forward's verify
     rows are measured against the decode rows NAME computed, and those decode rows are judged against the
