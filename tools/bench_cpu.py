@@ -2,7 +2,8 @@
 golden's bytes (and its slim form's) against raw bf16 bytes, on the embedded default model on the CPU.
 
 The bare loops run the same model calls (prefill, the same verify steps with the same tokens, the same
-rewinds; for recording also the greedy continuation) with no storage and no comparison. Each variant
+rewinds; before them the greedy continuation's one-token decodes, which a recording runs and a replay of a
+golden with decode rows runs again) with no storage and no comparison. Each variant
 runs ``--reps`` times, interleaved, and the medians and their ratios are reported. Writes JSON.
 
     python tools/bench_cpu.py --out tools/bench_cpu.json
@@ -29,6 +30,7 @@ from vd.models import load_model
 from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
 from vd.replayer import ReplaySettings, replay
 from vd.store import locate, open_golden, slim
+from vd.store.format import DECODE_K
 
 
 @gc_paused()  # as vd's runs (`vd.loop.run_verify`)
@@ -61,6 +63,8 @@ def _timed(a: argparse.Namespace, model, prompt: list[int], ks: tuple[int, ...],
         times["bare_record"].append(time.perf_counter() - t)
 
         t = time.perf_counter()
+        if golden.decoded:  # a replay runs the golden's one-token decodes first (format 7), as a recording does
+            continuation(model, prompt, golden.layout(DECODE_K).steps + 1)
         bare_verify(model, prompt, golden)
         times["bare_replay"].append(time.perf_counter() - t)
 
