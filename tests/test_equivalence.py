@@ -161,3 +161,17 @@ def test_a_recordings_own_figures_measured_from_its_held_rows_are_the_stored_gol
         g = open_golden(path)
         assert result.equivalence == {k: of_golden(g, k) for k in (2, 3)}
     assert held.equivalence[3].identical == held.equivalence[3].rows - 1  # the one element the plug-in changes
+
+
+def test_the_goldens_own_failing_pairs_are_not_a_fail_in_a_passing_replays_axes(cli, tmp_path):
+    """A golden recorded with sdpa (whose verify rows differ from its decode rows) replayed by static (whose do
+    not) under equivalence=exact: the verdict judges static and PASSes, and the golden's own row said FAIL."""
+    path = tmp_path / "sdpa.zarr"
+    assert cli("record", path, "--model", "tiny-llama", "--forward", "sdpa", "--k", "2", "--steps", "16")[0] == 0
+    code, out, err = cli("replay", path, "--forward", "static", "--tolerance", "equivalence=exact", "--tolerance",
+                         "kl:1", "--tolerance", "decisions=margin:1", "--report", tmp_path / "r.json")
+    assert code == 0, out + err
+    axes = json.loads((tmp_path / "r.json").read_text())["verify"][0]["axes"]
+    own = next(a for a in axes if a["forward"] == "golden (recorded)")
+    static = next(a for a in axes if a["forward"] == "static" and a["axis"] == "verify vs decode")
+    assert own["verdict"] == "fails (the golden's own: not judged)" and static["verdict"] == "pass", axes
