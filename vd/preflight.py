@@ -73,10 +73,19 @@ def golden_meta(doc: bytes, url: str) -> Mapping[str, Any]:
     """The vd metadata of a golden's root ``zarr.json`` (its bytes ``doc``); a `GoldenError` naming what is wrong
     where it is not a zarr v3 group holding vd's metadata."""
     try:
+        if not doc.strip():
+            raise ValueError("it is empty")
         node = json.loads(doc)
+        if not isinstance(node, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(node),
+                                                                                              "a number")
+            raise ValueError(f"{kind} where a zarr group's document is a JSON object")
         if node.get("zarr_format") != 3 or node.get("node_type") != "group":
             raise ValueError("not a zarr v3 group")
-    except (ValueError, AttributeError) as e:  # malformed zarr.json
+    except json.JSONDecodeError as e:  # (a ValueError: worded as what it is, not as Python's message)
+        raise GoldenCorruptError(f"{url}/zarr.json is unreadable: not valid JSON ({e.msg} at line {e.lineno}, "
+                                 f"column {e.colno})") from e
+    except (ValueError, UnicodeDecodeError) as e:  # malformed zarr.json
         raise GoldenCorruptError(f"{url}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
     meta = (node.get("attributes") or {}).get("vd")
     if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:

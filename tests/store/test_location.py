@@ -1,6 +1,8 @@
 """Where a golden lives: a directory, a zip file written once through zarr's ZipStore, or a prefix of a real
 S3 server (SeaweedFS, started by the tests); each published whole, never half."""
 
+import re
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -281,3 +283,16 @@ def test_one_s3_writer_at_a_time(s3, monkeypatch):
     with ObjectPrefix(s3).writer():
         pass
     assert not sync(store.fs._exists(f"{parent}/.{name}.lock"))
+
+
+@pytest.mark.parametrize("doc, said", [(b"", "it is empty"), (b"[]", "an array where a zarr group's document is a JSON "
+                                       "object"), (b'"x"', "a string where"), (b"null", "null where"),
+                                       (b'{"a":', "not valid JSON (Expecting value at line 1, column 6)")])
+def test_a_root_document_that_is_no_json_object_is_said_in_words(tiny_golden, tmp_path, doc, said):
+    """A golden's root zarr.json emptied or holding another JSON value was refused with Python's own message
+    ("'list' object has no attribute 'get'", "Expecting value: line 1 column 1 (char 0)")."""
+    g = tmp_path / "g.zarr"
+    shutil.copytree(tiny_golden, g)
+    (g / "zarr.json").write_bytes(doc)
+    with pytest.raises(GoldenError, match=re.escape(f"{g}/zarr.json is unreadable: {said}")):
+        open_golden(g)
