@@ -43,6 +43,7 @@ EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
 
 # typer 0.2x vendors click; older releases use click itself. Find the base either way.
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
 def crash(e: BaseException) -> int:
@@ -75,6 +76,26 @@ class Command(_PlainFlags, TyperCommand):
         super().__init__(*args, **kwargs)
         if self.help:
             self.help = "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(self.help).split("\n\n"))
+
+    def parse_args(self, ctx, args):
+        """Refuse an option that takes one value given twice (click keeps the last without a word: ``--k 2 --k 3``
+        ran K=3 alone); an option meant to repeat (``--forward``, ``--tolerance``) may."""
+        single = {o: p for p in self.get_params(ctx) if p.param_type_name == "option" and not p.multiple
+                  and not p.is_flag and not p.count for o in p.opts}
+        seen: dict[str, list[str]] = {}
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            name, eq, value = arg.partition("=")
+            if name in single:
+                seen.setdefault(single[name].name, []).append(value if eq else (args[i + 1] if i + 1 < len(args)
+                                                                                 else ""))
+        for name, values in seen.items():
+            if len(values) > 1:
+                flag = "--" + name.replace("_", "-")
+                raise _UsageError(f"{flag} given {len(values)} times ({', '.join(values)}): it takes one value"
+                                       + (f" (--k {','.join(values)} for several widths)" if flag == "--k" else ""))
+        return super().parse_args(ctx, args)
 
 
 class _Interrupted(Exception):
