@@ -179,6 +179,10 @@ def test_usage_of_targets(cli, tmp_path, monkeypatch):
         assert code == 2 and "give one" in err
     code, out, err = cli("replay", "--suite")
     assert code == 2 and "no suite declared" in err
+    (tmp_path / "vd.toml").write_text('[goldens.a]\npath = "a.zarr"\n')
+    for command in ("replay", "record", "status"):  # (vd replay --suite a a replayed it twice)
+        code, out, err = cli(command, *(["--suite"] if command != "status" else []), "a", "a")
+        assert code == 2 and "golden 'a' named more than once" in err, (command, out, err)
 
 
 def test_refresh_of_an_unknown_name_records_nothing(tmp_path, monkeypatch, cli):

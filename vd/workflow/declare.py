@@ -114,6 +114,9 @@ class Suite:
     def select(self, names: list[str] | tuple[str, ...] = ()) -> list[Entry]:
         """The named entries (all when none are named); an unknown name is exit 2."""
         unknown = [n for n in names if n not in self.entries]
+        twice = sorted({n for n in names if list(names).count(n) > 1})
+        if twice:  # (each would run again: two verdicts, or two refreshes, of one golden)
+            raise DeclarationError(f"golden {', '.join(map(repr, twice))} named more than once; name each once")
         if unknown:
             raise DeclarationError(f"{self.file}: no golden named {', '.join(map(repr, unknown))} "
                                    f"(declared: {', '.join(self.entries) or 'none'})")
