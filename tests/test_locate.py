@@ -289,6 +289,8 @@ def test_a_batch_is_located_where_the_sequence_alone_parts(smollm2_traced, cli, 
         assert k2["identical_before"] > 0 and k2["traced_pass_reproduces"]
     code, out, err = cli("locate", smollm2_traced, "--between", "batch:1")
     assert code == 2 and "batch:N takes a batch size N of 2 to 64" in err, err
+    code, out, err = cli("locate", smollm2_traced, "--between", "batch")  # (it said: no forward 'batch')
+    assert code == 2 and "--between batch:N names the batch's size" in err, err
 
 
 @pytest.mark.parametrize("forward", ["eager", "static"])

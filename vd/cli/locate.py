@@ -62,6 +62,8 @@ def locate(
     meta = check_golden(golden)
     if between is not None and between.startswith("batch:"):
         batch_size(between)
+    elif between == "batch":  # (it was looked up as a forward named batch)
+        raise UsageError("--between batch:N names the batch's size, such as batch:4")
     check_writable("--report", report, (golden,))
     check_writable("--html", html, (golden,))
     if between is None and meta is not None and meta.get("trace") is None:
