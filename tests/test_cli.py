@@ -1023,3 +1023,19 @@ def test_nonfinite_logits_are_stored_only_when_asked(cli, tmp_path):
 def test_runs_the_model_cannot_hold_are_refused_before_they_start(cli, tmp_path, args, needle):
     code, _, err = cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--k", "2", *args)
     _one_line_error(code, "", err, needle)
+
+
+def test_a_file_where_a_folder_is_named_is_said_so(cli, tmp_path, monkeypatch):
+    """VD_CACHE_DIR naming a file made `vd cache info` say "0 entries" (and nothing was cached); VD_WARM_DIR naming
+    one made `vd warm` say "File exists"; --config naming a folder said "no such declaration file"."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("VD_CACHE_DIR", str(afile))
+    code, out, err = cli("cache", "info")
+    assert code == 2 and "afile is a file, not a folder: vd caches nothing there" in err, out + err
+    monkeypatch.setenv("VD_WARM_DIR", str(afile))
+    code, out, err = cli("warm")
+    assert code == 2 and "afile is a file, not a folder: vd's warm socket lives in a folder" in err, out + err
+    code, out, err = cli("replay", "--suite", "--config", tmp_path)
+    assert code == 2 and "is a folder; --config names the declaration file" in err, out + err
+    assert afile.read_text() == ""

@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from vd.errors import UsageError
+
 # Environment variables a process reads while starting or importing, by prefix or name: a command whose
 # values differ from the server's would not be the process it would have been, so it runs on its own.
 IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH_",
@@ -287,6 +289,8 @@ def start(idle_s: float = IDLE_S, wait_s: float = 600.0) -> dict:
     import subprocess
 
     where = folder()
+    if where.exists() and not where.is_dir():  # (mkdir said only "File exists")
+        raise UsageError(f"{where} is a file, not a folder: vd's warm socket lives in a folder (VD_WARM_DIR names it)")
     where.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not _private(where):
         raise PermissionError(f"{where} must be a folder only you can enter (mode 0700) to hold vd's warm socket")

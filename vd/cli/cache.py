@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from vd.cli.common import EXIT_PASS, Command, Group, app, examples, out
+from vd.errors import UsageError
 
 cache = typer.Typer(cls=Group, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                     help="The cache of converted model weights (a GGUF checkpoint is dequantised once per machine).")
@@ -27,6 +28,8 @@ def info(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = 
     from vd.models import weights
 
     where = weights.root()
+    if where is not None and where.exists() and not where.is_dir():  # (it said "0 entries": nothing is cached there)
+        raise UsageError(f"{where} is a file, not a folder: vd caches nothing there (VD_CACHE_DIR names a folder)")
     entries = weights.entries()
     if as_json:
         out.print(json.dumps({"root": None if where is None else str(where), "bytes": sum(e.nbytes for e in entries),

@@ -201,6 +201,9 @@ def load_suite(file: str | os.PathLike | None = None) -> Suite:
                                    f"{Path.cwd()} or its parents")
         file = found
     file = Path(file)
+    if file.is_dir():
+        raise DeclarationError(f"{file} is a folder; --config names the declaration file (a vd.toml, or a "
+                               "pyproject.toml with [tool.vd])")
     if not file.is_file():
         raise DeclarationError(f"{file}: no such declaration file")
     doc = _read(file)
