@@ -637,7 +637,16 @@ def _axis_steps(report: Report) -> list[NextStep]:
     alone = {(v.k, j.comparison.variant) for v in groups for j in v.comparisons if j.comparison.passed}
     failing = [(v.k, b) for v in groups for b in v.batch
                if not b.comparison.passed and (v.k, b.forward) in alone]  # not where its rows differ alone too
-    if failing:
+    if failing and failing[0][1].n == 1:  # (the command it gave was the one just run)
+        out.append(("A batch of one already differs from the golden's rows (see the reasons): the batched call "
+                    "itself computes other rows, whoever shares the batch; a golden recorded in a batch ",
+                    Code("vd show"), " names is replayed in it."))
+    elif failing and failing[0][1].slot is not None:  # the replay held the slot already
+        b = failing[0][1]
+        out.append((f"The rows depend on what shares their batch (see the reasons), at the slot this replay held "
+                    f"({b.slot}); ", Code("--batch 1"), " tells a batched kernel apart from the batch's composition; "
+                    "a golden recorded in a batch ", Code("vd show"), " names is replayed in it."))
+    elif failing:
         k, b = failing[0]
         first = b.first_difference
         slot = b.slot if first is None or b.n == 1 else first[1]

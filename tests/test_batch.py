@@ -158,7 +158,9 @@ def test_a_batch_variant_engine_fails_where_its_slot_shares_a_batch(batch_golden
         assert not b["comparison"]["passed"] and b["first_difference"] == {"step": None, "slot": 1}
         assert all(c["passed"] for c in v["comparisons"])  # alone, its rows are the golden's
     assert "verify K=2 in a batch of 2 (slot 1 at the first difference), eager: prefill differs" in out
-    assert "--batch 2 --batch-seed 0 --slot 1" in out  # the next step holds the slot
+    assert "at the slot this replay held (1)" in out and "--slot 1" not in out.split("next step")[-1], out
+    code, out, _ = _replay(cli, batch_golden, tmp_path, "variant", "--batch", "2")
+    assert code == 1 and "--batch 2 --batch-seed 0 --slot " in out, out  # the next step holds a slot
     code, out, _ = _replay(cli, batch_golden, tmp_path, "variant", "--batch", "1")
     assert code == 0 and "PASS" in out, out
 
@@ -213,6 +215,8 @@ def test_a_golden_recorded_in_a_batch_is_replayed_in_it(recorded_in_a_batch, cli
     assert code == 0 and "recorded as one member of a batch of 2" in out, out
     code, out, r = _replay(cli, recorded_in_a_batch, tmp_path, "variant", "--batch", "1")
     assert code == 1 and not r["verify"][0]["batch"][0]["comparison"]["passed"], out  # alone it differs
+    # (the next step repeated this very command: --batch 1 --batch-seed 0)
+    assert "A batch of one already differs from the golden's rows" in out and "--batch 1 --batch-seed" not in out
 
 
 def test_a_damaged_batch_field_is_refused(recorded_in_a_batch, cli, tmp_path):
