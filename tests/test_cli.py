@@ -623,6 +623,7 @@ def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
         # a one-value option given twice: click kept the last without a word (--k 2 --k 3 ran K=3 alone)
         (["replay", "nosuch.zarr", "--k", "2", "--k", "3"], "--k given 2 times (2, 3): it takes one value (--k 2,3"),
         (["record", "out.zarr", "--steps=4", "--steps", "5"], "--steps given 2 times (4, 5)"),
+        (["record", "out.zarr", "--prompt", "--k", "--k", "2", "--steps", "0"], "--steps"),  # a value like --k is one
     ]
     fine = [["models"], ["--help"], ["--version"], ["replay", "--help"], ["record", "--help"]]
     results = _audit(tmp_path, *[argv for argv, _ in cases], *fine)

@@ -83,13 +83,15 @@ class Command(_PlainFlags, TyperCommand):
         single = {o: p for p in self.get_params(ctx) if p.param_type_name == "option" and not p.multiple
                   and not p.is_flag and not p.count for o in p.opts}
         seen: dict[str, list[str]] = {}
-        for i, arg in enumerate(args):
-            if arg == "--":
-                break
-            name, eq, value = arg.partition("=")
+        i = 0
+        while i < len(args) and args[i] != "--":
+            name, eq, value = args[i].partition("=")
             if name in single:
-                seen.setdefault(single[name].name, []).append(value if eq else (args[i + 1] if i + 1 < len(args)
-                                                                                 else ""))
+                if not eq:  # the value is the next word (even one that looks like an option: --prompt --k)
+                    i += 1
+                    value = args[i] if i < len(args) else ""
+                seen.setdefault(single[name].name, []).append(value)
+            i += 1
         for name, values in seen.items():
             if len(values) > 1:
                 flag = "--" + name.replace("_", "-")
