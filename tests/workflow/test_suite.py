@@ -1,6 +1,7 @@
 """A suite recorded and replayed together, each model loaded once; status finds missing, stale and
 orphaned goldens."""
 
+import dataclasses
 import re
 import shutil
 import weakref
@@ -170,6 +171,9 @@ class _Reweighted:
         ident = self.inner.identity()
         return type(ident)(ident.name, "sha256:" + "0" * 64, ident.details)
 
+    def default_forward(self):
+        return self.inner.default_forward()
+
 
 def test_a_declared_policy_stays_current_and_a_refresh_keeps_it(tmp_path, tiny):
     """A declared equivalence term (and a SPEC without a kind) is what the golden records: status calls it
@@ -218,3 +222,22 @@ def test_a_batch_is_declared_and_a_golden_recorded_otherwise_is_stale(tmp_path, 
     assert r.published and "batch" not in open_golden(path).meta
     assert any(c.startswith("asked: batch: 2 -> None") for c in r.changes), r.changes
     assert RecordSettings.of_golden(open_golden(path).meta).batch is None
+
+
+def test_a_golden_recorded_with_a_forward_its_declaration_leaves_out_is_stale(tmp_path, tiny):
+    """A declaration naming no forward means the model's default; `vd record b --refresh --forward sdpa` left the
+    golden 'current' until a suite refresh silently recorded the default again. With the model loaded, status
+    calls it stale."""
+    from vd.recorder import record
+
+    suite = _suite(tmp_path)
+    models = Models()
+    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    record_suite(suite.select(["b"]), models=models)
+    assert status(suite, suite.select(["b"]), models=models)[0].state == "current"
+    sdpa = dataclasses.replace(record_settings(suite.entries["b"]), forward="sdpa")
+    assert record(suite.entries["b"].path, sdpa, refresh=True, model=tiny).location is not None
+    b = status(suite, suite.select(["b"]), models=models)[0]
+    assert b.state == "stale" and b.reasons == ["forward: recorded 'sdpa', declared none (the model's default, "
+                                                "'eager')"], b
+    assert status(suite, suite.select(["b"]), check_models=False)[0].state == "current"  # known only with the model

@@ -79,7 +79,12 @@ def _one(e: Entry, check_models: bool, models: Models, last: tuple[str, str | No
                   "reason": history[-1].get("reason") if history else None, "slim": g.slim}
     s.reasons = stale_reasons(e, g)
     if check_models:
-        s.reasons += _fingerprint(g, models, progress)
+        try:
+            model = models.get(*status_key(g), progress)
+        except VdError as err:
+            s.reasons.append(f"model {m['spec']}: {err}")
+        else:
+            s.reasons += _fingerprint(g, model) + _undeclared_forward(e, g, model)
     if s.reasons:
         s.state = "stale"
     ignored = git_ignored(e.path, ["zarr.json", *(g.manifest or {})])
@@ -119,15 +124,11 @@ def status_key(g: Golden) -> Key:
     return (m["spec"], device, g.logical, m.get("head"))
 
 
-def _fingerprint(g: Golden, models: Models, progress: Progress) -> list[str]:
-    """Whether the model (and head) the golden names still has the fingerprint it was recorded with."""
+def _fingerprint(g: Golden, model) -> list[str]:
+    """Whether the ``model`` (and head) the golden names, loaded, still has the fingerprint it was recorded with."""
     from vd import protocol
 
     m = g.meta["model"]
-    try:
-        model = models.get(*status_key(g), progress)
-    except VdError as e:
-        return [f"model {m['spec']}: {e}"]
     out = []
     now = model.identity().fingerprint
     if now != m["fingerprint"]:
@@ -139,6 +140,17 @@ def _fingerprint(g: Golden, models: Models, progress: Progress) -> list[str]:
             out.append(f"MTP head now has fingerprint {head}; the golden was recorded with "
                        f"{g.meta['mtp']['fingerprint']}")
     return out
+
+
+def _undeclared_forward(e: Entry, g: Golden, model) -> list[str]:
+    """A declaration that names no forward means the model's default: a golden recorded with another (``vd record
+    NAME --forward sdpa``) is stale, as a suite refresh would record the default again. Known only with the
+    ``model`` loaded, on the golden's own device (another device's default may differ)."""
+    if e.forward is not None or status_key(g)[1] != g.info.device:
+        return []
+    default = model.default_forward()
+    return [] if g.info.forward == default else [
+        f"forward: recorded {g.info.forward!r}, declared none (the model's default, {default!r})"]
 
 
 def _last_of(last: tuple[str, str | None] | None, content: str) -> str | None:
