@@ -99,7 +99,9 @@ def test_bad_tolerances_are_usage_errors():
                        ("atol:0.1", "unknown tolerance 'atol:0.1'"), ("atol:0.1", "atol takes its rtol"),
                        # two SPECs in one item: not a bad number, but an item per kind
                        ("verify=ulp:2,draft", "'ulp:2,draft' is more than one SPEC"),
-                       ("kl:0.1,exact", "give each kind's its own item")):
+                       ("kl:0.1,exact", "give each kind's its own item"),
+                       # an empty kind before '=' (it applied to every kind without a word)
+                       ("=exact", "name a kind before '='"), (" =kl:1", "name a kind before '='")):
         with pytest.raises(UsageError, match=re.escape(wants)):
             Policy.parse([bad])
 

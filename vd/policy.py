@@ -145,6 +145,9 @@ class Policy:
             kind, sep, spec = item.partition("=")
             if not sep:
                 kind, spec = "", item
+            elif not kind.strip():
+                raise UsageError(f"--tolerance {item!r}: name a kind before '=' ({', '.join(KINDS)}, {DECISIONS} or "
+                                 f"{EQUIVALENCE}), or leave the '=' out for every kind")
             if kind == DECISIONS:
                 decisions = spec.strip()
                 parse_decisions(decisions)
