@@ -97,12 +97,7 @@ def record(
         return team.record_suite(targets or [], config, refresh, reason, summary)
     out_path, entry = _record_target(_one(targets, "OUT"), config)
     if resume:
-        given = [name for name in ctx.params if name not in ("targets", "resume", "config") and _given(ctx, name)]
-        if given:  # the journal's settings are what it continues: another flag would be ignored without a word
-            raise UsageError(f"--resume continues the cut-short recording with the settings it started with; "
-                             f"{', '.join('--' + n.replace('_', '-') for n in given)} cannot change them (record "
-                             "afresh without --resume to change them)")
-        return _resumed(out_path)
+        return _resumed(ctx, out_path)
     _check_record(out_path, refresh, summary, model, forward, device, threads, tolerance)
     preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp)
     return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
@@ -200,9 +195,16 @@ def _note_journal(out_path: str) -> None:
                   f"starts afresh and replaces it (vd record {out_path} --resume continues that one instead)")
 
 
-def _resumed(out_path: str) -> int:
+def _resumed(ctx: typer.Context, out_path: str) -> int:
+    """``--resume``: the journal's recording continued with the settings it started with (any other flag refused:
+    it would be ignored without a word)."""
     from vd.recorder import record as do_record
 
+    given = [name for name in ctx.params if name not in ("targets", "resume", "config") and _given(ctx, name)]
+    if given:
+        raise UsageError(f"--resume continues the cut-short recording with the settings it started with; "
+                         f"{', '.join('--' + n.replace('_', '-') for n in given)} cannot change them (record "
+                         "afresh without --resume to change them)")
     with reporting() as progress, resumable(out_path):
         return _recorded(do_record(out_path, resume=True, progress=progress))
 
