@@ -127,7 +127,7 @@ def junit_suite(report: Report, name: str) -> ET.Element:
             ET.SubElement(props, "property", name=key, value=str(value))
     placed: list[Reason] = []
     for v in ([report.decode] if report.decode is not None else []) + list(report.verify):
-        classname = f"vd.{name}.{words.group(v.k).replace('=', '')}"
+        classname = _classname(name, v.k)
         for j in v.comparisons:
             ms = sum(sum(t.step_ms) for t in v.timings if t.variant == j.comparison.variant)
             _junit_case(suite, words.junit_case(v.k, j.comparison.variant), classname, ms / 1e3, list(j.reasons))
@@ -142,10 +142,14 @@ def junit_suite(report: Report, name: str) -> ET.Element:
         if not any(r is p for p in placed):
             left.setdefault((r.what, r.k), []).append(r)
     for (what, k), reasons in left.items():
-        classname = f"vd.{name}" + ("" if k is None else f".{words.group(k).replace('=', '')}")
-        _junit_case(suite, words.junit_other_case(what, k), classname, 0.0, reasons)
+        _junit_case(suite, words.junit_other_case(what, k), _classname(name, k), 0.0, reasons)
     _tally(suite)
     return suite
+
+
+def _classname(name: str, k: int | None) -> str:
+    """A JUnit case's class: ``vd.NAME.K2``, ``vd.NAME.decode``, or ``vd.NAME`` for no K."""
+    return f"vd.{name}" + ("" if k is None else f".{words.group(k).replace('=', '')}")
 
 
 def _junit_case(suite: ET.Element, name: str, classname: str, seconds: float, reasons: list) -> None:

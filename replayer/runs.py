@@ -190,7 +190,7 @@ def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> tuple[BatchA
     p = view.plan
     failure = None if ran.comparison.passed else failure_rows(
         k, name, ran, protocol.decoder(s.model), decode_forward=name if k == DECODE_K else None,
-        batch={"n": p.n, "slot": p.slot, "seed": p.seed})
+        batch=p.to_json())
     return BatchAxis(name, p.n, p.slot, p.seed, ran.comparison, tuple(view.slots), tuple(ran.run.step_ms)), failure
 
 

@@ -177,9 +177,7 @@ class Policy:
     def terms(self) -> tuple[str, ...]:
         """The ``--tolerance`` items that parse back to this policy: each kind whose SPEC is not exact, then
         ``decisions`` where it is not strict and ``equivalence`` where it is judged."""
-        return (*(f"{k}={self[k].text}" for k in KINDS if self[k].text != "exact"),
-                *((f"{DECISIONS}={self.decisions}",) if self.margin is not None else ()),
-                *((f"{EQUIVALENCE}={self.equivalence.text}",) if self.equivalence is not None else ()))
+        return tuple(f"{k}={v}" for k, v in self.to_json().items() if not (k in KINDS and v == "exact"))
 
     @property
     def decisions(self) -> str:

@@ -140,7 +140,7 @@ class _Session:
         meta = _root_meta(entry) if model is None or self.update == "all" else None  # (read once, where asked)
         if model is None:
             _one_process(entry, meta)
-        if self.update == "all" and not self._recorded_in_run(meta):
+        if self.update == "all" and not self._updates_in_run(meta):
             return self._refresh(entry, who, model, "--vd-update=all")
         problems, way_on = self._problems(entry, model is not None)
         if problems and self.update:
@@ -180,21 +180,21 @@ class _Session:
         its history names the run): a test that fails against what an earlier test of the run accepted would
         undo that update, and both would be reported as updates. Two tests' engines disagree on one golden."""
         __tracebackhide__ = True
-        mark = f", run {self.run}): "
-        history = (_root_meta(entry) or {}).get("history") or []
-        by = [str(v.get("reason")) for v in history if isinstance(v, dict) and mark in str(v.get("reason", ""))]
+        by = self._updates_in_run(_root_meta(entry))
         if by:
-            who = by[-1].removeprefix("pytest --vd-update (").split(mark)[0]
+            who = by[-1].removeprefix("pytest --vd-update (").split(f", run {self.run}): ")[0]
             raise GoldenFailure(f"vd golden {entry.name!r} ({entry.path}) FAILED against the update {who} made in this "
                                 "run:\n" + "\n".join(f"  - {p}" for p in problems) + "\n  (two tests' engines give "
                                 "this golden different rows; a second update would undo the first: give each engine "
                                 "its own golden, or update them in separate runs)")
 
-    def _recorded_in_run(self, meta) -> bool:
-        """Whether this run's --vd-update=all has re-recorded the golden (root metadata ``meta``) already, in this
-        process or another worker: a version in its history gives this run's ID."""
+    def _updates_in_run(self, meta) -> list[str]:
+        """The reasons of the versions this run's updates made, in this process or another worker (root metadata
+        ``meta``'s history: each names the run, `_refresh`, `_promote`); --vd-update=all re-records a golden with
+        none, and a second update is refused (`_not_updated_yet`)."""
         history = (meta or {}).get("history") or []
-        return any(isinstance(v, dict) and f", run {self.run}): " in str(v.get("reason", "")) for v in history)
+        return [str(v["reason"]) for v in history if isinstance(v, dict) and f", run {self.run}): " in str(v.get(
+            "reason", ""))]
 
     def _problems(self, entry, own_model: bool) -> tuple[list[str], str]:
         """Why the golden cannot be replayed as declared: missing, unreadable or stale (none: it can); and the

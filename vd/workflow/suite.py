@@ -241,7 +241,7 @@ def _record_one(e: Entry, refresh_existing: bool, reason: str, models: Models, p
     if present and not refresh_existing:
         check_target(location, refresh=True)  # a golden is left as it is (said if stale); anything else errs
         return Outcome(e.name, e.path, "PRESENT", reasons=_stale_note(e))
-    m = models.get(s.model, s.device, s.dtype, s.head, progress)
+    m = models.get(*record_key(e), progress)  # (the key its plan holds)
     if present:
         done = refresh(e.path, s, reason=reason, name=e.name, model=m, progress=progress)
         return Outcome(e.name, e.path, "REFUSED" if done.refused else "REFRESHED",
