@@ -281,6 +281,8 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         writer.write_prompt(tokens)  # (in the decode run's host slack)
         greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, result)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
+        ahead = _Ahead(model, settings, forward, greedy, golden_dir(location), writer)
+        writer.later([ahead.make])  # (in the K runs' host slack)
         points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result)
         if result.short or (result.thin and not settings.allow_thin):
             if writer.journal is not None:
@@ -288,14 +290,14 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
             return result
         t = time.perf_counter()
         progress.phase("writing golden", 0)
-        meta = {**_meta(model, settings, forward, greedy, result.thin, golden_dir(location)),
+        meta = {**ahead.meta(result.thin),
                 "left_greedy": {str(k): s for k, s in result.left_greedy.items()},
                 "decode": {"steps": settings.steps * max(settings.ks)}, "policy": policy.to_json(),
                 "require_coverage": settings.require_coverage,
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
                 **({"trace": trace_meta(points)} if settings.trace else {})}
         at = _part(result, "write_describe", t)  # the metadata
-        meta.update(_artifacts(forward, writer, result))
+        meta.update(_artifacts(forward, writer, result, ahead.compiled))
         _part(result, "write_artifacts", at)  # a compiled forward's Inductor artifacts (written by a process)
         writer.publish(meta, tokens, reason=reason)
     if writer.journal is not None:
@@ -310,10 +312,37 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     return result
 
 
-def _artifacts(forward: str, writer: GoldenWriter, result: RecordResult) -> dict:
-    """A compiled forward's Inductor artifacts handed to the writer (`vd.models.inductor.keep_artifacts`), and the
-    golden's metadata field for them; where Inductor's caches are off there are none, and a warning says so."""
-    kept = keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS)
+class _Ahead:
+    """What a recording makes once its greedy continuation is known, as the writer's `later` work in its K runs'
+    host slack (`make`), not after them: the metadata no K run decides (`_meta`: the model's identity, the
+    environment's packages, ...) and a compiled forward's Inductor artifacts handed to the writer (on an H200 host
+    0.15-0.3 and 0.7-1 ms of a 0.5B recording's publish, whose own work, not its writer processes', was what it
+    waited for: tools/h200/writer_timeline_05b_cg_planes.json)."""
+
+    def __init__(self, model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int],
+                 where: Path | None, writer: GoldenWriter):
+        self.model, self.settings, self.forward, self.greedy, self.where = model, settings, forward, greedy, where
+        self.writer = writer
+        self.static: dict | None = None
+        self.compiled: dict | None = None  # the artifacts' field as `make` handed them (None: not made yet)
+
+    def make(self) -> None:
+        self.static = _meta(self.model, self.settings, self.forward, self.greedy, [], self.where)
+        self.compiled = keep_artifacts(self.forward, self.writer.add_file, F.INDUCTOR_ARTIFACTS)
+
+    def meta(self, thin: list[str]) -> dict:
+        """The golden's metadata (`_meta`), ``thin`` as the K runs found it."""
+        if self.static is None:
+            self.make()
+        assert self.static is not None
+        return {**self.static, "thin": thin}
+
+
+def _artifacts(forward: str, writer: GoldenWriter, result: RecordResult, handed: dict | None = None) -> dict:
+    """A compiled forward's Inductor artifacts handed to the writer (`vd.models.inductor.keep_artifacts`; not again
+    where ``handed``, an earlier call's field, names the same), and the golden's metadata field for them; where
+    Inductor's caches are off there are none, and a warning says so."""
+    kept = keep_artifacts(forward, writer.add_file, F.INDUCTOR_ARTIFACTS, handed)
     why = caches_off() if compiles(forward) and not kept else None
     if why is not None:
         result.warnings.append(f"no Inductor artifacts stored ({why}): a replay in another process compiles afresh "

@@ -25,6 +25,29 @@ def test_artifacts_are_saved_again_only_after_a_new_compilation():
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="Inductor compiles C++ for the CPU: no compiler here")
+def test_artifacts_handed_ahead_are_handed_again_only_after_a_new_compilation():
+    """A recording hands its artifacts to the writer during its K runs (`vd.recorder.record._Ahead`) and asks again
+    at its publish: the same artifacts are not handed twice (a file sent again waits for every job sent before it),
+    artifacts compiled since are."""
+    inductor.inductor_settings()
+    torch.compile(lambda x: x * 7 + 3)(torch.ones(4))
+    handed: list[str] = []
+
+    def add_file(key, data, digest):
+        assert digest == hashlib.sha256(data).hexdigest()
+        handed.append(digest)
+
+    early = inductor.keep_artifacts("compiled", add_file, "inductor.bin")
+    assert handed == [early["compiled"]["sha256"]]
+    assert inductor.keep_artifacts("compiled", add_file, "inductor.bin", early) is early and len(handed) == 1
+    torch.compile(lambda x: x * 7 - 3)(torch.ones(4))  # compiled after the early hand-over
+    late = inductor.keep_artifacts("compiled", add_file, "inductor.bin", early)
+    assert late["compiled"]["sha256"] != early["compiled"]["sha256"] and handed == [early["compiled"]["sha256"],
+                                                                                   late["compiled"]["sha256"]]
+    assert inductor.keep_artifacts("eager", add_file, "inductor.bin", early) == {} and len(handed) == 2
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="Inductor compiles C++ for the CPU: no compiler here")
 def test_artifacts_are_not_said_to_be_reused_where_inductor_looks_in_no_cache():
     """With Inductor's caches off (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``, or its FX graph cache), artifacts loaded
     into them go unused: a replay then compiled and timed afresh and FAILed on the GPU while its note said the

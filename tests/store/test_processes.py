@@ -2,6 +2,7 @@
 byte for byte, through an arena small enough to wrap and grow; their journal frames are the threads'; a
 process that dies or a file the system refuses fails the recording and leaves the old golden."""
 
+import collections
 import os
 
 import numpy as np
@@ -168,7 +169,7 @@ def test_a_runs_files_are_written_in_the_next_runs_hand_overs(tmp_path, monkeypa
         real(self, rows)
 
     monkeypatch.setattr(W.GoldenWriter, "idle", idle)
-    settings = RecordSettings(model="tiny-llama-mtp", ks=(2, 3), steps=8, allow_thin=True)
+    settings = RecordSettings(model="tiny-llama-mtp", ks=(2, 3), steps=10, allow_thin=True)
     monkeypatch.setenv(P.ENV, "0")
     record(tmp_path / "t.zarr", settings)
     assert not done  # threads: nothing is handed over, nothing left for later
@@ -179,6 +180,8 @@ def test_a_runs_files_are_written_in_the_next_runs_hand_overs(tmp_path, monkeypa
     # in order: the decode run's documents (its first hand-overs), the decode group's files (the first K's run),
     # K=2's documents, K=2's files (K=3's run, the last; what its hand-overs left is done when it finishes)
     assert done[0].endswith("write_prompt.<locals>.<lambda>")  # written ahead, before the decode run
+    # the metadata no run decides and the artifacts, made in the first K run (after the decode group's files)
+    assert finished[0] < done.index("_Ahead.make") < documents[2]
     assert len(documents) >= 4 and len(finished) == 2
     assert documents[1] < finished[0] < documents[2] <= documents[3] < finished[1]
     t, p = open_golden(tmp_path / "t.zarr"), open_golden(tmp_path / "p.zarr")
@@ -262,3 +265,33 @@ def test_the_ring_waits_for_every_copy_it_overwrites(monkeypatch):
         assert copy(448, "e") == 576 and waited[3:] == []
     finally:
         pool.close()
+
+
+def test_a_hand_over_on_a_gpu_does_later_work_for_as_long_as_the_step_computes(monkeypatch):
+    """On a GPU a hand-over does the writer's `later` work a unit at a time while the step issued after the rows
+    it handed still computes, and stops once that step is done (its next read-back would wait); elsewhere it
+    does one unit."""
+    import torch
+
+    class Stream:  # busy for the first two queries
+        def __init__(self):
+            self.queries = 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries > 2
+
+    class Rows:
+        is_cuda, device = True, "cuda:0"
+
+    stream = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    writer = W.GoldenWriter.__new__(W.GoldenWriter)  # (only its queue of later work)
+    done: list[int] = []
+    writer._later = collections.deque(lambda i=i: done.append(i) for i in range(5))
+    writer.idle(Rows())
+    assert done == [0, 1] and len(writer._later) == 3  # two units while the step computed, none after
+    writer.idle(Rows())
+    assert done == [0, 1]  # the step is done: nothing
+    writer.idle(torch.zeros(1))  # rows on the CPU: one unit
+    assert done == [0, 1, 2]

@@ -104,11 +104,12 @@ def caches_off() -> str | None:
     return None
 
 
-def keep_artifacts(forward: str, add_file, key: str) -> dict:
+def keep_artifacts(forward: str, add_file, key: str, handed: dict | None = None) -> dict:
     """For a compiled forward, the Inductor artifacts this process compiled, handed with their SHA-256 to
     ``add_file(key, data, digest)`` (a golden's writer) so that a replay elsewhere runs the same kernels; the
     golden's ``compiled`` metadata field describing them (empty for other forwards, or when nothing was
-    compiled)."""
+    compiled). ``handed``: the field an earlier call for the same golden returned; artifacts with its SHA-256 (as
+    when nothing was compiled since) are not handed again."""
     import torch
 
     # (where Inductor looks in no cache, what this recording compiled never reached them: nothing to keep)
@@ -116,6 +117,8 @@ def keep_artifacts(forward: str, add_file, key: str) -> dict:
     if saved is None:
         return {}
     data, kinds, digest = saved
+    if handed and handed["compiled"]["sha256"] == digest:
+        return handed
     add_file(key, data, digest)
     _HELD.add(digest)
     return {"compiled": {"artifacts": key, "bytes": len(data), "sha256": digest,

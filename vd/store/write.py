@@ -171,10 +171,16 @@ class GoldenWriter:
         self.later([lambda: self._small("prompt", data)])
 
     def idle(self, rows: torch.Tensor) -> None:
-        """One unit of `later`'s work, if any is left (`KRows.hand`, after handing ``rows`` over) and, for rows on a
-        GPU, the step issued after them still computes: once it is done, the run's next read-back would wait for
-        the unit."""
-        if self._later and not (rows.is_cuda and torch.cuda.current_stream(rows.device).query()):
+        """`later`'s work (`KRows.hand`, after handing ``rows`` over): for rows on a GPU, a unit at a time for as long
+        as the step issued after them still computes (once it is done, the run's next read-back would wait for the
+        unit in hand; one unit a hand-over left a 0.5B recording's K run some of its units for the publish to do);
+        elsewhere one unit."""
+        if not rows.is_cuda:
+            if self._later:
+                self._later.popleft()()
+            return
+        stream = torch.cuda.current_stream(rows.device)
+        while self._later and not stream.query():
             self._later.popleft()()
 
     def catch_up(self) -> None:
