@@ -846,9 +846,12 @@ def test_forwards_lists_only_what_this_machine_runs(cli):
     *listed, last = out.splitlines()
     names = [line.split()[0] for line in listed]
     assert names[:2] == ["eager", "sdpa"] and "static" in names
-    assert not {"graphed", "compiled", "compiled-graphed"} & set(names)
-    assert last == ("left out: graphed, compiled, compiled-graphed (they run on CUDA only; this machine has no "
-                    "CUDA device)")
+    assert not {"graphed", "compiled", "compiled-graphed", "sdpa-efficient", "sdpa-cudnn"} & set(names)
+    assert {"sdpa-math", "sdpa-flash"} <= set(names)  # the SDPA backends PyTorch has on a CPU
+    assert last == ("left out: sdpa-efficient, sdpa-cudnn, graphed, compiled, compiled-graphed (they run on CUDA only; "
+                    "this machine has no CUDA device)")
+    code, _, err = cli("record", "x.zarr", "--model", "tiny-llama", "--steps", "2", "--forward", "sdpa-cudnn")
+    assert code == 2 and "sdpa-cudnn runs on CUDA only: --device cuda" in err, err
     _one_line_error(*cli("forwards", "--device", "cuda"), "no CUDA device")
 
 

@@ -14,8 +14,9 @@ from vd.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-# The built-in forwards that run on CUDA only (their static caches are captured or compiled for a GPU).
-CUDA_ONLY = ("graphed", "compiled", "compiled-graphed")
+# The built-in forwards that run on CUDA only: their static caches are captured or compiled for a GPU, and PyTorch
+# has the memory-efficient and cuDNN SDPA backends for CUDA alone (its CPU runs math and flash).
+CUDA_ONLY = ("graphed", "compiled", "compiled-graphed", "sdpa-efficient", "sdpa-cudnn")
 
 
 def check_device_name(device: str) -> None:

@@ -62,7 +62,8 @@ def _pinned_description(name: str) -> str:
 
 def all_forwards() -> dict[str, str]:
     """Every forward the HF adapter can offer; `HFModel.forwards` lists those its device runs."""
-    return {**HF_FORWARDS, **{n: _pinned_description(n) + " (where the device has it)" for n in PINNED_SDPA},
+    return {**HF_FORWARDS, **{n: _pinned_description(n) + (" (CUDA only, where the GPU has it)" if n in CUDA_ONLY
+                                                           else " (where the device has it)") for n in PINNED_SDPA},
             **{n: d + (" (CUDA only)" if n in CUDA_ONLY else "") for n, d in static_forwards().items()}}
 
 
