@@ -98,7 +98,7 @@ class RecordSettings:
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1; got {self.steps}")
         check_threads(self.threads)
-        check_batch(self.batch, self.slot, self.batch_seed, self.feed == "mtp")
+        check_batch(self.batch, self.slot, self.batch_seed, self.feed == "mtp", recording=True)
         if self.trace and self.batch is not None:
             raise UsageError("--trace runs the sequence alone: it cannot trace a recording with --batch")
         return Policy.parse(self.tolerances)

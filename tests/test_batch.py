@@ -14,6 +14,7 @@ from vd.loop import ReferenceFeed, continuation, run_verify
 from vd.models import load_model
 from vd.preflight import check_batch
 from vd.testing import ModelConformance
+from vd.recorder import RecordSettings
 
 CPU = torch.device("cpu")
 SPEC = "tests/plugins/batched.py:{}"
@@ -231,7 +232,10 @@ def test_a_damaged_batch_field_is_refused(recorded_in_a_batch, cli, tmp_path):
 
 def test_a_drafter_recording_is_not_made_in_a_batch(cli, tmp_path):
     code, _, err = cli("record", tmp_path / "g.zarr", "--feed", "mtp", "--model", "tiny-llama-mtp", "--batch", "2")
-    assert code == 2 and "drafts come from an MTP head" in err, err
+    assert code == 2 and "the drafter feed's drafts come from an MTP head" in err, err
+    assert "record it without --batch" in err and "replay" not in err and "this golden" not in err, err
+    with pytest.raises(UsageError, match="record it without --batch"):
+        RecordSettings(model="tiny-llama-mtp", feed="mtp", batch=2).check()
 
 
 def test_own_rows_are_told_from_another_members_and_from_garbage():

@@ -296,10 +296,11 @@ def check_widths(url: str, asked: Sequence[int], held: Sequence[int]) -> None:
 MAX_BATCH = 64  # sequences ``--batch`` may ask for
 
 
-def check_batch(n: int | None, slot: int | None, seed: int | None = None, drafted: bool = False) -> None:
+def check_batch(n: int | None, slot: int | None, seed: int | None = None, drafted: bool = False,
+                recording: bool = False) -> None:
     """A batch plan (``--batch N``, ``--slot I``, ``--batch-seed S``; `vd.batch`) refused where it cannot run,
     before anything loads: a slot or seed without a batch, a size past `MAX_BATCH`, a slot outside the batch, a
-    drafter golden (its MTP head steps one sequence)."""
+    drafter golden or (``recording``) a drafter feed to record (its MTP head steps one sequence)."""
     if n is None:
         if slot is not None or seed is not None:
             raise UsageError(f"--{'slot' if slot is not None else 'batch-seed'} places the golden's sequence in a "
@@ -311,6 +312,9 @@ def check_batch(n: int | None, slot: int | None, seed: int | None = None, drafte
         raise UsageError(f"--slot {slot}: a batch of {n} has slots 0 to {n - 1}")
     if seed is not None and seed < 0:
         raise UsageError(f"--batch-seed {seed}: a seed is a non-negative integer")
+    if drafted and recording:
+        raise UsageError("--batch runs a reference feed's steps in a batch; the drafter feed's drafts come from an "
+                         "MTP head, which steps one sequence (record it without --batch)")
     if drafted:
         raise UsageError("--batch runs a reference feed's steps in a batch; this golden's drafts come from an MTP "
                          "head, which steps one sequence (replay it without --batch)")

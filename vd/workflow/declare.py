@@ -324,7 +324,8 @@ def _entry(name: str, values: Mapping, base: Path, at: str) -> Entry:
         except UsageError as e:
             raise DeclarationError(f"{at} key 'policy': {e}") from e
     try:
-        check_batch(v.get("batch"), v.get("slot"), v.get("batch_seed"), v.get("feed") == "mtp")
+        check_batch(v.get("batch"), v.get("slot"), v.get("batch_seed"), v.get("feed") == "mtp",
+                    recording=True)
     except UsageError as e:
         raise DeclarationError(f"{at} key 'batch': {e}") from e
     return Entry(name=name, **v)
