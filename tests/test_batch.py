@@ -13,8 +13,8 @@ from vd.errors import UsageError
 from vd.loop import ReferenceFeed, continuation, run_verify
 from vd.models import load_model
 from vd.preflight import check_batch
-from vd.testing import ModelConformance
 from vd.recorder import RecordSettings
+from vd.testing import ModelConformance
 
 CPU = torch.device("cpu")
 SPEC = "tests/plugins/batched.py:{}"
