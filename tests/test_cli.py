@@ -244,6 +244,23 @@ def test_refused_overwrite_leaves_golden_intact(cli, tiny_golden):
     assert _tree_hash(tiny_golden) == before
 
 
+@pytest.mark.parametrize("outputs, needles", [
+    (("--report", "same.out", "--junit", "same.out"), ("--report and --junit both write", "same.out")),
+    (("--junit", "p.xml", "--html", "./p.xml"), ("--junit and --html both write",)),
+    (("--report", "-", "--junit", "/dev/stdout"), ("--report and --junit both write standard output",)),
+    (("--report", "r.json", "--bundle", "r.json"), ("--report and --bundle both write",)),
+])
+def test_two_outputs_of_a_replay_on_one_path_are_refused(cli, tiny_golden, tmp_path, monkeypatch, outputs, needles):
+    """The second output written replaced the first (a JSON report became JUnit XML, exit 0), or both ran into each
+    other on standard output: refused before the replay, nothing written; /dev/null takes any number."""
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(*cli("replay", tiny_golden, *outputs), *needles)
+    _one_line_error(*cli("replay", "--suite", "--config", tmp_path / "none.toml", *outputs), *needles)
+    assert not list(tmp_path.iterdir())
+    code, out, err = cli("replay", tiny_golden, "--k", "2", "--report", "/dev/null", "--junit", "/dev/null")
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("name", ["g.zarr", "g.zip"])
 def test_refresh_replaces(cli, tmp_path, name):
     path = tmp_path / name

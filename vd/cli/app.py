@@ -26,6 +26,7 @@ from vd.cli.common import (
     Dtype,
     Feed,
     app,
+    check_distinct,
     check_golden,
     check_model,
     check_no_golden,
@@ -354,6 +355,7 @@ def _check_outputs(targets, suite: bool, config: Path | None, rows, outputs: dic
     if suite and rows is not None:
         raise UsageError("--rows names one slim golden's rows; it does not go with --suite")
     golden = None if suite else golden_path(_one(targets, "GOLDEN"), config)
+    check_distinct(outputs)
     candidate = outputs.pop("--save-candidate")
     for flag, path in outputs.items():
         check_writable(flag, path, (golden, rows), directory=flag == "--bundle")

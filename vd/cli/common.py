@@ -324,6 +324,20 @@ def check_writable(flag: str, path: Path | str | None, inputs: Sequence[str | Pa
         raise UsageError(f"cannot write {flag} {path}: {parent} is not a writable directory")
 
 
+def check_distinct(outputs: Mapping[str, Path | str | None]) -> None:
+    """Refuse two of a command's outputs (by flag) that name one file, where the second written would replace the
+    first, or that both go to standard output, where one would run into the other (``--report - --junit -``)."""
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if path is None or (stream(path) and not to_stdout(path)):  # (/dev/null takes any number)
+            continue
+        key = "-" if to_stdout(path) else os.path.realpath(path)
+        if key in seen:
+            where = "standard output" if key == "-" else str(path)
+            raise UsageError(f"{seen[key]} and {flag} both write {where}: give each its own path")
+        seen[key] = flag
+
+
 def _can_create_in(folder: Path) -> bool:
     """Whether a file can be made in ``folder`` (tried and removed: permission bits do not say it for root, nor for
     /proc, a read-only mount or a full quota)."""

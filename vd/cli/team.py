@@ -22,6 +22,7 @@ from vd.cli.common import (
     EXIT_PASS,
     Command,
     app,
+    check_distinct,
     check_no_golden,
     check_writable,
     err,
@@ -105,7 +106,9 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     suite = _suite(config)  # the declaration and the shard, checked before anything heavy is imported
     selected = suite.select(names)
     entries = take(selected, shard)
-    for flag, path in (("--report", report), ("--junit", junit), ("--html", html), ("--bundle", bundle)):
+    outputs = {"--report": report, "--junit": junit, "--html": html, "--bundle": bundle}
+    check_distinct(outputs)
+    for flag, path in outputs.items():
         check_writable(flag, path, [e.path for e in entries], directory=flag == "--bundle")
     from vd.replayer import ReplaySettings, render, words
     from vd.workflow.suite import Models, SuiteReport, for_entry, replay_plan
