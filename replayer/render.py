@@ -19,10 +19,10 @@ matplotlib is imported only when a page is drawn, so the command line starts wit
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import html
 import io
-import json
 import math
 import re
 import shlex
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from vd import __version__
-from vd.outputs import write_bytes, write_text
+from vd.outputs import json_text, write_bytes, write_text
 from vd.replayer import words
 from vd.replayer.comparison import Comparison, plain
 from vd.replayer.report import Control, Judged, KResult, Reason, Report, golden_name
@@ -43,6 +43,26 @@ from vd.store.format import DECODE_K
 Entry = tuple[str, Report | None, str | None]
 
 # -- bundle --------------------------------------------------------------------------------------------
+
+
+# The files a bundle holds (`write_bundle`), and the report its command.sh writes beside them when run.
+BUNDLE_FILES = ("rows.npz", "failure.json", "environment.json", "command.sh", "replay.json")
+
+
+def clear_bundle(directory: Path) -> None:
+    """Remove what an earlier replay's bundle left in ``directory``: its files, and the report and bundle its
+    command.sh wrote there when run; then the folder, once empty (other files in it stay). A replay clears its
+    bundle's place before it writes one, so that a bundle is one replay's and a passing replay leaves none beside
+    its report."""
+    for name in BUNDLE_FILES:
+        path = directory / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+    inner = directory / "replay.json.bundle"
+    if inner.is_dir() and not inner.is_symlink():
+        clear_bundle(inner)
+    with contextlib.suppress(OSError):  # not there, or holding files of the user's
+        directory.rmdir()
 
 
 def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mapping[str, str] | None = None) -> Path:
@@ -71,8 +91,8 @@ def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mappin
         failure["decode_forward"] = rows.decode_forward
     if rows.batch is not None:
         failure["batch"] = dict(rows.batch)
-    write_text(directory / "failure.json", json.dumps(failure, indent=2, default=str) + "\n")
-    write_text(directory / "environment.json", json.dumps(plain(report.environment), indent=2, default=str) + "\n")
+    write_text(directory / "failure.json", json_text(failure))
+    write_text(directory / "environment.json", json_text(plain(report.environment)))
     cmd = words.reproduce_command(report, dict(args), "replay.json")
     exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted((environ or {}).items()))
     path = directory / "command.sh"

@@ -136,6 +136,36 @@ def test_a_slim_golden_bundle_has_the_candidate_rows_only(cli, tiny_golden, tmp_
     assert "golden" not in rows and rows["candidate"].shape == (2, 512)
 
 
+def test_a_bundle_is_one_replays_and_strict_json(cli, tiny_golden, tmp_path):
+    """A slim golden's failure has no golden values: failure.json writes them as the report does ("nan"), not as
+    Python's NaN, which strict JSON parsers refuse. A later replay with the same report clears the earlier bundle
+    (and what its command.sh wrote there): a PASS leaves none beside its report, a FAIL one of its own; a file of
+    the user's in the folder stays."""
+    def strict(path):
+        return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{path} holds {c}"))
+
+    perturb, report = f"{PLUGINS / 'perturb.py'}:factory", tmp_path / "r.json"
+    bundle = tmp_path / "r.json.bundle"
+    assert cli("slim", tiny_golden, tmp_path / "s.zarr")[0] == 0
+    assert cli("replay", tmp_path / "s.zarr", "--model", perturb, "--report", report)[0] == 1
+    assert strict(bundle / "failure.json")["first_failure"]["golden"] == "nan"
+    strict(report)
+    (bundle / "replay.json").write_text("{}")  # as its command.sh leaves it, with its own bundle
+    (bundle / "replay.json.bundle").mkdir()
+    (bundle / "replay.json.bundle" / "command.sh").write_text("")
+    code, out, err = cli("replay", tmp_path / "s.zarr", "--report", report)
+    assert code == 0 and json.loads(report.read_text()).get("bundle") is None and not bundle.exists(), err
+    assert cli("replay", tmp_path / "s.zarr", "--model", perturb, "--report", report)[0] == 1
+    (bundle / "replay.json").write_text("{}")
+    (bundle / "notes.txt").write_text("mine")
+    assert cli("replay", tmp_path / "s.zarr", "--model", perturb, "--report", report, "--k", "3")[0] == 1
+    assert sorted(p.name for p in bundle.iterdir()) == ["command.sh", "environment.json", "failure.json",
+                                                       "notes.txt", "rows.npz"]
+    assert strict(bundle / "failure.json")["k"] == 3
+    assert cli("replay", tmp_path / "s.zarr", "--report", report)[0] == 0
+    assert [p.name for p in bundle.iterdir()] == ["notes.txt"]
+
+
 def test_html_report_renders_in_headless_chromium(cli, tiny_golden, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:

@@ -6,6 +6,8 @@ is never written through and a reader never sees half a file."""
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import re
 import stat
@@ -156,3 +158,20 @@ class ReaderGone:
             os.close(null)
         with contextlib.suppress(OSError, ValueError):
             self.stream.flush()
+
+
+def json_text(data: object) -> str:
+    """``data`` as the JSON vd writes (reports, bundles): indented, ending in a newline, anything JSON cannot hold
+    as its ``str``, and NaN and infinities as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (JSON has none; strict
+    parsers refuse Python's ``NaN``)."""
+    return json.dumps(_finite(data), indent=2, default=str) + "\n"
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj

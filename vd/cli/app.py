@@ -427,6 +427,8 @@ def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None,
     data = result.to_json()
     if bundle is None:
         bundle = default_bundle(report)
+    if bundle is not None:
+        render.clear_bundle(bundle)  # an earlier replay's, beside a report it no longer describes
     if result.verdict == "FAIL" and result.failure_rows is not None and bundle is not None:
         data["bundle"] = str(render.write_bundle(bundle, result, args, args.get("environ")).parent)
     if report is not None:

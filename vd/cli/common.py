@@ -18,8 +18,6 @@ import collections
 import contextlib
 import enum
 import inspect
-import json
-import math
 import os
 import re
 import signal
@@ -36,7 +34,7 @@ from typer.core import TyperCommand, TyperGroup
 import vd
 from vd import preflight
 from vd.errors import ModelSpecError, Terminated, UsageError, VdError, system_refusal, write_traceback
-from vd.outputs import ReaderGone, stream, to_stdout, write_text
+from vd.outputs import ReaderGone, json_text, stream, to_stdout, write_text
 from vd.progress import Lines
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD, EXIT_INTERNAL = 0, 1, 2, 3
@@ -556,21 +554,6 @@ class TerminalBar:
         self.end()
 
 
-def _json_default(o):
-    return str(o)
-
-
-def _finite(obj):
-    """JSON has no NaN or infinity: write them as strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def write_json(path: Path, data: dict) -> None:
-    """``data`` as JSON at ``path``, a link there replaced, never followed (`vd.outputs`)."""
-    write_text(path, json.dumps(_finite(data), indent=2, default=_json_default) + "\n")
+    """``data`` as JSON at ``path`` (`vd.outputs.json_text`), a link there replaced, never followed."""
+    write_text(path, json_text(data))

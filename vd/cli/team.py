@@ -130,6 +130,8 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
         render.write_suite_html(html, listed, command=["vd", *sys.argv[1:]])
     bundles: dict[str, str] = {}
     for o in outcomes:
+        if bundle is not None:
+            render.clear_bundle(bundle / o.name)  # an earlier suite replay's
         if bundle is not None and o.report is not None and o.report.failure_rows is not None:
             bundles[o.name] = str(render.write_bundle(bundle / o.name, o.report, _bundle_args(settings),
                                                       environ).parent)
