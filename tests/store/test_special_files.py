@@ -52,6 +52,23 @@ def test_a_link_to_dev_zero_is_refused(tmp_path, key, command):
     _refused(_vd(command, g), f"{key} is a symbolic link to /dev/zero")
 
 
+@pytest.mark.parametrize("command", ["verify", "replay", "show"])
+def test_a_dangling_link_a_folder_for_a_file_and_a_file_for_a_folder_are_named(tmp_path, command):
+    """Each named with the golden's path and what is there: a dangling link said only "No such file or directory:
+    0", and a folder where a file goes (or a file where a folder goes) "is missing"."""
+    g = _golden(tmp_path)
+    (g / CHUNK).unlink()
+    (g / CHUNK).symlink_to("nowhere")
+    _refused(_vd(command, g), f"{g}/{CHUNK} is a symbolic link to nowhere, which does not exist")
+    (g / CHUNK).unlink()
+    (g / CHUNK).mkdir()
+    _refused(_vd(command, g), f"{g}/{CHUNK} is a directory, not the file the manifest lists")
+    folder = (g / CHUNK).parent
+    shutil.rmtree(folder)
+    folder.write_bytes(b"")
+    _refused(_vd(command, g), f"{g}/{CHUNK} is missing: {folder} is a file, not a folder")
+
+
 def test_a_fifo_named_as_a_zip_golden_is_refused(tmp_path):
     os.mkfifo(tmp_path / "g.zip")
     _refused(_vd("verify", tmp_path / "g.zip"), "g.zip is a FIFO")

@@ -20,7 +20,7 @@ from zarr.core.sync import sync
 
 from vd.errors import GoldenCorruptError, GoldenError, NotAGoldenError
 from vd.preflight import MAX_FILE, MAX_META, check_inside, check_zip_names, file_kind, read_regular
-from vd.store import atomic
+from vd.store import atomic, manifest
 from vd.store.format import FORMAT
 
 
@@ -127,13 +127,18 @@ class Directory:
         if fd is None:
             return None
         out = {}
-        for root, _, files, rfd in os.fwalk(".", dir_fd=fd):
+        for root, dirs, files, rfd in os.fwalk(".", dir_fd=fd):
+            out.update((os.path.normpath(os.path.join(root, name)), manifest.DIRECTORY) for name in dirs)
             for name in files:
                 key = os.path.normpath(os.path.join(root, name))
                 st = os.stat(name, dir_fd=rfd, follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode):  # a link: inside the golden, to a regular file (`_read`)
                     check_inside(self.path, key, f"{self.url}/{key}")
-                    st = os.stat(name, dir_fd=rfd)
+                    try:
+                        st = os.stat(name, dir_fd=rfd)
+                    except FileNotFoundError:
+                        raise GoldenCorruptError(f"{self.url}/{key} is a symbolic link to "
+                                                 f"{os.readlink(name, dir_fd=rfd)}, which does not exist") from None
                 if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
                     raise GoldenCorruptError(f"{self.url}/{key} is {file_kind(st.st_mode)}, not a regular file")
                 out[key] = st.st_size

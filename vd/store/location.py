@@ -61,7 +61,8 @@ class Location(Protocol):
         """Bytes the golden takes where it is stored."""
 
     def sizes(self) -> dict[str, int] | None:
-        """Every key's size in bytes, or None where listing them is not cheap."""
+        """Every key's size in bytes (a folder's `vd.store.manifest.DIRECTORY`, where the listing shows folders), or
+        None where listing them is not cheap."""
 
     def writer(self) -> contextlib.AbstractContextManager:
         """Held for a whole recording or refresh: the only writer of this golden (`vd.store.atomic`); another

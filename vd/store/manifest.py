@@ -25,6 +25,9 @@ from vd.chunkfiles import sha256 as _digest  # (the writer processes hash the fi
 from vd.errors import GoldenCorruptError
 from vd.preflight import check_member
 
+# A location's `sizes` gives this for a folder (a golden's folders are not listed; one where a file is listed is
+# named as a folder, not as missing).
+DIRECTORY = -1
 OUTSIDE = ("zarr.json", "run/zarr.json")  # the files the manifest does not list (see the module's docstring)
 SCHEME = "sha256"
 
@@ -99,12 +102,18 @@ def check_sizes(sizes: Mapping[str, int] | None, manifest: Mapping[str, list], w
         return
     for key, (size, digest) in manifest.items():
         if key not in sizes:
-            raise GoldenCorruptError(f"{where}/{key} is missing")
+            parts = key.split("/")
+            blocked = next((p for p in ("/".join(parts[:i]) for i in range(1, len(parts)))
+                            if sizes.get(p, DIRECTORY) != DIRECTORY), None)  # a file where a folder of it goes
+            raise GoldenCorruptError(f"{where}/{key} is missing" + (f": {where}/{blocked} is a file, not a folder"
+                                                                     if blocked else ""))
+        if sizes[key] == DIRECTORY:
+            raise GoldenCorruptError(f"{where}/{key} is a directory, not the file the manifest lists")
         if sizes[key] != size:
             seen = get(key) if get is not None and sizes[key] <= _SMALL else None
             raise GoldenCorruptError(f"{where}/{key} has {sizes[key]} bytes; the manifest says {size}"
                                      + _git(seen, key, digest))
-    extra = sorted(set(sizes) - set(manifest) - set(OUTSIDE))
+    extra = sorted(k for k in set(sizes) - set(manifest) - set(OUTSIDE) if sizes[k] != DIRECTORY)
     if extra:  # (a Finder's .DS_Store, a .gitkeep): removing them gives back the golden as it was written
         others = f" and the {len(extra) - 1} other(s): {', '.join(extra[1:4])}{' ...' if len(extra) > 4 else ''}"
         raise GoldenCorruptError(f"{where}/{extra[0]} is not in the golden's manifest (a file added after it was "
