@@ -268,6 +268,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     model = _model(settings, model, progress)
     pool = pool_for(model.device)
     seconds["load"] = time.perf_counter() - t
+    policy.check_vocab(model.vocab_size)
     forward = _set_forward(model, settings)
     tokens = model.encode(settings.prompt)
     if not tokens:

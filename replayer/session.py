@@ -156,6 +156,7 @@ def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> O
     if s.verify:
         g.check_contents()  # every step log, and every row against its digest and statistics (vd verify's)
     policy = Policy.parse(s.tolerances, g.meta.get("policy"))
+    policy.check_vocab(g.info.vocab)
     needs = policy.needs_rows
     if g.rows_source is None and needs:
         raise UsageError(f"{g.url} is slim: judging {', '.join(needs)} rows under "

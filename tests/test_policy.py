@@ -86,6 +86,23 @@ def test_kl_boundary():
     assert not _judge(f"kl:{kl * 0.999}", cand)
 
 
+def test_a_topk_as_wide_as_the_vocabulary_is_refused_where_the_vocabulary_is_known():
+    """topk:N with N at or past the vocabulary catches nothing (the top N are every token): refused once the
+    golden's or the model's vocabulary is known, for the kinds and for equivalence=."""
+    Policy.parse(["topk:511"]).check_vocab(512)
+    for items in (["topk:512"], ["verify=topk:100000"], ["equivalence=topk:600"]):
+        with pytest.raises(UsageError, match="the vocabulary has 512 tokens"):
+            Policy.parse(items).check_vocab(512)
+
+
+def test_a_replay_or_recording_with_a_topk_past_the_vocabulary_is_refused(cli, tiny_golden, tmp_path):
+    code, _, err = cli("replay", tiny_golden, "--tolerance", "topk:100000")
+    assert code == 2 and "topk:100000 (for prefill rows, verify rows, draft rows): the vocabulary has 512" in err, err
+    code, _, err = cli("record", tmp_path / "g.zarr", "--model", "tiny-llama", "--steps", "2", "--tolerance",
+                       "draft=topk:512")
+    assert code == 2 and "topk:512 (for draft rows)" in err and not (tmp_path / "g.zarr").exists(), err
+
+
 def test_bad_tolerances_are_usage_errors():
     for bad in ("ulp", "ulp:-1", "atol:1", "atol:x,rtol:1", "kl:-1", "topk:0", "fuzzy", "weights=exact"):
         with pytest.raises(UsageError):

@@ -194,6 +194,18 @@ class Policy:
             f", decisions {self.decisions}" if self.margin is not None else "") + (
             f", equivalence {self.equivalence.text}" if self.equivalence is not None else "")
 
+    def check_vocab(self, vocab: int) -> None:
+        """Refuse a ``topk:N`` whose N is not below the ``vocab`` compared: the top N are then every token, the same
+        set whatever the rows hold, and the spec catches nothing (a UsageError)."""
+        specs = [(f"{k} rows", self[k]) for k in KINDS]
+        specs += [(f"{EQUIVALENCE}= (verify against decode rows)", self.equivalence)] if self.equivalence else []
+        wide = [(what, spec) for what, spec in specs if spec.name == "topk" and spec.n >= vocab]
+        if wide:
+            spec = wide[0][1]
+            where = ", ".join(what for what, s in wide if s.text == spec.text)
+            raise UsageError(f"{spec.text} (for {where}): the vocabulary has {vocab} tokens, so the top {spec.n} "
+                             f"are all of them and no change is caught; give topk:N with N below {vocab}")
+
     @property
     def needs_rows(self) -> list[str]:
         """The kinds whose spec cannot be judged from a golden's digests and statistics alone."""
