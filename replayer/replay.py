@@ -154,7 +154,8 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
         failure_rows=next((o.failure for o in [*outcomes, *([decode] if decode else [])] if o.failure is not None),
                           None),
         decode=None if decode is None else decode.result,
-        batch=None if s.batch is None else s.batch.describe())
+        batch=None if s.batch is None else s.batch.describe(),
+        golden_batch=None if s.recorded_batch is None else s.recorded_batch.describe())
 
 
 def _environment_reasons(s: Session, replayed_env: dict, verify: Sequence[KResult]) -> list[Reason]:

@@ -384,6 +384,9 @@ class Report:
     decode: KResult | None = None
     # With --batch: the plan (n, slot: None for every slot in turn, seed) and the companions' prompt lengths.
     batch: Mapping[str, Any] | None = None
+    # A golden recorded in a batch: that batch (as `batch`), which every one of the replay's runs ran its sequence
+    # in again; None for a golden recorded alone.
+    golden_batch: Mapping[str, Any] | None = None
     # With --locate: per forward whose rows differ, where the difference starts (`vd.replayer.locate.LocateReport`).
     located: tuple[Any, ...] = ()
 
@@ -415,6 +418,7 @@ class Report:
                 "timing": plain(self.timing) or {}, "reader": self.reader,
                 "decode": None if self.decode is None else self.decode.to_json(),
                 "batch": None if self.batch is None else dict(self.batch),
+                "golden_batch": None if self.golden_batch is None else dict(self.golden_batch),
                 "locate": [r.to_json() for r in self.located]}
 
 

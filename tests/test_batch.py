@@ -214,6 +214,7 @@ def test_a_golden_recorded_in_a_batch_is_replayed_in_it(recorded_in_a_batch, cli
     assert "batch     recorded as one member of a batch of 2 (slot 1, companions from seed 0)" in shown
     code, out, r = _replay(cli, recorded_in_a_batch, tmp_path, "variant")
     assert code == 0 and "recorded as one member of a batch of 2" in out, out
+    assert r["golden_batch"] == g.meta["batch"] and r["batch"] is None  # what ran, for a program reading it
     code, out, r = _replay(cli, recorded_in_a_batch, tmp_path, "variant", "--batch", "1")
     assert code == 1 and not r["verify"][0]["batch"][0]["comparison"]["passed"], out  # alone it differs
     # (the next step repeated this very command: --batch 1 --batch-seed 0)
