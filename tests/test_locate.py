@@ -341,3 +341,16 @@ def test_mla_and_moe_decoders_trace_with_the_drafter_feed(cli, tmp_path, spec, p
     assert g.trace(2)[0].shape[0] == g.layout(2).prompt + 1 + 3 * 2
     code, out, err = cli("locate", path, "--forward", "sdpa")
     assert code in (0, 1) and "Traceback" not in err, out + err
+
+
+def test_a_drafter_golden_parting_at_its_prefill_is_located_without_a_false_warning(cli, tmp_path):
+    """A drafter golden whose prefill already differs: the traced pass runs no step, yet its bootstrap decode; its
+    rows were set against the prefill's alone, and every such locate warned that the traced pass did not
+    reproduce the forward's rows (and reported traced_pass_reproduces false)."""
+    path, report = tmp_path / "m.zarr", tmp_path / "l.json"
+    code, _, err = cli("record", path, "--model", "tiny-llama-mtp", "--feed", "mtp", "--steps", "4", "--k", "2",
+                       "--prompt", "The three laws of thermodynamics state that", "--trace", "--allow-thin")
+    assert code == 0, err
+    code, out, err = cli("locate", path, "--forward", "sdpa", "--report", report)
+    assert code == 1 and "K=2 the prefill" in out and "did not reproduce" not in out + err, out + err
+    assert json.loads(report.read_text())["verify"][0]["traced_pass_reproduces"] is True
