@@ -274,6 +274,9 @@ def check_target(url: str, state: str, refresh: bool) -> None:
         raise GoldenError(f"{url} exists and is not a vd golden; refusing to replace it")
     if state == "golden" and not refresh:
         raise GoldenExistsError(f"{url} already holds a golden; pass --refresh to replace it")
+    if state == "absent" and url == "-":  # (standard output to a report's flag; here a directory named "-")
+        raise UsageError("-: a golden is a directory, a .zip file or an s3:// prefix; it is not written to standard "
+                         "output (name a path)")
     if state == "absent" and url.lower().endswith(_ARCHIVES):  # would be a directory of that name
         raise UsageError(f"{url}: vd writes a golden as a directory, a .zip file or an s3:// prefix, not a "
                          f"{next(a for a in _ARCHIVES if url.lower().endswith(a))} archive")

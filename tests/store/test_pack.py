@@ -26,7 +26,7 @@ def test_pack_between_directory_zip_and_s3(cli, tiny_golden, tmp_path, s3):
     assert code == 0 and "PASS" in out, err
 
 
-def test_pack_refuses_what_it_cannot_copy_and_keeps_what_is_there(cli, tiny_golden, tmp_path):
+def test_pack_refuses_what_it_cannot_copy_and_keeps_what_is_there(cli, tiny_golden, tmp_path, monkeypatch):
     assert cli("pack", tiny_golden, tmp_path / "g.zip")[0] == 0
     before = (tmp_path / "g.zip").read_bytes()
     code, out, err = cli("pack", tiny_golden, tmp_path / "g.zip")
@@ -40,6 +40,10 @@ def test_pack_refuses_what_it_cannot_copy_and_keeps_what_is_there(cli, tiny_gold
     assert code == 2 and f"is the golden {tiny_golden} the command reads; write it elsewhere" in err, err
     code, out, err = cli("pack", tiny_golden, tmp_path / "g.tar.gz")  # not a directory named g.tar.gz
     assert code == 2 and "not a .tar.gz archive" in err and not (tmp_path / "g.tar.gz").exists()
+    monkeypatch.chdir(tmp_path)
+    for args in (("pack", tiny_golden, "-"), ("slim", tiny_golden, "-")):  # (a directory named "-", exit 0)
+        code, out, err = cli(*args)
+        assert code == 2 and "it is not written to standard output" in err and not Path("-").exists(), err
     for args in (("pack", tiny_golden, tmp_path / "g.ZIP"),  # (it wrote a directory named g.ZIP)
                  ("record", tmp_path / "g.ZIP", "--model", "tiny-llama", "--k", "2", "--steps", "2")):
         code, out, err = cli(*args)
