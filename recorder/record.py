@@ -35,6 +35,7 @@ from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, generated, hold_bytes
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import caches_off, compiles, keep_artifacts
 from vd.models.specs import golden_dir, portable
+from vd.outputs import size_text
 from vd.policy import Policy, Spec
 from vd.preflight import check_batch, check_threads
 from vd.progress import SILENT, Progress
@@ -187,7 +188,7 @@ class RecordResult:
             return None
         resumed = (f"; resumed: {self.resumed_checked} journaled blocks computed again and equal"
                    if self.resumed_checked else "")
-        return (f"recorded {self.location.url} ({self.location.nbytes() / 1e6:.1f} MB) in "
+        return (f"recorded {self.location.url} ({size_text(self.location.nbytes())}) in "
                 f"{sum(self.seconds.values()):.1f} s{resumed}")
 
     def problems(self) -> list[str]:

@@ -175,3 +175,8 @@ def _finite(obj):
     if isinstance(obj, list | tuple):
         return [_finite(v) for v in obj]
     return obj
+
+
+def size_text(nbytes: int) -> str:
+    """A size as a line says it: ``12.3 MB``, or below a tenth of a MB ``30.3 kB`` (not ``0.0 MB``)."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.1f} kB"

@@ -28,6 +28,9 @@ def test_pack_between_directory_zip_and_s3(cli, tiny_golden, tmp_path, s3):
 
 def test_pack_refuses_what_it_cannot_copy_and_keeps_what_is_there(cli, tiny_golden, tmp_path, monkeypatch):
     assert cli("pack", tiny_golden, tmp_path / "g.zip")[0] == 0
+    assert cli("slim", tiny_golden, tmp_path / "s.zarr")[0] == 0
+    code, out, err = cli("pack", tmp_path / "s.zarr", tmp_path / "s.zip")
+    assert code == 0 and " kB, " in out and "0.0 MB" not in out, out  # (a slim golden's copy said 0.0 MB)
     before = (tmp_path / "g.zip").read_bytes()
     code, out, err = cli("pack", tiny_golden, tmp_path / "g.zip")
     assert code == 2 and "already holds a golden; pass --refresh" in err and (tmp_path / "g.zip").read_bytes() == before

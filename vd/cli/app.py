@@ -47,6 +47,7 @@ from vd.cli.common import (
     write_json,
 )
 from vd.errors import Terminated, UsageError
+from vd.outputs import size_text
 from vd.preflight import check_threads
 
 
@@ -518,7 +519,7 @@ def pack(
 
     where = do_pack(golden, out_path, refresh=refresh)
     g = open_golden(where)
-    out.print(f"wrote {where.url} ({where.nbytes() / 1e6:.1f} MB, {len(g.manifest or {})} files checked); golden ID "
+    out.print(f"wrote {where.url} ({size_text(where.nbytes())}, {len(g.manifest or {})} files checked); golden ID "
               f"{g.meta['golden_id']}, the source's")
     return EXIT_PASS
 
