@@ -266,10 +266,9 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     t, seconds = time.perf_counter(), (result := RecordResult(None, {}, [], {}, {})).seconds
     # The writer processes (a CUDA recording's) start first: they import while the model loads.
     pool_for(model.device if model is not None else settings.device)
-    model = _model(settings, model, progress)
+    model = _model(settings, model, progress, policy)
     pool = pool_for(model.device)
     seconds["load"] = time.perf_counter() - t
-    policy.check_vocab(model.vocab_size)
     forward = _set_forward(model, settings)
     tokens = model.encode(settings.prompt)
     if not tokens:
@@ -433,8 +432,9 @@ def _journal(resuming: tuple, settings: RecordSettings, refresh: bool, reason: s
                                    "fingerprint": fingerprint, "prompt": tokens, "greedy": greedy}, frames)
 
 
-def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progress) -> VerifyModel:
-    """The model to record, loaded if not given, with the settings' threads and determinism applied."""
+def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progress, policy: Policy) -> VerifyModel:
+    """The model to record, loaded if not given, with the settings' threads and determinism applied and their
+    ``policy`` checked against its vocabulary (`Policy.check_vocab`)."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     if settings.deterministic:
@@ -445,6 +445,7 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
     if settings.feed == "mtp" and protocol.draft_head(model) is None:
         raise UsageError(f"model {settings.model} has no MTP draft head: use an -mtp preset, a checkpoint with MTP "
                          "layers, or --head FILE")
+    policy.check_vocab(model.vocab_size)
     return model
 
 
