@@ -164,6 +164,10 @@ def test_a_bundle_is_one_replays_and_strict_json(cli, tiny_golden, tmp_path):
     assert strict(bundle / "failure.json")["k"] == 3
     assert cli("replay", tmp_path / "s.zarr", "--report", report)[0] == 0
     assert [p.name for p in bundle.iterdir()] == ["notes.txt"]
+    (bundle / "notes.txt").unlink()
+    assert cli("replay", tmp_path / "s.zarr", "--model", perturb, "--report", report)[0] == 1 and bundle.is_dir()
+    code, out, err = cli("replay", tmp_path / "s.zarr", "--report", report, "--k", "9")  # no verdict: an error
+    assert code == 2 and strict(report)["verdict"] == "ERROR" and not bundle.exists(), err
 
 
 def test_html_report_renders_in_headless_chromium(cli, tiny_golden, tmp_path):

@@ -299,7 +299,7 @@ def _replay_golden(golden: str, asked: dict, config: Path | None, report: Path |
         with reading_environment() as environ:  # what the bundle's command.sh sets again
             result = _replay_one(golden, _settings(asked))
     except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
-        _error_outputs(golden, e, report, junit, html)
+        _error_outputs(golden, e, report, junit, html, bundle)
         raise
     args = {key: asked[key] for key in ("model", "head", "device", "threads", "rows", "allow_model_mismatch")}
     args["environ"] = environ  # with the flags above, what command.sh passes again
@@ -329,13 +329,18 @@ def _replay_one(golden: str, settings):
         return do_replay(golden, settings, progress=progress)
 
 
-def _error_outputs(golden: str, e: Exception, report: Path | None, junit: Path | None, html: Path | None) -> None:
-    """``--report``, ``--junit`` and ``--html`` of a replay that ended before a verdict: the error, its exit code."""
+def _error_outputs(golden: str, e: Exception, report: Path | None, junit: Path | None, html: Path | None,
+                   bundle: Path | None = None) -> None:
+    """``--report``, ``--junit`` and ``--html`` of a replay that ended before a verdict: the error, its exit code;
+    an earlier replay's bundle in the bundle's place cleared (`vd.replayer.render.clear_bundle`)."""
     if report is None and junit is None and html is None:
         return
     from vd.errors import VdError, system_refusal
     from vd.replayer import render
     from vd.replayer.report import Unjudged, golden_name
+
+    if (bundle := bundle or default_bundle(report)) is not None:
+        render.clear_bundle(bundle)
 
     bad_input = isinstance(e, VdError | OSError)
     text = system_refusal(e) if isinstance(e, OSError) and not isinstance(e, VdError) else str(e)
