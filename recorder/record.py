@@ -318,7 +318,8 @@ class _Ahead:
     host slack (`make`), not after them: the metadata no K run decides (`_meta`: the model's identity, the
     environment's packages, ...) and a compiled forward's Inductor artifacts handed to the writer (on an H200 host
     0.15-0.3 and 0.7-1 ms of a 0.5B recording's publish, whose own work, not its writer processes', was what it
-    waited for: tools/h200/writer_timeline_05b_cg_planes.json)."""
+    waited for in tools/h200/writer_timeline_05b_cg_planes.json; on an H100 host, where the processes' last job
+    ended the tail, the wait for them grew by what moved: tools/h200/h100-6e5810d-ahead-ab_05b.json)."""
 
     def __init__(self, model: VerifyModel, settings: RecordSettings, forward: str, greedy: list[int],
                  where: Path | None, writer: GoldenWriter):
