@@ -282,9 +282,9 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         writer.write_prompt(tokens)  # (in the decode run's host slack)
         greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, result)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
-        ahead = _Ahead(model, settings, forward, greedy, golden_dir(location), writer)
-        writer.later([ahead.make])  # (in the K runs' host slack)
-        points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result)
+        ahead = _Ahead(model, settings, forward, greedy, golden_dir(location), writer)  # (in the K runs' slack)
+        points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result,
+                            policy.equivalence)
         if result.short or (result.thin and not settings.allow_thin):
             if writer.journal is not None:
                 writer.journal.close(remove=True)  # refused: nothing to resume
@@ -327,6 +327,7 @@ class _Ahead:
         self.writer = writer
         self.static: dict | None = None
         self.compiled: dict | None = None  # the artifacts' field as `make` handed them (None: not made yet)
+        writer.later([self.make])
 
     def make(self) -> None:
         self.static = _meta(self.model, self.settings, self.forward, self.greedy, [], self.where)
@@ -387,9 +388,10 @@ def _read_back_equivalence(location: Location, ks: Sequence[int], result: Record
 
 def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: GoldenWriter, tokens: list[int],
                continuation: tuple[list[int], KeptDecode], settings: RecordSettings, progress: Progress,
-               result: RecordResult) -> list:
-    """Every K's run (`_record_k`, against the greedy ``continuation`` and its kept decode rows) and, with
-    ``--trace``, its traced pass (`vd.tracing.trace_k`); the traced points (none without ``--trace``)."""
+               result: RecordResult, equivalence: Spec | None) -> list:
+    """Every K's run (`_record_k`, against the greedy ``continuation`` and its kept decode rows, its own pairs
+    judged under ``equivalence``, the policy's) and, with ``--trace``, its traced pass (`vd.tracing.trace_k`); the
+    traced points (none without ``--trace``)."""
     seconds = result.seconds
     seconds["verify"] = 0.0
     seconds.setdefault("store", 0.0)
@@ -398,7 +400,8 @@ def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: Go
         progress.phase(f"recording K={k}", settings.steps)
         # A K's files are written in the next K run's host slack (`GoldenWriter.later`), the last K's at once.
         later = k != settings.ks[-1] and not settings.trace
-        log, summary = _record_k(runner, writer, tokens, continuation, k, settings, progress, result, later)
+        log, summary = _record_k(runner, writer, tokens, continuation, k, settings, progress, result, equivalence,
+                                 later)
         if settings.trace:
             t = time.perf_counter()
             progress.phase(f"tracing K={k}", 0)
@@ -478,11 +481,13 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
 
 def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
               continuation: tuple[list[int], KeptDecode], k: int, settings: RecordSettings, progress: Progress,
-              result: RecordResult, later: bool = False) -> tuple[StepLog, tuple[np.ndarray, np.ndarray]]:
+              result: RecordResult, equivalence: Spec | None, later: bool = False
+              ) -> tuple[StepLog, tuple[np.ndarray, np.ndarray]]:
     """One K's run, its rows written to ``writer`` as the run lets them go and once it ends (its small files as
-    the writer's `later` work with ``later``), its accept counts, checks and verify-against-decode figures into
-    ``result``; its time into ``result.seconds``: the run's (``verify``) and the writes after it (``store``). Its
-    step log and its rows' digests and statistics."""
+    the writer's `later` work with ``later``), its accept counts, checks and verify-against-decode figures
+    (judged under ``equivalence``, as a replay judges: a failing pair is warned of) into ``result``; its time
+    into ``result.seconds``: the run's (``verify``) and the writes after it (``store``). Its step log and its
+    rows' digests and statistics."""
     greedy, steps, mtp = continuation[0], settings.steps, settings.feed == "mtp"
     chooser = DrafterFeed(k, steps) if mtp else ReferenceFeed(greedy)
     layout = RowLayout(len(tokens), steps, k, mtp)
@@ -502,8 +507,7 @@ def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],
         _refuse_nonfinite(layout, summary[1], k)
     settled.rows.finish(log, summary, drafts, later)
     at = _part(result, "store_files", at)
-    spec = Policy.parse(settings.tolerances).equivalence  # (judged as a replay judges: a failing pair is warned of)
-    if (own := _own_equivalence(log, settled, len(tokens), continuation, of_torch(model.dtype).name, spec)
+    if (own := _own_equivalence(log, settled, len(tokens), continuation, of_torch(model.dtype).name, equivalence)
             ) is not None:
         result.equivalence[k] = own
     _part(result, "store_own", at)
