@@ -139,7 +139,10 @@ class HFModel:
     @torch.inference_mode()
     def _runs_pinned(self, name: str) -> bool:
         """Whether this model's attention runs with SDPA pinned to ``name``'s backend on its device: a
-        backend may lack a kernel for the dtype, the head layout (GQA) or an explicit mask."""
+        backend may lack a kernel for the dtype, the head layout (GQA) or an explicit mask, and PyTorch has one for
+        CUDA only (`CUDA_ONLY`): no run is tried for it elsewhere."""
+        if name in CUDA_ONLY and self.device.type != "cuda":
+            return False
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from transformers import DynamicCache
 
