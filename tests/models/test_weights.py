@@ -77,9 +77,12 @@ def test_vd_cache_info_and_clear(cli, smollm2, tmp_path, monkeypatch):
     assert {e["source"] for e in listed["entries"]} == {str(smollm2_path())}
     assert listed["bytes"] > 100e6  # 135 M bf16 parameters
     code, out, err = cli("cache", "info")
-    assert code == 0 and str(mine) in out and "bfloat16" in out
+    assert code == 0 and str(mine) in out and "bfloat16" in out and " MB" in out
     code, out, err = cli("cache", "clear")
-    assert code == 0 and f"removed {len(listed['entries'])} entr" in out
+    assert code == 0 and f"removed {len(listed['entries'])} entr" in out and " MB)" in out
+    out = cli("cache", "info")[1]  # an empty cache: no size (it said "0.0 MB"), nor a clear's
+    assert "0 entries" in out and "MB" not in out and "kB" not in out, out
+    assert cli("cache", "clear")[1].startswith("removed 0 entries from ")
     assert json.loads(cli("cache", "info", "--json")[1])["entries"] == []
     monkeypatch.setenv("VD_CACHE", "off")
     assert weights.root() is None and weights.entry_path(smollm2_path(), "bfloat16") is None

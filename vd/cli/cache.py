@@ -10,14 +10,11 @@ from rich.table import Table
 
 from vd.cli.common import EXIT_PASS, Command, Group, app, examples, out
 from vd.errors import UsageError
+from vd.outputs import size_text
 
 cache = typer.Typer(cls=Group, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                     help="The cache of converted model weights (a GGUF checkpoint is dequantised once per machine).")
 app.add_typer(cache, name="cache")
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
 
 
 @cache.command(cls=Command, epilog=examples("vd cache info", "vd cache info --json"))
@@ -41,14 +38,14 @@ def info(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = 
     if where is None:
         out.print("the cache is off (VD_CACHE=off): every GGUF load converts its weights again")
         return EXIT_PASS
-    out.print(f"{where}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
-              f"{_mb(sum(e.nbytes for e in entries))}")
+    out.print(f"{where}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+              + (f", {size_text(sum(e.nbytes for e in entries))}" if entries else ""))
     if entries:
         t = Table(show_edge=False)
         for col in ("entry", "source", "dtype", "transformers", "size", "last used"):
             t.add_column(col)
         for e in entries:
-            t.add_row(e.name[:12], e.source, e.dtype, e.transformers, _mb(e.nbytes),
+            t.add_row(e.name[:12], e.source, e.dtype, e.transformers, size_text(e.nbytes),
                       datetime.fromtimestamp(e.last_used, UTC).strftime("%Y-%m-%d %H:%M"))
         out.print(t)
     return EXIT_PASS
@@ -60,6 +57,6 @@ def clear() -> int:
     from vd.models import weights
 
     n, nbytes = weights.clear()
-    out.print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({_mb(nbytes)})"
+    out.print(f"removed {n} entr{'y' if n == 1 else 'ies'}" + (f" ({size_text(nbytes)})" if n else "")
               + ("" if weights.root() is None else f" from {weights.root()}"))
     return EXIT_PASS
