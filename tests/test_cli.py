@@ -346,7 +346,8 @@ def test_a_cuda_only_forward_asked_on_the_cpu_says_so(cli, tiny_golden):
     """`--forward graphed` where the model runs on the CPU: the line says it runs on CUDA only, not just that the
     model lacks it."""
     _one_line_error(*cli("replay", tiny_golden, "--forward", "graphed", "--forward", "eager"),
-                    "no forward 'graphed'", "(graphed runs on CUDA only: --device cuda)")
+                    "model tiny-llama (random weights, seed 0) has no forward 'graphed'",
+                    "(graphed runs on CUDA only: --device cuda)")
 
 
 def test_replay_of_a_forward_this_device_lacks_names_the_choice(cli, tiny_copy):

@@ -332,10 +332,11 @@ def forwards_of(spec: str, *, device: str = "cpu", dtype: str = "bfloat16") -> d
 
 
 def require_forwards(model: VerifyModel, names: list[str]) -> None:
-    """A UsageError naming every forward in ``names`` that ``model`` does not offer."""
+    """A UsageError naming ``model`` and every forward in ``names`` it does not offer."""
     offered = model.forwards()
     unknown = [n for n in names if n not in offered]
     if unknown:
         cuda = [n for n in unknown if n in CUDA_ONLY and model.device.type != "cuda"]  # a built-in's, on the CPU
         why = f" ({', '.join(cuda)} run{'s' if len(cuda) == 1 else ''} on CUDA only: --device cuda)" if cuda else ""
-        raise UsageError(f"model has no forward {', '.join(map(repr, unknown))}; it offers {', '.join(offered)}{why}")
+        raise UsageError(f"model {model.identity().name} has no forward {', '.join(map(repr, unknown))}; it offers "
+                         f"{', '.join(offered)}{why}")
