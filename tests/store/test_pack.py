@@ -78,6 +78,35 @@ def test_refresh_replaces_only_a_copy(cli, tiny_golden, tmp_path):
     assert cli("pack", tiny_golden, full, "--refresh")[0] == 0
 
 
+def _files(where: Path) -> dict | bytes:
+    """A golden's files' bytes (a directory's by path; a zip's own)."""
+    where = Path(where)
+    return {p: p.read_bytes() for p in where.rglob("*") if p.is_file()} if where.is_dir() else where.read_bytes()
+
+
+def test_refresh_never_replaces_another_golden_of_the_same_kind(cli, tiny_golden, tmp_path):
+    """A golden recorded on its own with the same model and settings (its own first recording, a reviewed refresh
+    after it), or a copy refreshed by itself, is no copy of the source: `vd pack`/`vd slim` ``--refresh`` replaced
+    it with the source's content and history (exit 0; found by a user test). Refused now (exit 2), golden kept."""
+    other, slim_other = tmp_path / "other.zarr", tmp_path / "other-slim.zarr"
+    assert cli("record", other, "--model", "tiny-llama", "--steps", "8")[0] == 0  # tiny_golden's settings
+    assert cli("refresh", other, "--reason", "reviewed: same numbers")[0] == 0
+    assert cli("slim", other, slim_other)[0] == 0
+    own = tmp_path / "own.zip"  # a copy of tiny_golden, then refreshed by itself
+    assert cli("pack", tiny_golden, own)[0] == 0 and cli("refresh", own, "--reason", "its own")[0] == 0
+    fresh = tmp_path / "fresh.zarr"  # and tiny_golden refreshed too: the two histories part after version 1
+    assert cli("pack", tiny_golden, fresh)[0] == 0 and cli("refresh", fresh, "--reason", "the source's")[0] == 0
+    for command, source, target, said in (
+            ("pack", tiny_golden, other, "(another golden: its first recording is "),
+            ("slim", tiny_golden, slim_other, "with its own history of 2 versions)"),
+            ("pack", fresh, own, "its history parts from the source's after version 1: its version 2 ('its own')")):
+        before = _files(target)
+        code, out, err = cli(command, source, target, "--refresh")
+        assert code == 2 and "is not a copy of" in err and said in err, (command, out, err)
+        assert _files(target) == before
+    assert [h["reason"] for h in open_golden(other).history] == ["first recording", "reviewed: same numbers"]
+
+
 def test_refresh_brings_a_copy_of_an_earlier_version_up_to_date(cli, tiny_copy, tmp_path):
     """A team's slim golden (or packed copy) of a golden that has since been refreshed with other settings: `vd slim
     FULL SLIM --refresh` and `vd pack FULL COPY --refresh` replace it (its history is the beginning of the full

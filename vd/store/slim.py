@@ -65,11 +65,29 @@ def earlier_version(old: Golden, source: Golden) -> bool:
     return bool(mine) and len(mine) <= len(theirs) and mine == theirs[:len(mine)]
 
 
+def _parted(old: Golden, source: Golden) -> str | None:
+    """How ``old``'s history shows it is no copy of ``source`` or of an earlier version of it, though both record
+    the same thing: another first recording (a golden recorded on its own), or a version of its own after a
+    shared one (a copy refreshed by itself); None where it is such a copy, or either keeps no history."""
+    mine, theirs = old.meta.get("history") or [], source.meta.get("history") or []
+    if not mine or not theirs or earlier_version(old, source):
+        return None
+    shared = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    if shared == 0:
+        first = mine[0]
+        return (f"another golden: its first recording is {first.get('user')}@{first.get('host')}'s of "
+                f"{first.get('time')}, with its own history of {len(mine)} version{'s' if len(mine) > 1 else ''}")
+    return (f"its history parts from the source's after version {shared}: its version {shared + 1} "
+            f"({mine[shared].get('reason')!r}) is its own")
+
+
 def check_copy_target(location: Location, source: Golden, *, slim: bool) -> None:
     """Refuse (`vd.errors.UsageError`) a ``--refresh`` of a copy of ``source`` (its ``slim`` form, or not) over a
     golden that is no such copy: one of another recording (prompt, K, steps, vocabulary, dtype, feed or model),
     unless it is a copy of one of ``source``'s earlier versions (`earlier_version`: the copy a refresh of
-    ``source`` left behind, which ``--refresh`` is for), or a full golden where the copy is slim. ``--refresh``
+    ``source`` left behind, which ``--refresh`` is for); one of the same kind whose history is not the beginning
+    of ``source``'s (`_parted`: a golden recorded on its own, or a copy refreshed by itself); or a full golden
+    where the copy is slim. ``--refresh``
     brings a copy up to date; it is not a licence to replace whatever golden stands at the path (its rows and
     history would be gone). A target that cannot be read as a golden is left to the writer's own check."""
     if location.state() != "golden":
@@ -86,7 +104,7 @@ def check_copy_target(location: Location, source: Golden, *, slim: bool) -> None
                              "or remove it first")
         differ = None if earlier_version(old, source) else recording_difference(old, source) or (
             None if old.meta["model"].get("fingerprint") == source.meta["model"].get("fingerprint") else "model")
-        why = f"a recording of another kind: {differ}" if differ is not None else None
+        why = f"a recording of another kind: {differ}" if differ is not None else _parted(old, source)
         if why is None and old.slim != slim:
             why = "a full golden, whose rows the slim copy would drop" if slim else "a slim golden"
     finally:
