@@ -23,6 +23,7 @@ import contextlib
 import datetime as _dt
 import html
 import io
+import json
 import math
 import re
 import shlex
@@ -49,12 +50,32 @@ Entry = tuple[str, Report | None, str | None]
 BUNDLE_FILES = ("rows.npz", "failure.json", "environment.json", "command.sh", "replay.json")
 
 
+# What a bundle's failure.json holds (every version of it): what tells a bundle from a user's files of these names.
+_FAILURE_KEYS = {"k", "forward", "kind", "step", "policy", "golden", "verdict", "reasons"}
+
+
+def is_bundle(directory: Path) -> bool:
+    """Whether ``directory`` holds a replay's first-divergence bundle: a ``failure.json`` as `write_bundle` writes
+    it (written first, so a bundle cut short is one too)."""
+    failure = directory / "failure.json"
+    try:
+        if failure.is_symlink() or not failure.is_file() or failure.stat().st_size > 1 << 20:
+            return False
+        doc = json.loads(failure.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and _FAILURE_KEYS <= doc.keys()
+
+
 def clear_bundle(directory: Path) -> None:
-    """Remove what an earlier replay's bundle left in ``directory``: its files, and the report and bundle its
-    command.sh wrote there when run; then the folder, once empty (other files in it stay). A replay clears its
-    bundle's place before it writes one, so that a bundle is one replay's and a passing replay leaves none beside
-    its report."""
-    for name in BUNDLE_FILES:
+    """Remove what an earlier replay's bundle left in ``directory`` (`is_bundle`; nothing where there is none): its
+    files, and the report and bundle its command.sh wrote there when run; then the folder, once empty (other files
+    in it stay). A replay clears its bundle's place before it writes one, so that a bundle is one replay's and a
+    passing replay leaves none beside its report; a user's files of a bundle file's name, in a folder no bundle
+    was written to, stay."""
+    if not is_bundle(directory):
+        return
+    for name in (*(n for n in BUNDLE_FILES if n != "failure.json"), "failure.json"):  # its mark last
         path = directory / name
         if path.is_symlink() or path.is_file():
             path.unlink()
@@ -78,7 +99,6 @@ def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mappin
         arrays["golden"] = rows.golden
     npz = io.BytesIO()
     np.savez(npz, **arrays)  # type: ignore[arg-type]  # numpy's stub types the first kwarg
-    write_bytes(directory / "rows.npz", npz.getvalue())
     failure = {"k": rows.k, "forward": rows.forward, "kind": rows.kind, "step": rows.step, "tokens": rows.tokens,
                "first_failure": plain(rows.first_failure) or {"kind": rows.kind, "step": rows.step},
                "dtype": report.dtype,
@@ -91,7 +111,8 @@ def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mappin
         failure["decode_forward"] = rows.decode_forward
     if rows.batch is not None:
         failure["batch"] = dict(rows.batch)
-    write_text(directory / "failure.json", json_text(failure))
+    write_text(directory / "failure.json", json_text(failure))  # first: what marks the folder as a bundle
+    write_bytes(directory / "rows.npz", npz.getvalue())
     write_text(directory / "environment.json", json_text(plain(report.environment)))
     cmd = words.reproduce_command(report, dict(args), "replay.json")
     exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted((environ or {}).items()))

@@ -152,7 +152,8 @@ def test_a_bundle_is_one_replays_and_strict_json(cli, tiny_golden, tmp_path):
     strict(report)
     (bundle / "replay.json").write_text("{}")  # as its command.sh leaves it, with its own bundle
     (bundle / "replay.json.bundle").mkdir()
-    (bundle / "replay.json.bundle" / "command.sh").write_text("")
+    for name in ("command.sh", "failure.json"):
+        shutil.copy(bundle / name, bundle / "replay.json.bundle" / name)
     code, out, err = cli("replay", tmp_path / "s.zarr", "--report", report)
     assert code == 0 and json.loads(report.read_text()).get("bundle") is None and not bundle.exists(), err
     assert cli("replay", tmp_path / "s.zarr", "--model", perturb, "--report", report)[0] == 1
@@ -168,6 +169,22 @@ def test_a_bundle_is_one_replays_and_strict_json(cli, tiny_golden, tmp_path):
     assert cli("replay", tmp_path / "s.zarr", "--model", perturb, "--report", report)[0] == 1 and bundle.is_dir()
     code, out, err = cli("replay", tmp_path / "s.zarr", "--report", report, "--k", "9")  # no verdict: an error
     assert code == 2 and strict(report)["verdict"] == "ERROR" and not bundle.exists(), err
+
+
+def test_a_folder_of_the_users_is_no_bundle_to_clear(cli, tiny_golden, tmp_path):
+    """`--bundle DIR` naming a folder of the user's whose files have a bundle file's names (`--bundle .` in a project
+    with its own command.sh): a passing replay removed them, and the folder (found by a user test). A replay clears
+    only a folder a bundle was written to (its failure.json, `render.is_bundle`); the user's files stay."""
+    mine = tmp_path / "proj"
+    mine.mkdir()
+    for name in render.BUNDLE_FILES:
+        (mine / name).write_text("mine")
+    assert not render.is_bundle(mine)
+    (mine / "failure.json").write_text('{"k": 2, "note": "a file of mine"}')  # JSON, not a bundle's
+    code, out, err = cli("replay", tiny_golden, "--k", "2", "--bundle", mine)
+    assert code == 0, err
+    assert sorted(p.name for p in mine.iterdir()) == sorted(render.BUNDLE_FILES)
+    assert (mine / "command.sh").read_text() == "mine" and (mine / "failure.json").read_text().startswith('{"k": 2')
 
 
 def test_html_report_renders_in_headless_chromium(cli, tiny_golden, tmp_path):
