@@ -91,8 +91,13 @@ def test_a_planted_difference_is_located_against_the_golden_traces(planted_golde
     assert f"first difference at {module} ({what})" in out
     page = (tmp_path / "r.html").read_text()
     assert "Where the difference starts" in page and '-loc-k2-first"' in page and module in page
-    code, out, err = cli("locate", planted_golden, "--model", PLANTED, "--forward", "planted")  # the same, alone
+    code, out, err = cli("locate", planted_golden, "--model", PLANTED, "--forward", "planted",  # the same, alone
+                         "--html", tmp_path / "l.html")
     assert code == 1 and f"K=2 the prefill: first difference at {module} ({what})" in out, out + err
+    assert "(not given)" not in (tmp_path / "l.html").read_text()  # the page names its command, as replay's does
+    for outputs in (["--report", tmp_path / "o", "--html", tmp_path / "o"], ["--report", "-", "--html", "-"]):
+        code, out, err = cli("locate", planted_golden, "--model", PLANTED, "--forward", "planted", *outputs)
+        assert code == 2 and "--report and --html both write" in err and not (tmp_path / "o").exists(), err
 
 
 def test_the_golden_own_forward_matches_its_traces(planted_golden, cli):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +16,7 @@ from vd.cli.common import (
     GOLDEN_OR_NAME,
     Command,
     app,
+    check_distinct,
     check_golden,
     check_model,
     check_writable,
@@ -64,6 +66,7 @@ def locate(
         batch_size(between)
     elif between == "batch":  # (it was looked up as a forward named batch)
         raise UsageError("--between batch:N names the batch's size, such as batch:4")
+    check_distinct({"--report": report, "--html": html})  # (one would replace the other, or run into it)
     check_writable("--report", report, (golden,))
     check_writable("--html", html, (golden,))
     if between is None and meta is not None and meta.get("trace") is None:
@@ -81,7 +84,7 @@ def locate(
     if html is not None:
         from vd.replayer.render import locate_page
 
-        write_text(Path(html), locate_page(r))
+        write_text(Path(html), locate_page(r, command=["vd", *sys.argv[1:]]))
     against = ("the golden's traces" if between is None else "its own decode rows" if between == "decode"
                else f"itself in a batch of {batch_size(between)}" if axis(between) else between)
     out.print(f"{first} against {against}: " + ("they differ (above)" if r.found else "every row bit-identical"))
