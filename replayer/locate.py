@@ -38,6 +38,7 @@ from vd.models import check_device, check_forward_names, load_model, require_for
 from vd.models.specs import golden_dir, stored
 from vd.preflight import BATCH, DECODE, axis, batch_size, untraced
 from vd.protocol import VerifyModel, require_model
+from vd.replayer.session import check_model
 from vd.store import Golden, Location, open_golden
 from vd.store.format import DECODE_K
 from vd.tracing import Call, Point, Traced, check_traceable, steps_run
@@ -315,14 +316,17 @@ def _compare_rows(a: Call, b: Call) -> tuple[Module | None, int, tuple[Module, .
     return first, before, tuple(path), compared, tuple(profile)
 
 
-def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[str]) -> VerifyModel:
-    """The golden's model (or ``spec``), checked to trace each forward."""
+def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[str],
+           allow_mismatch: bool = False) -> VerifyModel:
+    """The golden's model (or ``spec``), checked to trace each forward and, as a replay checks it, to be the golden's
+    (its vocabulary; its fingerprint unless ``allow_mismatch``)."""
     golden_spec, head = stored(g.meta["model"], golden_dir(g.location))
     forwards = [f for f in forwards if not axis(f)]
     check_forward_names(spec or golden_spec, forwards)  # before the model loads
     model = load_model(spec or golden_spec, device=check_device(device or g.info.device), dtype=g.logical,
                        head=head if spec is None else None)
     require_forwards(model, forwards)
+    check_model(g, model, allow_mismatch)  # (another vocabulary crashed; another model's traces all differ)
     for f in forwards:
         check_traceable(model, f, "vd locate")
     return model
@@ -336,9 +340,11 @@ def check_locatable(g: Golden, between: str | None) -> None:
 
 def locate(where: str | os.PathLike | Location, forward: str, between: str | None = None, *,
            model_spec: str | None = None, ks: Sequence[int] = (), device: str | None = None,
-           model: VerifyModel | None = None, on_k: Callable[[Located], None] | None = None) -> LocateReport:
+           model: VerifyModel | None = None, on_k: Callable[[Located], None] | None = None,
+           allow_model_mismatch: bool = False) -> LocateReport:
     """``forward`` through the golden at ``where``, each K (or ``ks``), against the golden's module traces or
-    against ``between``; see the module."""
+    against ``between``; see the module. The model loaded (not a ``model`` passed in) must be the golden's, as a
+    replay's must (`vd.replayer.session.check_model`): another fingerprint only with ``allow_model_mismatch``."""
     require_model(model, "vd.replayer.locate.locate()")
     g = open_golden(where)
     try:
@@ -349,7 +355,7 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
             raise UsageError(f"{g.url} has no K={bad[0]} (it holds {', '.join(map(str, g.ks))})")
         forwards = (forward,) if between is None else (forward, between)
         g.check_files()  # every stored byte against the manifest: no verdict from a damaged golden
-        m = model or _model(g, model_spec, device, forwards)
+        m = model or _model(g, model_spec, device, forwards, allow_model_mismatch)
         out = []
         with torch.inference_mode():
             for k in widths:

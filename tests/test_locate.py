@@ -143,6 +143,19 @@ def test_what_locate_cannot_do_is_refused(tiny_golden, cli, args, message):
     assert code == 2 and message in err and "Traceback" not in err, err
 
 
+def test_another_model_is_refused_as_a_replay_refuses_it(tiny_golden, cli):
+    """`--model` naming a model of another vocabulary crashed (exit 3, an IndexError); one of the same shape but other
+    weights ran, every module 'differing' from the golden's. Both are refused (exit 2) as `vd replay` refuses them;
+    the second runs with --allow-model-mismatch."""
+    code, out, err = cli("locate", tiny_golden, "--between", "sdpa", "--k", "2", "--model", "tiny-qwen2")
+    assert code == 2 and "model has vocab 384, golden" in err, err
+    code, out, err = cli("locate", tiny_golden, "--between", "sdpa", "--k", "2", "--model", "tiny-llama-shape")
+    assert code == 2 and "model fingerprint" in err and "pass --allow-model-mismatch" in err, err
+    code, out, err = cli("locate", tiny_golden, "--between", "sdpa", "--k", "2", "--model", "tiny-llama-shape",
+                         "--allow-model-mismatch")
+    assert code in (0, 1) and "eager against sdpa" in out, out + err
+
+
 def test_a_damaged_golden_or_unknown_forward_is_refused_before_the_model(tiny_golden, cli, tmp_path, monkeypatch):
     """No verdict from a damaged golden (its files checked against the manifest first), and no model loaded to
     learn that a forward does not exist."""

@@ -52,6 +52,7 @@ def locate(
     device: o.ReplayDevice = None,
     report: o.ReportPath = None,
     html: o.Html = None,
+    allow_model_mismatch: o.AllowModelMismatch = False,
 ) -> int:
     """Name the first module whose output differs: exit 1 where one does, 0 where the rows agree.
 
@@ -78,7 +79,8 @@ def locate(
         check_model(model, [first] + ([between] if between and not axis(between) else []))
     from vd.replayer.locate import locate as do_locate
 
-    r = do_locate(golden, first, between, model_spec=model, ks=tuple(k or ()), device=device, on_k=_print)
+    r = do_locate(golden, first, between, model_spec=model, ks=tuple(k or ()), device=device, on_k=_print,
+                  allow_model_mismatch=allow_model_mismatch)
     if report is not None:
         write_json(Path(report), r.to_json())
     if html is not None:
