@@ -110,7 +110,9 @@ def test_bad_tolerances_are_usage_errors():
     with pytest.raises(UsageError):
         Policy.parse([], {"verify": "bogus"})  # a stored policy must parse too
     # A known SPEC with a number out of its range says which range, whichever SPEC (ulp:-1 was "unknown").
-    for bad, wants in (("ulp:-1", "ulp:N takes a whole N >= 0"), ("ulp:1.5", "ulp:N takes a whole N >= 0"),
+    for bad, wants in (("ulp:-1", "ulp:N takes a whole N from 0 to 4294967296"), ("ulp:1.5", "ulp:N takes a whole N"),
+                       # one past what any two float32 values are apart: it overflowed the comparison (exit 3)
+                       ("ulp:4294967297", "ulp:N takes a whole N from 0 to"), ("ulp:" + "9" * 20, "(2**32: more than"),
                        ("topk:0", "topk:N takes a whole N >= 1"), ("kl:-0.1", "kl:X takes a finite X >= 0"),
                        ("atol:-1,rtol:0", "atol:X,rtol:Y take finite X, Y >= 0"),
                        ("atol:0.1", "unknown tolerance 'atol:0.1'"), ("atol:0.1", "atol takes its rtol"),

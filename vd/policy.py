@@ -56,6 +56,9 @@ class Spec:
     kl: float = 0.0
 
 
+MAX_ULP = 2**32  # the most two float32 values can be apart in ULPs (a larger N overflowed the comparison's integers)
+
+
 @functools.lru_cache(maxsize=256)
 def parse_spec(text: str) -> Spec:
     """A SPEC string to a `Spec`, or a UsageError naming the accepted forms (cached: every comparison
@@ -73,7 +76,7 @@ def parse_spec(text: str) -> Spec:
         if m["exact"]:
             return Spec("exact", t)
         if m["ulp"]:
-            if int(m["ulp"]) < 0:
+            if not 0 <= int(m["ulp"]) <= MAX_ULP:
                 raise ValueError
             return Spec("ulp", t, n=int(m["ulp"]))
         if m["atol"] is not None:
@@ -92,7 +95,8 @@ def parse_spec(text: str) -> Spec:
             raise ValueError
         return Spec("kl", t, kl=kl)
     except ValueError as e:
-        wants = ("ulp:N takes a whole N >= 0" if m["ulp"] else "topk:N takes a whole N >= 1" if m["topk"]
+        wants = (f"ulp:N takes a whole N from 0 to {MAX_ULP} (2**32: more than any two float32 values are apart)"
+                 if m["ulp"] else "topk:N takes a whole N >= 1" if m["topk"]
                  else "kl:X takes a finite X >= 0" if m["kl"] else "atol:X,rtol:Y take finite X, Y >= 0")
         raise UsageError(f"bad number in tolerance {text!r}: {wants}") from e
 
