@@ -89,7 +89,7 @@ def test_a_replay_reports_each_forwards_equivalence_and_judges_it_when_asked(ste
 def test_a_recording_warns_when_its_own_rows_fail_its_equivalence_policy(cli, tmp_path):
     """`vd record --tolerance equivalence=exact` of a forward whose own verify rows differ from its decode rows
     stored a golden every replay of that forward FAILs, without a word. It is stored, and a warning says so,
-    per K that fails; a policy its rows meet warns of nothing."""
+    per K that fails, and by a refresh of it; a policy its rows meet warns of nothing."""
     path = tmp_path / "g.zarr"
     args = ("record", path, "--model", STEPWISE, "--steps", "6", "--k", "2,3")
     code, out, err = cli(*args, "--tolerance", "equivalence=exact")
@@ -97,6 +97,11 @@ def test_a_recording_warns_when_its_own_rows_fail_its_equivalence_policy(cli, tm
     assert "vd: warning: K=3: the golden's own verify rows fail its equivalence=exact against its decode rows " \
            "(1 of " in err and "warning: K=2" not in err, err
     assert cli("replay", path, "--model", STEPWISE)[0] == 1  # as the warning says
+    # A refresh of it under the same policy warns as the recording did (it was refused: "does not pass its own
+    # replay", so a golden `vd record` stored could never be refreshed).
+    code, out, err = cli("refresh", path, "--reason", "same build")
+    assert code == 0 and "refreshed" in out and "to version 2" in out, out + err
+    assert "vd: warning: K=3: the golden's own verify rows fail its equivalence=exact" in err, err
     code, out, err = cli(*args, "--tolerance", "equivalence=ulp:1", "--refresh", "--reason", "one ULP allowed")
     assert code == 0 and "warning" not in err, err
 

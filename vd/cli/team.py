@@ -178,6 +178,8 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
             err.print(f"vd: {why}")
         err.print(f"vd: refresh refused; {done.url} is unchanged")
         return EXIT_FAIL
+    for warning in done.warnings:
+        err.print(f"vd: warning: {warning}")
     out.print(done.summary, end="")
     if summary is not None:
         write_text(summary, done.summary)
@@ -309,8 +311,9 @@ def refresh(
 
     It records what the golden's declaration says (or, undeclared, what recorded it), replays the new
     recording once, and publishes it with its history; refused (exit 1, the old golden kept) if the new
-    recording is thin or its detection control blind. A golden recorded over tensor-parallel ranks is recorded
-    over as many again (--tp N: another degree)."""
+    recording is thin, does not replay its own rows, or its detection control is blind (its verify rows failing
+    the policy's equivalence= against its decode rows are a warning, as vd record gives). A golden recorded over
+    tensor-parallel ranks is recorded over as many again (--tp N: another degree)."""
     return refresh_golden(target, config, reason, summary, {}, candidate=from_, allow_slim=allow_slim)
 
 

@@ -5,8 +5,10 @@ when the new version is sound, and with a change summary a pull request can show
 its declaration's) into a staging directory beside the golden, then checks the new recording: a thin
 reference is refused by the recorder, and the new golden is replayed once with the same model, which must
 PASS with every detection control firing (a build that cannot replay its own golden bit for bit, or a
-policy too loose to see a changed draft, makes no evidence). `promote` takes a candidate a replay saved
-(``vd replay --save-candidate``) instead of recording; the candidate carries its replay's control results.
+policy too loose to see a changed draft, makes no evidence); its own verify rows failing the policy's
+``equivalence=`` against its decode rows are a warning (``Refreshed.warnings``), as they are to `vd record`.
+`promote` takes a candidate a replay saved (``vd replay --save-candidate``) instead of recording; the candidate
+carries its replay's control results.
 Either way the new version is compared with the golden it replaces (`summarise`): which K, steps and rows
 moved and by how much, which decisions changed, whether the model, forward or environment changed. The
 summary's headline lines and the reason join the golden's history (`vd.store.history`), and the golden is
@@ -46,6 +48,7 @@ class Refreshed:
     summary: str = ""
     changes: list[str] = field(default_factory=list)
     version: int | None = None
+    warnings: list[str] = field(default_factory=list)  # the new recording's (`vd.recorder.RecordResult.warnings`)
     # A promotion refused only because the candidate's controls were inconclusive: the settings a recording
     # of its change needs beyond the golden's own ({}: none, the golden's model and forward record it).
     record_instead: dict[str, str] | None = None
@@ -109,10 +112,15 @@ def _refresh(location: Location, settings: RecordSettings, reason: str, name: st
         if r.location is None:
             return Refreshed(location.url, refused=[*r.thin, *r.short])
         check = replay(new_path, ReplaySettings(threads=settings.threads), model=model, progress=progress)
-        if check.verdict != "PASS":
+        # Its own verify rows failing the policy's equivalence= are its forward's (every replay of it fails on them):
+        # a warning, as the recording gave (`RecordResult.warnings`), not a refusal `vd record` would not make.
+        blocking = [x for x in check.reasons if x.what != "equivalence"]
+        if check.verdict != "PASS" and (blocking or not check.reasons):
             return Refreshed(location.url, refused=[f"the new recording does not pass its own replay: {x.text}"
-                                                    for x in check.reasons])
-        return _publish(location, new_path, old, unreadable, reason, name, settings_changes(old, settings))
+                                                    for x in blocking or check.reasons])
+        done = _publish(location, new_path, old, unreadable, reason, name, settings_changes(old, settings))
+        done.warnings = list(r.warnings)
+        return done
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -251,8 +259,8 @@ def _copy_golden(g: Golden, dest: Path) -> None:
 
 def _publish(location: Location, new_path: Path, old: Golden | None, unreadable: str | None, reason: str,
              name: str | None, asked: list[str]) -> Refreshed:
-    """``asked``: the summary's first lines (what the caller changed on purpose)."""
-    """Summarise the new version against the old, write its history, publish it."""
+    """Summarise the new version against the old, write its history, publish it. ``asked``: the summary's first
+    lines (what the caller changed on purpose)."""
     new = open_golden(new_path)
     changes, summary = summarise(old, new, name or location.url, reason, asked, unreadable)
     previous = old.history if old is not None else []
