@@ -9,21 +9,23 @@ session and those decode rows.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vd import env, protocol
 from vd.coverage import coverage_reason, thin_reason
-from vd.dtypes import to_storage
-from vd.equivalence import Accumulator, DecodeRows, Equivalence, KeptDecode, decode_map
+from vd.dtypes import to_float, to_storage
+from vd.equivalence import Accumulator, DecodeRows, Equivalence, FailingPair, KeptDecode, decode_map
 from vd.layout import Step
 from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, reference_accepts, run_verify
 from vd.protocol import VerifyModel
 from vd.replayer import words
-from vd.replayer.comparison import Comparison
+from vd.replayer.comparison import Comparison, Failure
 from vd.replayer.judge import Queued, compare_run
 from vd.replayer.measure import Measurer
 from vd.replayer.report import BatchAxis, Control, EquivalenceAxis, FailureRows, Judged, KResult, Reason, Timing
@@ -87,6 +89,8 @@ def replay_k(s: Session, k: int, decoded: Mapping[str, DecodeRows]) -> KOutcome:
         timings.append(Timing(name, tuple(ran.run.step_ms)))
         if failure is None and not ran.comparison.passed:
             failure = failure_rows(k, name, ran, protocol.decoder(s.model))
+        if failure is None and acc is not None and acc.acc.pair is not None:  # its verify rows against its decode's
+            failure = pair_rows(s, k, name, log.steps, acc.acc.pair)
         if s.candidate is not None:
             s.candidate.keep(k, ran.run)
         if s.batch is not None:
@@ -263,6 +267,24 @@ def _control(s: Session, k: int, steps: list[Step], own: Comparison) -> Control:
     fired = at in ran.comparison.failed_step_list and not inconclusive
     s.clock.phases["control"] += time.perf_counter() - t
     return Control(ran.comparison, at, fired, inconclusive)
+
+
+def pair_rows(s: Session, k: int, name: str, steps: Sequence[Step], pair: FailingPair) -> FailureRows:
+    """A first-divergence bundle's rows for a forward whose verify rows fail the policy's ``equivalence=`` (its
+    rows matched the golden's): the first failing verify row as ``candidate``, and as ``golden`` the decode row of
+    the same position it is judged against (``--decode-forward``'s, else the forward's own)."""
+    at, spec = pair.place, s.policy.equivalence
+    differ = np.flatnonzero(pair.verify != pair.decode)
+    i = int(differ[0]) if differ.size else None
+    v, d = (to_float(a, s.golden.logical) for a in (pair.verify, pair.decode))
+    first = Failure("equivalence", at.step, at.row, i, math.nan if i is None else float(d[i]),
+                    math.nan if i is None else float(v[i]), spec.text if spec is not None else "?", pair.flipped)
+    tokens = list(steps[at.step].tokens)
+    decoder = protocol.decoder(s.model)
+    return FailureRows(k=k, forward=name, kind="equivalence", step=at.step, golden=pair.decode[None],
+                       candidate=pair.verify[None], tokens=tokens, first_failure=first,
+                       text=None if decoder is None else decoder.decode(tokens),
+                       decode_forward=s.settings.decode_forward or name)
 
 
 def failure_rows(k: int, name: str, ran: _Ran, decoder: protocol.TokenDecoder | None = None, *,

@@ -82,6 +82,15 @@ def test_a_replay_reports_each_forwards_equivalence_and_judges_it_when_asked(ste
     reasons = json.loads((tmp_path / "exact.json").read_text())["reasons"]
     (why,) = reasons
     assert why.startswith("verify K=3, eager: 1 of ") and "equivalence=exact" in why and "step 0 row 1" in why
+    # Its bundle (none was written: its rows matched the golden's): the failing verify row and its decode row.
+    bundle = tmp_path / "exact.json.bundle"
+    assert "first-divergence bundle: " in out and json.loads((tmp_path / "exact.json").read_text())["bundle"]
+    failure = json.loads((bundle / "failure.json").read_text())
+    assert (failure["k"], failure["kind"], failure["step"], failure["decode_forward"]) == (3, "equivalence", 0, "eager")
+    assert failure["first_failure"]["row"] == 1 and failure["first_failure"]["policy"] == "exact"
+    rows = np.load(bundle / "rows.npz")
+    assert rows["candidate"].shape == rows["golden"].shape == (1, 512) and (rows["candidate"] != rows["golden"]).any()
+    assert "--k 3 --forward eager" in (bundle / "command.sh").read_text()
     code, out, err = cli("replay", path, "--model", STEPWISE, "--tolerance", "equivalence=ulp:1")
     assert code == 0, out
 

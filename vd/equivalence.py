@@ -187,6 +187,17 @@ class _Tally:
     first: Place | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class FailingPair:
+    """The first verify row (in the order the run computed them) failing the policy's ``equivalence=`` against its
+    decode row: where it is, both rows as stored, and whether their argmaxes differ."""
+
+    place: Place
+    verify: np.ndarray
+    decode: np.ndarray
+    flipped: bool
+
+
 class Accumulator:
     """One run's verify rows measured against its decode rows (`DecodeRows`) a block at a time, as the run lets
     them go (`add`, verify rows from row ``start`` of the K); ``spec``: the policy's equivalence SPEC (None:
@@ -201,6 +212,7 @@ class Accumulator:
         self.dec = mapping[self.at]
         device = decode.digests.device
         self.at_on, self.dec_on = (torch.from_numpy(self.at).to(device), torch.from_numpy(self.dec).to(device))
+        self.pair: FailingPair | None = None  # the first pair failing ``spec``, kept for a first-divergence bundle
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """Verify rows ``start .. start + len(rows)`` (``[n, V]``, on the device of the decode digests)."""
@@ -216,10 +228,18 @@ class Accumulator:
         same = eq.astype(bool)
         self._count(at, same, argmax != ref)
         differ = np.flatnonzero(~same)
+        bad = list(np.flatnonzero(argmax != ref)) if self.spec is not None else []  # a flip fails any SPEC
         for part in _blocks(differ, rows.device, rows.shape[1]):  # the measures' temporaries flat in steps
             vals, ok, _ = measure_differing(self.decode.rows(dec[part]).to(rows.device), got[part], self.logical,
                                             self.spec or Spec("exact", "exact"))
             self._measured(at[part], vals, ok)
+            if self.spec is not None:
+                bad += list(part[~ok])
+        if bad and self.pair is None:
+            i = int(min(bad))
+            self.pair = FailingPair(Place(int(at[i]) // self.k, int(at[i]) % self.k), to_storage(got[i]),
+                                    self.decode.rows(dec[i:i + 1])[0].cpu().numpy().view(DTYPES[self.logical].storage),
+                                    bool(argmax[i] != ref[i]))
 
     def _count(self, at: np.ndarray, same: np.ndarray, flipped: np.ndarray) -> None:
         t = self.tally
