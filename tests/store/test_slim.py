@@ -59,6 +59,16 @@ def test_slim_refuses_a_damaged_source_and_a_slim_one(tiny_copy, slim_golden, tm
     assert not (tmp_path / "s.zarr").exists()
 
 
+def test_slim_refuses_a_source_whose_group_document_is_damaged(tiny_copy, tmp_path):
+    """A K's zarr.json edited to the same size: every command but slim refused the source; slim wrote a slim golden
+    that verified and PASSed (found by a user test). Its files are checked against the manifest first now."""
+    doc = tiny_copy / "k2" / "zarr.json"
+    doc.write_bytes(doc.read_bytes().replace(b'"steps": 8', b'"steps": 7'))
+    with pytest.raises(GoldenCorruptError, match=r"k2/zarr.json does not match the golden's manifest"):
+        slim(tiny_copy, tmp_path / "s.zarr")
+    assert not (tmp_path / "s.zarr").exists()
+
+
 def test_a_slim_golden_of_an_old_format_gets_digests(tmp_path):
     from pathlib import Path
 

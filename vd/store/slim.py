@@ -36,9 +36,12 @@ def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
 def rewrite(g: Golden, out: str | os.PathLike, *, refresh: bool, rows: bool, updates: Mapping, reason: str
             ) -> Location:
     """Write the opened golden ``g`` again at ``out`` as a recording writes one (`slim`, `vd.store.migrate`):
-    every row it stores read whole and checked first, each K's step log, digests and statistics, its rows
-    (with ``rows``), its metadata with ``updates``, and the Inductor artifacts a compiled forward's replay
+    its files checked against its manifest (where it has one: its group documents too, which reading its rows
+    passes) and every row it stores read whole and checked first, each K's step log, digests and statistics, its
+    rows (with ``rows``), its metadata with ``updates``, and the Inductor artifacts a compiled forward's replay
     needs; ``reason`` starts the new golden's history."""
+    if g.manifest is not None:  # (without one, the rows' own checks below are `check_files`' whole work)
+        g.check_files()
     location = locate(out)
     with location.writer(), GoldenWriter(location, refresh=refresh, background=False) as w:
         for k in g.groups:
