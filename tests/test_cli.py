@@ -1053,8 +1053,10 @@ def test_a_file_where_a_folder_is_named_is_said_so(cli, tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("")
     monkeypatch.setenv("VD_CACHE_DIR", str(afile))
-    code, out, err = cli("cache", "info")
-    assert code == 2 and "afile is a file, not a folder: vd caches nothing there" in err, out + err
+    for command in ("info", "clear"):  # (clear said "removed 0 entries from" the file, exit 0)
+        code, out, err = cli("cache", command)
+        assert code == 2 and "afile is a file, not a folder: vd caches nothing there" in err, out + err
+    assert afile.read_text() == ""
     monkeypatch.setenv("VD_WARM_DIR", str(afile))
     code, out, err = cli("warm")
     assert code == 2 and "afile is a file, not a folder: vd's warm socket lives in a folder" in err, out + err

@@ -17,6 +17,16 @@ cache = typer.Typer(cls=Group, no_args_is_help=True, add_completion=False, prett
 app.add_typer(cache, name="cache")
 
 
+def _root():
+    """The cache's folder (None: the cache is off); a file where it goes refused."""
+    from vd.models import weights
+
+    where = weights.root()
+    if where is not None and where.exists() and not where.is_dir():  # (it said "0 entries": nothing is cached there)
+        raise UsageError(f"{where} is a file, not a folder: vd caches nothing there (VD_CACHE_DIR names a folder)")
+    return where
+
+
 @cache.command(cls=Command, epilog=examples("vd cache info", "vd cache info --json"))
 def info(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> int:
     """Where the cache is and what it holds, most recently used first."""
@@ -24,9 +34,7 @@ def info(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = 
 
     from vd.models import weights
 
-    where = weights.root()
-    if where is not None and where.exists() and not where.is_dir():  # (it said "0 entries": nothing is cached there)
-        raise UsageError(f"{where} is a file, not a folder: vd caches nothing there (VD_CACHE_DIR names a folder)")
+    where = _root()
     entries = weights.entries()
     if as_json:
         out.print(json.dumps({"root": None if where is None else str(where), "bytes": sum(e.nbytes for e in entries),
@@ -56,6 +64,7 @@ def clear() -> int:
     """Remove every cached conversion (the next load of each model converts it again)."""
     from vd.models import weights
 
+    _root()  # (a file there: it said "removed 0 entries from" it)
     n, nbytes = weights.clear()
     out.print(f"removed {n} entr{'y' if n == 1 else 'ies'}" + (f" ({size_text(nbytes)})" if n else "")
               + ("" if weights.root() is None else f" from {weights.root()}"))
