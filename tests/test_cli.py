@@ -832,12 +832,29 @@ def test_a_phase_that_failed_is_not_said_done(cli, tmp_path, monkeypatch):
     assert stream.getvalue().splitlines() == ["vd: loading m", "vd: loading m: failed after 0.5 s",
                                               "vd: K=2 eager (16 steps)", "vd: K=2 eager: failed at 1/16 steps after "
                                               "1.0 s"]
-    (tmp_path / "vd.toml").write_text('[goldens.c]\npath = "c.zarr"\nmodel = "smolm2"\n')
+    (tmp_path / "ckpt").mkdir()  # a checkpoint folder that holds none: refused only once it is loaded
+    (tmp_path / "vd.toml").write_text('[goldens.c]\npath = "c.zarr"\nmodel = "ckpt"\n')
     monkeypatch.chdir(tmp_path)
     code, out, err = cli("record", "--suite")
     lines = err.splitlines()
-    assert code == 2 and lines[0] == "vd: loading smolm2" and lines[1].startswith("vd: loading smolm2: failed after ")
+    assert code == 2 and lines[0] == "vd: loading ckpt" and lines[1].startswith("vd: loading ckpt: failed after ")
     assert "done" not in err, err
+
+
+@pytest.mark.parametrize("declared, said", [
+    ('model = "tiny-lama"', "unknown model 'tiny-lama'"),
+    ('model = "tiny-llama"\nthreads = 99', "--threads must be 1 to"),
+    ('model = "tiny-llama"\nforward = "flash"', "no forward 'flash'"),
+])  # (a bad policy or batch is the declaration's own error, before any of this)
+def test_a_suite_with_a_declaration_that_cannot_work_records_nothing(cli, tmp_path, monkeypatch, declared, said):
+    """A declared golden a single `vd record` would refuse from its flags alone: the suite recorded the goldens
+    declared before it first, then stopped (found by a user test). Refused whole (exit 2), naming it."""
+    (tmp_path / "vd.toml").write_text('[goldens.a]\npath = "a.zarr"\nmodel = "tiny-llama"\nk = [2]\nsteps = 4\n\n'
+                                      f'[goldens.b]\npath = "b.zarr"\n{declared}\n')
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("record", "--suite")
+    assert code == 2 and "golden 'b' cannot be recorded as declared: " in err and said in err, out + err
+    assert not (tmp_path / "a.zarr").exists()
 
 
 def test_a_long_phase_says_its_count_every_half_minute():

@@ -23,6 +23,7 @@ from vd.cli.common import (
     Command,
     app,
     check_distinct,
+    check_model,
     check_no_golden,
     check_writable,
     err,
@@ -33,7 +34,7 @@ from vd.cli.common import (
     resumable,
     write_json,
 )
-from vd.errors import UsageError
+from vd.errors import UsageError, VdError
 from vd.outputs import write_text
 from vd.workflow.declare import DeclarationError, declared, entry_for
 
@@ -72,6 +73,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
         check_no_golden(e.name, e.path, replace=True)
         check_repin(e, config)
+        _check_declared(e)
     from vd.replayer import words
     from vd.workflow.suite import Models, exit_code, record_key
     from vd.workflow.suite import record_suite as do_record
@@ -93,6 +95,23 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
         write_text(summary, words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""])
                                                          for o in outcomes]))
     return exit_code(outcomes)
+
+
+def _check_declared(e) -> None:
+    """What `vd record` checks of its flags before anything heavy is imported, checked of a declared golden's
+    settings, so that a suite one of whose declarations cannot work is refused whole, not after the goldens before
+    it were recorded: the model SPEC and forward, the device and the thread count (the policy and the batch are
+    the declaration's own checks, `vd.workflow.declare`)."""
+    from vd.models import DEFAULT_MODEL
+    from vd.models.device import check_device_name
+    from vd.preflight import check_threads
+
+    try:
+        check_model(e.model or DEFAULT_MODEL, [e.forward] if e.forward else [])
+        check_device_name(e.device or "cpu")
+        check_threads(e.threads)
+    except VdError as err:  # (an unknown model is a ModelSpecError)
+        raise UsageError(f"golden {e.name!r} cannot be recorded as declared: {err}") from None
 
 
 def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str | None, report: Path | None,
