@@ -62,6 +62,23 @@ def test_files_added_to_a_golden_are_named_with_the_way_back(golden):
     open_golden(golden).check_files()
 
 
+def test_a_manifest_that_leaves_out_the_goldens_own_files_is_not_a_file_added(golden):
+    """The manifest emptied (or cut down) and the golden ID made again to match: the line said every data file was
+    "added after it was written ... remove it and the 86 other(s)", advice that deletes the golden (found by a user
+    test). A file of a name the writer makes is the manifest's damage: said so, nothing to remove."""
+    from vd.store import manifest
+
+    def empty(m):
+        m["manifest"] = {}
+        m["golden_id"] = manifest.golden_id(m)
+
+    edit_meta(golden, empty)
+    with pytest.raises(GoldenCorruptError, match=r"is a golden's own file that its manifest does not list \(\d+ such\): "
+                       r"the manifest was damaged or edited.*remove nothing") as e:
+        open_golden(golden)
+    assert "remove it" not in str(e.value)
+
+
 def test_documents_checked_out_with_crlf_line_endings_are_named_so(golden):
     """Git for Windows' core.autocrlf checks a golden's array documents out with CRLF line endings, which the
     manifest's sizes and hashes refuse: the line says that is what happened and what to do (it said only "has

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -94,6 +95,10 @@ def check_meta(meta: Mapping, where: str) -> dict[str, list]:
     return dict(manifest)
 
 
+# The files a golden's writer makes (FORMAT.md): one of these missing from the manifest is the manifest's damage.
+_OWN = re.compile(r"(prompt|k\d+(/[a-z_.]+)?)/(zarr\.json|c(/\d+)+)|inductor/artifacts\.bin")
+
+
 def check_sizes(sizes: Mapping[str, int] | None, manifest: Mapping[str, list], where: str, get=None) -> None:
     """Every listed file present with its listed size (``sizes``: the location's files; None where a location
     cannot list them cheaply, and `check_hashes` finds the same later). ``get`` (a location's) reads a small
@@ -114,6 +119,11 @@ def check_sizes(sizes: Mapping[str, int] | None, manifest: Mapping[str, list], w
             raise GoldenCorruptError(f"{where}/{key} has {sizes[key]} bytes; the manifest says {size}"
                                      + _git(seen, key, digest))
     extra = sorted(k for k in set(sizes) - set(manifest) - set(OUTSIDE) if sizes[k] != DIRECTORY)
+    own = [k for k in extra if _OWN.fullmatch(k)]
+    if own:  # a file of a name vd writes that the manifest leaves out: the manifest is what changed, not the folder
+        raise GoldenCorruptError(f"{where}/{own[0]} is a golden's own file that its manifest does not list "
+                                 f"({len(own)} such): the manifest was damaged or edited, and nothing in the golden "
+                                 "can be trusted (remove nothing: record it again, or restore it)")
     if extra:  # (a Finder's .DS_Store, a .gitkeep): removing them gives back the golden as it was written
         others = f" and the {len(extra) - 1} other(s): {', '.join(extra[1:4])}{' ...' if len(extra) > 4 else ''}"
         raise GoldenCorruptError(f"{where}/{extra[0]} is not in the golden's manifest (a file added after it was "
