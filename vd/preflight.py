@@ -87,9 +87,13 @@ def golden_meta(doc: bytes, url: str) -> Mapping[str, Any]:
                                  f"column {e.colno})") from e
     except (ValueError, UnicodeDecodeError) as e:  # malformed zarr.json
         raise GoldenCorruptError(f"{url}/zarr.json is unreadable: {str(e).splitlines()[0]}") from e
-    meta = (node.get("attributes") or {}).get("vd")
-    if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
+    attributes = node.get("attributes")
+    meta = attributes.get("vd") if isinstance(attributes, Mapping) else None
+    if not isinstance(meta, Mapping):
         raise NotAGoldenError(f"{url} is a zarr group but not a vd golden (no vd metadata)")
+    if meta.get("format") != FORMAT:  # (an edited marker was "no vd metadata", beside the vd metadata)
+        raise NotAGoldenError(f"{url} is a zarr group but not a vd golden: its vd metadata's 'format' is "
+                              f"{meta.get('format')!r}, not {FORMAT!r}")
     return meta
 
 

@@ -73,10 +73,25 @@ def test_a_manifest_that_leaves_out_the_goldens_own_files_is_not_a_file_added(go
         m["golden_id"] = manifest.golden_id(m)
 
     edit_meta(golden, empty)
-    with pytest.raises(GoldenCorruptError, match=r"is a golden's own file that its manifest does not list \(\d+ such\): "
-                       r"the manifest was damaged or edited.*remove nothing") as e:
+    with pytest.raises(GoldenCorruptError, match=r"is a golden's own file that its manifest does not list "
+                       r"\(\d+ such\): the manifest was damaged or edited.*remove nothing") as e:
         open_golden(golden)
     assert "remove it" not in str(e.value)
+
+
+def test_an_edited_field_is_said_to_be_an_edit(golden, tmp_path):
+    """The root's ``steps`` edited, the ID left: the line blamed 'decode' (a field the edit made inconsistent); the
+    ID is checked first now. And an edited format marker was "no vd metadata", beside the vd metadata."""
+    import shutil
+
+    marker = tmp_path / "m.zarr"
+    shutil.copytree(golden, marker)
+    edit_meta(golden, lambda m: m.update(steps=m["steps"] + 1), sealed=False)
+    with pytest.raises(GoldenCorruptError, match="does not hash to the golden's ID .*edited or damaged after"):
+        open_golden(golden)
+    edit_meta(marker, lambda m: m.update(format=99), sealed=False)
+    with pytest.raises(NotAGoldenError, match="not a vd golden: its vd metadata's 'format' is 99, not 'vd-golden'"):
+        open_golden(marker)
 
 
 def test_documents_checked_out_with_crlf_line_endings_are_named_so(golden):

@@ -376,12 +376,15 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
                                   "s3:// prefix)")
         raise NotAGoldenError(f"{url} is not a vd golden (no zarr.json)")
     meta = golden_meta(doc, url)
-    info = check_meta(meta, url)
+    version = meta.get("format_version")
     listed = None
-    if info.version >= F.MANIFEST_SINCE:
-        listed = manifest.check_meta(meta, url)  # the metadata as written, hashed to the golden's ID
-        if sizes:
-            manifest.check_sizes(location.sizes(), listed, url, location.get)  # a missing or truncated file
+    if isinstance(version, int) and F.MANIFEST_SINCE <= version <= F.FORMAT_VERSION:
+        # The metadata as written, hashed to the golden's ID: first, so that an edited field is said to be an edit
+        # (checked first, a field the edit made inconsistent was blamed: 'decode' for an edited 'steps').
+        listed = manifest.check_meta(meta, url)
+    info = check_meta(meta, url)
+    if listed is not None and sizes:
+        manifest.check_sizes(location.sizes(), listed, url, location.get)  # a missing or truncated file
     if info.version >= F.VOLATILE_SINCE:
         meta = F.join_volatile(meta, _run_meta(location, url))
     tokens = meta.get("prompt_tokens")
