@@ -3,6 +3,7 @@ read unchanged, and rows read only where asked for."""
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -92,6 +93,21 @@ def test_an_edited_field_is_said_to_be_an_edit(golden, tmp_path):
     edit_meta(marker, lambda m: m.update(format=99), sealed=False)
     with pytest.raises(NotAGoldenError, match="not a vd golden: its vd metadata's 'format' is 99, not 'vd-golden'"):
         open_golden(marker)
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("history", [], "metadata field 'history' is [], expected its versions 1, 2, ..."),
+    ("history", [{}], "metadata field 'history' is [{}]"),
+    ("greedy", [], "metadata field 'greedy' is [], expected the greedy continuation's token ids"),
+    ("environment", {}, "metadata field 'environment' is {}, expected the recording's environment"),
+])
+def test_what_every_recording_writes_is_required(tiny_copy, field, value, said):
+    """A format 7 golden's history emptied (or its greedy continuation) and the golden ID made again: `vd verify`
+    said intact, and `vd history` "no history: recorded before format 5" (found by a user test). Refused, naming
+    the field."""
+    edit_meta(tiny_copy, lambda m: m.update({field: value}))
+    with pytest.raises(GoldenCorruptError, match=re.escape(said)):
+        open_golden(tiny_copy)
 
 
 def test_documents_checked_out_with_crlf_line_endings_are_named_so(golden):

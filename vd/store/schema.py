@@ -107,6 +107,8 @@ def check_meta(meta: Mapping, where: str) -> Info:
     _check_tokens(meta, vocab, where)
     decode = _decode_steps(meta, version, steps, tuple(ks), where)
     _check_logs(meta, tuple(ks), steps, vocab, version >= F.MANIFEST_SINCE, where, decode)
+    if version >= F.VOLATILE_SINCE:
+        _check_written(meta, vocab, decode, where)
     scheme = meta.get("digest")
     digested = version >= F.DIGESTS_SINCE and scheme is not None and scheme == F.digest_meta(vocab, logical)
     rows_stored = F.stored_rows(meta)
@@ -127,6 +129,32 @@ def _decode_steps(meta: Mapping, version: int, steps: int, ks: tuple[int, ...], 
         raise GoldenCorruptError(f"{where}: metadata field 'decode' is {decode!r}, expected {{\"steps\": {want}}} "
                                  f"(format {F.DECODE_SINCE} and later)")
     return want
+
+
+def _check_written(meta: Mapping, vocab: int, decode: int | None, where: str) -> None:
+    """What a golden's writer puts there since format 5 (an edit with the golden ID made again could empty it, and
+    `vd history` then said "no history: recorded before format 5"): a history of well-formed versions; and where
+    present (a recording's; a golden written through the store's API may leave them out), the environment and the
+    greedy continuation (one token past the decode rows' steps)."""
+    history = meta.get("history")
+    if not isinstance(history, list) or not history or not all(
+            isinstance(e, Mapping) and e.get("version") == i + 1 and isinstance(e.get("reason"), str)
+            and isinstance(e.get("content_digest"), str) and e["content_digest"].startswith("sha256:")
+            for i, e in enumerate(history)):
+        raise GoldenCorruptError(f"{where}: metadata field 'history' is {_short(history)}, expected its versions "
+                                 "1, 2, ... each with its reason and content digest (format 5 and later)")
+    for key, test, want in (("environment", lambda v: isinstance(v, Mapping) and v, "the recording's environment"),
+                            ("greedy", lambda v: _ints(v, 0, vocab) and len(v) >= 1
+                             and (decode is None or len(v) == decode + 1), "the greedy continuation's token ids")):
+        if meta.get(key) is not None and not test(meta[key]):
+            raise GoldenCorruptError(f"{where}: metadata field {key!r} is {_short(meta.get(key))}, expected {want} "
+                                     "(format 5 and later)")
+
+
+def _short(v: object) -> str:
+    """A field's value as a line names it: at most 60 characters of its repr."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_model(meta: Mapping, feed: str, where: str) -> None:
