@@ -339,6 +339,9 @@ def test_model_mismatch(cli, tiny_golden, tmp_path):
 
 def test_replay_unknown_forward_exits_2(cli, tiny_golden):
     _one_line_error(*cli("replay", tiny_golden, "--forward", "flash"), "no forward 'flash'", "eager")
+    # a forward named twice ran twice (two table rows, two JUnit cases of one name): refused as --k 2,2 is
+    _one_line_error(*cli("replay", tiny_golden, "--forward", "sdpa", "--forward", "eager", "--forward", "sdpa"),
+                    "--forward sdpa given twice")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -381,6 +381,9 @@ def _check_inputs(golden: str | None, asked: dict) -> None:
     if asked["rows"] is not None:
         check_golden(asked["rows"])
     meta = check_golden(golden) if golden is not None else None
+    twice = sorted({f for f in asked["forwards"] if asked["forwards"].count(f) > 1})
+    if twice:  # (it ran twice: two rows of the table, two JUnit cases of one name)
+        raise UsageError(f"--forward {twice[0]} given twice: each forward runs once (give each once)")
     forwards = list(asked["forwards"]) + ([asked["decode_forward"]] if asked["decode_forward"] else [])
     preflight.check_batch(asked["batch"], asked["slot"], asked["batch_seed"],
                           meta is not None and meta.get("feed") == "mtp")
