@@ -169,3 +169,15 @@ def test_plain_gives_what_dataclasses_asdict_gives():
     assert repr(got) == repr(want)
     assert type(got["many"]) is tuple and type(got["pair"]) is Pair and type(got["listed"][1][0]) is dict
     assert plain(None) is None
+
+
+def test_a_first_failure_under_argmax_or_topk_names_no_element():
+    """Under argmax (or topk:N) a failing row's first differing element and its two values mean nothing: the line
+    said "prefill row 61 index 0: golden 0.87109375, got 0.86328125" (found by a user test). It says what fails."""
+    from vd.replayer.comparison import Failure
+    from vd.replayer.words import failure_text
+
+    at = dict(kind="prefill", step=None, row=61, index=0, golden=0.87109375, got=0.86328125, argmax_flipped=True)
+    assert failure_text(Failure(**at, policy="argmax")) == "prefill row 61: its argmax differs"
+    assert failure_text(Failure(**at, policy="topk:3")) == "prefill row 61: its top 3 tokens differ"
+    assert failure_text(Failure(**at, policy="kl:0.01")) == "prefill row 61 index 0: golden 0.87109375, got 0.86328125"
