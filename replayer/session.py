@@ -33,6 +33,7 @@ from vd.progress import Progress
 from vd.protocol import VerifyModel
 from vd.replayer.candidate import CandidateWriter
 from vd.store import Golden, Location, Prefetcher, open_golden
+from vd.store.format import DECODE_SINCE
 from vd.tracing import check_traceable
 
 PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "batch", "write", "finish")
@@ -194,6 +195,12 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
         raise
     clock.phases["setup"] = time.perf_counter() - t - clock.phases["load"]
     asked = BatchPlan(s.batch, s.slot, s.batch_seed or 0) if s.batch is not None else None
+    equivalence = opened.policy.equivalence
+    if not g.decoded and (s.decode_forward or equivalence is not None):  # (a PASS said nothing of it)
+        asked_for = " and ".join([*([f"equivalence={equivalence.text}"] if equivalence else []),
+                                  *(["--decode-forward"] if s.decode_forward else [])])
+        notes.append(f"{asked_for} judged nothing: this golden stores no decode rows (format {g.info.version}; "
+                     f"they are stored since format {DECODE_SINCE}): record it again to check verify against decode")
     recorded = g.meta.get("batch")
     if recorded is not None:
         notes.append(f"the golden was recorded as one member of a batch of {recorded['n']}: its runs replay it in "

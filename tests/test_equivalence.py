@@ -189,3 +189,22 @@ def test_the_goldens_own_failing_pairs_are_not_a_fail_in_a_passing_replays_axes(
     own = next(a for a in axes if a["forward"] == "golden (recorded)")
     static = next(a for a in axes if a["forward"] == "static" and a["axis"] == "verify vs decode")
     assert own["verdict"] == "fails (the golden's own: not judged)" and static["verdict"] == "pass", axes
+
+
+def test_an_equivalence_check_a_golden_cannot_make_is_said(cli, tmp_path):
+    """`--tolerance equivalence=exact` on a golden without decode rows (format 6) PASSed with nothing said of it, and
+    `--decode-forward` did nothing (found by a user test): a note says the check judged nothing, and
+    --decode-forward on one golden is refused (exit 2)."""
+    import shutil
+
+    v6 = tmp_path / "v6.zarr"
+    shutil.copytree(Path(__file__).parent / "data" / "tiny-llama-v6.zarr", v6)
+    code, out, err = cli("replay", v6, "--k", "2", "--tolerance", "kl:0.05", "--tolerance", "equivalence=exact",
+                         "--report", tmp_path / "r.json")
+    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
+    assert any(n.startswith("equivalence=exact judged nothing: this golden stores no decode rows (format 6")
+               for n in notes), (code, notes, err)
+    assert "note: equivalence=exact judged nothing" in out
+    code, out, err = cli("replay", v6, "--decode-forward", "sdpa")
+    assert code == 2 and "--decode-forward measures verify rows against decode rows, and" in err, err
+

@@ -385,6 +385,9 @@ def _check_inputs(golden: str | None, asked: dict) -> None:
     if twice:  # (it ran twice: two rows of the table, two JUnit cases of one name)
         raise UsageError(f"--forward {twice[0]} given twice: each forward runs once (give each once)")
     forwards = list(asked["forwards"]) + ([asked["decode_forward"]] if asked["decode_forward"] else [])
+    if asked["decode_forward"] and meta is not None and meta.get("decode") is None:  # (a suite's golden: a note)
+        raise UsageError(f"--decode-forward measures verify rows against decode rows, and {golden} stores none "
+                         "(recorded before format 7): record it again to store them")
     preflight.check_batch(asked["batch"], asked["slot"], asked["batch_seed"],
                           meta is not None and meta.get("feed") == "mtp")
     if asked["locate"] and asked["batch"] is not None:
