@@ -535,7 +535,7 @@ def pack(
     return EXIT_PASS
 
 
-@app.command(cls=Command, epilog=examples("vd migrate tests/data/tiny-llama-v1.zarr tiny-v6.zarr"))
+@app.command(cls=Command, epilog=examples("vd migrate tests/data/tiny-llama-v1.zarr tiny-v7.zarr"))
 def migrate(
     golden: Annotated[str, typer.Argument(metavar="OLD", help=f"A golden of an earlier format ({GOLDEN_OR_NAME}).")],
     out_path: Annotated[str, typer.Argument(metavar="NEW", help="The golden to write in the current format.")],
