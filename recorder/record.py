@@ -280,7 +280,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     # no interpreter lock with them (`vd.store.processes`).
     with GoldenWriter(location, refresh=refresh, pool=pool, checked=True) as writer:
         writer.write_prompt(tokens)  # (in the decode run's host slack)
-        greedy, decode = _record_decode(runner, writer, tokens, settings.steps * max(settings.ks), progress, result)
+        greedy, decode = _record_decode(runner, writer, tokens, settings, progress, result)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         ahead = _Ahead(model, settings, forward, greedy, golden_dir(location), writer)  # (in the K runs' slack)
         points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result,
@@ -453,14 +453,15 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
     return model
 
 
-def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], steps: int, progress: Progress,
-                   result: RecordResult) -> tuple[list[int], KeptDecode]:
+def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], settings: RecordSettings,
+                   progress: Progress, result: RecordResult) -> tuple[list[int], KeptDecode]:
     """The greedy continuation by one-token decode: a run at K = 1 (each step verifies the token the last one
     chose, accepting nothing, as plain decode does), its rows written to ``writer`` as the decode group
     (`vd.store.format.DECODE_K`) and kept for the verify-against-decode figures (`_own_equivalence`); the
-    continuation's ``steps + 1`` tokens and those rows. Its run's seconds into ``result.seconds["continuation"]``,
-    the writes after it into ``result.seconds["store"]``."""
-    seconds = result.seconds
+    continuation's ``steps + 1`` tokens (``steps``: the settings' steps times their widest K) and those rows; a
+    non-finite row refused as a K's are (unless ``allow_nonfinite``). Its run's seconds into
+    ``result.seconds["continuation"]``, the writes after it into ``result.seconds["store"]``."""
+    seconds, steps = result.seconds, settings.steps * max(settings.ks)
     t = time.perf_counter()
     progress.phase("greedy continuation", steps)
     layout = RowLayout(len(tokens), steps, F.DECODE_K)
@@ -471,6 +472,8 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
     t, seconds["continuation"] = time.perf_counter(), time.perf_counter() - t
     greedy = [*run.committed(), run.last]
     log, summary, _ = _finished(run, True, settled)
+    if not settings.allow_nonfinite:  # (the decode rows were stored with NaN, and replayed as the reference)
+        _refuse_nonfinite(layout, summary[1], F.DECODE_K)
     at = _part(result, "store_rows", t)
     settled.rows.finish(log, summary, None, later=True)  # its files written in the first K run's host slack
     _part(result, "store_files", at)
@@ -553,7 +556,8 @@ def _refuse_nonfinite(layout: RowLayout, stats: np.ndarray, k: int) -> None:
             step = layout.locate(kind, i)[0]
             where.append(f"{kind} row {i}" if step is None else f"{kind} step {step}")
     if where:
-        raise ModelOutputError(f"the model computed non-finite logits (NaN or Inf) at K={k}: {', '.join(where[:5])}"
+        at = "in its one-token decodes (the greedy continuation)" if k == F.DECODE_K else f"at K={k}"
+        raise ModelOutputError(f"the model computed non-finite logits (NaN or Inf) {at}: {', '.join(where[:5])}"
                                f"{' ...' if len(where) > 5 else ''}; nothing stored (--allow-nonfinite stores them)")
 
 

@@ -937,7 +937,11 @@ MISBEHAVING = str(PLUGINS / "misbehaving.py")
              "torch.bfloat16 rows of shape [66, 512]"),
     ("flat", "returned torch.bfloat16 rows of shape [512]"),
     ("float32", "returned torch.float32 rows of shape [66, 512]"),
-    ("nan", "the model computed non-finite logits (NaN or Inf) at K=2: prefill row 0"),
+    ("nan", "the model computed non-finite logits (NaN or Inf) in its one-token decodes (the greedy continuation): "
+            "prefill row 0"),
+    # NaN in one late one-token decode alone: the golden was stored with it, and replays judged against it
+    ("nan_late_decode", "non-finite logits (NaN or Inf) in its one-token decodes (the greedy continuation): verify "
+                        "step 6"),
     ("vocabless", "misbehaving.py:vocabless: its vocab_size raised RuntimeError: the engine has no vocabulary loaded"),
     ("textual_vocab", "misbehaving.py:textual_vocab: its vocab_size is '512', expected a positive int"),
 ])

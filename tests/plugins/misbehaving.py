@@ -1,5 +1,6 @@
 """Plug-in engines that break the protocol in one way each (tiny-llama's otherwise), for the checks that name
-them: a factory that raises, rows of the wrong width, rank or dtype, logits that are all NaN, rows returned
+them: a factory that raises, rows of the wrong width, rank or dtype, logits that are all NaN (or one NaN in a
+late one-token decode), rows returned
 in one reused output buffer (as llama-cpp-python's logits array, viewed without a copy), rows written into
 after they were returned, and an engine that
 computes float32 whatever dtype it is asked for."""
@@ -35,6 +36,28 @@ wide = _make(lambda rows: torch.cat([rows, rows[:, :1]], dim=1))
 flat = _make(lambda rows: rows[-1])
 float32 = _make(lambda rows: rows.float())
 nan = _make(lambda rows: torch.full_like(rows, float("nan")))
+
+
+class _NanLateDecode(Misbehaving):
+    """One NaN in the seventh one-token decode after each reset (a decode kernel broken late in a sequence): the
+    verify runs' rows stay finite."""
+
+    def reset(self):
+        self.decodes = 0
+        self.inner.reset()
+
+    def forward(self, tokens):
+        rows = self.inner.forward(tokens)
+        if len(tokens) == 1:
+            self.decodes = getattr(self, "decodes", 0) + 1
+            if self.decodes == 7:
+                rows = rows.clone()
+                rows[0, 5] = float("nan")
+        return rows
+
+
+def nan_late_decode(device, dtype):
+    return _NanLateDecode(load_model("tiny-llama", device=device, dtype=dtype), None)
 
 
 class _Reused(Misbehaving):
