@@ -22,7 +22,7 @@ import importlib.util
 import inspect
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -149,7 +149,32 @@ def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyM
         raise ModelSpecError(f"plug-in {spec} returned {why}")
     _guard(model, spec)
     mark_plugin(model, spec)  # the spec that named it, for the errors that name the adapter
+    _check_answers(model, spec)
     return model
+
+
+def _check_answers(model: VerifyModel, spec: str) -> None:
+    """A plug-in's identity and forwards, asked once at load (guarded: what they raise is already the plug-in's
+    one line): an identity without a name and fingerprint was recorded into a golden no command could open
+    again, and forwards that are no mapping crashed a replay after its runs (exit 3)."""
+    ident = model.identity()
+    if not all(isinstance(v, str) and v for v in (getattr(ident, "name", None), getattr(ident, "fingerprint", None))):
+        raise PluginError(f"plug-in {spec}: its identity() is {_brief(ident)}, expected a vd.protocol.ModelIdentity "
+                          "whose name and fingerprint are non-empty strings")
+    offered = model.forwards()
+    if not isinstance(offered, Mapping) or not offered or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in offered.items()):
+        raise PluginError(f"plug-in {spec}: its forwards() is {_brief(offered)}, expected a mapping of each forward's "
+                          "name to what it runs")
+    default = model.default_forward()
+    if default not in offered:
+        raise PluginError(f"plug-in {spec}: its default_forward() is {_brief(default)}, which its forwards() do not "
+                          f"offer ({', '.join(offered)})")
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # Every method of the protocol vd calls on a model (`vd.protocol.VerifyModel` and its optional members:
