@@ -22,7 +22,17 @@ from vd.coverage import coverage_reason, thin_reason
 from vd.dtypes import to_float, to_storage
 from vd.equivalence import Accumulator, DecodeRows, Equivalence, FailingPair, KeptDecode, decode_map
 from vd.layout import Step
-from vd.loop import DrafterFeed, Hold, ReplayFeed, Run, hold_bytes, prepare, reference_accepts, run_verify
+from vd.loop import (
+    DrafterFeed,
+    Hold,
+    ReplayFeed,
+    Run,
+    hold_bytes,
+    mismatched_drafts,
+    prepare,
+    reference_accepts,
+    run_verify,
+)
 from vd.protocol import VerifyModel
 from vd.replayer import words
 from vd.replayer.comparison import Comparison, Failure
@@ -80,7 +90,7 @@ def replay_k(s: Session, k: int, decoded: Mapping[str, DecodeRows]) -> KOutcome:
         s.progress.phase(f"K={k} {name}", g.info.steps)
         acc = _accumulator(s, k, decoded.get(name))
         ran = _forward(s, k, name, log.steps, None if acc is None else acc.observe)
-        why = tuple(words.comparison_reasons(k, name, ran.comparison))
+        why = tuple(words.comparison_reasons(k, name, ran.comparison)) + _draft_tokens(k, name, ran.run)
         if acc is not None:
             equivalent.append((name, acc.result()))
             why += tuple(words.equivalence_reasons(k, name, equivalent[-1][1], s.policy))
@@ -267,6 +277,15 @@ def _control(s: Session, k: int, steps: list[Step], own: Comparison) -> Control:
     fired = at in ran.comparison.failed_step_list and not inconclusive
     s.clock.phases["control"] += time.perf_counter() - t
     return Control(ran.comparison, at, fired, inconclusive)
+
+
+def _draft_tokens(k: int, name: str, run: Run) -> tuple[Reason, ...]:
+    """The reason a run's draft head proposed tokens its own draft rows do not imply, if it did."""
+    bad = mismatched_drafts(run)
+    if not bad:
+        return ()
+    return (words.draft_token_reason(k, name, bad, len(run.drafts), list(run.drafts[bad[0]]),
+                                     run.draft_argmax[bad[0]].reshape(-1).tolist()),)
 
 
 def pair_rows(s: Session, k: int, name: str, steps: Sequence[Step], pair: FailingPair) -> FailureRows:

@@ -191,6 +191,16 @@ def equivalence_reasons(k: int, name: str, e: Equivalence, policy: Policy) -> li
                    f"{f.step} row {f.row}; largest |Δ| {e.max_abs:.4g}, {e.max_ulp:.0f} ULP){flips}", k, name)]
 
 
+def draft_token_reason(k: int, name: str, bad: list[int], proposals: int, proposed: list[int], implied: list[int]
+                       ) -> Reason:
+    """A draft head whose proposed tokens are not its own draft rows' argmaxes (``bad``: those proposals, by the
+    step they precede; `vd.loop.mismatched_drafts`): the rows can match the golden's while the drafts a scheduler
+    would verify do not."""
+    return Reason("draft", f"verify K={k}, {name}: the draft head proposed tokens that are not its draft rows' "
+                  f"argmaxes at {len(bad)} of {proposals} proposals (first before step {bad[0]}: proposed {proposed}, "
+                  f"its rows say {implied})", k, name)
+
+
 def equivalence_line(k: int, name: str, e: Equivalence) -> str:
     """One line of a verify-against-decode axis (`vd.equivalence.describe`)."""
     return f"  K={k} {name} verify vs decode: {describe_equivalence(e)}"

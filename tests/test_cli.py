@@ -1013,6 +1013,29 @@ def test_a_plugins_identity_and_forwards_are_checked_when_it_loads(cli, tmp_path
     assert not (tmp_path / "g.zarr").exists()
 
 
+def test_a_draft_head_proposing_tokens_its_rows_do_not_say_fails(cli, tmp_path):
+    """A draft head whose proposed tokens are not its draft rows' argmaxes (its rows right): the rows were diffed,
+    the tokens never, and the replay PASSed (found by a user test). It FAILs, naming the first proposal."""
+    golden = tmp_path / "m.zarr"
+    assert cli("record", golden, "--model", "tiny-llama-mtp", "--feed", "mtp", "--k", "2", "--steps", "4")[0] == 0
+    plugin = tmp_path / "head.py"
+    plugin.write_text("from vd.models import load_model\n\n\n"
+                      "def factory(device, dtype):\n"
+                      "    inner = load_model('tiny-llama-mtp', device=device, dtype=dtype)\n"
+                      "    propose = inner.propose\n\n"
+                      "    def off_by_one(last, n):\n"
+                      "        drafts, rows = propose(last, n)\n"
+                      "        return [(d + 1) % inner.vocab_size for d in drafts], rows\n\n"
+                      "    inner.propose = off_by_one\n"
+                      "    return inner\n")
+    code, out, err = cli("replay", golden, "--model", f"{plugin}:factory",
+                         "--report", tmp_path / "r.json")
+    reasons = json.loads((tmp_path / "r.json").read_text())["reasons"]
+    assert code == 1 and any("the draft head proposed tokens that are not its draft rows' argmaxes at 4 of 4 "
+                             "proposals (first before step 0: proposed [" in r for r in reasons), (out, err, reasons)
+    assert cli("replay", golden)[0] == 0  # its own head: every proposal its rows' argmax
+
+
 def test_an_engine_reusing_its_output_buffer_is_refused_naming_it(cli, tmp_path, tiny_golden):
     """Rows returned as views of one reused buffer would be stored (and compared) as whatever the buffer held
     last: record and replay refuse them at once, an internal error of the engine (exit 3) naming it."""

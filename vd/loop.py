@@ -80,6 +80,7 @@ class Run:
     bootstrap_row: torch.Tensor | None = None
     drafts: list[tuple[int, ...]] = field(default_factory=list)
     draft_rows: list[torch.Tensor] = field(default_factory=list)
+    draft_argmax: list[torch.Tensor] = field(default_factory=list)  # each proposal's rows' argmax, on their device
     # Generated tokens committed before the first step (the drafter's bootstrap decode commits one).
     committed_before: list[int] = field(default_factory=list)
     hold: Hold | None = None
@@ -301,6 +302,7 @@ class DrafterFeed(Feed):
         self.next = list(drafts)
         run.drafts.append(tuple(int(d) for d in drafts))
         run.draft_rows.append(rows)
+        run.draft_argmax.append(rows.argmax(dim=-1))  # read after the run (`mismatched_drafts`): no wait here
 
     def start(self, model, run: Run, first: Callable[[], int]) -> int:
         # Bootstrap decode: commit the prefill's rows and its greedy token, then the first propose.
@@ -328,6 +330,19 @@ class DrafterFeed(Feed):
             model.save_hidden(accepted)
             model.trim_proposer()
             self._propose(model, run, last)
+
+
+def mismatched_drafts(run: Run) -> list[int]:
+    """The proposals (by step) whose drafts are not their own rows' argmaxes, as a greedy draft head's are (what
+    `vd.testing.DraftHeadConformance` asks): a head proposing other tokens than its rows say, with the rows right."""
+    if not run.draft_argmax:
+        return []
+    flat = torch.cat([a.reshape(-1) for a in run.draft_argmax]).tolist()  # one read-back, after the run
+    implied, at = [], 0
+    for a in run.draft_argmax:
+        implied.append(flat[at:at + a.numel()])
+        at += a.numel()
+    return [s for s, (d, a) in enumerate(zip(run.drafts, implied)) if list(d) != a]
 
 
 def generated(steps: int, ks: Sequence[int]) -> int:
