@@ -38,26 +38,35 @@ float32 = _make(lambda rows: rows.float())
 nan = _make(lambda rows: torch.full_like(rows, float("nan")))
 
 
-class _NanLateDecode(Misbehaving):
-    """One NaN in the seventh one-token decode after each reset (a decode kernel broken late in a sequence): the
-    verify runs' rows stay finite."""
+class _AtCall(Misbehaving):
+    """Rows changed by ``alter`` (a copy of them) at the ``nth`` call of ``length`` tokens after each reset."""
+
+    def __init__(self, inner, length, nth, alter):
+        super().__init__(inner, None)
+        self.length, self.nth, self.alter = length, nth, alter
 
     def reset(self):
-        self.decodes = 0
+        self.calls = 0
         self.inner.reset()
 
     def forward(self, tokens):
         rows = self.inner.forward(tokens)
-        if len(tokens) == 1:
-            self.decodes = getattr(self, "decodes", 0) + 1
-            if self.decodes == 7:
-                rows = rows.clone()
-                rows[0, 5] = float("nan")
+        if len(tokens) == self.length:
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == self.nth:
+                rows = self.alter(rows.clone())
         return rows
 
 
+def _nan_at_5(rows):
+    rows[0, 5] = float("nan")
+    return rows
+
+
 def nan_late_decode(device, dtype):
-    return _NanLateDecode(load_model("tiny-llama", device=device, dtype=dtype), None)
+    """One NaN in the seventh one-token decode (a decode kernel broken late in a sequence): the verify runs' rows
+    stay finite."""
+    return _AtCall(load_model("tiny-llama", device=device, dtype=dtype), 1, 7, _nan_at_5)
 
 
 class _Reused(Misbehaving):
@@ -89,26 +98,15 @@ def scribbling(device, dtype):
     return _Scribbling(load_model("tiny-llama", device=device, dtype=dtype), None)
 
 
-class _Drifting(Misbehaving):
-    """Verify rows (three-token calls) that at the third such call of a sequence put another token on top
-    of their first row: the verify path disagrees with the engine's own one-token decode at step 2."""
-
-    def reset(self):
-        self.calls = 0
-        self.inner.reset()
-
-    def forward(self, tokens):
-        rows = self.inner.forward(tokens)
-        if len(tokens) == 3:
-            self.calls = getattr(self, "calls", 0) + 1
-            if self.calls == 3:
-                rows = rows.clone()
-                rows[0, (int(rows[0].argmax()) + 1) % rows.shape[1]] = rows[0].max() + 1
-        return rows
+def _other_token_on_top(rows):
+    rows[0, (int(rows[0].argmax()) + 1) % rows.shape[1]] = rows[0].max() + 1
+    return rows
 
 
 def drifting(device, dtype):
-    return _Drifting(load_model("tiny-llama", device=device, dtype=dtype), None)
+    """Verify rows (three-token calls) that at the third such call of a sequence put another token on top of their
+    first row: the verify path disagrees with the engine's own one-token decode at step 2."""
+    return _AtCall(load_model("tiny-llama", device=device, dtype=dtype), 3, 3, _other_token_on_top)
 
 
 def aliasing(device, dtype):
