@@ -73,7 +73,7 @@ def test_a_thin_or_blind_new_recording_is_refused_and_the_old_golden_kept(golden
         refresh(golden, SETTINGS, reason=" ", model=tiny)
 
 
-def test_a_saved_candidate_is_reviewed_and_promoted(golden, tmp_path, perturbed):
+def test_a_saved_candidate_is_reviewed_and_promoted(golden, tmp_path, perturbed, tiny):
     cand = tmp_path / "cand.zarr"
     perturbed_spec = "perturbed-tiny-llama"
     rep = replay(golden, ReplaySettings(model=perturbed_spec, save_candidate=str(cand), allow_model_mismatch=True),
@@ -94,6 +94,12 @@ def test_a_saved_candidate_is_reviewed_and_promoted(golden, tmp_path, perturbed)
     assert replay(golden, ReplaySettings(), model=perturbed).verdict == "PASS"
     with pytest.raises(UsageError, match="saved against another version"):
         promote(cand, golden, reason="again")  # the golden moved on since the candidate was saved
+    other = tmp_path / "other.zarr"  # of the same model and feed, another prompt: the candidate is none of its
+    assert record(other, RecordSettings(model="tiny-llama", steps=4, ks=(2, 3), prompt="Another prompt."),
+                  model=tiny).location is not None
+    with pytest.raises(UsageError, match=r"was saved against .*g.zarr \(sha256:[0-9a-f]+\), which is no version of "
+                                         r".*other.zarr: replay .*other.zarr itself with --save-candidate"):
+        promote(cand, other, reason="wrong golden")  # it said "saved against another version of other.zarr"
     with pytest.raises(UsageError, match="is the golden being replayed"):
         replay(golden, ReplaySettings(save_candidate=str(golden)), model=perturbed)
 

@@ -176,8 +176,11 @@ def _check_candidate(cand: Golden, old: Golden | None, url: str, allow_slim: boo
             raise UsageError(f"{cand.url} is of another {what} ({b}) than {url} ({a}); record that golden "
                              "anew (vd record) instead of promoting it")
     if made.get("of_content") != old.content_digest():
+        if old.history and not any(e.get("content_digest") == made.get("of_content") for e in old.history):
+            raise UsageError(f"{cand.url} was saved against {made.get('of')} ({made.get('of_content')}), which is no "
+                             f"version of {url}: replay {url} itself with --save-candidate")
         raise CandidateOutdatedError(f"{cand.url} was saved against another version of {url} "
-                         f"({made.get('of_content')}); replay the golden again to save a current candidate")
+                                     f"({made.get('of_content')}); replay the golden again to save a current candidate")
     return made
 
 
