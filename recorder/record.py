@@ -35,7 +35,7 @@ from vd.loop import DrafterFeed, Hold, ReferenceFeed, Run, generated, hold_bytes
 from vd.models import DEFAULT_MODEL, load_model, require_forwards
 from vd.models.inductor import caches_off, compiles, keep_artifacts
 from vd.models.specs import golden_dir, portable
-from vd.outputs import size_text
+from vd.outputs import brief, size_text
 from vd.policy import Policy, Spec
 from vd.preflight import check_batch, check_threads
 from vd.progress import SILENT, Progress
@@ -127,8 +127,13 @@ class RecordSettings:
         for f in fields(self):
             a, b = getattr(other, f.name), getattr(self, f.name)
             if (b is not None or f.name == "batch") and a != b:  # batch None: alone, a setting of its own
-                out.append(f"{f.name}: {_short(a)} -> {_short(b)}")
+                out.append(f"{f.name}: {_listed(a)} -> {_listed(b)}")
         return out
+
+
+def _listed(v) -> str:
+    """A setting as a change line names it (`vd.outputs.brief`; a tuple as the list a declaration writes)."""
+    return brief(list(v) if isinstance(v, tuple) else v)
 
 
 def _batch_settings(batch: Mapping | None) -> dict:
@@ -136,11 +141,6 @@ def _batch_settings(batch: Mapping | None) -> dict:
     if batch is None:
         return {}
     return {"batch": batch["n"], "slot": batch["slot"], "batch_seed": batch["seed"]}
-
-
-def _short(v) -> str:
-    text = repr(list(v) if isinstance(v, tuple) else v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(slots=True)

@@ -180,3 +180,9 @@ def _finite(obj):
 def size_text(nbytes: int) -> str:
     """A size as a line says it: ``12.3 MB``, or below a tenth of a MB ``30.3 kB`` (not ``0.0 MB``)."""
     return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.1f} kB"
+
+
+def brief(value: object, width: int = 60) -> str:
+    """A value as a line names it: its ``repr``, cut to ``width`` characters (``...`` where cut)."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."

@@ -31,6 +31,7 @@ from vd.errors import ModelSpecError, PluginError, Terminated, UsageError, VdErr
 from vd.models.device import CUDA_ONLY, check_device
 from vd.models.presets import DEFAULT_MODEL, PRESETS
 from vd.models.specs import LLAMACPP
+from vd.outputs import brief
 
 if TYPE_CHECKING:
     import torch
@@ -159,22 +160,17 @@ def _check_answers(model: VerifyModel, spec: str) -> None:
     again, and forwards that are no mapping crashed a replay after its runs (exit 3)."""
     ident = model.identity()
     if not all(isinstance(v, str) and v for v in (getattr(ident, "name", None), getattr(ident, "fingerprint", None))):
-        raise PluginError(f"plug-in {spec}: its identity() is {_brief(ident)}, expected a vd.protocol.ModelIdentity "
+        raise PluginError(f"plug-in {spec}: its identity() is {brief(ident, 80)}, expected a vd.protocol.ModelIdentity "
                           "whose name and fingerprint are non-empty strings")
     offered = model.forwards()
     if not isinstance(offered, Mapping) or not offered or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in offered.items()):
-        raise PluginError(f"plug-in {spec}: its forwards() is {_brief(offered)}, expected a mapping of each forward's "
-                          "name to what it runs")
+        raise PluginError(f"plug-in {spec}: its forwards() is {brief(offered, 80)}, expected a mapping of each "
+                          "forward's name to what it runs")
     default = model.default_forward()
     if default not in offered:
-        raise PluginError(f"plug-in {spec}: its default_forward() is {_brief(default)}, which its forwards() do not "
+        raise PluginError(f"plug-in {spec}: its default_forward() is {brief(default, 80)}, which its forwards() do not "
                           f"offer ({', '.join(offered)})")
-
-
-def _brief(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # Every method of the protocol vd calls on a model (`vd.protocol.VerifyModel` and its optional members:

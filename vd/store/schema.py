@@ -16,6 +16,7 @@ from typing import TypeGuard, TypeVar
 
 from vd.dtypes import DTYPES, LogitsDtype
 from vd.errors import GoldenCorruptError, GoldenError, UsageError
+from vd.outputs import brief
 from vd.store import format as F
 
 MAX_K = 16
@@ -141,20 +142,14 @@ def _check_written(meta: Mapping, vocab: int, decode: int | None, where: str) ->
             isinstance(e, Mapping) and e.get("version") == i + 1 and isinstance(e.get("reason"), str)
             and isinstance(e.get("content_digest"), str) and e["content_digest"].startswith("sha256:")
             for i, e in enumerate(history)):
-        raise GoldenCorruptError(f"{where}: metadata field 'history' is {_short(history)}, expected its versions "
+        raise GoldenCorruptError(f"{where}: metadata field 'history' is {brief(history)}, expected its versions "
                                  "1, 2, ... each with its reason and content digest (format 5 and later)")
     for key, test, want in (("environment", lambda v: isinstance(v, Mapping) and v, "the recording's environment"),
                             ("greedy", lambda v: _ints(v, 0, vocab) and len(v) >= 1
                              and (decode is None or len(v) == decode + 1), "the greedy continuation's token ids")):
         if meta.get(key) is not None and not test(meta[key]):
-            raise GoldenCorruptError(f"{where}: metadata field {key!r} is {_short(meta.get(key))}, expected {want} "
+            raise GoldenCorruptError(f"{where}: metadata field {key!r} is {brief(meta.get(key))}, expected {want} "
                                      "(format 5 and later)")
-
-
-def _short(v: object) -> str:
-    """A field's value as a line names it: at most 60 characters of its repr."""
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_model(meta: Mapping, feed: str, where: str) -> None:
