@@ -31,6 +31,7 @@ from vd.cli.common import (
     check_model,
     check_no_golden,
     check_outside,
+    check_recording,
     check_replay,
     check_tolerances,
     check_writable,
@@ -123,11 +124,7 @@ def _check_record(out_path: str, refresh: bool, summary: Path | None, model: str
     check_writable("--summary", summary, (out_path,))
     preflight.check_target(out_path, preflight.peek(out_path).state, refresh)
     check_no_golden("OUT", out_path, replace=True)  # OUT itself: check_target's (--refresh replaces it)
-    check_model(model, [forward] if forward else [])
-    from vd.models.device import check_device_name
-
-    check_device_name(device)
-    check_threads(threads)
+    check_recording(model, forward, device, threads)
     check_tolerances(tolerance)
 
 

@@ -426,6 +426,16 @@ def check_model(spec: str, forwards: list[str]) -> None:
     check_forward_names(spec, forwards)
 
 
+def check_recording(model: str, forward: str | None, device: str, threads: int | None) -> None:
+    """What a recording's flags (or a declared golden's settings) can be refused for before anything heavy is
+    imported: the model SPEC and forward, the device, the thread count."""
+    from vd.models.device import check_device_name
+
+    check_model(model, [forward] if forward else [])
+    check_device_name(device)
+    preflight.check_threads(threads)
+
+
 def check_tolerances(items: list[str] | None) -> None:
     """``--tolerance`` items that do not parse, refused before a model is loaded."""
     if items:

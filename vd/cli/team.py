@@ -23,8 +23,8 @@ from vd.cli.common import (
     Command,
     app,
     check_distinct,
-    check_model,
     check_no_golden,
+    check_recording,
     check_writable,
     err,
     examples,
@@ -103,13 +103,9 @@ def _check_declared(e) -> None:
     it were recorded: the model SPEC and forward, the device and the thread count (the policy and the batch are
     the declaration's own checks, `vd.workflow.declare`)."""
     from vd.models import DEFAULT_MODEL
-    from vd.models.device import check_device_name
-    from vd.preflight import check_threads
 
     try:
-        check_model(e.model or DEFAULT_MODEL, [e.forward] if e.forward else [])
-        check_device_name(e.device or "cpu")
-        check_threads(e.threads)
+        check_recording(e.model or DEFAULT_MODEL, e.forward, e.device or "cpu", e.threads)
     except VdError as err:  # (an unknown model is a ModelSpecError)
         raise UsageError(f"golden {e.name!r} cannot be recorded as declared: {err}") from None
 
