@@ -284,8 +284,8 @@ def _draft_tokens(k: int, name: str, run: Run) -> tuple[Reason, ...]:
     bad = mismatched_drafts(run)
     if not bad:
         return ()
-    return (words.draft_token_reason(k, name, bad, len(run.drafts), list(run.drafts[bad[0]]),
-                                     run.draft_argmax[bad[0]].reshape(-1).tolist()),)
+    s, implied = bad[0]
+    return (words.draft_token_reason(k, name, [b for b, _ in bad], len(run.drafts), list(run.drafts[s]), implied),)
 
 
 def pair_rows(s: Session, k: int, name: str, steps: Sequence[Step], pair: FailingPair) -> FailureRows:

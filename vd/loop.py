@@ -80,7 +80,8 @@ class Run:
     bootstrap_row: torch.Tensor | None = None
     drafts: list[tuple[int, ...]] = field(default_factory=list)
     draft_rows: list[torch.Tensor] = field(default_factory=list)
-    draft_argmax: list[torch.Tensor] = field(default_factory=list)  # each proposal's rows' argmax, on their device
+    # A replay's: each proposal's rows' argmax, on their device (`mismatched_drafts`).
+    draft_argmax: list[torch.Tensor] = field(default_factory=list)
     # Generated tokens committed before the first step (the drafter's bootstrap decode commits one).
     committed_before: list[int] = field(default_factory=list)
     hold: Hold | None = None
@@ -302,7 +303,8 @@ class DrafterFeed(Feed):
         self.next = list(drafts)
         run.drafts.append(tuple(int(d) for d in drafts))
         run.draft_rows.append(rows)
-        run.draft_argmax.append(rows.argmax(dim=-1))  # read after the run (`mismatched_drafts`): no wait here
+        if self.forced is not None:  # a replay's check (`mismatched_drafts`), read after the run: no wait here
+            run.draft_argmax.append(rows.argmax(dim=-1))
 
     def start(self, model, run: Run, first: Callable[[], int]) -> int:
         # Bootstrap decode: commit the prefill's rows and its greedy token, then the first propose.
@@ -332,17 +334,19 @@ class DrafterFeed(Feed):
             self._propose(model, run, last)
 
 
-def mismatched_drafts(run: Run) -> list[int]:
-    """The proposals (by step) whose drafts are not their own rows' argmaxes, as a greedy draft head's are (what
-    `vd.testing.DraftHeadConformance` asks): a head proposing other tokens than its rows say, with the rows right."""
+def mismatched_drafts(run: Run) -> list[tuple[int, list[int]]]:
+    """The proposals of a replay's run (by the step they precede, with the tokens their rows imply) whose drafts are
+    not their own rows' argmaxes, as a greedy draft head's are (what `vd.testing.DraftHeadConformance` asks): a head
+    proposing other tokens than its rows say, with the rows right."""
     if not run.draft_argmax:
         return []
     flat = torch.cat([a.reshape(-1) for a in run.draft_argmax]).tolist()  # one read-back, after the run
-    implied, at = [], 0
-    for a in run.draft_argmax:
-        implied.append(flat[at:at + a.numel()])
-        at += a.numel()
-    return [s for s, (d, a) in enumerate(zip(run.drafts, implied)) if list(d) != a]
+    out, at = [], 0
+    for s, (drafts, a) in enumerate(zip(run.drafts, run.draft_argmax)):
+        implied, at = flat[at:at + a.numel()], at + a.numel()
+        if list(drafts) != implied:
+            out.append((s, implied))
+    return out
 
 
 def generated(steps: int, ks: Sequence[int]) -> int:
