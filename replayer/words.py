@@ -86,9 +86,10 @@ def failure_text(f: Failure | None) -> str:
         where = f"prefill row {f.row}" if f.kind == "prefill" else "draft bootstrap row"
     else:
         where = f"{f.kind} step {f.step} row {f.row}"
-    if f.policy == "argmax" or f.policy.startswith("topk:"):  # (an element's two values say nothing of either)
-        return f"{where}: its {'argmax' if f.policy == 'argmax' else 'top ' + f.policy[5:] + ' tokens'} differ" \
-            + ("s" if f.policy == "argmax" else "")
+    if f.policy == "argmax":  # (an element's two values say nothing of an argmax, or of the top N)
+        return f"{where}: its argmax differs"
+    if f.policy.startswith("topk:"):
+        return f"{where}: its top {f.policy.removeprefix('topk:')} tokens differ"
     return f"{where} index {f.index}: golden {f.golden!r}, got {f.got!r}"
 
 

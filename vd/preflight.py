@@ -319,12 +319,10 @@ def check_batch(n: int | None, slot: int | None, seed: int | None = None, drafte
         raise UsageError(f"--slot {slot}: a batch of {n} has slots 0 to {n - 1}")
     if seed is not None and seed < 0:
         raise UsageError(f"--batch-seed {seed}: a seed is a non-negative integer")
-    if drafted and recording:
-        raise UsageError("--batch runs a reference feed's steps in a batch; the drafter feed's drafts come from an "
-                         "MTP head, which steps one sequence (record it without --batch)")
     if drafted:
-        raise UsageError("--batch runs a reference feed's steps in a batch; this golden's drafts come from an MTP "
-                         "head, which steps one sequence (replay it without --batch)")
+        whose, verb = ("the drafter feed's", "record") if recording else ("this golden's", "replay")
+        raise UsageError(f"--batch runs a reference feed's steps in a batch; {whose} drafts come from an MTP head, "
+                         f"which steps one sequence ({verb} it without --batch)")
 
 
 def check_threads(threads: int | None) -> None:
