@@ -937,6 +937,7 @@ MISBEHAVING = str(PLUGINS / "misbehaving.py")
              "torch.bfloat16 rows of shape [66, 512]"),
     ("flat", "returned torch.bfloat16 rows of shape [512]"),
     ("float32", "returned torch.float32 rows of shape [66, 512]"),
+    ("elsewhere", "misbehaving.py:elsewhere: forward returned rows on meta, not on the model's device cpu"),
     ("nan", "the model computed non-finite logits (NaN or Inf) in its one-token decodes (the greedy continuation): "
             "prefill row 0"),
     # NaN in one late one-token decode alone: the golden was stored with it, and replays judged against it
@@ -1011,6 +1012,23 @@ def test_a_plugins_identity_and_forwards_are_checked_when_it_loads(cli, tmp_path
         code, _, err = cli(*args, "--model", f"{plugin}:factory")
         _one_line_error(code, "", err, f"plug-in {plugin}:factory: ", said)
     assert not (tmp_path / "g.zarr").exists()
+
+
+@pytest.mark.parametrize("factory, needle", [
+    ("one_short", "propose was asked for 1 draft(s) and returned []; the protocol wants 1 token id(s) below the "
+                  "vocabulary size 512"),
+    ("rows_short", "propose of 1 draft(s) returned torch.bfloat16 rows of shape [0, 512] on cpu; the protocol "
+                   "wants torch.bfloat16 rows of shape [1, 512] on cpu"),
+    ("beyond_vocab", "the protocol wants 1 token id(s) below the vocabulary size 512"),
+])
+def test_a_draft_head_breaking_propose_is_named_in_one_line(cli, tmp_path, factory, needle):
+    """A draft head proposing one draft too few (an AssertionError deep in the loop, exit 3, found by a user test),
+    too few rows, or tokens past the vocabulary: one line naming the plug-in, exit 2, no golden."""
+    out = tmp_path / "g.zarr"
+    code, _, err = cli("record", out, "--model", f"{MISBEHAVING}:{factory}", "--feed", "mtp", "--k", "2",
+                       "--steps", "4")
+    _one_line_error(code, "", err, f"misbehaving.py:{factory}: propose ", needle)
+    assert not out.exists()
 
 
 def test_a_draft_head_proposing_tokens_its_rows_do_not_say_fails(cli, tmp_path):

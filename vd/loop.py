@@ -299,9 +299,9 @@ class DrafterFeed(Feed):
         self.next: list[int] = []
 
     def _propose(self, model, run: Run, last: int) -> None:
-        drafts, rows = model.propose(last, self.k - 1)  # rows: [K-1, V]
-        self.next = list(drafts)
-        run.drafts.append(tuple(int(d) for d in drafts))
+        drafts, rows = checked_proposal(model, self.k - 1, model.propose(last, self.k - 1))  # rows: [K-1, V]
+        self.next = drafts
+        run.drafts.append(tuple(drafts))
         run.draft_rows.append(rows)
         if self.forced is not None:  # a replay's check (`mismatched_drafts`), read after the run: no wait here
             run.draft_argmax.append(rows.argmax(dim=-1))
@@ -370,16 +370,50 @@ def prepare(model: VerifyModel, prompt_len: int, steps: int, ks: Sequence[int], 
     protocol.prepare(model, longest, sorted({prompt_len, *ks, *([1] if decode else [])}, reverse=True))
 
 
+def _on(rows: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``rows`` are on ``device`` (a device named without an index, ``cuda``, takes any of its kind's)."""
+    have = rows.device
+    return have.type == device.type and (device.index is None or have.index in (None, device.index))
+
+
 def checked(model: VerifyModel, tokens: Sequence[int], rows) -> torch.Tensor:
     """A forward's rows, refused (`vd.errors.ModelOutputError`, exit 2) unless they are what the protocol
-    promises: a tensor ``[len(tokens), vocab_size]`` of the model's dtype."""
+    promises: a tensor ``[len(tokens), vocab_size]`` of the model's dtype, on the model's device."""
     want = (len(tokens), model.vocab_size)
     if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != want or rows.dtype != model.dtype:
         got = (f"a {type(rows).__name__}" if not isinstance(rows, torch.Tensor)
                else f"{rows.dtype} rows of shape {list(rows.shape)}")
-        raise ModelOutputError(f"{type(model).__name__}.forward of {len(tokens)} token(s) returned {got}; the "
-                               f"protocol wants {str(model.dtype)} rows of shape {list(want)}")
+        raise ModelOutputError(f"{protocol.adapter_name(model)}: forward of {len(tokens)} token(s) returned {got}; "
+                               f"the protocol wants {str(model.dtype)} rows of shape {list(want)}")
+    if not _on(rows, model.device):
+        raise ModelOutputError(f"{protocol.adapter_name(model)}: forward returned rows on {rows.device}, not on "
+                               f"the model's device {model.device}; the protocol wants them where it computes")
     return rows
+
+
+def checked_proposal(model, n: int, proposal) -> tuple[list[int], torch.Tensor]:
+    """A draft head's proposal of ``n`` drafts, refused (`vd.errors.ModelOutputError`, exit 2) unless it is what
+    `vd.protocol.DraftHead.propose` promises: ``n`` token ids and their ``[n, vocab_size]`` rows as a forward's."""
+    name = protocol.adapter_name(model)
+    if not (isinstance(proposal, tuple | list) and len(proposal) == 2):
+        raise ModelOutputError(f"{name}: propose returned a {type(proposal).__name__}; the protocol wants a pair "
+                               "(drafts, rows)")
+    drafts, rows = proposal
+    try:
+        ids = [int(d) for d in drafts]
+    except (TypeError, ValueError):
+        raise ModelOutputError(f"{name}: propose's drafts are not token ids ({type(drafts).__name__})") from None
+    if len(ids) != n or any(not 0 <= d < model.vocab_size for d in ids):
+        raise ModelOutputError(f"{name}: propose was asked for {n} draft(s) and returned {ids}; the protocol "
+                               f"wants {n} token id(s) below the vocabulary size {model.vocab_size}")
+    want = (n, model.vocab_size)
+    if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != want or rows.dtype != model.dtype \
+            or not _on(rows, model.device):
+        got = (f"a {type(rows).__name__}" if not isinstance(rows, torch.Tensor)
+               else f"{rows.dtype} rows of shape {list(rows.shape)} on {rows.device}")
+        raise ModelOutputError(f"{name}: propose of {n} draft(s) returned {got}; the protocol wants "
+                               f"{str(model.dtype)} rows of shape {list(want)} on {model.device}")
+    return ids, rows
 
 
 def _argmax(rows: torch.Tensor) -> list[int]:

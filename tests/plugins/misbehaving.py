@@ -1,9 +1,10 @@
 """Plug-in engines that break the protocol in one way each (tiny-llama's otherwise), for the checks that name
 them: a factory that raises, rows of the wrong width, rank or dtype, logits that are all NaN (or one NaN in a
-late one-token decode), rows returned
+late one-token decode), rows on another device than the model's, rows returned
 in one reused output buffer (as llama-cpp-python's logits array, viewed without a copy), rows written into
 after they were returned, and an engine that
-computes float32 whatever dtype it is asked for."""
+computes float32 whatever dtype it is asked for; a draft head proposing one draft too few, rows too few, or
+tokens outside the vocabulary."""
 
 import os
 
@@ -36,6 +37,7 @@ wide = _make(lambda rows: torch.cat([rows, rows[:, :1]], dim=1))
 flat = _make(lambda rows: rows[-1])
 float32 = _make(lambda rows: rows.float())
 nan = _make(lambda rows: torch.full_like(rows, float("nan")))
+elsewhere = _make(lambda rows: rows.to("meta"))  # rows on another device than the model says it computes on
 
 
 class _AtCall(Misbehaving):
@@ -151,3 +153,18 @@ def textual_vocab(device, dtype):
     m = _make(lambda rows: rows)(device, dtype)
     m.vocab_size = "512"
     return m
+
+
+def _proposing(change):
+    """tiny-llama-mtp whose draft head's proposals are changed by ``change(drafts, rows)``."""
+    def factory(device, dtype):
+        inner = load_model("tiny-llama-mtp", device=device, dtype=dtype)
+        propose = inner.propose
+        inner.propose = lambda last, n: change(*propose(last, n))
+        return inner
+    return factory
+
+
+one_short = _proposing(lambda drafts, rows: (drafts[:-1], rows[:-1]))
+rows_short = _proposing(lambda drafts, rows: (drafts, rows[:-1]))
+beyond_vocab = _proposing(lambda drafts, rows: ([d + 512 for d in drafts], rows))
