@@ -414,7 +414,22 @@ def test_module_factory_plugin(cli, tiny_golden, monkeypatch, tmp_path):
     code, out, err = cli("replay", tiny_golden, "--model", "perturb:factory", "--report", tmp_path / "r.json")
     r = json.loads((tmp_path / "r.json").read_text())
     assert code == 1 and all(v["comparisons"][0]["mismatched_step_list"] == [5] for v in r["verify"])
-    _one_line_error(*cli("replay", tiny_golden, "--model", "no_such_module_xyz:factory"), "cannot import plug-in")
+    code, out, err = cli("replay", tiny_golden, "--model", "no_such_module_xyz:factory")
+    _one_line_error(code, out, err, "cannot import plug-in no_such_module_xyz: ModuleNotFoundError")
+    assert "traceback in" not in err  # nothing of a plug-in ran
+
+
+def test_a_plugin_raising_while_it_imports_keeps_its_traceback(cli, tiny_golden, tmp_path):
+    """A plug-in file that raises while it imports: one line, exit 2, and its traceback in the file the line names
+    (it was lost: found by a user test)."""
+    plugin = tmp_path / "engine.py"
+    plugin.write_text("import os\n\n\ndef _probe():\n    raise OSError('libcudart.so.13: cannot open shared object')"
+                      "\n\n\n_probe()\n")
+    code, out, err = cli("replay", tiny_golden, "--model", f"{plugin}:factory")
+    _one_line_error(code, out, err, f"cannot import plug-in {plugin}: OSError: libcudart.so.13: cannot open shared "
+                                    "object (traceback in ")
+    trace = Path(err.split("traceback in ")[1].rstrip(")\n")).read_text()
+    assert "_probe()" in trace and "raise OSError" in trace
 
 
 def test_a_plugin_file_imports_the_modules_beside_it(cli, tiny_golden, tmp_path, monkeypatch):

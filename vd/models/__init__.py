@@ -125,7 +125,10 @@ def _plugin_module(target: str) -> ModuleType:
     except (ModelSpecError, KeyboardInterrupt):
         raise
     except BaseException as e:  # a plug-in's import can fail in any way, sys.exit() too; report it as one line
-        raise ModelSpecError(f"cannot import plug-in {target}: {type(e).__name__}: {e}") from e
+        first = str(e).splitlines()[0] if str(e) else ""
+        missing = isinstance(e, ModuleNotFoundError) and e.name == target  # nothing of the plug-in's ran
+        where = "" if missing else f" (traceback in {write_traceback(e, 'vd-plugin-')})"
+        raise ModelSpecError(f"cannot import plug-in {target}: {type(e).__name__}: {first}{where}") from e
 
 
 def _load_plugin(spec: str, device: torch.device, dtype: torch.dtype) -> VerifyModel:
