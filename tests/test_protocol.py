@@ -164,3 +164,21 @@ def test_a_callable_engine_object_is_not_taken_for_a_factory():
     advice to call it; a function or class is told to be called."""
     with pytest.raises(TypeError, match=r"got an object of type Linear, which lacks .* of the vd model protocol$"):
         protocol.require_model(torch.nn.Linear(2, 2), "f()")
+
+
+@pytest.mark.parametrize("check", ["test_batch_of_one_is_forward", "test_members_rows_are_their_own"])
+def test_conformance_skips_the_batch_checks_of_a_model_that_does_not_batch(check):
+    """A model without batches is skipped, and the forward is not set back: a model whose default forward could not
+    be set (its own failure, in `test_forwards_are_disclosed_and_selectable`) turned the skip into that KeyError
+    (a user test)."""
+    calls: list[str] = []
+
+    def set_forward(self, name):
+        calls.append(name)
+        raise KeyError(name)
+
+    model = type("NoBatch", (Full,), {"set_forward": set_forward, "default_forward": lambda self: "fast",
+                                      "encode": lambda self, text: [1, 2, 3]})()
+    with pytest.raises(pytest.skip.Exception, match="does not declare forward_batch"):
+        getattr(ModelConformance(), check)(model)
+    assert calls == []
