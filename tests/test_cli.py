@@ -873,6 +873,9 @@ def test_a_suite_with_a_declaration_that_cannot_work_records_nothing(cli, tmp_pa
     code, out, err = cli("record", "--suite")
     assert code == 2 and "golden 'b' cannot be recorded as declared: " in err and said in err, out + err
     assert not (tmp_path / "a.zarr").exists()
+    code, out, err = cli("status", "--no-models")  # says so of the missing golden before anyone records it
+    assert code == 1 and "  b: vd record --suite would refuse it: golden 'b' cannot be recorded as declared: " in out
+    assert said in out and "  a: " not in out, out + err
 
 
 def test_a_long_phase_says_its_count_every_half_minute():

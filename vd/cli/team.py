@@ -377,6 +377,12 @@ def status(
     with reporting() as progress:
         states = S.status(suite, suite.select(names or []), check_models=not no_models,
                           report=None if report is None else str(report), progress=progress)
+    for s in states:  # what `vd record --suite` would say of a missing one, said now
+        if s.state == "missing":
+            try:
+                _check_declared(suite.entries[s.name])
+            except UsageError as e:
+                s.reasons.append(f"vd record --suite would refuse it: {e}")
     orphans = S.orphans(suite) if not names else []
     _print_status(states, orphans, no_models, suite.file.parent)
     if prune and orphans and _prune_confirmed(orphans, yes):
