@@ -144,6 +144,27 @@ def test_sensitivity_names_figures_for_each_policy():
     assert f"{math.sqrt(2 * 0.01 / 0.25):.3g}" in sensitivity(parse_spec("kl:0.01"), "bfloat16", stats)
 
 
+def test_sensitivity_of_a_golden_holding_inf_or_nan_is_said():
+    """A golden recorded with --allow-nonfinite whose largest |logit| is Inf: every replay crashed, exit 3, on the
+    ULP there (OverflowError, found by a user test)."""
+    from vd.policy import sensitivity
+
+    for top in (math.inf, math.nan):
+        stats = {"max_abs": top, "min_margin": 0.5, "median_top1_p": 0.5}
+        for spec in ("exact", "ulp:2", "atol:0.1,rtol:0.1", "argmax", "topk:2", "kl:0.01"):
+            assert sensitivity(parse_spec(spec), "bfloat16", stats)
+
+
+@pytest.mark.parametrize("margin", ["0.2421875", "0.5", "1", "1e-07", "0.1", "3.0000001"])
+def test_a_margin_is_said_as_it_parses(margin):
+    """decisions=margin:X is stored, reported and put in a bundle's command.sh as text that parses back to the same
+    X: %g made 0.2421875 into 0.242188, and a flip at a margin of 0.2421875 FAILed the replay and PASSed its
+    command.sh (found by a user test)."""
+    p = Policy.parse([f"decisions=margin:{margin}"])
+    assert Policy.parse(list(p.terms())).margin == p.margin == float(margin)
+    assert p.decisions == (f"margin:{margin}" if margin != "1e-07" else "margin:1e-07")
+
+
 @pytest.mark.parametrize("vocab", [1, 5, 63, 64, 65, 1000, 4099])
 def test_measures_and_histogram_match_their_definitions(vocab):
     """`measure_differing`'s figures against their definitions written out element by element: the histogram

@@ -108,6 +108,13 @@ DECISIONS = "decisions"  # the policy term for argmax flips and accept-count cha
 EQUIVALENCE = "equivalence"
 
 
+def exact_number(x: float) -> str:
+    """``x`` as text that parses back to ``x`` exactly: ``%g`` where that loses nothing (``0.5``, ``1``), else the
+    shortest round-trip form (``0.2421875``; ``%g`` gave ``0.242188``, a policy other than the one asked for)."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
+
+
 def parse_decisions(text: str) -> float | None:
     """``strict`` (None) or ``margin:X`` (X > 0, finite), else a UsageError."""
     t = text.strip()
@@ -186,7 +193,7 @@ class Policy:
     @property
     def decisions(self) -> str:
         """``strict`` or ``margin:X``."""
-        return "strict" if self.margin is None else f"margin:{self.margin:g}"
+        return "strict" if self.margin is None else f"margin:{exact_number(self.margin)}"
 
     def allows_flip(self, margin: float) -> bool:
         """Whether an argmax flip at a row whose golden top-1/top-2 margin is ``margin`` is allowed."""
@@ -225,12 +232,13 @@ def sensitivity(spec: Spec, logical: str, stats: Mapping[str, float], margin: fl
     """
     from vd.dtypes import DTYPES  # here, not at the top: parsing a policy needs no torch
 
-    ulp_at = 2.0 ** (math.floor(math.log2(max(stats.get("max_abs", 1.0), 2.0 ** -126))) - DTYPES[logical].mantissa_bits)
+    top = max(stats.get("max_abs", 1.0), 2.0 ** -126)  # Inf (or NaN) where the golden holds such (--allow-nonfinite)
+    ulp_at = 2.0 ** (math.floor(math.log2(top)) - DTYPES[logical].mantissa_bits) if math.isfinite(top) else math.inf
     smallest = f"{stats.get('min_margin', float('nan')):.4g}"
     flip = (f"; and always any change of a row's argmax (the golden's smallest top-1/top-2 margin is {smallest})"
             if margin is None else
-            f"; and any change of the argmax of a row whose golden top-1/top-2 margin is {margin:g} or more "
-            f"(decisions=margin:{margin:g}; the golden's smallest margin is {smallest})")
+            f"; and any change of the argmax of a row whose golden top-1/top-2 margin is {exact_number(margin)} or "
+            f"more (decisions=margin:{exact_number(margin)}; the golden's smallest margin is {smallest})")
     if spec.name == "exact":
         return "any change of any bit of any element (1 ULP)" + flip
     if spec.name == "ulp":
