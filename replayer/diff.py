@@ -6,9 +6,11 @@ else the question is ill-posed and the answer is a usage error. Within that, B i
 as a replay's candidate is judged against its golden: every row under the policy (A's stored policy
 unless ``tolerances`` override it), every row's argmax, and each step's accept count; a recording whose
 steps took other tokens (a decision changed while recording) differs too. B's rows are read whole and
-checked against its digests; A's are read only where B's differ (A may be slim under exact or argmax). Both
-goldens' files are checked against their manifests first (`Golden.check_files`), as `vd verify` checks them: a
-damaged A is refused even where its rows would never be read.
+checked against its digests. Both goldens' files are checked against their manifests first
+(`Golden.check_files`), and A's contents as `vd verify` checks them (`Golden.check_contents`: its step logs, and
+each row against its digest, or a slim A's digests and statistics read): a damaged A is refused even where its
+rows would not be compared (A may be slim under exact or argmax), and a damaged A whose manifest was made again
+to match is refused too (its diff PASSed: found by a user test).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> DiffReport:
     if a.slim and policy.needs_rows:
         raise UsageError(f"{a.url} is slim: judging {', '.join(policy.needs_rows)} rows needs its rows")
     a.check_files()  # every stored byte of both, against their manifests: a damaged golden is no reference,
-    b.check_files()  # even where its rows are never read (A's are read only where B's differ)
+    b.check_files()  # even where its rows are never read (A's are compared only where B's differ)
+    a.check_contents()  # and A's rows against its digests, as `vd verify` checks them (B's are, as they are read)
     verify, reasons = [], []
     for k in a.groups if b.decoded else a.ks:  # the decode rows too, where both store them
         c = compare_run(b.url, a.side(k), _as_run(b, k), a.logical, policy)

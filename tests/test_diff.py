@@ -67,6 +67,17 @@ def test_a_damaged_golden_is_refused_on_either_side(cli, tiny_golden, tmp_path):
         assert "a.zarr/k3/logits.hi/c/2" in err and "does not match the golden's manifest" in err, err
 
 
+def test_a_reference_whose_rows_disagree_with_its_digests_is_refused(cli, tiny_golden, tmp_path):
+    """A's rows edited behind its digests' back, its manifest and ID made again to match: `vd verify` refused it,
+    and `vd diff A B` PASSed, A's rows being read only where B's differ (found by a user test)."""
+    damaged = tmp_path / "a.zarr"
+    shutil.copytree(tiny_golden, damaged)
+    edit_rows(damaged, 3, "verify", _bump(3.0), digests=False)
+    assert cli("verify", damaged)[0] == 2
+    code, out, err = cli("diff", damaged, tiny_golden)
+    assert code == 2 and "PASS" not in out and "row(s) disagree with the stored rows" in err, out + err
+
+
 def test_diff_says_how_the_goldens_were_made_and_judges_bs_own_equivalence(cli, tmp_path):
     """vd diff never said that A was recorded with eager and B with sdpa, or B in a batch; `--tolerance
     equivalence=exact` was echoed and not judged (PASS over B's own failing pairs); the decode group's rows were
