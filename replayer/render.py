@@ -23,7 +23,6 @@ import contextlib
 import datetime as _dt
 import html
 import io
-import json
 import math
 import re
 import shlex
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from vd import __version__
-from vd.outputs import json_text, write_bytes, write_text
+from vd.outputs import BUNDLE_FILES, is_bundle, json_text, write_bytes, write_text
 from vd.replayer import words
 from vd.replayer.comparison import Comparison, plain
 from vd.replayer.report import Control, Judged, KResult, Reason, Report, golden_name
@@ -44,27 +43,6 @@ from vd.store.format import DECODE_K
 Entry = tuple[str, Report | None, str | None]
 
 # -- bundle --------------------------------------------------------------------------------------------
-
-
-# The files a bundle holds (`write_bundle`), and the report its command.sh writes beside them when run.
-BUNDLE_FILES = ("rows.npz", "failure.json", "environment.json", "command.sh", "replay.json")
-
-
-# What a bundle's failure.json holds (every version of it): what tells a bundle from a user's files of these names.
-_FAILURE_KEYS = {"k", "forward", "kind", "step", "policy", "golden", "verdict", "reasons"}
-
-
-def is_bundle(directory: Path) -> bool:
-    """Whether ``directory`` holds a replay's first-divergence bundle: a ``failure.json`` as `write_bundle` writes
-    it (written first, so a bundle cut short is one too)."""
-    failure = directory / "failure.json"
-    try:
-        if failure.is_symlink() or not failure.is_file() or failure.stat().st_size > 1 << 20:
-            return False
-        doc = json.loads(failure.read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and _FAILURE_KEYS <= doc.keys()
 
 
 def clear_bundle(directory: Path) -> None:

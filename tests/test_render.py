@@ -129,8 +129,8 @@ def test_a_decode_or_batch_failure_fails_a_junit_case_and_writes_a_bundle(cli, t
 def test_a_slim_golden_bundle_has_the_candidate_rows_only(cli, tiny_golden, tmp_path):
     code, out, err = cli("slim", tiny_golden, tmp_path / "s.zarr")
     assert code == 0 and "% of" in out and "--rows" in out, out
-    code, out, err = cli("replay", tmp_path / "s.zarr", "--model", f"{PLUGINS / 'perturb.py'}:factory",
-                         "--report", tmp_path / "r.json")
+    code, out, err = cli("replay", tmp_path / "s.zarr", "--model", PERTURB, "--report",
+                         tmp_path / "r.json")
     assert code == 1
     rows = np.load(tmp_path / "r.json.bundle" / "rows.npz")
     assert "golden" not in rows and rows["candidate"].shape == (2, 512)
@@ -171,20 +171,48 @@ def test_a_bundle_is_one_replays_and_strict_json(cli, tiny_golden, tmp_path):
     assert code == 2 and strict(report)["verdict"] == "ERROR" and not bundle.exists(), err
 
 
-def test_a_folder_of_the_users_is_no_bundle_to_clear(cli, tiny_golden, tmp_path):
+def test_a_folder_of_the_users_is_no_bundle_to_clear_or_write_over(cli, tiny_golden, tmp_path):
     """`--bundle DIR` naming a folder of the user's whose files have a bundle file's names (`--bundle .` in a project
-    with its own command.sh): a passing replay removed them, and the folder (found by a user test). A replay clears
-    only a folder a bundle was written to (its failure.json, `render.is_bundle`); the user's files stay."""
+    with its own command.sh): a passing replay removed them, and the folder, and a failing one wrote over them
+    (found by user tests). A replay clears only a folder a bundle was written to (its failure.json,
+    `render.is_bundle`), and a folder holding such files and no bundle is refused before the replay runs."""
+    perturb = PERTURB
     mine = tmp_path / "proj"
     mine.mkdir()
     for name in render.BUNDLE_FILES:
         (mine / name).write_text("mine")
     assert not render.is_bundle(mine)
     (mine / "failure.json").write_text('{"k": 2, "note": "a file of mine"}')  # JSON, not a bundle's
-    code, out, err = cli("replay", tiny_golden, "--k", "2", "--bundle", mine)
-    assert code == 0, err
+    for model in ("tiny-llama", perturb):  # a replay that would PASS, one that would FAIL
+        code, out, err = cli("replay", tiny_golden, "--k", "2", "--bundle", mine, "--model", model)
+        assert code == 2 and f"--bundle {mine} holds rows.npz, failure.json, environment.json, command.sh, " \
+            "replay.json and no earlier bundle: a bundle would overwrite them; give an empty or new folder" in err, err
     assert sorted(p.name for p in mine.iterdir()) == sorted(render.BUNDLE_FILES)
     assert (mine / "command.sh").read_text() == "mine" and (mine / "failure.json").read_text().startswith('{"k": 2')
+    (mine / "rows.npz").unlink()
+    code, out, err = cli("replay", tiny_golden, "--k", "2", "--model", perturb, "--report", mine / "rows.npz",
+                         "--bundle", tmp_path / "b")  # beside a bundle of its own: other files are the user's
+    assert code == 1, err
+    for name in render.BUNDLE_FILES:
+        (mine / name).unlink(missing_ok=True)
+    (mine / "notes.txt").write_text("mine")  # a CI job's artifacts folder: the bundle goes in beside its files
+    for flag, name in (("--report", "command.sh"), ("--junit", "rows.npz"), ("--html", "failure.json")):
+        code, out, err = cli("replay", tiny_golden, "--k", "2", "--model", perturb, "--bundle", mine, flag, mine / name)
+        assert code == 2 and f"{flag} {mine / name} is where the bundle (--bundle {mine}) writes its {name}" in err
+    assert cli("replay", tiny_golden, "--k", "2", "--model", perturb, "--bundle", mine, "--report",
+               mine / "report.json")[0] == 1
+    assert render.is_bundle(mine) and (mine / "notes.txt").read_text() == "mine"
+
+
+def test_a_file_where_the_bundle_beside_the_report_goes_is_refused_before_the_run(cli, tiny_golden, tmp_path):
+    """A file at REPORT.bundle: the replay ran, then stopped on a raw "File exists" (exit 2) with no report, JUnit or
+    HTML written (found by a user test). Refused first, naming it."""
+    (tmp_path / "r.json.bundle").write_text("mine")
+    code, out, err = cli("replay", tiny_golden, "--k", "2", "--model", PERTURB, "--report",
+                         tmp_path / "r.json")
+    assert code == 2 and f"the bundle's place beside --report, {tmp_path / 'r.json.bundle'}, is a file; a bundle is " \
+        "a folder" in err and "vd: loading" not in err, err
+    assert (tmp_path / "r.json.bundle").read_text() == "mine" and not (tmp_path / "r.json").exists()
 
 
 def test_html_report_renders_in_headless_chromium(cli, tiny_golden, tmp_path):

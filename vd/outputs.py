@@ -186,3 +186,50 @@ def brief(value: object, width: int = 60) -> str:
     """A value as a line names it: its ``repr``, cut to ``width`` characters (``...`` where cut)."""
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+# The files a bundle holds (`vd.replayer.render.write_bundle`), and the report and bundle its command.sh writes
+# beside them when run.
+BUNDLE_FILES = ("rows.npz", "failure.json", "environment.json", "command.sh", "replay.json")
+BUNDLE_NAMES = (*BUNDLE_FILES, "replay.json.bundle")
+
+# What a bundle's failure.json holds (every version of it): what tells a bundle from a user's files of these names.
+_FAILURE_KEYS = {"k", "forward", "kind", "step", "policy", "golden", "verdict", "reasons"}
+
+
+def is_bundle(directory: Path) -> bool:
+    """Whether ``directory`` holds a replay's first-divergence bundle: a ``failure.json`` as `write_bundle` writes
+    it (written first, so a bundle cut short is one too)."""
+    failure = directory / "failure.json"
+    try:
+        if failure.is_symlink() or not failure.is_file() or failure.stat().st_size > 1 << 20:
+            return False
+        doc = json.loads(failure.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and _FAILURE_KEYS <= doc.keys()
+
+
+def check_bundle_place(what: str, place: Path | None, others: dict[str, str | os.PathLike | None]) -> str | None:
+    """Why a first-divergence bundle cannot go to ``place`` (``what`` names it in the line: ``--bundle DIR``, or the
+    place beside a report), or None where it can: a file there; a folder holding no earlier bundle but files (or
+    folders) of a bundle's names, which it would overwrite (and a passing replay then remove); another output
+    (``others``, by flag) at one of those names there, which the bundle would overwrite. Other files in the folder
+    are left alone (a CI job's artifacts folder)."""
+    if place is None:
+        return None
+    if place.exists() and not place.is_dir():
+        return f"{what} is a file; a bundle is a folder"
+    if place.is_dir() and not is_bundle(place):
+        theirs = [n for n in BUNDLE_NAMES if os.path.lexists(place / n)]
+        if theirs:
+            return (f"{what} holds {', '.join(theirs)} and no earlier bundle: a bundle would overwrite "
+                    f"{'it' if len(theirs) == 1 else 'them'}; give an empty or new folder")
+    home = os.path.realpath(place)
+    for flag, path in others.items():
+        if path is None or stream(path):
+            continue
+        if os.path.dirname(os.path.realpath(path)) == home and Path(path).name in BUNDLE_NAMES:
+            return f"{flag} {path} is where the bundle ({what}) writes its {Path(path).name}; write it elsewhere"
+    return None
+

@@ -48,7 +48,7 @@ from vd.cli.common import (
     write_json,
 )
 from vd.errors import Terminated, UsageError
-from vd.outputs import size_text
+from vd.outputs import check_bundle_place, size_text
 from vd.preflight import check_threads
 
 
@@ -365,6 +365,11 @@ def _check_outputs(targets, suite: bool, config: Path | None, rows, outputs: dic
     beside = default_bundle(outputs["--report"])
     if outputs["--bundle"] is None and beside is not None:  # the bundle's default place, beside the report
         check_no_golden("--report", beside)
+    place = outputs["--bundle"] or beside
+    what = f"--bundle {place}" if outputs["--bundle"] else f"the bundle's place beside --report, {place},"
+    why = check_bundle_place(what, place, {**outputs, "--save-candidate": candidate, "--bundle": None})
+    if why is not None:
+        raise UsageError(why)
     check_outside("--save-candidate", candidate, (golden, rows))
     # an earlier candidate is replaced (`vd.replayer.candidate`); any other golden never is
     earlier = not suite and candidate is not None and "candidate" in (preflight.peek(candidate).meta or {})

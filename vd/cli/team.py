@@ -35,7 +35,7 @@ from vd.cli.common import (
     write_json,
 )
 from vd.errors import UsageError, VdError
-from vd.outputs import write_text
+from vd.outputs import check_bundle_place, write_text
 from vd.workflow.declare import DeclarationError, declared, entry_for
 
 
@@ -125,6 +125,10 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     check_distinct(outputs)
     for flag, path in outputs.items():
         check_writable(flag, path, [e.path for e in entries], directory=flag == "--bundle")
+    for place in [bundle / e.name for e in entries] if bundle is not None else []:  # each golden's, by its name
+        why = check_bundle_place(f"--bundle {place}", place, {**outputs, "--bundle": None})
+        if why is not None:
+            raise UsageError(why)
     from vd.replayer import ReplaySettings, render, words
     from vd.workflow.suite import Models, SuiteReport, for_entry, replay_plan
     from vd.workflow.suite import replay_suite as do_replay
