@@ -304,7 +304,8 @@ def settings_for(path: str, entry, overrides: dict):
     if entry is not None:
         base = record_settings(entry)
     elif locate(path).state() == "golden":
-        base = RecordSettings.of_golden(open_golden(path).meta)
+        # (its root metadata alone: a damaged golden is refreshed as its declared one is, `vd.workflow.refresh`)
+        base = RecordSettings.of_golden(open_golden(path, sizes=False, volatile=False).meta)
     else:
         base = RecordSettings()
     return dataclasses.replace(base, **overrides)

@@ -356,12 +356,14 @@ def _run_meta(location: Location, url: str) -> Mapping:
 
 
 def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike | None = None,
-                sizes: bool = True) -> Golden:
+                sizes: bool = True, volatile: bool = True) -> Golden:
     """Open the golden at ``where`` (a directory, a ``.zip`` file or an ``s3://`` URL) and check its metadata;
     raise a `vd.errors.GoldenError` subclass naming what is wrong. Only the root ``zarr.json`` is read here, and
     (``sizes``) the listing of its files checked against the manifest (`Golden.check_sizes`: a missing or
     truncated file, before any model; a replay leaves it to its reader, which checks it while the model loads).
-    ``rows``: for a slim golden, the full golden to read its rows from (`Golden.with_rows`)."""
+    ``rows``: for a slim golden, the full golden to read its rows from (`Golden.with_rows`). ``volatile``: read the
+    run group (format 5: times, host, step timings), refused where it is there but damaged; without it, the golden
+    reads as one without the group (a refresh reading the version it replaces, for its history and settings)."""
     location = where if isinstance(where, Location) else locate(where)
     url = location.url
     if isinstance(location, Directory) and atomic.recover(location.target):  # a publish that died mid-way
@@ -385,7 +387,7 @@ def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike 
     info = check_meta(meta, url)
     if listed is not None and sizes:
         manifest.check_sizes(location.sizes(), listed, url, location.get)  # a missing or truncated file
-    if info.version >= F.VOLATILE_SINCE:
+    if info.version >= F.VOLATILE_SINCE and volatile:
         meta = F.join_volatile(meta, _run_meta(location, url))
     tokens = meta.get("prompt_tokens")
     if isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):

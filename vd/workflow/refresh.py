@@ -71,8 +71,8 @@ def _previous(location: Location) -> tuple[Golden | None, str | None]:
     try:
         return open_golden(location), None
     except GoldenError as e:
-        try:  # a file missing or cut short: the metadata alone (its history), the files checked by the diff
-            return open_golden(location, sizes=False), None
+        try:  # a file missing or cut short, a damaged run group: the root metadata alone (its history, hashed to
+            return open_golden(location, sizes=False, volatile=False), None  # its ID), the files checked by the diff
         except GoldenError:
             return None, str(e)
 
