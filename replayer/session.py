@@ -152,6 +152,10 @@ def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> O
     preflight.check_threads(s.threads)
     ks = tuple(s.ks) or tuple(g.ks)
     preflight.check_widths(g.url, ks, g.ks)
+    if s.save_candidate is not None and sorted(set(ks)) != sorted(g.ks):  # (one of a part opened as damaged)
+        raise UsageError(f"--save-candidate keeps a whole next version of the golden, every K it holds "
+                         f"({', '.join(map(str, g.ks))}), to review and promote: it does not go with --k "
+                         f"{','.join(map(str, ks))}")
     preflight.check_batch(s.batch, s.slot, s.batch_seed, g.info.drafted)
     check_pin(g, s.pin)
     if s.verify:

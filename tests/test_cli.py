@@ -75,6 +75,11 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
     golden's path, which is what refresh takes for an undeclared golden); a saved candidate is named."""
     spec = f"{PLUGINS / 'perturb.py'}:factory"
     code, out, err = cli("replay", tiny_golden, "--model", spec, "--k", "2", "--save-candidate", tmp_path / "c.zarr")
+    # a candidate of some of the golden's Ks was saved, and no command could open it (found by a user test)
+    _one_line_error(code, out, err, "--save-candidate keeps a whole next version of the golden, every K it holds "
+                                    "(2, 3, 4), to review and promote: it does not go with --k 2")
+    assert not (tmp_path / "c.zarr").exists()
+    code, out, err = cli("replay", tiny_golden, "--model", spec, "--save-candidate", tmp_path / "c.zarr")
     assert code == 1, err
     lines = out.splitlines()
     at = lines.index("next step:")
@@ -86,6 +91,7 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
                              f"TEXT; or make {spec} the golden's model: vd record {tiny_golden} --refresh --model "
                              f"{spec} --reason TEXT (vd refresh records the golden's own, tiny-llama).")
     assert f"  note: candidate saved: {tmp_path / 'c.zarr'} (review with vd diff" in out
+    assert cli("show", tmp_path / "c.zarr")[0] == 0
     code, out, err = cli("replay", tiny_golden, "--k", "2")
     assert code == 0 and "next step" not in out
 
