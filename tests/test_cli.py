@@ -884,6 +884,22 @@ def test_a_suite_with_a_declaration_that_cannot_work_records_nothing(cli, tmp_pa
     assert said in out and "  a: " not in out, out + err
 
 
+def test_a_stale_golden_replayed_by_name_says_so(cli, tmp_path, monkeypatch):
+    """A declared golden whose declaration moved on (steps 8 -> 6): replayed by name it PASSed without a word, while
+    the suite called it an ERROR (found by a user test). Replayed as stored, with a note naming what moved."""
+    (tmp_path / "vd.toml").write_text('[goldens.t]\npath = "t.zarr"\nmodel = "tiny-llama"\nk = [2]\nsteps = 8\n')
+    monkeypatch.chdir(tmp_path)
+    assert cli("record", "--suite")[0] == 0
+    code, out, err = cli("replay", "t")
+    assert code == 0 and "stale" not in err, err
+    (tmp_path / "vd.toml").write_text('[goldens.t]\npath = "t.zarr"\nmodel = "tiny-llama"\nk = [2]\nsteps = 6\n')
+    for target in ("t", "t.zarr"):
+        code, out, err = cli("replay", target)
+        assert code == 0 and "PASS" in out, err
+        assert "vd: note: t is stale against its declaration (steps: recorded 8, declared 6): replayed as stored; " \
+            "vd replay --suite calls it an ERROR until vd record --suite t --refresh --reason TEXT" in err, err
+
+
 def test_a_long_phase_says_its_count_every_half_minute():
     """The greedy continuation is about half a CPU recording: a log gets its count every 30 s, not one line
     at each end minutes apart."""

@@ -292,24 +292,39 @@ def _replay_golden(golden: str, asked: dict, config: Path | None, report: Path |
     """`replay` of one golden: the flags checked, the replay, its outputs written (or the error, where asked)."""
     try:
         _check_inputs(golden, asked)  # before anything heavy is imported
-        asked = {**asked, "pin": _declared_pin(golden, config)}
+        entry = _declared(golden, config)
+        asked = {**asked, "pin": None if entry is None else entry.pin}
         with reading_environment() as environ:  # what the bundle's command.sh sets again
             result = _replay_one(golden, _settings(asked))
     except Exception as e:  # written where asked, so a CI dashboard shows why there is no verdict; then raised
         _error_outputs(golden, e, report, junit, html, bundle)
         raise
+    _note_stale(entry)
     args = {key: asked[key] for key in ("model", "head", "device", "threads", "rows", "allow_model_mismatch")}
     args["environ"] = environ  # with the flags above, what command.sh passes again
     return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
 
 
-def _declared_pin(golden: str, config: Path | None) -> str | None:
-    """The pin a suite declaration (``--config``, else the one found from here) gives the golden at this path, if
-    any (`vd.workflow.declare.declared`)."""
+def _declared(golden: str, config: Path | None):
+    """The suite declaration (``--config``, else the one found from here) of the golden at this path, if any
+    (`vd.workflow.declare.declared`): its pin is checked, and its staleness said."""
     from vd.workflow.declare import declared
 
-    entry = declared(golden, config)
-    return None if entry is None else entry.pin
+    return declared(golden, config)
+
+
+def _note_stale(entry) -> None:
+    """A declared golden replayed alone whose declaration has moved past it: said on stderr (a suite replay calls
+    it an ERROR, `vd status` stale; a replay of the golden as stored goes on to its verdict)."""
+    if entry is None:
+        return
+    from vd.workflow.suite import stale_now
+
+    stale = stale_now(entry)
+    if stale:
+        err.print(f"vd: note: {entry.name} is stale against its declaration ({'; '.join(stale)}): replayed as "
+                  f"stored; vd replay --suite calls it an ERROR until vd record --suite {entry.name} --refresh "
+                  "--reason TEXT records it as declared")
 
 
 def _settings(asked: dict):
