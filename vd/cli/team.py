@@ -125,10 +125,7 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     check_distinct(outputs)
     for flag, path in outputs.items():
         check_writable(flag, path, [e.path for e in entries], directory=flag == "--bundle")
-    for place in [bundle / e.name for e in entries] if bundle is not None else []:  # each golden's, by its name
-        why = check_bundle_place(f"--bundle {place}", place, {**outputs, "--bundle": None})
-        if why is not None:
-            raise UsageError(why)
+    _check_bundle_places(bundle, [e.name for e in entries], outputs)
     from vd.replayer import ReplaySettings, render, words
     from vd.workflow.suite import Models, SuiteReport, for_entry, replay_plan
     from vd.workflow.suite import replay_suite as do_replay
@@ -162,6 +159,14 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
         for line in words.next_lines(o.report, o.name, bundles.get(o.name)) if o.report is not None else []:
             out.print(f"{o.name}: {line}" if line == "next step:" else line)
     return done.code
+
+
+def _check_bundle_places(bundle: Path | None, names: list[str], outputs: dict) -> None:
+    """Each golden's bundle place, a folder of its name in ``bundle`` (`vd.outputs.check_bundle_place`)."""
+    for place in [bundle / name for name in names] if bundle is not None else []:
+        why = check_bundle_place(f"--bundle {place}", place, {**outputs, "--bundle": None})
+        if why is not None:
+            raise UsageError(why)
 
 
 def _bundle_args(settings) -> dict:
