@@ -48,6 +48,8 @@ def read_regular(path: str | os.PathLike, name: str, *, dir_fd: int | None = Non
         if missing_ok:
             return None
         raise
+    except OSError as e:  # a link loop (ELOOP), a name too long: named as the golden's file, not the link's target
+        raise GoldenCorruptError(f"{name} cannot be read: {e.strerror or e}") from None
     if stat.S_ISDIR(mode) and missing_ok:
         return None
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=dir_fd) if stat.S_ISREG(mode) else -1

@@ -136,9 +136,11 @@ class Directory:
                     check_inside(self.path, key, f"{self.url}/{key}")
                     try:
                         st = os.stat(name, dir_fd=rfd)
-                    except FileNotFoundError:
+                    except OSError as e:  # it leads nowhere, or round in a loop (ELOOP)
                         raise GoldenCorruptError(f"{self.url}/{key} is a symbolic link to "
-                                                 f"{os.readlink(name, dir_fd=rfd)}, which does not exist") from None
+                                                 f"{os.readlink(name, dir_fd=rfd)}, which "
+                                                 + ("does not exist" if isinstance(e, FileNotFoundError)
+                                                    else f"cannot be read: {e.strerror or e}")) from None
                 if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
                     raise GoldenCorruptError(f"{self.url}/{key} is {file_kind(st.st_mode)}, not a regular file")
                 out[key] = st.st_size
