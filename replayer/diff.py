@@ -64,6 +64,7 @@ def diff(a_path: str | os.PathLike, b_path: str | os.PathLike, *, tolerances: Se
 def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> DiffReport:
     _same_recording(a, b)
     policy = Policy.parse(tolerances, a.meta.get("policy"))
+    policy.check_vocab(a.info.vocab)  # a topk:N over every token catches nothing, as a replay refuses it
     if a.slim and policy.needs_rows:
         raise UsageError(f"{a.url} is slim: judging {', '.join(policy.needs_rows)} rows needs its rows")
     a.check_files()  # every stored byte of both, against their manifests: a damaged golden is no reference,

@@ -33,6 +33,8 @@ def test_diff_two_goldens(cli, tiny_golden, tmp_path):
     assert (c["first_failure"]["step"], c["first_failure"]["row"], c["first_failure"]["index"]) == (5, 2, 100)
     assert c["summary"]["verify"]["rows_failed"] == 1
     assert cli("diff", tiny_golden, other, "--tolerance", "atol:0.0625,rtol:0")[0] == 0
+    code, out, err = cli("diff", tiny_golden, other, "--tolerance", "topk:512")  # every token: PASSed (a user test)
+    assert code == 2 and "the vocabulary has 512 tokens, so the top 512 are all of them" in err, out + err
     assert cli("diff", tiny_golden, other, "--tolerance", "atol:0.06,rtol:0")[0] == 1
 
 
