@@ -21,8 +21,8 @@ class Mismatch:
     step: int | None
     row: int
     index: int | None  # None where the golden's rows were not at hand
-    golden: float
-    got: float
+    golden: float | None  # None with the index
+    got: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +50,8 @@ class Failure:
     step: int | None
     row: int
     index: int | None
-    golden: float
-    got: float
+    golden: float | None  # None where the index is (a slim golden's rows not at hand)
+    got: float | None
     policy: str
     argmax_flipped: bool
 

@@ -63,7 +63,8 @@ class _Kind:
             return None
         f = int(bad[0])
         step, row = self.where(f)
-        return Mismatch(step, row, _int(r.first_index[f]), float(r.first_golden[f]), float(r.first_got[f]))
+        at = r.first_index[f]
+        return Mismatch(step, row, _int(at), *_values(at, r.first_golden[f], r.first_got[f]))
 
     def bad_steps(self, skip: int = 0) -> list[int]:
         """The steps holding a differing row past the first ``skip`` rows (those rows sit in steps)."""
@@ -178,8 +179,9 @@ def _decisions(kinds: dict[str, _Kind], logical: str, policy: Policy
             if step is not None:
                 failed.add(step)
             order = (-1 if step is None else step, _ORDER[kd.name] if step is not None else int(kd.name == "draft"))
-            failures.append((order, row, Failure(kd.name, step, row, _int(r.first_index[f]), float(r.first_golden[f]),
-                                                 float(r.first_got[f]), policy[kd.name].text, flip is not None)))
+            failures.append((order, row, Failure(kd.name, step, row, _int(r.first_index[f]),
+                                                 *_values(r.first_index[f], r.first_golden[f], r.first_got[f]),
+                                                 policy[kd.name].text, flip is not None)))
     failures.sort(key=lambda x: (x[0], x[1]))
     return flips, failures, failed
 
@@ -208,6 +210,12 @@ def _accept_changes(side: GoldenSide, run: Run, flips: list[Flip]) -> list[Accep
 
 def _int(x: float) -> int | None:
     return None if np.isnan(x) else int(x)
+
+
+def _values(index: float, golden: float, got: float) -> tuple[float | None, float | None]:
+    """A first differing element's two values; None where its place is unknown (a slim golden's rows not at hand:
+    a NaN there read as the model's own NaN, found by a user test)."""
+    return (None, None) if np.isnan(index) else (float(golden), float(got))
 
 
 def _per_step(kinds: dict[str, _Kind], layout: RowLayout, failed: set[int]) -> tuple[StepFigures, ...]:

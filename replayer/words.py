@@ -90,6 +90,8 @@ def failure_text(f: Failure | None) -> str:
         return f"{where}: its argmax differs"
     if f.policy.startswith("topk:"):
         return f"{where}: its top {f.policy.removeprefix('topk:')} tokens differ"
+    if f.index is None:
+        return f"{where}: differs (its elements unknown: the golden's rows are not at hand)"
     return f"{where} index {f.index}: golden {f.golden!r}, got {f.got!r}"
 
 

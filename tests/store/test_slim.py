@@ -124,8 +124,11 @@ def test_a_slim_golden_is_accepted_through_its_full_golden(cli, tiny_copy, tmp_p
     (it would put a full golden in its place, its full golden left stale), naming the same way."""
     s = tmp_path / "s.zarr"
     assert cli("slim", tiny_copy, s)[0] == 0
-    code, out, err = cli("replay", s, "--forward", "sdpa", "--k", "2")
+    code, out, err = cli("replay", s, "--forward", "sdpa", "--k", "2", "--report", tmp_path / "r.json")
     assert code == 1 and "(the golden is slim: add --rows FULL, the full golden it was made from" in out, out + err
+    (c,) = json.loads((tmp_path / "r.json").read_text())["verify"][0]["comparisons"]
+    first = c["prefill_first_mismatch"] or c["first_mismatch"]  # the place known, not the values: null, not "nan"
+    assert first["index"] is None and first["golden"] is None and first["got"] is None, first
     code, out, err = cli("replay", s, "--forward", "sdpa", "--k", "2", "--rows", tiny_copy)
     steps = out.split("next step:")[1]
     assert code == 1 and f"--rows {tiny_copy}" in steps and "both rows in rows.npz" in steps, out + err
