@@ -29,7 +29,8 @@ import torch
 
 from vd import protocol
 from vd.errors import UsageError
-from vd.loop import accepted, reference_drafts
+from vd.layout import accepted
+from vd.loop import reference_drafts
 from vd.protocol import BatchedForwards, ModelIdentity, VerifyModel
 
 

@@ -8,7 +8,7 @@ draft rows. This module holds no tensors and does no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,3 +136,13 @@ class RowLayout:
             out[kind] = flat[at:at + n]
             at += n
         return out
+
+
+def accepted(tokens: Sequence[int], argmaxes: Sequence[int]) -> int:
+    """Leading drafts the verify accepted: draft ``j`` stands when row ``j - 1``'s argmax is it."""
+    n = 0
+    for j in range(1, len(tokens)):
+        if argmaxes[j - 1] != tokens[j]:
+            break
+        n += 1
+    return n

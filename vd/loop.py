@@ -28,7 +28,7 @@ import torch
 from vd import protocol
 from vd.digest import digest
 from vd.errors import AdapterError, ModelOutputError, UsageError
-from vd.layout import RowLayout, Step
+from vd.layout import RowLayout, Step, accepted
 from vd.protocol import VerifyModel
 
 
@@ -195,16 +195,6 @@ class Run:
         for st in self.steps:
             out.extend(st.tokens[: st.accepted + 1])
         return out
-
-
-def accepted(tokens: Sequence[int], argmaxes: Sequence[int]) -> int:
-    """Leading drafts the verify accepted: draft ``j`` stands when row ``j - 1``'s argmax is it."""
-    n = 0
-    for j in range(1, len(tokens)):
-        if argmaxes[j - 1] != tokens[j]:
-            break
-        n += 1
-    return n
 
 
 def corrupted_draft(s: int, k: int) -> int | None:

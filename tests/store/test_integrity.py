@@ -242,3 +242,43 @@ def test_each_field_written_with_a_wrong_type_ends_in_a_verdict_or_one_line(made
                 assert replay(copy, ReplaySettings(), model=tiny).verdict in ("PASS", "FAIL"), path
             except (GoldenError, ModelMismatchError, UsageError):  # refused, one line (e.g. no forward "x")
                 pass
+
+
+def _forge_content(meta: dict) -> None:
+    meta["content_digest"] = meta["history"][-1]["content_digest"] = "sha256:" + "1" * 64
+
+
+def _break_chain(meta: dict) -> None:
+    meta["history"].append({**meta["history"][0], "version": 2, "reason": "again", "previous": "sha256:" + "0" * 64})
+
+
+def _accept_more(golden: Path) -> None:
+    """Step 1 of K=2 (a corrupted draft, 0 accepted) said to accept its draft, in the array and the metadata's copy."""
+    array = zarr.open_array(zarr.storage.LocalStore(golden / "k2" / "accepted"), mode="r+")
+    a = array[...]
+    assert a[1] == 0
+    a[1] = 1
+    array[...] = a
+    edit_meta(golden, lambda m: m["logs"]["2"]["accepted"].__setitem__(1, 1))
+
+
+@pytest.mark.parametrize("forge, said", [
+    (lambda g: edit_meta(g, lambda m: m.__setitem__("content_digest", "sha256:" + "1" * 64)),
+     ("metadata field 'content_digest' is 'sha256:111", ", not its history's last version's")),
+    (lambda g: edit_meta(g, _forge_content), ("metadata field 'content_digest' is sha256:" + "1" * 64,
+                                              ", not what its step logs and row digests make (sha256:")),
+    (lambda g: edit_meta(g, _break_chain), ("metadata field 'history': version 2's previous content digest is "
+                                            "'sha256:000", ", not version 1's")),
+    (_accept_more, ("k2: step 1 accepted 1 draft(s) of [", "and its rows' argmaxes"))])
+def test_a_golden_whose_own_figures_disagree_is_refused_by_verify(made, tmp_path, forge, said):
+    """Edits a golden's files cannot show once its manifest and ID are made again to match (found by a user test):
+    a content digest that is not its history's last, or not what its logs and row digests make (a pin copies it
+    from `vd show`); a history whose versions do not chain; an accept count its rows' argmaxes do not make. `vd
+    verify` said intact; each is refused (exit 2, one line) and a replay of it never PASSes."""
+    golden = tmp_path / "g.zarr"
+    shutil.copytree(made / "g.zarr", golden)
+    forge(golden)
+    code, err = _cli("verify", golden)
+    assert code == 2 and all(n in err for n in said) and err.count("\n") == 1, err
+    code, err = _cli("replay", golden, "--model", "tiny-llama", "--verify")
+    assert code == 2 and all(n in err for n in said), err

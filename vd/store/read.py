@@ -21,7 +21,7 @@ import numpy as np
 from vd import digest as _digest
 from vd.dtypes import to_tensor
 from vd.errors import GoldenCorruptError, GoldenError, GoldenNotFoundError, NotAGoldenError, UsageError
-from vd.layout import RowLayout, StepLog
+from vd.layout import RowLayout, StepLog, accepted
 from vd.preflight import golden_meta
 from vd.store import atomic, manifest
 from vd.store import format as F
@@ -276,6 +276,27 @@ class Golden:
                 self.summary(k)
             else:
                 self.verify_rows(k)
+            self._check_accepts(k)
+        stored = self.meta.get("content_digest")
+        if stored is not None and stored != self.content_digest():
+            raise GoldenCorruptError(f"{self.url}: metadata field 'content_digest' is {stored}, not what its step "
+                                     f"logs and row digests make ({self.content_digest()})")
+
+    def _check_accepts(self, k: int) -> None:
+        """K's accept counts against its verify rows' argmaxes (as stored beside their digests): each the drafts
+        that stand where the row before each is its argmax (`vd.layout.accepted`), as the recording counted them. Not
+        a candidate's, which keeps the golden's counts; nor at a row whose largest |logit| is not finite."""
+        if "candidate" in self.meta:
+            return
+        log = self.checked_log(k)
+        stats = self.layout(k).split(self.summary(k)[1])["verify"]  # (not `side`: it would hold this golden)
+        top = stats[:, _digest.STATS.index("argmax")].astype(np.int64)
+        finite = np.isfinite(stats[:, _digest.STATS.index("absmax")])
+        for s, (tokens, n) in enumerate(zip(log.tokens.tolist(), log.accepted.tolist())):
+            rows = slice(s * k, s * k + k)
+            if finite[rows].all() and accepted(tokens, top[rows].tolist()) != n:
+                raise GoldenCorruptError(f"{self.where(k)}: step {s} accepted {n} draft(s) of {tokens}, and its rows' "
+                                         f"argmaxes {top[rows].tolist()} accept {accepted(tokens, top[rows].tolist())}")
 
     def check_sizes(self) -> None:
         """Every file the manifest lists there at its size, and no other (`vd.store.manifest.check_sizes`): what

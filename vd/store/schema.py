@@ -144,6 +144,14 @@ def _check_written(meta: Mapping, vocab: int, decode: int | None, where: str) ->
             for i, e in enumerate(history)):
         raise GoldenCorruptError(f"{where}: metadata field 'history' is {brief(history)}, expected its versions "
                                  "1, 2, ... each with its reason and content digest (format 5 and later)")
+    broken = next((i for i in range(1, len(history)) if history[i].get("previous") != history[i - 1]["content_digest"]),
+                  None)
+    if broken is not None:  # each version names the one it replaced (a migration: its own content digest)
+        raise GoldenCorruptError(f"{where}: metadata field 'history': version {broken + 1}'s previous content digest "
+                                 f"is {brief(history[broken].get('previous'))}, not version {broken}'s")
+    if meta.get("content_digest") != history[-1]["content_digest"]:
+        raise GoldenCorruptError(f"{where}: metadata field 'content_digest' is {brief(meta.get('content_digest'))}, "
+                                 "not its history's last version's")
     for key, test, want in (("environment", lambda v: isinstance(v, Mapping) and v, "the recording's environment"),
                             ("greedy", lambda v: _ints(v, 0, vocab) and len(v) >= 1
                              and (decode is None or len(v) == decode + 1), "the greedy continuation's token ids")):
