@@ -312,14 +312,16 @@ _CSS = ("body{font-family:sans-serif;margin:24px;max-width:1250px}.PASS{color:#2
         "pre{white-space:pre-wrap}svg{display:block}")
 
 
-def write_html(path: Path, report: Report, command: str | Sequence[str] | None = None) -> None:
+def write_html(path: Path, report: Report, command: str | Sequence[str] | None = None, bundle: str | None = None
+               ) -> None:
     """One offline page for one replay: the header (``command``, the replay's time, vd's version) and the
-    golden's section (see the module's docstring)."""
+    golden's section (see the module's docstring); ``bundle``: the first-divergence bundle the replay wrote, which
+    its next step names."""
     name = golden_name(report.golden)
     replayed = report.environment.replayed.get("time")
     with _Plots() as plots:
         body = [f"<h1>vd replay: <span class='{report.verdict}'>{report.verdict}</span></h1>",
-                _header(command, "replayed at", replayed or _now()), _section(plots, name, report, None)]
+                _header(command, "replayed at", replayed or _now()), _section(plots, name, report, None, bundle)]
     _write_page(path, f"vd replay {name}: {report.verdict}", body)
 
 
@@ -330,9 +332,11 @@ def write_error_html(path: Path, name: str, error: str, command: str | Sequence[
     _write_page(path, f"vd replay {name}: ERROR", body)
 
 
-def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequence[str] | None = None) -> None:
+def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequence[str] | None = None,
+                     bundles: Mapping[str, str] | None = None) -> None:
     """One offline page for several goldens, ``(name, report, error)`` each: the header, a table of their
-    verdicts, then a section per golden (`write_html`'s), or its error where its replay did not complete."""
+    verdicts, then a section per golden (`write_html`'s), or its error where its replay did not complete;
+    ``bundles``: the first-divergence bundles written, by golden."""
     verdict = "PASS" if all(r is not None and r.verdict == "PASS" for _, r, _ in entries) else "FAIL"
     rows = []
     for name, report, error in entries:
@@ -343,8 +347,8 @@ def write_suite_html(path: Path, entries: Sequence[Entry], command: str | Sequen
         body = [f"<h1>vd replay: {len(entries)} goldens, <span class='{verdict}'>{verdict}</span></h1>",
                 _header(command, "written at", _now()),
                 "<table><tr><th>golden</th><th>verdict</th><th>first reason</th></tr>" + "".join(rows) + "</table>"]
-        body += [_section(plots, name, report, name) if report is not None else _error_section(name, error)
-                 for name, report, error in entries]
+        body += [_section(plots, name, report, name, (bundles or {}).get(name)) if report is not None
+                 else _error_section(name, error) for name, report, error in entries]
     _write_page(path, f"vd replay: {len(entries)} goldens, {verdict}", body)
 
 
@@ -378,9 +382,10 @@ def _error_section(name: str, error: str | None) -> str:
             f"<p>The replay did not complete:</p><pre>{html.escape(error or 'no error text')}</pre></section>")
 
 
-def _section(plots: _Plots, name: str, report: Report, declared: str | None) -> str:
+def _section(plots: _Plots, name: str, report: Report, declared: str | None, bundle: str | None = None) -> str:
     """One golden's verdict, facts, reasons, environment differences, next step, policy and plots per K;
-    ``declared``: the golden's name in its suite's declaration (None for a golden replayed by its path)."""
+    ``declared``: the golden's name in its suite's declaration (None for a golden replayed by its path);
+    ``bundle``: its first-divergence bundle, where one was written."""
     e, v = html.escape, report.verdict
     out = [f"<section id='golden-{_slug(name)}'><h2>{e(name)}: <span class='{v}'>{v}</span></h2>", _facts(report)]
     if report.reasons:
@@ -388,7 +393,7 @@ def _section(plots: _Plots, name: str, report: Report, declared: str | None) -> 
     diffs = report.environment.numerics_differences
     out.append("<div class='env'><b>Environment differences</b> (recorded → replayed): "
                + ("none" if not diffs else "<ul>" + "".join(f"<li>{e(d)}</li>" for d in diffs) + "</ul>") + "</div>")
-    out.append(_next_step(report, declared))
+    out.append(_next_step(report, declared, bundle))
     out.append("<h3>Policy</h3><table><tr><th>rows</th><th>policy</th><th>smallest change it is guaranteed to "
                "catch</th></tr>" + "".join(f"<tr><td>{e(kind)}</td><td>{e(s.policy)}</td><td>{e(s.catches)}"
                                            "</td></tr>" for kind, s in report.sensitivity.items()) + "</table>")
@@ -406,10 +411,10 @@ def _facts(report: Report) -> str:
         + "</table>"
 
 
-def _next_step(report: Report, declared: str | None) -> str:
+def _next_step(report: Report, declared: str | None, bundle: str | None) -> str:
     """What to do about the verdict (`vd.replayer.words.next_steps`): a paragraph on a PASS, a list on a FAIL,
     each command as code."""
-    steps = [_html_step(step) for step in words.next_steps(report, declared)]
+    steps = [_html_step(step) for step in words.next_steps(report, declared, bundle)]
     if report.verdict == "PASS":
         return f"<p class='next'><b>Next step:</b> {steps[0]}</p>"
     return "<div class='next'><b>Next step</b><ul>" + "".join(f"<li>{i}</li>" for i in steps) + "</ul></div>"

@@ -59,6 +59,8 @@ def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path, monke
     r = json.loads(report.read_text())
     bundle = Path(r["bundle"])
     assert bundle == tmp_path / "r.json.bundle" and r["report_version"] == 1
+    page = (tmp_path / "r.html").read_text()  # its next step the bundle written, as the terminal's (a user test)
+    assert f"in its bundle <code>{bundle}/</code>" in page and "replay.json.bundle" not in page
     failure = json.loads((bundle / "failure.json").read_text())
     assert failure["k"] == 2 and failure["step"] == 5 and failure["kind"] == "verify"
     rows = np.load(bundle / "rows.npz")
@@ -148,14 +150,15 @@ def test_a_bundle_is_one_replays_and_strict_json(cli, tiny_golden, tmp_path):
     bundle = tmp_path / "r.json.bundle"
     assert cli("slim", tiny_golden, tmp_path / "s.zarr")[0] == 0
     assert cli("replay", tmp_path / "s.zarr", "--model", perturb, "--report", report)[0] == 1
-    assert strict(bundle / "failure.json")["first_failure"]["golden"] == "nan"
+    assert strict(bundle / "failure.json")["first_failure"]["golden"] is None  # unknown: a slim golden
     strict(report)
     (bundle / "replay.json").write_text("{}")  # as its command.sh leaves it, with its own bundle
     (bundle / "replay.json.bundle").mkdir()
     for name in ("command.sh", "failure.json"):
         shutil.copy(bundle / name, bundle / "replay.json.bundle" / name)
     code, out, err = cli("replay", tmp_path / "s.zarr", "--report", report)
-    assert code == 0 and json.loads(report.read_text()).get("bundle") is None and not bundle.exists(), err
+    r = json.loads(report.read_text())
+    assert code == 0 and "bundle" in r and r["bundle"] is None and not bundle.exists(), err  # the key, null
     assert cli("replay", tmp_path / "s.zarr", "--model", perturb, "--report", report)[0] == 1
     (bundle / "replay.json").write_text("{}")
     (bundle / "notes.txt").write_text("mine")

@@ -453,7 +453,7 @@ def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None,
     """A replay's bundle (on failure), JSON report, JUnit XML and HTML page, those asked for; the JSON."""
     from vd.replayer import render  # imported here as the replayer is, for a quick `vd --help`
 
-    data = result.to_json()
+    data = {**result.to_json(), "bundle": None}  # the bundle's folder where one is written (the key always there)
     if bundle is None:
         bundle = default_bundle(report)
     if bundle is not None:
@@ -465,7 +465,7 @@ def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None,
     if junit is not None:
         render.write_junit(junit, result)
     if html is not None:
-        render.write_html(html, result, command=["vd", *sys.argv[1:]])
+        render.write_html(html, result, command=["vd", *sys.argv[1:]], bundle=data.get("bundle"))
     return data
 
 

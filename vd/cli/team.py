@@ -142,8 +142,6 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     listed = [(o.name, o.report, o.error) for o in outcomes]
     if junit is not None:
         render.write_suite_junit(junit, listed)
-    if html is not None:
-        render.write_suite_html(html, listed, command=["vd", *sys.argv[1:]])
     bundles: dict[str, str] = {}
     for o in outcomes:
         if bundle is not None:
@@ -151,6 +149,9 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
         if bundle is not None and o.report is not None and o.report.failure_rows is not None:
             bundles[o.name] = str(render.write_bundle(bundle / o.name, o.report, _bundle_args(settings),
                                                       environ).parent)
+    if html is not None:  # (after the bundles: each golden's next step names its own)
+        render.write_suite_html(html, listed, command=["vd", *sys.argv[1:]], bundles=bundles)
+    for o in outcomes:
         for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, done.details(o), bullet="- "):
             out.print(line)
     out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads, shard, len(selected)),
