@@ -136,7 +136,8 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
     return Report(
         golden=g.url,
         model=ModelFacts(m["spec"], m.get("name"), m["fingerprint"], model.identity().name,
-                         s.settings.model if s.settings.model not in (None, m["spec"]) else None),
+                         s.settings.model if s.settings.model not in (None, m["spec"]) else None,
+                         s.settings.allow_model_mismatch),
         graphs="graphed" if all(graphed) else "eager" if not any(graphed) else "mixed",
         mtp=g.info.drafted, head=g.meta.get("mtp"), feed=g.info.feed, steps=g.info.steps, dtype=g.logical,
         variants=tuple(Variant(n, s.offered[n], n == g.info.forward, "graphed" if gr else "eager")

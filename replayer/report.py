@@ -267,13 +267,15 @@ class FailureRows:
 class ModelFacts:
     """The golden's model (its SPEC, name and fingerprint), the identity it was ``replayed_with`` and
     ``replayed_spec``: the model SPEC that ran when it was not the golden's own (a plug-in wrapping the
-    golden's model, say), else None."""
+    golden's model, say), else None; ``mismatch_allowed``: whether the replay was told to run a model of
+    another fingerprint (``--allow-model-mismatch``), which the command replaying its failure passes again."""
 
     spec: str
     name: str | None
     fingerprint: str
     replayed_with: str
     replayed_spec: str | None
+    mismatch_allowed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -559,7 +559,8 @@ def next_steps(report: Report, declared: str | None, bundle: str | None = None) 
                         " replays just that."))
         else:
             rows_from = report.rows.source if report.rows.slim else None  # (a full golden's source is itself)
-            cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec, "rows": rows_from},
+            cmd = shlex.join(reproduce_command(report, {"model": report.replayed_spec, "rows": rows_from,
+                                                        "allow_model_mismatch": report.model.mismatch_allowed},
                                                "replay.json"))
             out.append((f"{look}: ", Code(cmd), " replays just that and writes its first-divergence bundle to ",
                         Code("replay.json.bundle/"), " (", *both, ", ", Code("failure.json"), ", ",
@@ -615,13 +616,18 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
         return ("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
                 ", or record the golden again on the trusted build: ",
                 Code(f"vd record {shlex.quote(report.golden)} --refresh"), ".")
+    spec = None if report.replayed_spec is None else _portable_spec(report.replayed_spec)  # another model ran too
     if declared is not None:  # the declaration says what a refresh records
         return (f"To make {forward} the golden's forward, declare it (", Code(f'forward = "{forward}"'),
+                *(() if spec is None else (" and ", Code(f'model = "{spec}"'))),
                 f" in {declared}'s declaration) and refresh: ",
                 Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"), ".")
-    return (f"To make {forward} the golden's forward, record it with it: ",
-            Code(shlex.join(["vd", "record", target, "--refresh", "--forward", str(forward)]) + " --reason TEXT"),
-            f" (vd refresh records the golden's own, {report.golden_forward}).")
+    model = [] if spec is None else ["--model", spec]
+    return (f"To make {forward} the golden's forward{'' if spec is None else f' and {spec} its model'}, record it "
+            "with it: ", Code(shlex.join(["vd", "record", target, "--refresh", *model, "--forward", str(forward)])
+                              + " --reason TEXT"),
+            f" (vd refresh records the golden's own, {report.golden_forward}"
+            + ("" if spec is None else f" of {report.model.spec}") + ").")
 
 
 def _accept_other_model(report: Report, declared: str | None, target: str) -> NextStep:

@@ -96,6 +96,23 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
     assert code == 0 and "next step" not in out
 
 
+def test_a_fail_of_another_model_and_forward_says_both(cli, tiny_golden, tmp_path, monkeypatch):
+    """Another model (allowed) under another forward: the next step's command left --allow-model-mismatch out (it
+    was refused), and its way to accept recorded the golden's own model again (found by a user test)."""
+    code, out, err = cli("replay", tiny_golden, "--model", "tiny-llama-shape", "--k", "2", "--allow-model-mismatch",
+                         "--forward", "static")
+    assert code == 1, err
+    steps = out.split("next step:")[1].splitlines()
+    assert " --allow-model-mismatch --report replay.json replays just that" in steps[1], steps
+    assert steps[2] == (f"  - To make static the golden's forward and tiny-llama-shape its model, record it with it: "
+                        f"vd record {tiny_golden} --refresh --model tiny-llama-shape --forward static --reason TEXT "
+                        "(vd refresh records the golden's own, eager of tiny-llama).")
+    monkeypatch.chdir(tmp_path)
+    look = steps[1].split(": ", 1)[1].split(" replays just that")[0].split()
+    code, out, err = cli(*look[1:])  # as printed, it fails the same way
+    assert code == 1 and "FAIL" in out, out + err
+
+
 def test_a_fail_of_another_forward_says_how_to_record_with_it(cli, tiny_golden):
     """A forward other than the golden's failing: a refresh would record the golden's own forward (eager) again,
     so the way to accept it is a recording with that forward, said as the command to run."""
