@@ -54,6 +54,7 @@ class Failure:
     got: float | None
     policy: str
     argmax_flipped: bool
+    within: bool = False  # the row is within its policy's SPEC: it fails for its changed argmax alone
 
 
 @dataclass(frozen=True, slots=True)

@@ -181,7 +181,7 @@ def _decisions(kinds: dict[str, _Kind], logical: str, policy: Policy
             order = (-1 if step is None else step, _ORDER[kd.name] if step is not None else int(kd.name == "draft"))
             failures.append((order, row, Failure(kd.name, step, row, _int(r.first_index[f]),
                                                  *_values(r.first_index[f], r.first_golden[f], r.first_got[f]),
-                                                 policy[kd.name].text, flip is not None)))
+                                                 policy[kd.name].text, flip is not None, bool(r.passed[f]))))
     failures.sort(key=lambda x: (x[0], x[1]))
     return flips, failures, failed
 

@@ -86,6 +86,8 @@ def failure_text(f: Failure | None) -> str:
         where = f"prefill row {f.row}" if f.kind == "prefill" else "draft bootstrap row"
     else:
         where = f"{f.kind} step {f.step} row {f.row}"
+    if f.within:  # the row is within its SPEC: what fails is its changed argmax (a decision the policy forbids)
+        return f"{where}: within {f.policy}, but its argmax changed"
     if f.policy == "argmax":  # (an element's two values say nothing of an argmax, or of the top N)
         return f"{where}: its argmax differs"
     if f.policy.startswith("topk:"):
@@ -119,7 +121,7 @@ def _rows_head(label: str, name: str, c: Comparison) -> str:
     if c.policy.prefill.text == c.policy.verify.text == "exact":
         prefill = "equal" if c.prefill_equal else "differs"
         return (f"{label}, {name}: prefill {prefill}, {c.mismatched_steps} of {c.steps} steps differ (first "
-                f"at {mismatch_place(c.first_mismatch or c.prefill_first_mismatch)})")
+                f"at {mismatch_place(c.prefill_first_mismatch or c.first_mismatch)})")  # (the prefill runs first)
     v, p = c.summary["verify"], c.summary["prefill"]
     return (f"{label}, {name}: {v.rows_failed} of {v.rows} verify rows fail {c.policy.verify.text}, "
             f"{p.rows_failed} of {p.rows} prefill rows fail {c.policy.prefill.text} (largest |Δ| "

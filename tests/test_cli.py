@@ -118,6 +118,8 @@ def test_a_fail_of_another_forward_says_how_to_record_with_it(cli, tiny_golden):
     so the way to accept it is a recording with that forward, said as the command to run."""
     code, out, err = cli("replay", tiny_golden, "--forward", "sdpa", "--k", "2")
     assert code == 1, err
+    # the first place named is the prefill's, which runs first (as the first divergence is): it named step 0 row 0
+    assert "verify K=2, sdpa: prefill differs, 8 of 8 steps differ (first at prefill row 1 index 0: " in out, out
     lines = out.splitlines()
     at = lines.index("next step:")
     assert lines[at + 2] == (f"  - To make sdpa the golden's forward, record it with it: vd record {tiny_golden} "

@@ -181,3 +181,7 @@ def test_a_first_failure_under_argmax_or_topk_names_no_element():
     assert failure_text(Failure(**at, policy="argmax")) == "prefill row 61: its argmax differs"
     assert failure_text(Failure(**at, policy="topk:3")) == "prefill row 61: its top 3 tokens differ"
     assert failure_text(Failure(**at, policy="kl:0.01")) == "prefill row 61 index 0: golden 0.87109375, got 0.86328125"
+    # a row within its SPEC failing for its changed argmax alone: said so (it said "its top 2 tokens differ" of a
+    # row whose top two had only swapped, found by a user test)
+    assert failure_text(Failure(**at, policy="topk:2", within=True)) == \
+        "prefill row 61: within topk:2, but its argmax changed"
