@@ -571,13 +571,30 @@ def next_steps(report: Report, declared: str | None, bundle: str | None = None) 
     if failing_forwards(report):
         out.append(_accept_step(report, declared))
     if report.reasons_of(("control", "thin", "coverage")):
-        out.append(("The golden's own checks failed (see the reasons): a blind control means the policy is too loose "
-                    "to see a changed draft; a thin or uncovered golden needs recording again with more steps (",
-                    Code("vd record GOLDEN --refresh --steps N"), ")."))
+        out.append(_own_checks_step(report))
     if report.reasons_of(("environment",)):
         out.append(("The environment differs from the recording's (above): replay on a machine like the recording's "
                     "to tell a change in the code from a change of machine.",))
     return out
+
+
+def _own_checks_step(report: Report) -> NextStep:
+    """What the golden's own failed checks call for, each as its reasons say: a blind control, a policy too loose;
+    a thin golden, or accept counts more steps can reach, more steps; counts the reference feed never makes (its
+    reason says so), other widths or the drafter feed."""
+    parts: list[str | Code] = ["The golden's own checks failed (see the reasons)"]
+    if report.reasons_of(("control",)):
+        parts.append(": a blind control means the policy is too loose to see a changed draft")
+    coverage = [r.text for r in report.reasons_of(("coverage",))]
+    unreachable = any("more steps cannot reach it" in t for t in coverage)
+    if report.reasons_of(("thin",)) or (coverage and not unreachable):
+        parts += ["; " if len(parts) > 1 else ": ", "a thin or uncovered golden needs recording again with more "
+                  "steps (", Code("vd record GOLDEN --refresh --steps N"), ")"]
+    if unreachable:
+        parts += ["; " if len(parts) > 1 else ": ", "accept counts the reference feed never makes need other widths "
+                  "or the drafter feed (", Code("vd record GOLDEN --refresh --k 2,4"), "), or a replay without ",
+                  Code("--require-coverage"), ""]
+    return (*parts, ".")
 
 
 def failing_forwards(report: Report) -> set[str | None]:

@@ -96,6 +96,17 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
     assert code == 0 and "next step" not in out
 
 
+def test_coverage_the_reference_feed_cannot_reach_is_not_sent_to_more_steps(cli, tiny_golden):
+    """K=3 under the reference feed never accepts 0 drafts: its coverage reason says more steps cannot reach it, and
+    the next step said to record again with more steps (found by a user test). It names other widths, or the
+    drafter feed, or a replay without --require-coverage."""
+    code, out, err = cli("replay", tiny_golden, "--require-coverage", "--k", "3")
+    assert code == 1 and "more steps cannot reach it" in out, out + err
+    steps = out.split("next step:")[1]
+    assert "--steps N" not in steps and "need other widths or the drafter feed (vd record GOLDEN --refresh --k " \
+        "2,4), or a replay without --require-coverage." in steps, steps
+
+
 def test_a_fail_of_another_model_and_forward_says_both(cli, tiny_golden, tmp_path, monkeypatch):
     """Another model (allowed) under another forward: the next step's command left --allow-model-mismatch out (it
     was refused), and its way to accept recorded the golden's own model again (found by a user test)."""
