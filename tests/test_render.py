@@ -72,7 +72,9 @@ def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path, monke
     assert "hunter2" not in command and "DATABASE_URL" not in command
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "VD_PERTURB_STEP"}
+    # no vd on PATH (a CI artifact run elsewhere, a machine running vd as python3 -m vd): the Python that wrote it
+    env = {k: v for k, v in os.environ.items() if k != "VD_PERTURB_STEP"} | {"PATH": "/usr/bin:/bin"}
+    assert subprocess.run(["sh", "-c", "command -v vd"], env=env, capture_output=True).returncode != 0
     done = subprocess.run(["sh", str(bundle / "command.sh")], capture_output=True, text=True, timeout=300,
                           cwd=elsewhere, env=env)
     assert done.returncode == 1, done.stderr

@@ -91,7 +91,7 @@ def test_tp2_golden_replays_bit_for_bit_at_tp2_and_as_another_build_at_tp1(tmp_p
     bundle = tmp_path / "r1.json.bundle"  # (the next step names it) and its command replays at --tp 1:
     assert f"in its bundle {bundle}/" in r.stdout and f"sh {bundle / 'command.sh'} replays just that" in r.stdout
     command = (bundle / "command.sh").read_text()
-    assert f"vd replay {g} --k 2 --forward static --tp 1 --tolerance" in command  # (--tp 2 is the default)
+    assert f'"$@" replay {g} --k 2 --forward static --tp 1 --tolerance' in command  # (--tp 2 is the default)
 
     # Without --tp, the golden's degree, as its forward and device: it took one process, and FAILed as another
     # build; `vd record --refresh` re-recorded it in one process, moving every row.
