@@ -37,7 +37,7 @@ from vd.models.inductor import caches_off, compiles, keep_artifacts
 from vd.models.specs import golden_dir, portable
 from vd.outputs import brief, size_text
 from vd.policy import Policy, Spec
-from vd.preflight import check_batch, check_threads
+from vd.preflight import check_batch, check_record_widths, check_threads
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
 from vd.store import GoldenWriter, Location, check_target, journal, locate
@@ -52,7 +52,6 @@ from vd.tracing import check_traceable, trace_k, trace_meta
 DEFAULT_PROMPT = "Explain how speculative decoding speeds up a large language model."
 DEFAULT_KS = (2, 3, 4)
 DEFAULT_STEPS = 16
-MAX_K = 16
 FEEDS = ("reference", "mtp")
 
 
@@ -87,13 +86,7 @@ class RecordSettings:
 
     def check(self) -> Policy:
         """Refuse settings that cannot work, before any work; the policy they ask for."""
-        if not self.ks:
-            raise UsageError("--k needs at least one verify width")
-        bad = [k for k in self.ks if not 2 <= k <= MAX_K]
-        if bad:
-            raise UsageError(f"verify width K must be 2..{MAX_K}; got {bad}")
-        if len(set(self.ks)) != len(self.ks):
-            raise UsageError(f"repeated verify width in --k {list(self.ks)}")
+        check_record_widths(self.ks)
         if self.feed not in FEEDS:
             raise UsageError(f"unknown feed {self.feed!r} (choose from {', '.join(FEEDS)})")
         if self.steps < 1:

@@ -692,6 +692,9 @@ def test_usage_errors_are_answered_before_torch_is_imported(tmp_path):
         (["record", "out.zarr", "--dtype", "int8"], "Invalid value for '--dtype': 'int8' is not one of"),
         (["record", "out.zarr", "--steps", "0"], "--steps"),
         (["record", "out.zarr", "--threads", "0"], "--threads"),
+        (["record", "out.zarr", "--k", "1"], "verify width K must be 2..16; got [1]"),  # (took 2 s: a user test)
+        (["record", "out.zarr", "--k", "2,17"], "verify width K must be 2..16; got [17]"),
+        (["refresh", "tinny", "--reason", "x"], "'tinny' is neither a declared golden nor a golden on disk"),
         # a one-value option given twice: click kept the last without a word (--k 2 --k 3 ran K=3 alone)
         (["replay", "nosuch.zarr", "--k", "2", "--k", "3"], "--k given 2 times (2, 3): it takes one value (--k 2,3"),
         (["record", "out.zarr", "--steps=4", "--steps", "5"], "--steps given 2 times (4, 5)"),

@@ -302,6 +302,20 @@ def check_widths(url: str, asked: Sequence[int], held: Sequence[int]) -> None:
         raise UsageError(f"{url} has no verify width {absent}; it holds K = {list(held)}")
 
 
+MAX_K = 16  # the widest verify a recording takes (a golden's reader checks the same: `vd.store.schema`)
+
+
+def check_record_widths(ks: Sequence[int]) -> None:
+    """The verify widths a recording is asked for, refused unless each is 2..`MAX_K`, once (before torch loads)."""
+    if not ks:
+        raise UsageError("--k needs at least one verify width")
+    bad = [k for k in ks if not 2 <= k <= MAX_K]
+    if bad:
+        raise UsageError(f"verify width K must be 2..{MAX_K}; got {bad}")
+    if len(set(ks)) != len(ks):
+        raise UsageError(f"repeated verify width in --k {list(ks)}")
+
+
 MAX_BATCH = 64  # sequences ``--batch`` may ask for
 
 

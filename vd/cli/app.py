@@ -102,6 +102,7 @@ def record(
     if resume:
         return _resumed(ctx, out_path)
     _check_record(out_path, refresh, summary, model, forward, device, threads, tolerance)
+    preflight.check_record_widths(k)
     preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp, recording=True)
     return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
 

@@ -277,6 +277,15 @@ def check_repin(entry, config: Path | None) -> None:
         check_pin_writable(_suite(config).file, entry)
 
 
+def _next_beside(path: Path) -> bool:
+    """Whether a publish cut short left a complete version of ``path`` beside it (``.NAME.next-*``, which a reader
+    puts in place: `vd.store.atomic.recover`)."""
+    try:
+        return any(n.startswith(f".{path.name}.next-") for n in os.listdir(path.parent))
+    except OSError:
+        return False
+
+
 def _existing(target: str, entry, config: Path | None) -> str:
     """The golden ``target`` names (a declared golden, else a path or URL), which must exist: a refresh never
     records a new golden (`vd record` does); else a usage error naming the declared goldens."""
@@ -284,12 +293,15 @@ def _existing(target: str, entry, config: Path | None) -> str:
     from vd.workflow.declare import find, load_suite
 
     path = entry.path if entry is not None else target
-    if preflight.peek(path).state not in ("absent", "remote"):  # a local path that holds something: torch not imported
+    state = preflight.peek(path).state
+    if state not in ("absent", "remote"):  # a local path that holds something: torch not imported
         return path
-    from vd.store import locate
+    cut_short = state == "absent" and _next_beside(Path(path))
+    if state == "remote" or cut_short:
+        from vd.store import locate
 
-    if locate(path).state() != "absent":  # (an object store asked; a publish cut short installed)
-        return path
+        if locate(path).state() != "absent":  # (an object store asked; a publish cut short installed)
+            return path
     if entry is not None:
         raise UsageError(f"vd refresh: {entry.name!r} is declared but not recorded yet ({path} does not exist); "
                          f"record it with vd record --suite {entry.name}")
