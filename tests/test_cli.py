@@ -933,6 +933,18 @@ def test_a_stale_golden_replayed_by_name_says_so(cli, tmp_path, monkeypatch):
             "vd replay --suite calls it an ERROR until vd record --suite t --refresh --reason TEXT" in err, err
 
 
+def test_near_misses_name_what_was_meant(cli, tiny_golden, tmp_path, monkeypatch):
+    """Three mistakes whose lines said too little (a user test): a mistyped declared name ("tinny does not exist"),
+    a tolerance without its number ("unknown tolerance 'ulp'"), a mistyped axis to locate (only forwards named)."""
+    (tmp_path / "vd.toml").write_text(f'[goldens.tiny]\npath = "{tiny_golden}"\nmodel = "tiny-llama"\n')
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(*cli("replay", "tinny"), f"tinny does not exist, and {tmp_path / 'vd.toml'} declares no golden "
+                                             "of that name (it declares tiny)")
+    _one_line_error(*cli("replay", "tiny", "--tolerance", "verify=ulp"), "(ulp takes its number: ulp:N)")
+    _one_line_error(*cli("locate", "tiny", "--between", "decdoe"), "--between decdoe: model tiny-llama has no "
+                    "forward 'decdoe'", "; or the axes decode and batch:N")
+
+
 def test_a_long_phase_says_its_count_every_half_minute():
     """The greedy continuation is about half a CPU recording: a log gets its count every 30 s, not one line
     at each end minutes apart."""

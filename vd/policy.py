@@ -65,7 +65,9 @@ def parse_spec(text: str) -> Spec:
     parses its policy's three)."""
     m = _SPEC.match(text.strip())
     if not m:
-        alone = " (atol takes its rtol: atol:X,rtol:Y)" if text.strip().startswith(("atol:", "rtol:")) else ""
+        alone = " (atol takes its rtol: atol:X,rtol:Y)" if text.strip().startswith(("atol:", "rtol:")) else \
+            f" ({text.strip()} takes its number: {text.strip()}:{'N' if text.strip() != 'kl' else 'X'})" \
+            if text.strip() in ("ulp", "topk", "kl") else ""
         raise UsageError(f"unknown tolerance {text!r}: use exact, ulp:N, atol:X,rtol:Y, argmax, topk:N or kl:X{alone}")
     t = text.strip()
     number = m["ulp"] or m["topk"] or m["kl"]

@@ -389,10 +389,20 @@ def golden_path(target: str, config: str | os.PathLike | None = None) -> str:
     """The golden a GOLDEN argument names: where ``target`` is a declared golden's NAME (in ``config``, else in
     the declaration found from here, `vd.workflow.declare.declared`), that golden's path; else ``target`` as
     given, a path. A name wins over a path of the same spelling, as in every command that takes one."""
-    from vd.workflow.declare import declared
+    from vd.workflow.declare import DeclarationError, declared, load_suite
 
     entry = declared(target, config)
-    return entry.path if entry is not None and entry.name == target else target
+    if entry is not None and entry.name == target:
+        return entry.path
+    if entry is None and target and "://" not in target and not os.path.lexists(target):
+        try:  # a mistyped name: "does not exist" alone hid the names a declaration here holds
+            suite = load_suite(config)
+        except DeclarationError:
+            suite = None
+        if suite is not None and suite.entries:
+            raise UsageError(f"{target} does not exist, and {suite.file} declares no golden of that name (it "
+                             f"declares {', '.join(suite.entries)})")
+    return target
 
 
 def check_replay(golden: str, meta: Mapping[str, Any] | None, ks, model: str | None, forwards: list[str],

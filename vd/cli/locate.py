@@ -76,7 +76,13 @@ def locate(
     if not isinstance(first, str):
         raise UsageError("--forward NAME: the golden does not say its forward")
     if model is not None:
-        check_model(model, [first] + ([between] if between and not axis(between) else []))
+        check_model(model, [first])
+    spec = model or ((meta or {}).get("model") or {}).get("spec")
+    if between is not None and not axis(between) and isinstance(spec, str):
+        try:
+            check_model(spec, [between])
+        except UsageError as e:  # (a mistyped axis reads as a forward: name the axes too)
+            raise UsageError(f"--between {between}: {e}; or the axes decode and batch:N") from None
     from vd.replayer.locate import locate as do_locate
 
     r = do_locate(golden, first, between, model_spec=model, ks=tuple(k or ()), device=device, on_k=_print,
