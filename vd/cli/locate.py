@@ -77,12 +77,7 @@ def locate(
         raise UsageError("--forward NAME: the golden does not say its forward")
     if model is not None:
         check_model(model, [first])
-    spec = model or ((meta or {}).get("model") or {}).get("spec")
-    if between is not None and not axis(between) and isinstance(spec, str):
-        try:
-            check_model(spec, [between])
-        except UsageError as e:  # (a mistyped axis reads as a forward: name the axes too)
-            raise UsageError(f"--between {between}: {e}; or the axes decode and batch:N") from None
+    _check_between(between, model or ((meta or {}).get("model") or {}).get("spec"))
     from vd.replayer.locate import locate as do_locate
 
     r = do_locate(golden, first, between, model_spec=model, ks=tuple(k or ()), device=device, on_k=_print,
@@ -97,6 +92,17 @@ def locate(
                else f"itself in a batch of {batch_size(between)}" if axis(between) else between)
     out.print(f"{first} against {against}: " + ("they differ (above)" if r.found else "every row bit-identical"))
     return EXIT_FAIL if r.found else EXIT_PASS
+
+
+def _check_between(between: str | None, spec) -> None:
+    """A second forward ``--between`` names, checked against the model's forwards where its SPEC says them (a
+    mistyped axis reads as a forward: its line names the axes too)."""
+    if between is None or axis(between) or not isinstance(spec, str):
+        return
+    try:
+        check_model(spec, [between])
+    except UsageError as e:
+        raise UsageError(f"--between {between}: {e}; or the axes decode and batch:N") from None
 
 
 PATH_LINES = 6  # layers of the path printed; the JSON report and the HTML page hold every one
