@@ -538,7 +538,8 @@ def pack(
                                             "s3://bucket/prefix.")],
     refresh: o.Refresh = False,
 ) -> int:
-    """Copy a golden into another store (a directory into a .zip, and back), every file checked; the same golden."""
+    """Copy a golden into another store (a directory into a .zip, and back), every file checked against its
+    manifest (vd verify checks its contents too); the same golden."""
     golden = golden_path(golden)
     check_golden(golden)
     check_outside("OUT", out_path, (golden,))
@@ -548,8 +549,8 @@ def pack(
 
     where = do_pack(golden, out_path, refresh=refresh)
     g = open_golden(where)
-    out.print(f"wrote {where.url} ({size_text(where.nbytes())}, {len(g.manifest or {})} files checked); golden ID "
-              f"{g.meta['golden_id']}, the source's")
+    out.print(f"wrote {where.url} ({size_text(where.nbytes())}, {len(g.manifest or {})} files checked against its "
+              f"manifest); golden ID {g.meta['golden_id']}, the source's")
     return EXIT_PASS
 
 
