@@ -490,19 +490,23 @@ def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden
 
     Every file against the manifest's size and hash and the metadata against the golden's ID (format 6),
     every field against what a golden may hold, every step log against the vocabulary and the accept-count
-    range, every chunk against its checksum and every row against its digest and statistics."""
+    range, every chunk against its checksum and every row against its digest and statistics; the content digest
+    and each step's accept count against the rows' digests and argmaxes, the history's versions chained."""
     golden = golden_path(golden)
     check_golden(golden)
     from vd.store import open_golden
 
     g = open_golden(golden)
-    g.check_files()
-    if g.manifest is not None:  # (without a manifest, check_files checked the contents already)
-        g.check_contents()
-    files = f"{len(g.manifest)} files match the manifest, ID {g.meta['golden_id']}" if g.manifest is not None \
-        else f"format {g.info.version}: no manifest; every chunk and row checked"
-    out.print(f"intact: {g.url} ({files}; {sum(g.layout(k).total for k in g.groups)} rows"
-              f"{'' if g.slim else ' match their digests'})")
+    try:  # (closed here: a reader's hold on this version would keep a refresh from removing it)
+        g.check_files()
+        if g.manifest is not None:  # (without a manifest, check_files checked the contents already)
+            g.check_contents()
+        files = f"{len(g.manifest)} files match the manifest, ID {g.meta['golden_id']}" if g.manifest is not None \
+            else f"format {g.info.version}: no manifest; every chunk and row checked"
+        out.print(f"intact: {g.url} ({files}; {sum(g.layout(k).total for k in g.groups)} rows"
+                  f"{'' if g.slim else ' match their digests'})")
+    finally:
+        g.close()
     return EXIT_PASS
 
 
