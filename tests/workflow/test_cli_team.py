@@ -57,6 +57,11 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     done = subprocess.run(["sh", str(project / "bundles" / "a" / "command.sh")], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 1, done.stderr
+    (project / "mine" / "b").mkdir(parents=True)  # a golden's bundle folder holding a user's file of a bundle's name
+    (project / "mine" / "b" / "command.sh").write_text("mine")
+    code, out, err = cli("replay", "--suite", "--model", plugin, "--bundle", "mine")
+    assert code == 2 and "--bundle mine/b holds command.sh and no earlier bundle" in err, out + err
+    assert (project / "mine" / "b" / "command.sh").read_text() == "mine" and not (project / "mine" / "a").exists()
     code, out, err = cli("replay", "b", "--k", "2")  # one golden by its declared name, as vd refresh takes it
     assert code == 0 and out.rstrip().endswith("PASS") and str(project / "goldens" / "b.zip") in out, out + err
     code, out, err = cli("replay", "--suite", "a", "--forward", "sdpa", "--k", "2")  # to accept another forward:
@@ -70,8 +75,9 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     assert code == 0 and out.rstrip().endswith("PASS"), out + err
     code, out, err = cli("slim", "a", "a-slim.zarr")
     assert code == 0 and open_golden(project / "a-slim.zarr").slim, out + err
-    code, out, err = cli("show", "c")  # a name no one declares is a path, and there is none
-    assert code == 2 and err == "vd: error: c does not exist\n", err
+    code, out, err = cli("show", "c")  # a name no one declares is a path, and there is none: the names said
+    assert code == 2 and err.startswith("vd: error: c does not exist, and ") and err.endswith(
+        "declares no golden of that name (it declares a, b)\n"), err
     code, out, err = cli("replay", "--suite", "b", "--shard", "2/2")
     assert code == 0 and "PASS: shard 2/2 holds none of the 1 golden(s) selected; nothing replayed" in out, out
     (project / "goldens" / "b.zip").unlink()

@@ -47,7 +47,7 @@ from vd.cli.common import (
     resumable,
     write_json,
 )
-from vd.errors import Terminated, UsageError
+from vd.errors import Terminated, UsageError, VdError
 from vd.outputs import check_bundle_place, size_text
 from vd.preflight import check_threads
 
@@ -321,7 +321,10 @@ def _note_stale(entry) -> None:
         return
     from vd.workflow.suite import stale_now
 
-    stale = stale_now(entry)
+    try:
+        stale = stale_now(entry)
+    except VdError:  # (the golden just replayed: nothing to say that its verdict does not)
+        return
     if stale:
         err.print(f"vd: note: {entry.name} is stale against its declaration ({'; '.join(stale)}): replayed as "
                   f"stored; vd replay --suite calls it an ERROR until vd record --suite {entry.name} --refresh "
@@ -381,7 +384,7 @@ def _check_outputs(targets, suite: bool, config: Path | None, rows, outputs: dic
     beside = default_bundle(outputs["--report"])
     if outputs["--bundle"] is None and beside is not None:  # the bundle's default place, beside the report
         check_no_golden("--report", beside)
-    place = outputs["--bundle"] or beside
+    place = None if suite else outputs["--bundle"] or beside  # (a suite's go in folders of their own: its check)
     what = f"--bundle {place}" if outputs["--bundle"] else f"the bundle's place beside --report, {place},"
     why = check_bundle_place(what, place, {**outputs, "--save-candidate": candidate, "--bundle": None})
     if why is not None:
