@@ -16,11 +16,29 @@ def k_data(k: int = 2, steps: int = 3, seed: int = 0, drafted: bool = False):
     """K's layout, step log and rows by kind (random bf16 bit patterns, NaNs and infinities included)."""
     layout = RowLayout(len(PROMPT), steps, k, drafted)
     rng = np.random.default_rng(seed)
-    log = StepLog(k=k, bootstrap=5, tokens=rng.integers(0, V, (steps, k)).astype(np.int32),
-                  accepted=np.array([k - 1, 0, 1, 0][:steps], dtype=np.int32), step_ms=rng.random(steps),
-                  committed_is_greedy=True, decoded=3 if drafted else None)
+    accepted = np.array([k - 1, 0, 1, 0][:steps], dtype=np.int32)
+    tokens = rng.integers(0, V, (steps, k)).astype(np.int32)
     rows = {kind: rng.integers(0, 2 ** 16, (n, V)).astype(np.uint16) for kind, n in layout.counts.items()}
+    _accepting(tokens, accepted, rows["verify"])
+    log = StepLog(k=k, bootstrap=5, tokens=tokens, accepted=accepted, step_ms=rng.random(steps),
+                  committed_is_greedy=True, decoded=3 if drafted else None)
     return layout, log, rows
+
+
+def _accepting(tokens: np.ndarray, accepted: np.ndarray, verify: np.ndarray) -> None:
+    """Drafts set so that each step accepts its count by its rows' argmaxes (as stored beside their digests), as a
+    recording's do (`vd verify` checks it where a step's rows are finite)."""
+    import torch
+
+    from vd.digest import STATS, summarise
+
+    k = tokens.shape[1]
+    stats = summarise({"verify": torch.from_numpy(verify.view(np.int16)).view(torch.bfloat16)})[1]
+    top = np.nan_to_num(stats[:, STATS.index("argmax")]).astype(np.int64) % V
+    for s, n in enumerate(accepted.tolist()):
+        a = top[s * k:(s + 1) * k]
+        for j in range(1, k):
+            tokens[s, j] = a[j - 1] if j <= n else (a[j - 1] + 1) % V if j == n + 1 else tokens[s, j]
 
 
 def meta(ks=(2,), steps: int = 3, feed: str = "reference") -> dict:

@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from golden_edit import edit_meta, files
+from golden_edit import edit_meta, files, restate_content
 from refusal import refused
 
 from vd.recorder import RecordSettings, record
@@ -74,7 +74,8 @@ def test_a_candidate_edited_inside_is_refused_and_the_golden_kept(cli, golden, c
 
 
 def test_a_candidate_of_another_model_is_refused(cli, golden, cand):
-    edit_meta(cand, lambda m: m["model"].update(fingerprint="sha256:" + "0" * 64))  # sealed: an intact candidate
+    edit_meta(cand, lambda m: m["model"].update(fingerprint="sha256:" + "0" * 64))
+    restate_content(cand)  # sealed, its content digest of that model: an intact candidate
     assert cli("verify", cand)[0] == 0
     was = files(golden)
     refused(_promote(cli, golden, cand), "another model fingerprint")
