@@ -375,12 +375,14 @@ def _measure(x: float) -> str:
 
 def row_changes(d: DiffReport) -> list[tuple[int, str, int, int, float, int, str]]:
     """Per K and kind of row: K, kind, rows that moved, of how many, the largest |Δ|, argmax flips, and the
-    first steps that moved (verify steps, or the decode group's decode steps)."""
+    first steps that moved (verify steps, or the decode group's decode steps; the draft head's proposals by the
+    step they precede)."""
     out = []
     for v in d.verify:
         c = v.comparison
         for kind, s in c.summary.items():
-            steps = c.mismatched_step_list if kind == "verify" else ()
+            steps = c.mismatched_step_list if kind == "verify" else \
+                (c.draft_mismatched_step_list or ()) if kind == "draft" else ()
             shown = "" if not steps else ", ".join(map(str, steps[:12])) + (" ..." if len(steps) > 12 else "")
             out.append((v.k, kind, s.rows_differ, s.rows, s.max_abs, s.argmax_flips, shown))
     return out

@@ -1139,6 +1139,20 @@ def test_a_draft_head_proposing_tokens_its_rows_do_not_say_fails(cli, tmp_path):
     assert cli("replay", golden)[0] == 0  # its own head: every proposal its rows' argmax
 
 
+def test_a_change_summary_names_the_steps_whose_draft_rows_moved(cli, tmp_path, monkeypatch):
+    """A draft head changed at step 2: the replay, vd diff and the report named step 2, and the change summary's
+    "steps that moved" cell for the draft rows was empty (found by a user test)."""
+    golden, cand, summary = tmp_path / "m.zarr", tmp_path / "c.zarr", tmp_path / "s.md"
+    assert cli("record", golden, "--model", "tiny-llama-mtp", "--feed", "mtp", "--k", "2", "--steps", "6",
+               "--prompt", "The three laws of thermodynamics state that")[0] == 0
+    monkeypatch.setenv("VD_PERTURB_STEP", "2")
+    assert cli("replay", golden, "--model", f"{PLUGINS / 'perturb_head.py'}:factory", "--save-candidate", cand)[0] == 1
+    code, out, err = cli("refresh", golden, "--from", cand, "--reason", "the head's change", "--summary", summary)
+    assert code == 0, out + err
+    row = next(line for line in summary.read_text().splitlines() if line.startswith("| 2 | draft |"))
+    assert row.endswith("| 2 |"), summary.read_text()
+
+
 def test_an_engine_reusing_its_output_buffer_is_refused_naming_it(cli, tmp_path, tiny_golden):
     """Rows returned as views of one reused buffer would be stored (and compared) as whatever the buffer held
     last: record and replay refuse them at once, an internal error of the engine (exit 3) naming it."""
