@@ -40,6 +40,9 @@ def test_an_edited_and_resealed_golden_is_refused_by_its_pin(declared, cli, monk
     assert code == 2 and f"is not the one its declaration pins ({pin})" in out + err, out + err
     code, out, err = cli("replay", "tiny.zarr")  # by its path: the declaration found from here still pins it
     assert code == 2 and "is not the one its declaration pins" in err and err.count("\n") == 1, err
+    code, out, err = cli("status", "--no-models")  # it said "current", exit 0 (found by a user test)
+    assert code == 1 and "tiny: its content digest sha256:" in out and f"is not the one its declaration pins " \
+        f"({pin})" in out, out + err
 
 
 def test_a_replay_by_path_takes_the_pin_from_the_declaration_config_names(declared, cli, monkeypatch):

@@ -4,8 +4,9 @@ which result (from a suite report); and the orphans, goldens on disk that no dec
 removed only when asked (`prune`).
 
 A golden is **stale** when what its declaration would record now differs from what recorded it (prompt, K,
-steps, model SPEC, ...: `vd.workflow.suite.stale_reasons`) or when the model it names no longer has the
-fingerprint it was recorded with (checked by loading each model once, unless ``check_models`` is off).
+steps, model SPEC, ...: `vd.workflow.suite.stale_reasons`), when its content digest is not the one its
+declaration pins, or when the model it names no longer has the fingerprint it was recorded with (checked by
+loading each model once, unless ``check_models`` is off).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def _one(e: Entry, check_models: bool, models: Models, last: tuple[str, str | No
                   "environment": {k: env.get(k) for k in ("vd", "torch", "transformers", "gpu_name", "cpu_model")},
                   "reason": history[-1].get("reason") if history else None, "slim": g.slim}
     s.reasons = stale_reasons(e, g)
+    if e.pin is not None and (content := g.content_digest()) != e.pin:  # every replay refuses it (exit 2)
+        s.reasons.append(f"its content digest {content} is not the one its declaration pins ({e.pin}): a replay "
+                         "refuses it until a reviewed refresh pins it again")
     if check_models:
         try:
             model = models.get(*status_key(g), progress)
