@@ -625,6 +625,11 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
     own = forward is None
     if report.rows.slim:
         full = shlex.quote(report.rows.source or "FULL")
+        if own and report.replayed_spec is not None:  # another model's rows: a refresh would record the golden's own
+            return ("If the change is intended, take these rows into the full golden this slim one was made from: "
+                    "replay with ", Code("--save-candidate PATH"), ", then ",
+                    Code(f"vd refresh {full} --from PATH --reason TEXT"), ", then write its slim form again: ",
+                    Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
         record = f"vd refresh {full} --reason TEXT" if own else \
             f"vd record {full} --refresh --forward {shlex.quote(str(forward))} --reason TEXT"
         return ("If the change is intended, accept it in the full golden this slim one was made from: ", Code(record),

@@ -12,6 +12,8 @@ from golden_edit import edit_meta, edit_rows
 from vd.errors import GoldenCorruptError, GoldenError, UsageError
 from vd.store import FORMAT_VERSION, locate, open_golden, slim
 
+PLUGINS = Path(__file__).parent.parent / "plugins"
+
 
 @pytest.fixture(scope="module")
 def slim_golden(tiny_golden, tmp_path_factory):
@@ -139,6 +141,10 @@ def test_a_slim_golden_is_accepted_through_its_full_golden(cli, tiny_copy, tmp_p
     code, out, err = cli("refresh", s, "--reason", "accept sdpa")
     assert code == 2 and err.count("\n") == 1 and f"(vd slim {tiny_copy} {s} --refresh)" in err, err
     assert {p: p.read_bytes() for p in s.rglob("*") if p.is_file()} == before
+    code, out, err = cli("replay", s, "--model", f"{PLUGINS / 'perturb.py'}:factory", "--k", "2")  # another model:
+    steps = out.split("next step:")[1]  # its rows taken as a candidate (a refresh would record the golden's own)
+    assert code == 1 and f"replay with --save-candidate PATH, then vd refresh FULL --from PATH --reason " \
+        f"TEXT, then write its slim form again: vd slim FULL {s} --refresh." in steps, steps  # (FULL: no --rows)
     cand = tmp_path / "cand.zarr"  # a candidate saved against the slim golden is promoted into the full one
     assert cli("replay", s, "--save-candidate", cand)[0] == 0
     code, out, err = cli("refresh", s, "--from", cand, "--reason", "promote")
