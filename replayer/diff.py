@@ -67,9 +67,8 @@ def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> DiffReport:
     policy.check_vocab(a.info.vocab)  # a topk:N over every token catches nothing, as a replay refuses it
     if a.slim and policy.needs_rows:
         raise UsageError(f"{a.url} is slim: judging {', '.join(policy.needs_rows)} rows needs its rows")
-    a.check_files()  # every stored byte of both, against their manifests: a damaged golden is no reference,
-    b.check_files()  # even where its rows are never read (A's are compared only where B's differ)
-    a.check_contents()  # and A's rows against its digests, as `vd verify` checks them (B's are, as they are read)
+    a.check_whole()  # A as `vd verify` checks it, its rows against its digests: a damaged golden is no reference,
+    b.check_files()  # even where its rows are never compared (only where B's differ); B's rows are, as they are read
     verify, reasons = [], []
     for k in a.groups if b.decoded else a.ks:  # the decode rows too, where both store them
         c = compare_run(b.url, a.side(k), _as_run(b, k), a.logical, policy)

@@ -302,7 +302,7 @@ def check_widths(url: str, asked: Sequence[int], held: Sequence[int]) -> None:
         raise UsageError(f"{url} has no verify width {absent}; it holds K = {list(held)}")
 
 
-MAX_K = 16  # the widest verify a recording takes (a golden's reader checks the same: `vd.store.schema`)
+MAX_K = 16  # the widest verify a recording takes, and a golden's reader allows (`vd.store.schema`)
 
 
 def check_record_widths(ks: Sequence[int]) -> None:

@@ -501,9 +501,7 @@ def verify(golden: Annotated[str, typer.Argument(metavar="GOLDEN", help=f"Golden
 
     g = open_golden(golden)
     try:  # (closed here: a reader's hold on this version would keep a refresh from removing it)
-        g.check_files()
-        if g.manifest is not None:  # (without a manifest, check_files checked the contents already)
-            g.check_contents()
+        g.check_whole()
         files = f"{len(g.manifest)} files match the manifest, ID {g.meta['golden_id']}" if g.manifest is not None \
             else f"format {g.info.version}: no manifest; every chunk and row checked"
         out.print(f"intact: {g.url} ({files}; {sum(g.layout(k).total for k in g.groups)} rows"

@@ -265,6 +265,13 @@ class Golden:
         if self.rows_source is not None and self.rows_source is not self:
             self.rows_source.check_files()
 
+    def check_whole(self) -> None:
+        """Everything `vd verify` checks: every file (`check_files`), then the contents (`check_contents`), which
+        before format 6 (no manifest) `check_files` has checked already."""
+        self.check_files()
+        if self.manifest is not None:
+            self.check_contents()
+
     def check_contents(self) -> None:
         """Every K's stored step log checked (against the metadata's copy, the vocabulary and the accept-count
         range), every row against its digest (a slim golden: its digests and statistics read), and the prompt

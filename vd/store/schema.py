@@ -17,9 +17,9 @@ from typing import TypeGuard, TypeVar
 from vd.dtypes import DTYPES, LogitsDtype
 from vd.errors import GoldenCorruptError, GoldenError, UsageError
 from vd.outputs import brief
+from vd.preflight import MAX_K
 from vd.store import format as F
 
-MAX_K = 16
 FEEDS = ("reference", "mtp")
 DEVICES = ("cpu", "cuda")
 # Bounds on what a golden may declare, checked before anything is allocated from it.

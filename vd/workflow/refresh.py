@@ -161,8 +161,7 @@ def _check_candidate(cand: Golden, old: Golden | None, url: str, allow_slim: boo
     made = cand.meta.get("candidate")
     if not isinstance(made, dict) or cand.manifest is None:
         raise UsageError(f"{cand.url} is not a saved candidate (vd replay --save-candidate writes one)")
-    cand.check_files()  # every file against the manifest, then every step log and row
-    cand.check_contents()
+    cand.check_whole()  # every file against the manifest, then every step log and row
     if old is None:
         return made
     if not cand.slim:
