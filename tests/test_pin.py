@@ -69,6 +69,22 @@ def test_a_replay_by_path_takes_the_pin_from_the_declaration_config_names(declar
     assert cli("replay", "tiny.zarr", "--k", "2", "--config", "ci/team.toml")[0] == 0
 
 
+def test_a_golden_named_from_outside_its_project_keeps_its_pin(declared, cli, monkeypatch, tmp_path_factory):
+    """Named by its path from another folder, a golden is read with its own project's declaration (found from the
+    golden's folder): a replay checks its pin, and a refresh writes the new pin there (it wrote none, and every
+    replay in the project then refused the refreshed golden as "changed outside a reviewed refresh")."""
+    where, pin = declared
+    toml, wrong = where / "vd.toml", "sha256:" + "0" * 64
+    toml.write_text(toml.read_text().replace(pin, wrong))
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    code, out, err = cli("replay", str(where / "tiny.zarr"), "--k", "2")
+    assert code == 2 and f"is not the one its declaration pins ({wrong})" in err and err.count("\n") == 1, err
+    code, out, err = cli("refresh", str(where / "tiny.zarr"), "--reason", "the trusted build again")
+    assert code == 0 and f'pin = "{pin}"' in toml.read_text() and f"pin of tiny in {toml}" in out, out + err
+    monkeypatch.chdir(where)
+    assert cli("replay", "--suite")[0] == 0
+
+
 def test_shard_without_suite_is_refused(tiny_golden, cli):
     code, out, err = cli("replay", tiny_golden, "--shard", "1/2")
     assert code == 2 and "--shard 1/2" in err and "--suite" in err and err.count("\n") == 1, err

@@ -146,7 +146,7 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     if entry is not None:
         settings = team.settings_for(out_path, entry, flags)
         changed = ", ".join("--" + name.replace("_", "-") for name in named)
-        out.print(f"recording {entry.name} as {team.declaration_file(config)} declares it"
+        out.print(f"recording {entry.name} as {entry.file or team.declaration_file(config)} declares it"
                   + (f", changed by {changed}" if changed else ""))
     else:
         given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default

@@ -258,7 +258,7 @@ def repin(entry, config: Path | None, path: str) -> None:
     finally:
         g.close()
     if digest != entry.pin:
-        file = _suite(config).file
+        file = entry.file or _suite(config).file
         try:
             set_pin(file, entry, digest)
         except (OSError, DeclarationError) as e:  # checked before the refresh (`check_repin`); changed since
@@ -274,7 +274,7 @@ def check_repin(entry, config: Path | None) -> None:
     if entry is not None and entry.pin is not None:
         from vd.workflow.declare import check_pin_writable
 
-        check_pin_writable(_suite(config).file, entry)
+        check_pin_writable(entry.file or _suite(config).file, entry)
 
 
 def _next_beside(path: Path) -> bool:

@@ -21,7 +21,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from vd.errors import UsageError
@@ -97,11 +97,12 @@ class Entry:
     slot: int | None = None
     batch_seed: int | None = None
     pin: str | None = None  # the content digest the golden must have (a replay refuses another; a refresh updates it)
+    file: Path | None = field(default=None, compare=False, repr=False)  # the declaration declaring it
 
     def declared(self) -> dict:
-        """The recording settings this entry states (its name, path and pin left out)."""
+        """The recording settings this entry states (its name, path, pin and file left out)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("name", "path", *CHECKS) and getattr(self, f.name) is not None}
+                if f.name not in ("name", "path", "file", *CHECKS) and getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,35 +216,63 @@ def load_suite(file: str | os.PathLike | None = None) -> Suite:
 
 
 def entry_for(target: str, config: str | os.PathLike | None = None) -> Entry | None:
-    """The declared entry ``target`` names (a NAME, or a declared golden's path), if the suite ``config``
-    declares (default: the one `find` finds, if any) declares it."""
-    if config is None and find() is None:
-        return None
-    suite = load_suite(config)
-    try:
-        return suite.select([target])[0]
-    except DeclarationError:
-        return suite.by_path(target)
+    """The declared entry ``target`` names (a NAME, or a declared golden's path): in the suite ``config``, else
+    in the declarations `_declarations` reads for it (the one found from here, then the golden's own)."""
+    if config is not None:
+        return _lookup(load_suite(config), target, by_name=True)
+    for file, by_name in _declarations(target):
+        entry = _lookup(load_suite(file), target, by_name)
+        if entry is not None:
+            return entry
+    return None
+
+
+def _declarations(target: str) -> list[tuple[Path, bool]]:
+    """The declarations a command on one golden reads for ``target``, each with whether it is looked up by name
+    too: the one `find` finds from the working directory (by name or path); then, where ``target`` is a golden
+    on disk, the one found from the golden's own folder, if another (by path only: a name is the project's
+    where the command runs). A golden named from outside its project is still checked against its pin, and a
+    refresh of it writes its new pin there."""
+    here = find()
+    files = [(here, True)] if here is not None else []
+    if "://" not in target and os.path.lexists(target):
+        beside = find(Path(target).absolute().parent)
+        if beside is not None and beside != here:
+            files.append((beside, False))
+    return files
+
+
+def _lookup(suite: Suite, target: str, by_name: bool) -> Entry | None:
+    if by_name and target in suite.entries:
+        return suite.entries[target]
+    return suite.by_path(target)
 
 
 def declared(target: str, config: str | os.PathLike | None = None) -> Entry | None:
-    """`entry_for` for a command on one golden. A declaration found from here that cannot be read is passed
-    over where it plainly does not declare ``target`` (its TOML read, and no golden in it of that name or
-    path: the command does not depend on it; a suite command refuses it). Where it may declare it, or its TOML
-    cannot be read at all, its error is the command's (exit 2): the golden's pin and settings are in it, and a
-    pin must not go unchecked without a word. One named by ``config`` is the user's, and its error is theirs."""
-    try:
+    """`entry_for` for a command on one golden. A declaration found (from here, or from the golden's folder) that
+    cannot be read is passed over where it plainly does not declare ``target`` (its TOML read, and no golden in
+    it of that name or path: the command does not depend on it; a suite command refuses it). Where it may
+    declare it, or its TOML cannot be read at all, its error is the command's (exit 2): the golden's pin and
+    settings are in it, and a pin must not go unchecked without a word. One named by ``config`` is the user's,
+    and its error is theirs."""
+    if config is not None:
         return entry_for(target, config)
-    except DeclarationError:
-        file = None if config is not None else find()
-        if file is None or _may_declare(file, target):
-            raise
-        return None
+    for file, by_name in _declarations(target):
+        try:
+            entry = _lookup(load_suite(file), target, by_name)
+        except DeclarationError:
+            if _may_declare(file, target, by_name):
+                raise
+            continue
+        if entry is not None:
+            return entry
+    return None
 
 
-def _may_declare(file: Path, target: str) -> bool:
-    """Whether the declaration ``file`` (which `load_suite` refuses) may declare ``target`` (a NAME or a
-    path): true unless its TOML reads and no golden in it has that name or a ``path`` leading there."""
+def _may_declare(file: Path, target: str, by_name: bool = True) -> bool:
+    """Whether the declaration ``file`` (which `load_suite` refuses) may declare ``target`` (a NAME, where
+    ``by_name``, or a path): true unless its TOML reads and no golden in it has that name or a ``path`` leading
+    there."""
     try:
         doc = _read(file)
     except DeclarationError:
@@ -257,7 +286,7 @@ def _may_declare(file: Path, target: str) -> bool:
     here = resolve(target, Path.cwd())
     for name, body in goldens.items():
         path = body.get("path") if isinstance(body, Mapping) else None
-        if name == target or (isinstance(path, str) and resolve(path, file.parent.absolute()) == here):
+        if (by_name and name == target) or (isinstance(path, str) and resolve(path, file.parent.absolute()) == here):
             return True
     return False
 
@@ -284,7 +313,7 @@ def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
         values = {**defaults, **_table(file, body, at)}
         if "path" not in values:
             raise DeclarationError(f"{file}: [{at}] has no 'path'")
-        e = _entry(name, values, file.parent.absolute(), f"{file}: [{at}]")
+        e = _entry(name, values, file, f"{file}: [{at}]")
         if e.path in paths:
             raise DeclarationError(f"{file}: [{at}] key 'path': {values['path']!r} is also golden "
                                    f"{paths[e.path]!r}'s; each golden needs its own path")
@@ -310,9 +339,9 @@ def _table(file: Path, body, at: str) -> dict:
     return dict(body)
 
 
-def _entry(name: str, values: Mapping, base: Path, at: str) -> Entry:
+def _entry(name: str, values: Mapping, file: Path, at: str) -> Entry:
     v = dict(values)
-    v["path"] = resolve(v["path"], base)
+    v["path"] = resolve(v["path"], file.parent.absolute())
     if "k" in v:
         v["k"] = tuple(v["k"])
     if "policy" in v:
@@ -328,7 +357,7 @@ def _entry(name: str, values: Mapping, base: Path, at: str) -> Entry:
                     recording=True)
     except UsageError as e:
         raise DeclarationError(f"{at} key 'batch': {e}") from e
-    return Entry(name=name, **v)
+    return Entry(name=name, file=file, **v)
 
 
 def shard(entries: list[Entry], spec: str | None) -> list[Entry]:
