@@ -263,17 +263,31 @@ def replay_table(report: Report) -> TextTable:
         last = len(v.comparisons) - 1  # the control runs under the last forward: its row shows it
         for i, (j, tm) in enumerate(zip(v.comparisons, v.timings[1:])):
             control = "-" if v.control is None or i != last else v.control.state
-            c, m = j.comparison, j.comparison.first_mismatch
-            first = "-" if m is None else f"step {m.step} row {m.row}" + ("" if m.index is None else f" [{m.index}]")
+            c = j.comparison
             label = "decode" if v is report.decode else str(v.k)
             cells = [label, c.variant, "equal" if c.prefill_equal else "DIFFERS", f"{c.mismatched_steps}/{c.steps}",
-                     first, _size(c.max_abs_diff), _flips(c), "pass" if c.passed else "FAIL",
+                     _first_cell(c), _size(c.max_abs_diff), _flips(c), "pass" if c.passed else "FAIL",
                      f"{tm.median_ms:.2f}", control]
             if report.mtp:
                 cells[4:4] = ["-" if c.draft_mismatched_steps is None else
                               f"{c.draft_mismatched_steps}/{c.steps}{'' if c.bootstrap_equal else ' +bootstrap'}"]
             rows.append(tuple(cells))
     return TextTable(f"vd replay {report.golden}  (policy: {report.policy.describe()})", tuple(cols), tuple(rows))
+
+
+def _first_cell(c: Comparison) -> str:
+    """The table's first-mismatch cell: the first row computed that differs (the prefill's, then a verify row's,
+    else the draft head's: a FAIL of draft rows alone showed ``-``), its place short."""
+    m = c.prefill_first_mismatch or c.first_mismatch
+    head = ""
+    if m is None and c.bootstrap_equal is False:
+        return "draft bootstrap"
+    if m is None and c.draft_first_mismatch is not None:
+        m, head = c.draft_first_mismatch, "draft "
+    if m is None:
+        return "-"
+    place = "prefill" if m.step is None else f"step {m.step}"
+    return f"{head}{place} row {m.row}" + ("" if m.index is None else f" [{m.index}]")
 
 
 def _size(x: float | None, form: str = ".4g") -> str:
@@ -515,7 +529,8 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
     if ran != recorded:  # (a replay takes the golden's degree unless told: `vd.cli.ranks.recorded`)
         cmd += ["--tp", str(ran)]
     for kind, spec in report.policy.to_json().items():
-        cmd += ["--tolerance", f"{kind}={spec}"]
+        if kind != "draft" or report.mtp:  # (a reference golden has no draft rows for it to judge)
+            cmd += ["--tolerance", f"{kind}={spec}"]
     if args.get("allow_model_mismatch"):
         cmd.append("--allow-model-mismatch")
     return [*cmd, "--report", out]
@@ -625,6 +640,12 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
     own = forward is None
     if report.rows.slim:
         full = shlex.quote(report.rows.source or "FULL")
+        if own and report.replayed_spec is not None and _inconclusive(report):  # no candidate would be promoted
+            spec = _portable_spec(str(report.replayed_spec))
+            return ("If the change is intended, record the full golden this slim one was made from with it: ",
+                    Code(shlex.join(["vd", "record", full, "--refresh", "--model", spec]) + " --reason TEXT"),
+                    ", then write its slim form again: ",
+                    Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), f" ({_no_promotion(report)}).")
         if own and report.replayed_spec is not None:  # another model's rows: a refresh would record the golden's own
             return ("If the change is intended, take these rows into the full golden this slim one was made from: "
                     "replay with ", Code("--save-candidate PATH"), ", then ",
@@ -661,6 +682,15 @@ def _accept_other_model(report: Report, declared: str | None, target: str) -> Ne
     model): its rows promoted as a candidate, the golden staying of its model; or that SPEC made the golden's
     model. A refresh alone records the golden's own model again, which would not take the change."""
     spec = _portable_spec(str(report.replayed_spec))
+    if _inconclusive(report):  # a promotion of these rows would be refused: only a recording vouches for them
+        why = f"; {_no_promotion(report)}"
+        if declared is not None:
+            return (f"If the change is intended, make {spec} the golden's model: declare ", Code(f'model = "{spec}"'),
+                    f" in {declared}'s declaration, then ", Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"),
+                    f" (a refresh records the declared model, {report.model.spec}, until then{why}).")
+        return (f"If the change is intended, make {spec} the golden's model: ",
+                Code(shlex.join(["vd", "record", target, "--refresh", "--model", spec]) + " --reason TEXT"),
+                f" (vd refresh records the golden's own, {report.model.spec}{why}).")
     promote = ("If the change is intended, take these rows, the golden staying of its model: replay with ",
                Code("--save-candidate PATH"), ", then ",
                Code(f"vd refresh {shlex.quote(target)} --from PATH --reason TEXT"))
@@ -671,6 +701,18 @@ def _accept_other_model(report: Report, declared: str | None, target: str) -> Ne
     return (*promote, f"; or make {spec} the golden's model: ",
             Code(shlex.join(["vd", "record", target, "--refresh", "--model", spec]) + " --reason TEXT"),
             f" (vd refresh records the golden's own, {report.model.spec}).")
+
+
+def _inconclusive(report: Report) -> list[int]:
+    """The Ks whose detection control was inconclusive (the rows differ at its step already): a candidate saved
+    from this replay would not be promoted (`vd.workflow.refresh.promote` refuses it)."""
+    return [v.k for v in report.verify if v.control is not None and v.control.inconclusive]
+
+
+def _no_promotion(report: Report) -> str:
+    ks = ", ".join(map(str, _inconclusive(report)))
+    return (f"these rows cannot be promoted as a candidate: the detection control at K={ks} was inconclusive, "
+            "the rows differing at its step already, so a recording's own replay must vouch for them")
 
 
 def _axis_steps(report: Report) -> list[NextStep]:

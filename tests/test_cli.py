@@ -96,6 +96,21 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
     assert code == 0 and "next step" not in out
 
 
+def test_a_fail_whose_control_was_inconclusive_offers_no_promotion(cli, tiny_copy, monkeypatch):
+    """Rows differing at every step leave the detection control inconclusive, and a candidate of them is refused
+    promotion: the next step offered that promotion anyway (found by a user test), and its reproducer spelled a
+    draft tolerance for a golden without draft rows. It offers the recording that works."""
+    monkeypatch.setenv("VD_PERTURB_STEP", "all")
+    spec = f"{PLUGINS / 'perturb.py'}:factory"
+    code, out, err = cli("replay", tiny_copy, "--model", spec, "--k", "2")
+    steps = out.split("next step:")[1]
+    assert code == 1 and "--save-candidate" not in steps and "--tolerance draft" not in steps, out + err
+    record = f"vd record {tiny_copy} --refresh --model {spec} --reason TEXT"
+    assert record in steps and "the detection control at K=2 was inconclusive" in steps, steps
+    assert cli(*shlex.split(record)[1:-1], "the perturbed build")[0] == 0
+    assert cli("replay", tiny_copy, "--model", spec, "--k", "2")[0] == 0
+
+
 def test_coverage_the_reference_feed_cannot_reach_is_not_sent_to_more_steps(cli, tiny_golden):
     """K=3 under the reference feed never accepts 0 drafts: its coverage reason says more steps cannot reach it, and
     the next step said to record again with more steps (found by a user test). It names other widths, or the
@@ -1146,7 +1161,10 @@ def test_a_change_summary_names_the_steps_whose_draft_rows_moved(cli, tmp_path, 
     assert cli("record", golden, "--model", "tiny-llama-mtp", "--feed", "mtp", "--k", "2", "--steps", "6",
                "--prompt", "The three laws of thermodynamics state that")[0] == 0
     monkeypatch.setenv("VD_PERTURB_STEP", "2")
-    assert cli("replay", golden, "--model", f"{PLUGINS / 'perturb_head.py'}:factory", "--save-candidate", cand)[0] == 1
+    code, out, err = cli("replay", golden, "--model", f"{PLUGINS / 'perturb_head.py'}:factory", "--save-candidate",
+                         cand)
+    # the table's first-mismatch column showed "-" where the draft rows alone differed
+    assert code == 1 and "│ draft step 2 row 0" in out, out + err
     code, out, err = cli("refresh", golden, "--from", cand, "--reason", "the head's change", "--summary", summary)
     assert code == 0, out + err
     row = next(line for line in summary.read_text().splitlines() if line.startswith("| 2 | draft |"))

@@ -145,6 +145,13 @@ def test_a_slim_golden_is_accepted_through_its_full_golden(cli, tiny_copy, tmp_p
     steps = out.split("next step:")[1]  # its rows taken as a candidate (a refresh would record the golden's own)
     assert code == 1 and f"replay with --save-candidate PATH, then vd refresh FULL --from PATH --reason " \
         f"TEXT, then write its slim form again: vd slim FULL {s} --refresh." in steps, steps  # (FULL: no --rows)
+    with pytest.MonkeyPatch.context() as m:  # rows differing at every step: no candidate of them is promoted
+        m.setenv("VD_PERTURB_STEP", "all")
+        code, out, err = cli("replay", s, "--model", f"{PLUGINS / 'perturb.py'}:factory", "--k", "2")
+    steps = out.split("next step:")[1]
+    assert code == 1 and "--save-candidate" not in steps and f"record the full golden this slim one was made " \
+        f"from with it: vd record FULL --refresh --model {PLUGINS / 'perturb.py'}:factory --reason TEXT, then write " \
+        f"its slim form again: vd slim FULL {s} --refresh (these rows cannot be promoted" in steps, steps
     cand = tmp_path / "cand.zarr"  # a candidate saved against the slim golden is promoted into the full one
     assert cli("replay", s, "--save-candidate", cand)[0] == 0
     code, out, err = cli("refresh", s, "--from", cand, "--reason", "promote")
