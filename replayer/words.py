@@ -438,11 +438,16 @@ def _kind_cell(k: int, kind: str) -> str:
     return "decode" if k == DECODE_K and kind == "verify" else kind
 
 
-def refresh_markdown(title: str, reason: str, lines: Sequence[str],
-                     rows: Sequence[tuple[int, str, int, int, float, int, str]], decisions: Sequence[str]) -> str:
-    """A refresh's change summary for a pull request."""
-    md = [f"## vd refresh: {title}", "", f"**Reason:** {reason}", ""]
-    md += [f"- {x}" for x in lines] or ["- nothing changed"]
+def refresh_markdown(title: str, reason: str, changes: str) -> str:
+    """A refresh's change summary for a pull request: its title and reason, then ``changes`` (`changes_markdown`)."""
+    return f"## vd refresh: {title}\n\n**Reason:** {reason}\n\n{changes}"
+
+
+def changes_markdown(lines: Sequence[str], rows: Sequence[tuple[int, str, int, int, float, int, str]],
+                     decisions: Sequence[str]) -> str:
+    """What a refresh changed, in Markdown: its headline lines, a table of the rows that moved per K and kind,
+    and the decisions that changed."""
+    md = [f"- {x}" for x in lines] or ["- nothing changed"]
     if rows:
         md += ["", "| K | rows | moved | of | max abs delta | argmax flips | steps that moved |",
                "|---|---|---|---|---|---|---|"]
@@ -641,9 +646,10 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
     if report.rows.slim:
         full = shlex.quote(report.rows.source or "FULL")
         if own and report.replayed_spec is not None and _inconclusive(report):  # no candidate would be promoted
-            spec = _portable_spec(str(report.replayed_spec))
+            plugin = _portable_spec(str(report.replayed_spec))
             return ("If the change is intended, record the full golden this slim one was made from with it: ",
-                    Code(shlex.join(["vd", "record", full, "--refresh", "--model", spec]) + " --reason TEXT"),
+                    Code(shlex.join(["vd", "record", report.rows.source or "FULL", "--refresh", "--model", plugin])
+                         + " --reason TEXT"),
                     ", then write its slim form again: ",
                     Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), f" ({_no_promotion(report)}).")
         if own and report.replayed_spec is not None:  # another model's rows: a refresh would record the golden's own
@@ -865,9 +871,10 @@ def suite_total(verdict: str, verdicts: Sequence[str], loads: int, shard: str | 
             f"golden(s); {loads} model load(s)")
 
 
-def record_summary(reason: str | None, outcomes: Sequence[tuple[str, str, Sequence[str]]]) -> str:
-    """A suite recording's Markdown summary: per golden its verdict and what it says (``(name, verdict,
-    lines)`` each), after the reason."""
-    text = "\n".join(f"## {name}: {verdict}\n\n" + "".join(f"- {x}\n" for x in lines or [""])
-                     for name, verdict, lines in outcomes)
+def record_summary(reason: str | None, outcomes: Sequence[tuple[str, str, Sequence[str], str]]) -> str:
+    """A suite recording's Markdown summary: per golden its verdict and what it says (``(name, verdict, lines,
+    changes)`` each: a refreshed golden's ``changes``, `changes_markdown`, in place of its lines, so it has the
+    table of rows that moved that `vd refresh --summary` writes), after the reason."""
+    text = "\n".join(f"## {name}: {verdict}\n\n" + (changes or "".join(f"- {x}\n" for x in lines or [""]))
+                     for name, verdict, lines, changes in outcomes)
     return f"**Reason:** {reason}\n\n{text}" if reason else text

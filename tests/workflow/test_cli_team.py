@@ -104,6 +104,20 @@ def test_a_suite_replay_refuses_a_golden_its_declaration_has_moved_past(project,
            "again" in out, out
 
 
+def test_a_suite_refresh_summary_has_each_goldens_table_of_rows_that_moved(project, cli, request):
+    """`vd record --suite --refresh --summary` wrote each refreshed golden's headline lines alone: the table of
+    rows that moved, which `vd refresh --summary` writes, was left out (found by a user test)."""
+    plugin = str(request.config.rootpath / PERTURB)
+    toml = project / "vd.toml"
+    toml.write_text(SUITE.replace('[goldens.a]\n', f'[goldens.a]\nmodel = "{plugin}"\n'))
+    code, out, err = cli("record", "--suite", "--refresh", "--reason", "the perturbed build", "--summary", "s.md")
+    assert code == 0, out + err
+    md = (project / "s.md").read_text()
+    a, b = md.split("## a: REFRESHED\n\n")[1].split("## b: REFRESHED\n\n")
+    assert md.startswith("**Reason:** the perturbed build\n") and "| 2 | verify | 1 |" in a, md
+    assert "- no logit, step or decision moved (content digest unchanged)" in b and "| 2 | verify | 0 |" in b, md
+
+
 def test_refresh_history_and_status(project, cli, request):
     plugin = str(request.config.rootpath / PERTURB)
     code, out, err = cli("replay", "a", "--suite", "--model", plugin, "--save-candidate", "cands")

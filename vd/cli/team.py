@@ -92,8 +92,8 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
                 out.print(line)
             outcomes.append(o)
     if summary is not None:
-        write_text(summary, words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""])
-                                                         for o in outcomes]))
+        write_text(summary, words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""],
+                                                          o.changes) for o in outcomes]))
     return exit_code(outcomes)
 
 

@@ -45,7 +45,8 @@ class Refreshed:
 
     url: str
     refused: list[str] = field(default_factory=list)
-    summary: str = ""
+    summary: str = ""  # the change summary (Markdown): a title, the reason, then ``details``
+    details: str = ""  # what changed (Markdown): the headline lines, the rows that moved, the decisions
     changes: list[str] = field(default_factory=list)
     version: int | None = None
     warnings: list[str] = field(default_factory=list)  # the new recording's (`vd.recorder.RecordResult.warnings`)
@@ -264,7 +265,7 @@ def _publish(location: Location, new_path: Path, old: Golden | None, unreadable:
     """Summarise the new version against the old, write its history, publish it. ``asked``: the summary's first
     lines (what the caller changed on purpose)."""
     new = open_golden(new_path)
-    changes, summary = summarise(old, new, name or location.url, reason, asked, unreadable)
+    changes, details = summarise(old, new, asked, unreadable)
     previous = old.history if old is not None else []
     meta = dict(new.meta)
     meta.pop("candidate", None)  # once promoted, the candidate is the golden
@@ -274,16 +275,18 @@ def _publish(location: Location, new_path: Path, old: Golden | None, unreadable:
             g.close()
     reseal(new_path, {"history": [*previous, entry]}, drop=("candidate",))
     location.publish(new_path, True)
-    return Refreshed(location.url, summary=summary, changes=changes, version=entry["version"])
+    return Refreshed(location.url, summary=words.refresh_markdown(name or location.url, reason, details),
+                     details=details, changes=changes, version=entry["version"])
 
 
 # -- the change summary -------------------------------------------------------------------------------------
-def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: list[str],
-              unreadable: str | None = None) -> tuple[list[str], str]:
-    """The new version against the old: its headline lines and a Markdown summary for a pull request."""
+def summarise(old: Golden | None, new: Golden, asked: list[str], unreadable: str | None = None
+              ) -> tuple[list[str], str]:
+    """The new version against the old: its headline lines, and what changed in Markdown
+    (`vd.replayer.words.changes_markdown`) for a pull request's summary."""
     if old is None:
         head = [f"previous version unreadable ({unreadable}); its history is lost" if unreadable else "new golden"]
-        return head, words.refresh_markdown(title, reason, head, [], [])
+        return head, words.changes_markdown(head, [], [])
     lines: list[str] = []
     rows: list[tuple[int, str, int, int, float, int, str]] = []
     decisions: list[str] = []
@@ -301,7 +304,7 @@ def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: l
     differ = recording_difference(old, new)
     if differ is not None:  # (worded without the staging folder's path: the history keeps this line)
         lines.append(f"rows not compared: the new version records another thing: {differ}")
-        return lines, words.refresh_markdown(title, reason, lines, rows, decisions)
+        return lines, words.changes_markdown(lines, rows, decisions)
     try:
         d = diff(old.url, new.url, tolerances=("exact",))
     except UsageError as e:
@@ -312,4 +315,4 @@ def summarise(old: Golden | None, new: Golden, title: str, reason: str, asked: l
         rows = words.row_changes(d)
         decisions = [line for k in old.ks for line in words.decision_lines(k, old.checked_log(k), new.checked_log(k))]
         lines += words.rows_headline(rows) + decisions
-    return lines, words.refresh_markdown(title, reason, lines, rows, decisions)
+    return lines, words.changes_markdown(lines, rows, decisions)

@@ -160,6 +160,7 @@ class Outcome:
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
     content: str | None = None
+    changes: str = ""  # a REFRESHED golden's change summary, without its title and reason (Markdown)
     of_golden: bool = False  # an ERROR the golden's state caused (damaged, not a golden, another model's), not
     # the settings or the model: recording it again can end it (the pytest plugin's way on says so)
 
@@ -245,7 +246,7 @@ def _record_one(e: Entry, refresh_existing: bool, reason: str, models: Models, p
     if present:
         done = refresh(e.path, s, reason=reason, name=e.name, model=m, progress=progress)
         return Outcome(e.name, e.path, "REFUSED" if done.refused else "REFRESHED",
-                       reasons=done.refused or done.changes)
+                       reasons=done.refused or done.changes, changes=done.details)
     r = record(e.path, s, model=m, progress=progress, reason=reason)
     if r.location is None:
         return Outcome(e.name, e.path, "REFUSED", reasons=[*r.thin, *r.short])
