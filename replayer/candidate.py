@@ -27,8 +27,9 @@ from vd.protocol import VerifyModel
 from vd.store import Golden, GoldenWriter, check_target, locate
 from vd.store import format as F
 
-# The golden's metadata a candidate does not inherit: the writer makes it anew, or it names the recording.
-_NOT_INHERITED = (*F.WRITTEN, "history", "candidate", "compiled")  # compiled: this process's own artifacts
+# The golden's metadata a candidate does not inherit: the writer makes it anew, or it names the recording
+# (compiled: this process's own artifacts; trace: a replay traces no module, so a candidate holds no traces).
+_NOT_INHERITED = (*F.WRITTEN, "history", "candidate", "compiled", "trace")
 
 
 class CandidateWriter:

@@ -4,10 +4,12 @@ ULP (`tests/plugins/planted.py`); locate must name that module, where an indepen
 forward hooks agrees that nothing before it differs."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from golden_edit import edit_meta
 
 from vd.models import load_model
 
@@ -268,6 +270,30 @@ def test_a_slim_golden_keeps_its_traces_and_a_damaged_trace_is_refused(cli, tmp_
     for args in (["verify", path], ["locate", path, "--forward", "sdpa"]):
         code, out, err = cli(*args)
         assert code == 2 and "k2/trace_digests" in err, (args, out, err)
+
+
+def test_a_candidate_promoted_over_a_traced_golden_drops_the_traces_and_says_so(cli, tmp_path):
+    """A candidate (a replay traces nothing) kept the golden's ``trace`` metadata without its traces, and a
+    promotion of it made a golden that `vd verify` called intact and `vd locate` and `vd slim` refused as damaged
+    (found by a user test). The candidate claims no traces; the change summary says they are dropped; and a
+    golden claiming traces it does not hold fails `vd verify`."""
+    path, cand = tmp_path / "g.zarr", tmp_path / "c.zarr"
+    assert cli("record", path, "--model", "tiny-llama", "--steps", "4", "--k", "2", "--trace", "--allow-thin")[0] == 0
+    perturb = str(Path(__file__).parent / "plugins" / "perturb.py") + ":factory"
+    assert cli("replay", path, "--model", perturb, "--save-candidate", cand)[0] == 1
+    meta = json.loads((cand / "zarr.json").read_text())["attributes"]["vd"]
+    assert cli("verify", cand)[0] == 0 and "trace" not in meta
+    code, out, err = cli("refresh", path, "--from", cand, "--reason", "the perturbed build")
+    assert code == 0 and "- module traces dropped: the new version holds none" in out, out + err
+    assert cli("verify", path)[0] == 0 and cli("slim", path, tmp_path / "s.zarr")[0] == 0
+    code, out, err = cli("locate", path, "--forward", "sdpa")
+    assert code == 2 and "holds no module traces" in err, out + err
+    traced = tmp_path / "t.zarr"  # traces claimed, not there (the manifest made again without them)
+    assert cli("record", traced, "--model", "tiny-llama", "--steps", "4", "--k", "2", "--trace", "--allow-thin")[0] == 0
+    shutil.rmtree(traced / "k2" / "trace_digests")
+    edit_meta(traced, lambda m: None)
+    code, out, err = cli("verify", traced)
+    assert code == 2 and "k2/trace_digests is missing" in err and err.count("\n") == 1, out + err
 
 
 @pytest.mark.parametrize("args, message", [

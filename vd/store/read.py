@@ -274,11 +274,13 @@ class Golden:
 
     def check_contents(self) -> None:
         """Every K's stored step log checked (against the metadata's copy, the vocabulary and the accept-count
-        range), every row against its digest (a slim golden: its digests and statistics read), and the prompt
-        array against its copy."""
+        range), every row against its digest (a slim golden: its digests and statistics read), a traced golden's
+        module traces there and of their shape, and the prompt array against its copy."""
         self.stored_prompt()
         for k in self.groups:
             self.checked_log(k)
+            if self.traced and k in self.ks:  # (the decode rows are not traced)
+                self.trace(k)
             if self.slim:
                 self.summary(k)
             else:

@@ -299,6 +299,9 @@ def summarise(old: Golden | None, new: Golden, asked: list[str], unreadable: str
                         (new.meta.get("mtp") or {}).get("fingerprint"))):
         if a != b and not any(line.startswith(f"asked: {what}:") for line in asked):  # (said once)
             lines.append(f"{what}: {a} -> {b}")
+    if old.traced and not new.traced:  # (a promoted candidate: a replay traces nothing)
+        lines.append("module traces dropped: the new version holds none (vd record GOLDEN --refresh --trace "
+                     "records them again)")
     env = numerics_differences(old.meta.get("environment") or {}, new.meta.get("environment") or {})
     lines += [f"environment: {d}" for d in env]
     differ = recording_difference(old, new)
