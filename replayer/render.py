@@ -94,17 +94,18 @@ def write_bundle(directory: Path, report: Report, args: Mapping, environ: Mappin
     write_bytes(directory / "rows.npz", npz.getvalue())
     write_text(directory / "environment.json", json_text(plain(report.environment)))
     cmd = words.reproduce_command(report, dict(args), "replay.json")
-    assert cmd[0] == "vd", "the command is a vd command"
+    assert cmd[0] == "vd" and cmd[-2:] == ["--report", "replay.json"], "a vd command writing replay.json"
     exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted((environ or {}).items()))
     python = shlex.quote(sys.executable)
     path = directory / "command.sh"
     write_text(path, "#!/bin/sh\n# Replays the first failing K and forward; exits 1 as the original replay did. It "
-                     "runs from any directory\n# (writing replay.json here), with the environment variables the "
+                     "runs from any directory\n# (writing replay.json beside it), with the environment variables the "
                      "replay read (secrets left out),\n# by the vd on PATH, else the Python that wrote this bundle "
-                     "(where it is there), else python3.\n" + exports + 'cd "$(dirname "$0")" || exit 2\n'
+                     "(where it is there), else python3. The paths it prints\n# work from where it was run.\n"
+                     + exports + 'here=$(dirname "$0")\n'
                      f"if command -v vd >/dev/null 2>&1; then set -- vd\nelif [ -x {python} ]; then set -- {python} "
                      "-m vd\nelse set -- python3 -m vd\nfi\n"
-                     + '"$@" ' + " ".join(shlex.quote(c) for c in cmd[1:]) + "\n", mode=0o755)
+                     + '"$@" ' + " ".join(shlex.quote(c) for c in cmd[1:-1]) + ' "$here/replay.json"\n', mode=0o755)
     return path
 
 

@@ -81,6 +81,10 @@ def test_bundle_command_reproduces_the_failure(cli, tiny_golden, tmp_path, monke
     again = json.loads((bundle / "replay.json").read_text())
     assert [v["k"] for v in again["verify"]] == [2] and not list(elsewhere.iterdir())
     assert again["verify"][0]["comparisons"][0]["first_failure"] == r["verify"][0]["comparisons"][0]["first_failure"]
+    # run by a relative path, the paths it prints work from where it ran (it printed them as from its own folder)
+    done = subprocess.run(["sh", "r.json.bundle/command.sh"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 1 and "sh r.json.bundle/replay.json.bundle/command.sh replays just that" in done.stdout
     # JUnit: one case per forward for the decode rows, one per K x forward and one per K for the golden's
     # checks; the perturbed ones fail.
     suite = ET.parse(tmp_path / "j.xml").getroot()
