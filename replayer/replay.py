@@ -43,7 +43,7 @@ from vd.replayer.report import (
     Sensitivity,
     Variant,
 )
-from vd.replayer.runs import KOutcome, control_steps, replay_decode, replay_k
+from vd.replayer.runs import KOutcome, control_steps, first_of, replay_decode, replay_k
 from vd.replayer.session import (
     PHASES,
     Clock,
@@ -152,8 +152,7 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
         seconds=sum(s.clock.phases[n] for n in PHASES if n not in ("open", "load", "setup", "write")),
         phases={**s.clock.phases, "finish": finish}, timing=_timing_of(s.clock, finish),
         reader=s.reader.summary(),
-        failure_rows=next((o.failure for o in [*outcomes, *([decode] if decode else [])] if o.failure is not None),
-                          None),
+        failure_rows=first_of(*(o.failure for o in [*outcomes, *([decode] if decode else [])])),
         decode=None if decode is None else decode.result,
         batch=None if s.batch is None else s.batch.describe(),
         golden_batch=None if s.recorded_batch is None else s.recorded_batch.describe())

@@ -97,8 +97,8 @@ def replay_k(s: Session, k: int, decoded: Mapping[str, DecodeRows]) -> KOutcome:
         reasons += why
         judged.append(Judged(ran.comparison, why))
         timings.append(Timing(name, tuple(ran.run.step_ms)))
-        if failure is None and not ran.comparison.passed:
-            failure = failure_rows(k, name, ran, protocol.decoder(s.model))
+        if wanted(failure, 0) and not ran.comparison.passed:
+            failure = first_of(failure, failure_rows(k, name, ran, protocol.decoder(s.model)))
         if failure is None and acc is not None and acc.acc.pair is not None:  # its verify rows against its decode's
             failure = pair_rows(s, k, name, log.steps, acc.acc.pair)
         if s.candidate is not None:
@@ -107,7 +107,7 @@ def replay_k(s: Session, k: int, decoded: Mapping[str, DecodeRows]) -> KOutcome:
             in_batch, batch_failure = batch_axis(s, k, name, log.steps)
             batches.append(in_batch)
             reasons += words.batch_reasons(k, f"verify K={k}", in_batch)
-            failure = failure or batch_failure
+            failure = first_of(failure, batch_failure)
     control = _control(s, k, log.steps, judged[-1].comparison) if s.settings.control else None
     if control is not None and not control.fired and not control.inconclusive:
         reasons.append(words.control_reason(k, control.changed_step, s.policy))
@@ -165,25 +165,30 @@ def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
     batches: list[BatchAxis] = []
     timings = [Timing(f"{g.info.forward} (golden)", tuple(log.step_ms.tolist()))]
     failure: FailureRows | None = None
+    ran_by: dict[str, DecodeRows] = {}  # per decode forward: run once, whichever forwards it serves
     for name in s.forwards:
         decode_forward = s.settings.decode_forward or name
+        if decode_forward in ran_by:  # (--decode-forward F with several --forward: F's decode rows run once)
+            kept[name] = ran_by[decode_forward]
+            continue
         s.progress.phase(f"decode {decode_forward}", g.layout(DECODE_K).steps)
         rows = KeptDecode()
         ran = _forward(s, DECODE_K, decode_forward, log.steps, rows.observe)
-        why = tuple(words.decode_reasons(name, decode_forward, ran.comparison))
+        served = [n for n in s.forwards if (s.settings.decode_forward or n) == decode_forward]  # its rows serve them
+        why = tuple(words.decode_reasons(", ".join(served), decode_forward, ran.comparison))
         reasons += why
         judged.append(Judged(ran.comparison, why))
         timings.append(Timing(decode_forward, tuple(ran.run.step_ms)))
-        kept[name] = rows.result()
-        if failure is None and not ran.comparison.passed:
+        kept[name] = ran_by[decode_forward] = rows.result()
+        if wanted(failure, DECODE_RANK) and not ran.comparison.passed:
             failure = failure_rows(DECODE_K, name, ran, protocol.decoder(s.model), decode_forward=decode_forward)
         if s.candidate is not None:
             s.candidate.keep(DECODE_K, ran.run)
-        if s.batch is not None and decode_forward not in [b.forward for b in batches]:
+        if s.batch is not None:
             in_batch, batch_failure = batch_axis(s, DECODE_K, decode_forward, log.steps)
             batches.append(in_batch)
             reasons += words.batch_reasons(DECODE_K, "decode rows", in_batch)
-            failure = failure or batch_failure
+            failure = first_of(failure, batch_failure)
     result = KResult(DECODE_K, tuple(log.accepted.tolist()), tuple(judged), tuple(timings), None,
                      batch=tuple(batches))
     return KOutcome(result, tuple(reasons), failure), kept
@@ -304,6 +309,27 @@ def pair_rows(s: Session, k: int, name: str, steps: Sequence[Step], pair: Failin
                        candidate=pair.verify[None], tokens=tokens, first_failure=first,
                        text=None if decoder is None else decoder.decode(tokens),
                        decode_forward=s.settings.decode_forward or name)
+
+
+DECODE_RANK = 1
+
+
+def rank(f: FailureRows) -> int:
+    """Which failure a first-divergence bundle shows (the lowest first, then the first found): the golden's own
+    rows differing at a K (0), then its decode rows (`DECODE_RANK`), then rows in a batch (2), then a verify row
+    failing the policy's equivalence= against its decode row (3): a regression before a property the golden
+    may well share."""
+    return 3 if f.kind == "equivalence" else 2 if f.batch is not None else DECODE_RANK if f.k == DECODE_K else 0
+
+
+def wanted(found: FailureRows | None, r: int) -> bool:
+    """Whether a failure of rank ``r`` would be shown before ``found``."""
+    return found is None or rank(found) > r
+
+
+def first_of(*found: FailureRows | None) -> FailureRows | None:
+    """The failure among ``found`` a bundle shows (`rank`)."""
+    return min((f for f in found if f is not None), key=rank, default=None)
 
 
 def failure_rows(k: int, name: str, ran: _Ran, decoder: protocol.TokenDecoder | None = None, *,

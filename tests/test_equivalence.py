@@ -140,6 +140,33 @@ def test_decode_forward_computes_the_decode_rows_each_forward_is_measured_agains
     assert own["decode_forward"] == "eager" and own["forwards"][0]["identical"] == own["golden"]["identical"]
 
 
+def test_the_bundle_shows_a_regression_before_an_equivalence_the_golden_shares(cli, tmp_path, monkeypatch):
+    """16 steps of tiny-llama fail equivalence=exact at K=3 (step 13), as its golden does; a build moving one K=4
+    verify row sent the first-divergence bundle (and the next step) to that K=3 pair, and nothing captured the
+    regression (found by a user test). Rows differing from the golden's come first, whatever their K."""
+    golden = tmp_path / "g.zarr"
+    assert cli("record", golden, "--model", "tiny-llama")[0] == 0
+    monkeypatch.setenv("VD_PERTURB_STEP", "4")
+    monkeypatch.setenv("VD_PERTURB_K", "4")
+    code, out, err = cli("replay", golden, "--model", f"{PLUGINS / 'perturb.py'}:factory", "--tolerance",
+                         "equivalence=exact", "--report", tmp_path / "r.json")
+    assert code == 1 and "verify K=3, eager: 1 of 40 verify rows fail equivalence=exact" in out, out + err
+    failure = json.loads((tmp_path / "r.json.bundle" / "failure.json").read_text())
+    assert (failure["k"], failure["kind"], failure["step"]) == (4, "verify", 4), failure
+    assert "Look at the first divergence (K=4, eager, verify step 4 row 1 index 7" in out, out
+
+
+def test_decode_forward_named_for_several_forwards_runs_once(cli, tiny_golden, tmp_path):
+    """--decode-forward static with --forward eager --forward static ran static's decode rows twice: two equal
+    table rows, each axis twice in the report, two JUnit cases of one name (found by a user test)."""
+    code, out, err = cli("replay", tiny_golden, "--forward", "eager", "--forward", "static", "--decode-forward",
+                         "static", "--k", "2", "--junit", tmp_path / "j.xml", "--report", tmp_path / "r.json")
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert [c["variant"] for c in r["decode"]["comparisons"]] == ["static"], out + err
+    assert [e["variant"] for e in r["verify"][0]["equivalence"]["forwards"]] == ["eager", "static"]
+    assert (tmp_path / "j.xml").read_text().count('name="decode static"') == 1
+
+
 def test_a_golden_without_decode_rows_says_the_axis_is_not_recorded(cli, tmp_path):
     golden = DATA / "tiny-llama-v6.zarr"
     code, out, err = cli("replay", golden, "--k", "2", "--report", tmp_path / "r.json")
