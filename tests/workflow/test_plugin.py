@@ -118,6 +118,28 @@ def test_a_failing_engine_fails_with_vds_reasons_and_update_accepts_it(project):
     project.runpytest("test_engine.py").assert_outcomes(passed=1)  # the golden now holds the engine's numbers
 
 
+def test_a_pin_is_checked_and_an_update_writes_the_new_one(project):
+    """The plugin's replays ignored a declaration's pin (a golden every `vd replay` refused passed `pytest --vd`),
+    and `--vd-update` left the old pin, so every replay then refused the updated golden (found by a user test)."""
+    project.runpytest("--vd", "--vd-update").assert_outcomes(passed=1)
+    toml = project.path / "vd.toml"
+    digest = open_golden(project.path / "goldens" / "tiny.zarr").content_digest()
+    wrong = "sha256:" + "0" * 64
+    toml.write_text(SUITE.replace('path = "goldens/tiny.zarr"\n', f'path = "goldens/tiny.zarr"\npin = "{wrong}"\n'))
+    r = project.runpytest("--vd")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines([f"*is not the one its declaration pins ({wrong})*"])
+    again = "\n\ndef test_again(vd_golden):\n    assert vd_golden('tiny').replay(model=_perturbed()).verdict == 'PASS'"
+    project.makepyfile(test_engine=TEST_ENGINE + again)
+    toml.write_text(toml.read_text().replace(wrong, digest))
+    r = project.runpytest("test_engine.py", "--vd-update")  # the second test replays what the first accepted
+    r.assert_outcomes(passed=2)
+    now = open_golden(project.path / "goldens" / "tiny.zarr").content_digest()
+    assert now != digest and f'pin = "{now}"' in toml.read_text()
+    r.stdout.fnmatch_lines([f"    pin in {toml}: {now}"])
+    project.runpytest("test_engine.py").assert_outcomes(passed=2)
+
+
 def test_an_update_of_a_change_at_every_step_records_the_golden_with_the_tests_model(project, monkeypatch):
     """An engine whose every verify step differs from the golden's, the controls' steps too, so a promotion cannot
     vouch for its candidate: the failure says that vd refresh records the declared model, not the test's (it

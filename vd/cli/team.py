@@ -36,7 +36,7 @@ from vd.cli.common import (
 )
 from vd.errors import UsageError, VdError
 from vd.outputs import check_bundle_place, write_text
-from vd.workflow.declare import DeclarationError, declared, entry_for
+from vd.workflow.declare import declared, entry_for
 
 
 def _suite(config: Path | None):
@@ -246,26 +246,14 @@ def note_stale(entry) -> None:
 
 def repin(entry, config: Path | None, path: str) -> None:
     """A refreshed golden whose declaration pins it: the pin set to its new content digest in the declaration
-    file, so the change is in the same review as the golden's (`vd.workflow.declare.set_pin`)."""
-    if entry is None or entry.pin is None:
-        return
-    from vd.store import open_golden
-    from vd.workflow.declare import set_pin
+    file, so the change is in the same review as the golden's (`vd.workflow.declare.repin`), and said."""
+    if entry is not None and entry.file is None:  # (an entry always carries its file; this one was made by hand)
+        entry = dataclasses.replace(entry, file=_suite(config).file)
+    from vd.workflow.declare import repin as write_pin
 
-    g = open_golden(path)
-    try:
-        digest = g.content_digest()
-    finally:
-        g.close()
-    if digest != entry.pin:
-        file = entry.file or _suite(config).file
-        try:
-            set_pin(file, entry, digest)
-        except (OSError, DeclarationError) as e:  # checked before the refresh (`check_repin`); changed since
-            raise DeclarationError(f"{path} was published, but its pin in {file} could not be written "
-                                   f"({str(e).splitlines()[0]}): set pin = \"{digest}\" for {entry.name} by hand"
-                                   ) from e
-        out.print(f"pin of {entry.name} in {file}: {digest}")
+    digest = write_pin(entry, path)
+    if digest is not None:
+        out.print(f"pin of {entry.name} in {entry.file}: {digest}")
 
 
 def check_repin(entry, config: Path | None) -> None:

@@ -17,6 +17,7 @@ This module imports neither torch nor a model, so declarations are checked in a 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import tomllib
@@ -394,15 +395,44 @@ def check_pin_writable(file: Path, entry: Entry) -> None:
 def set_pin(file: Path, entry: Entry, digest: str) -> None:
     """Write ``digest`` as ``entry``'s pin in the declaration ``file`` (a refresh of a pinned golden: the new pin in
     the same review as the new golden). The old pin's text is replaced where it occurs once in the file (else
-    `DeclarationError`: the line to change is named), and the file read back must declare the new one."""
+    `DeclarationError`: the line to change is named), and the file read back must declare the new one. The file
+    is locked while it is rewritten (pytest-xdist workers updating two goldens of one declaration)."""
     old = entry.pin
     if old is None or old == digest:
         return
-    text = file.read_text()
-    if text.count(f'"{old}"') + text.count(f"'{old}'") != 1:
-        raise DeclarationError(f"{file}: golden {entry.name!r}'s pin {old} appears more than once; set pin = "
-                               f'"{digest}" for it by hand')
-    quote = '"' if f'"{old}"' in text else "'"
-    file.write_text(text.replace(f"{quote}{old}{quote}", f"{quote}{digest}{quote}"))
+    with open(file, "r+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        text = f.read()
+        if text.count(f'"{old}"') + text.count(f"'{old}'") != 1:
+            raise DeclarationError(f"{file}: golden {entry.name!r}'s pin {old} appears more than once, or not at "
+                                   f'all; set pin = "{digest}" for it by hand')
+        quote = '"' if f'"{old}"' in text else "'"
+        f.seek(0)
+        f.write(text.replace(f"{quote}{old}{quote}", f"{quote}{digest}{quote}"))
+        f.truncate()
     if load_suite(file).entries[entry.name].pin != digest:
         raise DeclarationError(f"{file}: could not update golden {entry.name!r}'s pin; set pin = \"{digest}\" by hand")
+
+
+def repin(entry: Entry | None, path: str) -> str | None:
+    """A refreshed golden's new pin written into its declaration (`set_pin`), where it is pinned and its content
+    digest moved; the new digest, or None where nothing was written. A pin that cannot be written now (checked
+    before the refresh, `check_pin_writable`; changed since) is a `DeclarationError` saying the golden was
+    published and what to write by hand."""
+    if entry is None or entry.pin is None or entry.file is None:
+        return None
+    from vd.store import open_golden  # (only here: a declaration is read without the store)
+
+    g = open_golden(path)
+    try:
+        digest = g.content_digest()
+    finally:
+        g.close()
+    if digest == entry.pin:
+        return None
+    try:
+        set_pin(entry.file, entry, digest)
+    except (OSError, DeclarationError) as e:
+        raise DeclarationError(f"{path} was published, but its pin in {entry.file} could not be written "
+                               f"({str(e).splitlines()[0]}): set pin = \"{digest}\" for {entry.name} by hand") from e
+    return digest

@@ -20,7 +20,9 @@
   replay whose test does not set ``forwards`` or ``tolerances`` itself (``replay(forwards=("sdpa",))``
   wins); ``--vd-config FILE`` names the declaring file (default: found from the rootdir).
 
-A golden whose declaration changed since it was recorded fails as stale (unless updated); the summary
+A declared pin is checked by every replay and rewritten by an update (as ``vd refresh`` does: a test replaying
+the golden after it, in any worker, reads the declaration again). A golden whose declaration changed since it was
+recorded fails as stale (unless updated); the summary
 lists orphan goldens, those on disk no declaration names, as syrupy lists unused snapshots.
 """
 
@@ -70,6 +72,7 @@ class _Session:
         self.config = config
         self.update = config.getoption("vd_update")
         self._suite = None
+        self._seen: int | None = None  # the declaration file's mtime when read
         from vd.workflow.suite import Models
 
         self.models = Models()
@@ -79,11 +82,18 @@ class _Session:
 
     @property
     def suite(self):
-        if self._suite is None:
-            from vd.workflow.declare import find, load_suite
+        """The declaration, read again where its file changed since (an update wrote a golden's new pin: this
+        process's, or another pytest-xdist worker's), so every replay checks the pin it holds now."""
+        from vd.workflow.declare import find, load_suite
 
-            file = self.config.getoption("vd_config") or find(self.config.rootpath)
-            self._suite = load_suite(file)
+        file = self._suite.file if self._suite is not None else (self.config.getoption("vd_config")
+                                                                 or find(self.config.rootpath))
+        try:
+            seen = os.stat(file).st_mtime_ns if file is not None else None
+        except OSError:
+            seen = None
+        if self._suite is None or seen != self._seen:
+            self._suite, self._seen = load_suite(file), seen
         return self._suite
 
     def settings(self, **over):
@@ -225,6 +235,7 @@ class _Session:
         from vd.workflow.refresh import promote
 
         with _refused(entry.name):
+            _check_repin(entry)
             done = promote(candidate, entry.path, reason=f"pytest --vd-update ({who}, run {self.run}): {why}",
                            name=entry.name)
         if done.record_instead == {}:
@@ -232,10 +243,19 @@ class _Session:
         return self._done(entry, done)
 
     def _done(self, entry, r):
+        """A refresh's or promotion's end: refused, the test's failure; else the golden's new pin written into its
+        declaration where it is pinned (`vd.workflow.declare.repin`: it kept the old one, and every replay then
+        refused the updated golden), and the refresh listed in the run's summary."""
         __tracebackhide__ = True
+        from vd.workflow.declare import repin
+
         if r.refused:
             raise GoldenFailure(f"vd golden {entry.name!r}: the refresh was refused:\n"
                                 + "\n".join(f"  - {x}" for x in r.refused))
+        with _refused(entry.name):
+            pinned = repin(entry, entry.path)
+        if pinned is not None:
+            r.changes.append(f"pin in {entry.file}: {pinned}")
         self.refreshed.append((entry.name, r))
 
     def _refresh(self, entry, who: str, model, why: str):
@@ -246,9 +266,18 @@ class _Session:
         s = record_settings(entry)
         model = model or self.models.get(s.model, s.device, s.dtype, s.head)
         with _refused(entry.name):
+            _check_repin(entry)
             done = refresh(entry.path, s, reason=f"pytest --vd-update ({who}, run {self.run}): {why}", name=entry.name,
                            model=model)
         self._done(entry, done)
+
+
+def _check_repin(entry) -> None:
+    """Before an update publishes a pinned golden: its declaration can take the new pin."""
+    from vd.workflow.declare import check_pin_writable
+
+    if entry.pin is not None and entry.file is not None:
+        check_pin_writable(entry.file, entry)
 
 
 def _root_meta(entry):

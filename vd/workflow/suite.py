@@ -207,7 +207,8 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
                 raise GoldenError("stale, the declaration changed since it was recorded: " + "; ".join(stale)
                                   + f"; record it again: vd record --suite {e.name} --refresh --reason TEXT")
             m = model or models.get(*replay_key(settings, g), progress)
-            report = replay(g.location, settings, model=m, progress=progress)
+            pinned = settings if e.pin is None else dataclasses.replace(settings, pin=e.pin)  # (pytest: it was not)
+            report = replay(g.location, pinned, model=m, progress=progress)
             content = g.content_digest()
         finally:
             g.close()  # a refresh in this process (pytest --vd-update) may then remove this version
