@@ -85,6 +85,20 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     assert code == 2 and "b.zip does not exist" in out and "1 PASS, 1 ERROR of 2" in out
 
 
+def test_a_suite_bundle_is_never_written_into_a_golden(cli, tmp_path, monkeypatch):
+    """A golden declared as ``t.zarr`` at goldens/t.zarr, and a suite replay's --bundle goldens: its bundle,
+    goldens/t.zarr/, was written into the golden, which then failed vd verify (found by a user test)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vd.toml").write_text('[goldens."t.zarr"]\npath = "goldens/t.zarr"\nmodel = "tiny-llama"\nk = [2]\n'
+                                      'steps = 4\n')
+    assert cli("record", "--suite")[0] == 0
+    before = sorted(p.name for p in (tmp_path / "goldens" / "t.zarr").iterdir())
+    code, out, err = cli("replay", "--suite", "--forward", "sdpa", "--bundle", "goldens")
+    assert code == 2 and "--bundle goldens/t.zarr is the golden" in err and err.count("\n") == 1, out + err
+    assert sorted(p.name for p in (tmp_path / "goldens" / "t.zarr").iterdir()) == before
+    assert cli("verify", "t.zarr")[0] == 0
+
+
 def test_a_suite_replay_refuses_a_golden_its_declaration_has_moved_past(project, cli):
     """A stale golden (its declaration changed since it was recorded) is an ERROR of the suite replay, as it is a
     failure of `pytest --vd` and of `vd status`: replaying what it holds would pass without checking what the

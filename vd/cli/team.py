@@ -125,7 +125,7 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     check_distinct(outputs)
     for flag, path in outputs.items():
         check_writable(flag, path, [e.path for e in entries], directory=flag == "--bundle")
-    _check_bundle_places(bundle, [e.name for e in entries], outputs)
+    _check_bundle_places(bundle, [e.name for e in entries], outputs, [e.path for e in entries])
     from vd.replayer import ReplaySettings, render, words
     from vd.workflow.suite import Models, SuiteReport, for_entry, replay_plan
     from vd.workflow.suite import replay_suite as do_replay
@@ -162,9 +162,12 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     return done.code
 
 
-def _check_bundle_places(bundle: Path | None, names: list[str], outputs: dict) -> None:
-    """Each golden's bundle place, a folder of its name in ``bundle`` (`vd.outputs.check_bundle_place`)."""
+def _check_bundle_places(bundle: Path | None, names: list[str], outputs: dict, goldens: list[str]) -> None:
+    """Each golden's bundle place, a folder of its name in ``bundle``: neither a golden nor inside one (``DIR``
+    holding golden ``NAME`` at ``DIR/NAME``: its bundle went into that golden), and as `vd.outputs.check_bundle_place`
+    asks."""
     for place in [bundle / name for name in names] if bundle is not None else []:
+        check_writable("--bundle", place, goldens, directory=True)
         why = check_bundle_place(f"--bundle {place}", place, {**outputs, "--bundle": None})
         if why is not None:
             raise UsageError(why)
