@@ -155,7 +155,8 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
         failure_rows=first_of(*(o.failure for o in [*outcomes, *([decode] if decode else [])])),
         decode=None if decode is None else decode.result,
         batch=None if s.batch is None else s.batch.describe(),
-        golden_batch=None if s.recorded_batch is None else s.recorded_batch.describe())
+        golden_batch=None if s.recorded_batch is None else s.recorded_batch.describe(),
+        candidate=None if s.candidate is None else s.candidate.url)
 
 
 def _environment_reasons(s: Session, replayed_env: dict, verify: Sequence[KResult]) -> list[Reason]:

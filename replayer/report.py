@@ -391,6 +391,7 @@ class Report:
     golden_batch: Mapping[str, Any] | None = None
     # With --locate: per forward whose rows differ, where the difference starts (`vd.replayer.locate.LocateReport`).
     located: tuple[Any, ...] = ()
+    candidate: str | None = None  # where --save-candidate saved this replay's candidate
 
     @property
     def verdict(self) -> str:
@@ -421,7 +422,7 @@ class Report:
                 "decode": None if self.decode is None else self.decode.to_json(),
                 "batch": None if self.batch is None else dict(self.batch),
                 "golden_batch": None if self.golden_batch is None else dict(self.golden_batch),
-                "locate": [r.to_json() for r in self.located]}
+                "locate": [r.to_json() for r in self.located], "candidate": self.candidate}
 
 
 @dataclass(frozen=True, slots=True)

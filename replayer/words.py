@@ -22,7 +22,7 @@ from vd.equivalence import describe as describe_equivalence
 from vd.layout import StepLog
 from vd.policy import Policy
 from vd.replayer.comparison import Comparison, Failure, Flip, KindSummary, Mismatch
-from vd.replayer.report import BatchAxis, Control, DiffReport, KResult, Reason, Report
+from vd.replayer.report import BatchAxis, Control, DiffReport, FailureRows, KResult, Reason, Report
 from vd.store.format import DECODE_K
 
 
@@ -69,12 +69,12 @@ def mismatch_place(m: Mismatch | None) -> str:
     return f"{step} row {m.row} index {m.index}: golden {m.golden!r}, got {m.got!r}"
 
 
-def failure_place(f: Failure) -> str:
-    """Where a first failure sits: ``verify step 3 row 1 index 57``."""
+def failure_place(f: Failure, k: int | None = None) -> str:
+    """Where a first failure sits: ``verify step 3 row 1 index 57`` (at ``k`` the decode group: ``decode step``)."""
     if f.step is None:
         place = "prefill" if f.kind == "prefill" else "draft bootstrap"
     else:
-        place = f"{f.kind} step {f.step}"
+        place = f"{f.kind if k is None else _row_kind(k, f.kind)} step {f.step}"
     return f"{place} row {f.row}" + ("" if f.index is None else f" index {f.index}")
 
 
@@ -568,15 +568,16 @@ def next_steps(report: Report, declared: str | None, bundle: str | None = None) 
                  "passed.",)]
     out: list[NextStep] = []
     rows = report.failure_rows
-    # failure_rows may be the control's (which always fails); a forward's failure is what to look at
-    if rows is not None and any(r.variant == rows.forward for r in report.reasons_of(("rows", "draft"))):
-        where = failure_place(rows.first_failure) if rows.first_failure else f"{rows.kind} step {rows.step}"
+    if rows is not None and report.reasons_of(_failing_as(rows)):
+        where = failure_place(rows.first_failure, rows.k) if rows.first_failure else f"{rows.kind} step {rows.step}"
         tokens = "" if rows.tokens is None else f"; the step verified tokens {rows.tokens}" + (
             "" if rows.text is None else f" ({rows.text!r})")
         both = ("the candidate's rows in ", Code("rows.npz"), " (the golden is slim: add ", Code("--rows FULL"),
                 ", the full golden it was made from, for its rows too)") \
             if report.rows.slim and report.rows.source is None else ("both rows in ", Code("rows.npz"))
-        look = f"Look at the first divergence (K={rows.k}, {rows.forward}, {where}{tokens})"
+        forward = rows.forward if rows.k != DECODE_K else rows.decode_forward or rows.forward
+        batch = "" if rows.batch is None else f" in a batch of {rows.batch['n']}"
+        look = f"Look at the first divergence ({group(rows.k)}, {forward}{batch}, {where}{tokens})"
         if bundle is not None:
             out.append((f"{look} in its bundle ", Code(shlex.quote(bundle.rstrip('/') + '/')), " (", *both, ", ",
                         Code("failure.json"), "): ", Code(shlex.join(["sh", os.path.join(bundle, "command.sh")])),
@@ -653,9 +654,10 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
                     ", then write its slim form again: ",
                     Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), f" ({_no_promotion(report)}).")
         if own and report.replayed_spec is not None:  # another model's rows: a refresh would record the golden's own
-            return ("If the change is intended, take these rows into the full golden this slim one was made from: "
-                    "replay with ", Code("--save-candidate PATH"), ", then ",
-                    Code(f"vd refresh {full} --from PATH --reason TEXT"), ", then write its slim form again: ",
+            how, saved = _promotion(report)
+            return ("If the change is intended, take these rows into the full golden this slim one was made from: ",
+                    *how, Code(f"vd refresh {full} --from {shlex.quote(saved)} --reason TEXT"),
+                    ", then write its slim form again: ",
                     Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
         record = f"vd refresh {full} --reason TEXT" if own else \
             f"vd record {full} --refresh --forward {shlex.quote(str(forward))} --reason TEXT"
@@ -665,6 +667,11 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
     target = declared if declared is not None else report.golden
     if own and report.replayed_spec is not None:
         return _accept_other_model(report, declared, target)
+    if own and report.candidate is not None and not _inconclusive(report):
+        return ("If the change is intended, accept it: ",
+                Code(f"vd refresh {shlex.quote(target)} --from {shlex.quote(report.candidate)} --reason TEXT"),
+                " promotes the candidate this replay saved, or ", Code(f"vd refresh {shlex.quote(target)} --reason "
+                                                                        "TEXT"), " records the golden again.")
     if own:
         return ("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
                 ", or record the golden again on the trusted build: ",
@@ -697,9 +704,9 @@ def _accept_other_model(report: Report, declared: str | None, target: str) -> Ne
         return (f"If the change is intended, make {spec} the golden's model: ",
                 Code(shlex.join(["vd", "record", target, "--refresh", "--model", spec]) + " --reason TEXT"),
                 f" (vd refresh records the golden's own, {report.model.spec}{why}).")
-    promote = ("If the change is intended, take these rows, the golden staying of its model: replay with ",
-               Code("--save-candidate PATH"), ", then ",
-               Code(f"vd refresh {shlex.quote(target)} --from PATH --reason TEXT"))
+    how, saved = _promotion(report)
+    promote = ("If the change is intended, take these rows, the golden staying of its model: ", *how,
+               Code(f"vd refresh {shlex.quote(target)} --from {shlex.quote(saved)} --reason TEXT"))
     if declared is not None:
         return (*promote, f"; or make {spec} the golden's model: declare ", Code(f'model = "{spec}"'),
                 f" in {declared}'s declaration, then ", Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"),
@@ -707,6 +714,22 @@ def _accept_other_model(report: Report, declared: str | None, target: str) -> Ne
     return (*promote, f"; or make {spec} the golden's model: ",
             Code(shlex.join(["vd", "record", target, "--refresh", "--model", spec]) + " --reason TEXT"),
             f" (vd refresh records the golden's own, {report.model.spec}).")
+
+
+def _failing_as(rows: FailureRows) -> tuple[str, ...]:
+    """The reasons (by ``what``) a bundle's rows are the first failure of: a verify pair judged against its decode
+    row, a batch's, the decode rows', else the rows (or draft rows) against the golden's."""
+    if rows.kind == "equivalence":
+        return ("equivalence",)
+    return ("batch",) if rows.batch is not None else ("decode",) if rows.k == DECODE_K else ("rows", "draft")
+
+
+def _promotion(report: Report) -> tuple[NextStep, str]:
+    """How to take this replay's rows as a candidate (the start of a step), and the path `vd refresh --from`
+    takes: the candidate this replay saved (``--save-candidate``: it asked to save one again), else ``PATH``."""
+    if report.candidate is not None:
+        return ("promote the candidate this replay saved: ",), report.candidate
+    return ("replay with ", Code("--save-candidate PATH"), ", then "), "PATH"
 
 
 def _inconclusive(report: Report) -> list[int]:

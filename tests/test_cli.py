@@ -85,11 +85,13 @@ def test_a_fail_on_the_terminal_says_what_to_do_next(cli, tiny_golden, tmp_path)
     at = lines.index("next step:")
     assert lines[at - 1] == "FAIL" and lines[at + 1].startswith("  - Look at the first divergence (K=2, eager,")
     assert f"vd replay {tiny_golden} --k 2 --forward eager" in lines[at + 1]
-    # A refresh alone would record tiny-llama again: the way on takes the plug-in's rows, or makes it the model.
+    # A refresh alone would record tiny-llama again: the way on takes the plug-in's rows (the candidate saved: it
+    # said to save one again), or makes it the model.
     assert lines[at + 2] == (f"  - If the change is intended, take these rows, the golden staying of its model: "
-                             f"replay with --save-candidate PATH, then vd refresh {tiny_golden} --from PATH --reason "
-                             f"TEXT; or make {spec} the golden's model: vd record {tiny_golden} --refresh --model "
-                             f"{spec} --reason TEXT (vd refresh records the golden's own, tiny-llama).")
+                             f"promote the candidate this replay saved: vd refresh {tiny_golden} --from "
+                             f"{tmp_path / 'c.zarr'} --reason TEXT; or make {spec} the golden's model: vd record "
+                             f"{tiny_golden} --refresh --model {spec} --reason TEXT (vd refresh records the golden's "
+                             "own, tiny-llama).")
     assert f"  note: candidate saved: {tmp_path / 'c.zarr'} (review with vd diff" in out
     assert cli("show", tmp_path / "c.zarr")[0] == 0
     code, out, err = cli("replay", tiny_golden, "--k", "2")

@@ -131,6 +131,9 @@ def test_decode_forward_computes_the_decode_rows_each_forward_is_measured_agains
     assert v["equivalence"]["decode_forward"] == "sdpa" and v["equivalence"]["forwards"][0]["variant"] == "eager"
     (why,) = r["reasons"]
     assert why.startswith("decode rows (computed with sdpa), eager: "), why
+    # the decode rows alone fail: the next step still gives the replay writing their bundle (it gave none)
+    assert "Look at the first divergence (decode, sdpa, prefill row 1 index 0) in its bundle " in out, out
+    assert "--decode-forward sdpa" in (tmp_path / "r.json.bundle" / "command.sh").read_text()
     assert f"To make sdpa the golden's forward, record it with it: vd record {tiny_golden} --refresh --forward sdpa " \
            "--reason TEXT" in out and "vd refresh" not in out.split("next step:")[1].split("(vd refresh")[0], out
     code, out, err = cli("replay", tiny_golden, "--k", "2", "--decode-forward", "eager", "--report",
