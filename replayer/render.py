@@ -319,16 +319,16 @@ _CSS = ("body{font-family:sans-serif;margin:24px;max-width:1250px}.PASS{color:#2
         "pre{white-space:pre-wrap}svg{display:block}")
 
 
-def write_html(path: Path, report: Report, command: str | Sequence[str] | None = None, bundle: str | None = None
-               ) -> None:
+def write_html(path: Path, report: Report, command: str | Sequence[str] | None = None, bundle: str | None = None,
+               declared: str | None = None) -> None:
     """One offline page for one replay: the header (``command``, the replay's time, vd's version) and the
     golden's section (see the module's docstring); ``bundle``: the first-divergence bundle the replay wrote, which
-    its next step names."""
+    its next step names; ``declared``: the golden's name in its declaration, which the next step uses."""
     name = golden_name(report.golden)
     replayed = report.environment.replayed.get("time")
     with _Plots() as plots:
         body = [f"<h1>vd replay: <span class='{report.verdict}'>{report.verdict}</span></h1>",
-                _header(command, "replayed at", replayed or _now()), _section(plots, name, report, None, bundle)]
+                _header(command, "replayed at", replayed or _now()), _section(plots, name, report, declared, bundle)]
     _write_page(path, f"vd replay {name}: {report.verdict}", body)
 
 

@@ -64,6 +64,8 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     assert (project / "mine" / "b" / "command.sh").read_text() == "mine" and not (project / "mine" / "a").exists()
     code, out, err = cli("replay", "b", "--k", "2")  # one golden by its declared name, as vd refresh takes it
     assert code == 0 and out.rstrip().endswith("PASS") and str(project / "goldens" / "b.zip") in out, out + err
+    code, out, err = cli("replay", "a", "--model", plugin, "--k", "2")  # alone, its way on is the suite's: declare
+    assert code == 1 and f'declare model = "{plugin}" in a\'s declaration, then vd refresh a --reason TEXT' in out, out
     code, out, err = cli("replay", "--suite", "a", "--forward", "sdpa", "--k", "2")  # to accept another forward:
     assert code == 1 and ('  - To make sdpa the golden\'s forward, declare it (forward = "sdpa" in a\'s declaration) '
                           "and refresh: vd refresh a --reason TEXT.") in out.splitlines(), out

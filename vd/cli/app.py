@@ -303,7 +303,8 @@ def _replay_golden(golden: str, asked: dict, config: Path | None, report: Path |
     _note_stale(entry)
     args = {key: asked[key] for key in ("model", "head", "device", "threads", "rows", "allow_model_mismatch")}
     args["environ"] = environ  # with the flags above, what command.sh passes again
-    return _replayed(result, _write_outputs(result, args, report, bundle, junit, html))
+    declared = _name_here(entry, config)  # (the next step declares and refreshes it by name)
+    return _replayed(result, _write_outputs(result, args, report, bundle, junit, html, declared), declared)
 
 
 def _declared(golden: str, config: Path | None):
@@ -312,6 +313,18 @@ def _declared(golden: str, config: Path | None):
     from vd.workflow.declare import declared
 
     return declared(golden, config)
+
+
+def _name_here(entry, config: Path | None) -> str | None:
+    """The NAME commands run here take for the declared golden ``entry``: where the declaration they read
+    (``--config``, else the one found from here) declares it; None where only the golden's own folder's does (a
+    command here names it by its path)."""
+    from vd.workflow.declare import find
+
+    here = config if config is not None else find()
+    if entry is None or entry.file is None or here is None:
+        return None
+    return entry.name if Path(here).resolve() == Path(entry.file).resolve() else None
 
 
 def _note_stale(entry) -> None:
@@ -428,8 +441,9 @@ def _check_inputs(golden: str | None, asked: dict) -> None:
     check_tolerances(list(asked["tolerances"]))
 
 
-def _replayed(result, data: dict) -> int:
-    """Print a replay's summary (`vd.replayer.words`); its exit code."""
+def _replayed(result, data: dict, declared: str | None = None) -> int:
+    """Print a replay's summary (`vd.replayer.words`; ``declared``: the golden's name in its declaration, which its
+    next step uses, as a suite replay's does); its exit code."""
     from vd.replayer import words
 
     print_table(words.replay_table(result))
@@ -447,13 +461,13 @@ def _replayed(result, data: dict) -> int:
     out.print(result.verdict, style="bold")
     if data.get("bundle"):
         out.print(words.bundle_line(data["bundle"]))
-    for line in words.next_lines(result, bundle=data.get("bundle")):
+    for line in words.next_lines(result, declared, data.get("bundle")):
         out.print(line)
     return EXIT_PASS if result.verdict == "PASS" else EXIT_FAIL
 
 
 def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None, junit: Path | None,
-                   html: Path | None) -> dict:
+                   html: Path | None, declared: str | None = None) -> dict:
     """A replay's bundle (on failure), JSON report, JUnit XML and HTML page, those asked for; the JSON."""
     from vd.replayer import render  # imported here as the replayer is, for a quick `vd --help`
 
@@ -469,7 +483,7 @@ def _write_outputs(result, args: dict, report: Path | None, bundle: Path | None,
     if junit is not None:
         render.write_junit(junit, result)
     if html is not None:
-        render.write_html(html, result, command=["vd", *sys.argv[1:]], bundle=data.get("bundle"))
+        render.write_html(html, result, command=["vd", *sys.argv[1:]], bundle=data.get("bundle"), declared=declared)
     return data
 
 
