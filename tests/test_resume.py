@@ -120,15 +120,23 @@ def test_a_fifo_as_the_journal_is_refused(tmp_path):
 
 
 def test_a_recording_started_afresh_beside_a_journal_says_it_replaces_it(tmp_path):
-    """A plain `vd record` where a cut-short recording left its journal starts afresh (as the README says) but
-    not silently: a note names the journal and --resume, and the golden is recorded."""
-    g = tmp_path / "g.zarr"
+    """A plain `vd record` (or `vd record --suite`: it said nothing) where a cut-short recording left its journal
+    starts afresh (as the README says) but not silently: a note names the journal and --resume (the path quoted:
+    pasted as printed, a path with a space was three arguments), and the golden is recorded."""
+    g = tmp_path / "p q" / "g.zarr"
+    g.parent.mkdir()
     assert _vd("record", g, *ARGS, die_at=30).returncode == -9
     r = _vd("record", g, *ARGS)
     assert r.returncode == 0, r.stderr
     assert (f"vd: note: {journal.path_for(g)} keeps the rows of a recording of {g} that was cut short; this one "
-            f"starts afresh and replaces it (vd record {g} --resume continues that one instead)") in r.stderr
+            f"starts afresh and replaces it (vd record '{g}' --resume continues that one instead)") in r.stderr
     assert open_golden(g).ks == [2, 3] and not journal.path_for(g).exists()
+    toml = tmp_path / "vd.toml"
+    toml.write_text(f'[goldens.s]\npath = "s.zarr"\nmodel = "{DYING}"\nk = [2, 3]\nsteps = 6\n')
+    assert _vd("record", tmp_path / "s.zarr", *ARGS, die_at=30).returncode == -9
+    r = _vd("record", "--suite", "--config", toml)
+    assert r.returncode == 0 and f"vd: note: {journal.path_for(tmp_path / 's.zarr')} keeps the rows" in r.stderr, \
+        r.stdout + r.stderr
     r = _vd("record", tmp_path / "other.zarr", *ARGS)
     assert r.returncode == 0 and "note" not in r.stderr
 

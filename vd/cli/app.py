@@ -40,7 +40,7 @@ from vd.cli.common import (
     examples,
     foreign_vd,
     golden_path,
-    kept_journal,
+    note_journal,
     out,
     reading_environment,
     reporting,
@@ -152,7 +152,7 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
         given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
         settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
     team.check_repin(entry, config)
-    _note_journal(out_path)
+    note_journal(out_path)
     with reporting() as progress, resumable(out_path):
         r = do_record(out_path, settings, refresh=refresh, progress=progress, reason=reason or "first recording")
     code = _recorded(r)
@@ -185,14 +185,6 @@ def _one(targets: list[str] | None, what: str) -> str:
     if not targets or len(targets) != 1:
         raise UsageError(f"give one {what} (or --suite with declared golden names); got {len(targets or [])}")
     return targets[0]
-
-
-def _note_journal(out_path: str) -> None:
-    """Say so where a recording starts afresh beside the journal of one cut short (`vd record --resume`
-    continues that one instead): the new recording replaces the journal, and with it the rows it kept."""
-    if (kept := kept_journal(out_path)) is not None:
-        err.print(f"vd: note: {kept} keeps the rows of a recording of {out_path} that was cut short; this one "
-                  f"starts afresh and replaces it (vd record {out_path} --resume continues that one instead)")
 
 
 def _resumed(ctx: typer.Context, out_path: str) -> int:

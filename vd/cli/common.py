@@ -20,6 +20,7 @@ import enum
 import inspect
 import os
 import re
+import shlex
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -134,8 +135,17 @@ def resumable(out_path: str):
         with contextlib.suppress(Exception):  # (a path that cannot be located journals nothing)
             if (kept := kept_journal(out_path)) is not None:
                 e.add_note(f"{out_path} was not written; its journal {kept} keeps the rows computed: "
-                           f"vd record {out_path} --resume continues it")
+                           f"vd record {shlex.quote(out_path)} --resume continues it")
         raise
+
+
+def note_journal(out_path: str) -> None:
+    """Say so where a recording starts afresh beside the journal of one cut short (`vd record --resume`
+    continues that one instead): the new recording replaces the journal, and with it the rows it kept."""
+    if (kept := kept_journal(out_path)) is not None:
+        err.print(f"vd: note: {kept} keeps the rows of a recording of {out_path} that was cut short; this one "
+                  f"starts afresh and replaces it (vd record {shlex.quote(out_path)} --resume continues that one "
+                  "instead)")
 
 
 class Group(_PlainFlags, TyperGroup):

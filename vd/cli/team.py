@@ -28,6 +28,7 @@ from vd.cli.common import (
     check_writable,
     err,
     examples,
+    note_journal,
     out,
     reading_environment,
     reporting,
@@ -75,12 +76,15 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
         check_repin(e, config)
         _check_declared(e)
     from vd.replayer import words
+    from vd.store import locate
     from vd.workflow.suite import Models, exit_code, record_key
     from vd.workflow.suite import record_suite as do_record
 
     models, outcomes = Models([record_key(e) for e in entries]), []  # each model let go after its last golden
     with reporting() as progress:
         for e in entries:  # each golden's pin set and its line printed as it is published: a suite cut short
+            if locate(e.path).state() != "golden":  # recorded afresh: a cut-short one's journal is replaced
+                note_journal(e.path)
             with resumable(e.path):  # (Ctrl-C, a CI timeout) leaves no published golden its pin refuses
                 [o] = do_record([e], refresh_existing=refresh, reason=reason or "first recording", models=models,
                                 progress=progress)
