@@ -3,14 +3,19 @@ edit, which anyone can do) passes every check the golden carries itself; what it
 recorded somewhere reviewed (a suite declaration's ``pin``), a row read against its statistics, or ``vd replay
 --verify``, which reads every row."""
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 import zarr
 from golden_edit import edit_meta, edit_rows, restate_content
 
-from vd.store import open_golden
+from vd.store import atomic, open_golden
 
 
 @pytest.fixture
@@ -83,6 +88,31 @@ def test_a_golden_named_from_outside_its_project_keeps_its_pin(declared, cli, mo
     assert code == 0 and f'pin = "{pin}"' in toml.read_text() and f"pin of tiny in {toml}" in out, out + err
     monkeypatch.chdir(where)
     assert cli("replay", "--suite")[0] == 0
+
+
+def test_a_refresh_cut_short_in_its_publish_leaves_no_golden_its_pin_refuses(declared, cli, monkeypatch):
+    """A suite refresh published by renames (`VD_PUBLISH_FALLBACK`) and interrupted (Ctrl-C) with the path empty:
+    `vd status` said missing (no reader had put the new version in place), and once one did, every replay refused
+    it, its pin the old one (found by a user test). The interrupted command writes the new pin all the same, and
+    status puts the version in place as a reader does."""
+    where, pin = declared
+    monkeypatch.chdir(where)
+    toml = where / "vd.toml"
+    toml.write_text(toml.read_text().replace("steps = 8", "steps = 7"))
+    env = {**os.environ, atomic.FALLBACK: "1", atomic.PAUSE: "3"}
+    proc = subprocess.Popen([sys.executable, "-m", "vd", "record", "--suite", "--refresh", "--reason", "seven"],
+                            cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while (where / "tiny.zarr").exists() or not list(where.glob(".tiny.zarr.next-*")):  # the path empty
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "aborted (Ctrl-C)" in err, err
+    code, out, err = cli("status", "--no-models")
+    assert code == 0 and "missing" not in out and "current" in out, out + err
+    assert pin not in toml.read_text() and cli("replay", "--suite")[0] == 0
 
 
 def test_shard_without_suite_is_refused(tiny_golden, cli):

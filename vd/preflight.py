@@ -246,7 +246,7 @@ def _zip_member(path: Path, key: str, url: str) -> bytes | None:
         return z.read(info)
 
 
-def _recovered(where: str) -> bool:
+def recovered(where: str) -> bool:
     """A local golden that a publish killed mid-way left beside its path, put in place (`vd.store.atomic.recover`;
     imported only then: it brings zarr)."""
     if "://" in where:
@@ -262,7 +262,7 @@ def _recovered(where: str) -> bool:
 def check_readable(where: str) -> Mapping[str, Any] | None:
     """A golden to read: refused in one line where a local path holds none; its metadata (None for a URL)."""
     p = peek(where)
-    if p.state == "absent" and _recovered(where):
+    if p.state == "absent" and recovered(where):
         p = peek(where)
     if p.state == "absent":
         from vd.errors import GoldenNotFoundError

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -35,8 +36,9 @@ from vd.cli.common import (
     resumable,
     write_json,
 )
-from vd.errors import UsageError, VdError
+from vd.errors import Terminated, UsageError, VdError
 from vd.outputs import check_bundle_place, write_text
+from vd.preflight import recovered
 from vd.workflow.declare import declared, entry_for
 
 
@@ -85,7 +87,8 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
         for e in entries:  # each golden's pin set and its line printed as it is published: a suite cut short
             if locate(e.path).state() != "golden":  # recorded afresh: a cut-short one's journal is replaced
                 note_journal(e.path)
-            with resumable(e.path):  # (Ctrl-C, a CI timeout) leaves no published golden its pin refuses
+            with resumable(e.path), pinned_if_cut_short(e, config, e.path):  # Ctrl-C, a CI timeout: no published
+                #                                                                  golden its pin refuses
                 [o] = do_record([e], refresh_existing=refresh, reason=reason or "first recording", models=models,
                                 progress=progress)
             progress.end(failed=o.verdict == "ERROR")  # its last phase's line before the golden's own
@@ -200,11 +203,13 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     from vd.workflow import refresh as R
 
     name = entry.name if entry is not None else None
-    if candidate is not None:
-        done = R.promote(candidate, path, reason=reason, name=name, allow_slim=allow_slim)
-    else:
-        with reporting() as progress:
-            done = R.refresh(path, settings_for(path, entry, overrides), reason=reason, name=name, progress=progress)
+    with pinned_if_cut_short(entry, config, path):
+        if candidate is not None:
+            done = R.promote(candidate, path, reason=reason, name=name, allow_slim=allow_slim)
+        else:
+            with reporting() as progress:
+                done = R.refresh(path, settings_for(path, entry, overrides), reason=reason, name=name,
+                                 progress=progress)
     if done.refused:
         for why in done.refused:
             err.print(f"vd: {why}")
@@ -261,6 +266,42 @@ def repin(entry, config: Path | None, path: str) -> None:
     digest = write_pin(entry, path)
     if digest is not None:
         out.print(f"pin of {entry.name} in {entry.file}: {digest}")
+
+
+@contextlib.contextmanager
+def pinned_if_cut_short(entry, config: Path | None, path: str):
+    """Around a recording or refresh of a pinned golden: cut short (Ctrl-C, a signal) after its new version was
+    published (or left complete beside its path, which the next reader puts in place), the new pin is written
+    all the same, so the refresh leaves no published golden its own pin refuses. Only a version this command
+    published is pinned: the content digest must have moved from what it was when the command began."""
+    if entry is None or entry.pin is None or "://" in path:
+        yield
+        return
+    before = _content_digest(path)
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated):
+        with contextlib.suppress(Exception):  # (the interruption is what the command reports)
+            recovered(path)
+            if _content_digest(path) not in (before, None):
+                repin(entry, config, path)
+        raise
+
+
+def _content_digest(path: str) -> str | None:
+    """The content digest of the golden at ``path``, None where there is none (or it cannot be read)."""
+    from vd.store import locate, open_golden
+
+    if locate(path).state() != "golden":
+        return None
+    try:
+        g = open_golden(path)
+    except VdError:
+        return None
+    try:
+        return g.content_digest()
+    finally:
+        g.close()
 
 
 def check_repin(entry, config: Path | None) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vd.errors import GoldenError, VdError
+from vd.preflight import recovered
 from vd.progress import SILENT, Progress
 from vd.store import Golden, locate, open_golden
 from vd.store.location import Directory, ZipFile
@@ -61,6 +62,7 @@ def status(suite: Suite, entries: Sequence[Entry], *, check_models: bool = True,
 def _one(e: Entry, check_models: bool, models: Models, last: tuple[str, str | None] | None,
          progress: Progress) -> GoldenStatus:
     s = GoldenStatus(e.name, e.path, "current")
+    recovered(e.path)  # a publish cut short with the path empty: its complete version put in place, as a reader does
     if locate(e.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
         s.state = "missing"  # and no last result: it was of a golden that is not there
         return s
