@@ -270,6 +270,20 @@ def test_status_names_a_golden_whose_files_git_ignores(project, cli):
     assert "(a.zarr/zarr.json, " in states["a"]["reasons"][0] and states["b"]["state"] == "current"
 
 
+def test_a_thin_suite_recording_says_how_to_store_it(cli, tmp_path, monkeypatch):
+    """`vd record --suite` refusing a thin golden said why but not how to store it anyway (plain `vd record` says
+    --allow-thin; a declaration says allow_thin = true)."""
+    monkeypatch.chdir(tmp_path)
+    toml = tmp_path / "vd.toml"
+    toml.write_text('[goldens.m]\npath = "m.zarr"\nmodel = "tiny-llama-mtp"\nfeed = "mtp"\nk = [3]\nsteps = 4\n')
+    code, out, err = cli("record", "--suite")
+    assert code == 1 and "REFUSED" in out and "nothing written; declare allow_thin = true for m to store it " \
+        "anyway" in out, out + err
+    toml.write_text(toml.read_text() + "allow_thin = true\n")
+    code, out, err = cli("record", "--suite")
+    assert code == 0 and "RECORDED" in out, out + err
+
+
 def test_prune_removes_orphans_only_once_confirmed(project, cli):
     """An orphan is any golden beside a declared one that no declaration names (one the suite never recorded
     among them): `--prune` lists them and, without a terminal to ask at, removes them only with `--yes`."""
@@ -281,6 +295,7 @@ def test_prune_removes_orphans_only_once_confirmed(project, cli):
     assert (project / "goldens" / "kept.zarr").is_dir()
     code, out, err = cli("status", "--no-models", "--prune", "--yes")
     assert code == 0 and "removed 1 orphan golden(s)" in out, out + err
+    assert "orphan: goldens/kept.zarr (declared by none)" in out  # not "vd status --prune removes it": it did
     assert not (project / "goldens" / "kept.zarr").exists() and (project / "goldens" / "a.zarr").is_dir()
 
 

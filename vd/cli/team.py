@@ -443,7 +443,7 @@ def status(
             except UsageError as e:
                 s.reasons.append(f"vd record --suite would refuse it: {e}")
     orphans = S.orphans(suite) if not names else []
-    _print_status(states, orphans, no_models, suite.file.parent)
+    _print_status(states, orphans, no_models, suite.file.parent, prune)
     if prune and orphans and _prune_confirmed(orphans, yes):
         S.prune(orphans)
         out.print(f"removed {len(orphans)} orphan golden(s)")
@@ -465,7 +465,7 @@ def _prune_confirmed(orphans: list[str], yes: bool) -> bool:
     return typer.confirm(f"remove these {len(orphans)} golden(s)?", default=False, err=True)
 
 
-def _print_status(states, orphans: list[str], no_models: bool, base: Path) -> None:
+def _print_status(states, orphans: list[str], no_models: bool, base: Path, prune: bool = False) -> None:
     def shown(path: str) -> str:  # paths relative to the declaring file, as declared
         return path if "://" in path else os.path.relpath(path, base)
 
@@ -482,4 +482,5 @@ def _print_status(states, orphans: list[str], no_models: bool, base: Path) -> No
         for why in s.reasons:
             out.print(f"  {s.name}: {why}")
     for path in orphans:
-        out.print(f"  orphan: {shown(path)} (declared by none; vd status --prune removes it)")
+        out.print(f"  orphan: {shown(path)} (declared by none" + ("" if prune else "; vd status --prune removes it")
+                  + ")")

@@ -317,12 +317,12 @@ def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
         e = _entry(name, values, file, f"{file}: [{at}]")
         if e.path in paths:
             raise DeclarationError(f"{file}: [{at}] key 'path': {values['path']!r} is also golden "
-                                   f"{paths[e.path]!r}'s; each golden needs its own path")
+                                   f"{paths[e.path]}'s; each golden needs its own path")
         for other, other_name in paths.items():  # a golden inside another's folder would damage it
             inner, outer = (e.path, other) if e.path.startswith(other.rstrip("/") + "/") else (other, e.path)
             if inner.startswith(outer.rstrip("/") + "/"):
                 raise DeclarationError(f"{file}: [{at}] key 'path': {values['path']!r} and golden "
-                                       f"{other_name!r}'s path are one inside the other; a golden cannot hold "
+                                       f"{other_name}'s path are one inside the other; a golden cannot hold "
                                        "another: give each a folder of its own")
         entries[name], paths[e.path] = e, name
     return entries
@@ -385,10 +385,10 @@ def check_pin_writable(file: Path, entry: Entry) -> None:
         return
     text = file.read_text()
     if text.count(f'"{entry.pin}"') + text.count(f"'{entry.pin}'") != 1:
-        raise DeclarationError(f"{file}: golden {entry.name!r}'s pin {entry.pin} does not appear exactly once, so a "
+        raise DeclarationError(f"{file}: golden {entry.name}'s pin {entry.pin} does not appear exactly once, so a "
                                "refresh could not change it with the golden; write it once (pin = \"sha256:...\")")
     if not os.access(file, os.W_OK):
-        raise DeclarationError(f"{file} cannot be written, and golden {entry.name!r}'s pin must change with it: "
+        raise DeclarationError(f"{file} cannot be written, and golden {entry.name}'s pin must change with it: "
                                "make it writable first (nothing was recorded)")
 
 
@@ -404,14 +404,14 @@ def set_pin(file: Path, entry: Entry, digest: str) -> None:
         fcntl.flock(f, fcntl.LOCK_EX)
         text = f.read()
         if text.count(f'"{old}"') + text.count(f"'{old}'") != 1:
-            raise DeclarationError(f"{file}: golden {entry.name!r}'s pin {old} appears more than once, or not at "
+            raise DeclarationError(f"{file}: golden {entry.name}'s pin {old} appears more than once, or not at "
                                    f'all; set pin = "{digest}" for it by hand')
         quote = '"' if f'"{old}"' in text else "'"
         f.seek(0)
         f.write(text.replace(f"{quote}{old}{quote}", f"{quote}{digest}{quote}"))
         f.truncate()
     if load_suite(file).entries[entry.name].pin != digest:
-        raise DeclarationError(f"{file}: could not update golden {entry.name!r}'s pin; set pin = \"{digest}\" by hand")
+        raise DeclarationError(f"{file}: could not update golden {entry.name}'s pin; set pin = \"{digest}\" by hand")
 
 
 def repin(entry: Entry | None, path: str) -> str | None:

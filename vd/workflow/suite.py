@@ -250,7 +250,8 @@ def _record_one(e: Entry, refresh_existing: bool, reason: str, models: Models, p
                        reasons=done.refused or done.changes, changes=done.details)
     r = record(e.path, s, model=m, progress=progress, reason=reason)
     if r.location is None:
-        return Outcome(e.name, e.path, "REFUSED", reasons=[*r.thin, *r.short])
+        store = [f"nothing written; declare allow_thin = true for {e.name} to store it anyway"] if r.thin else []
+        return Outcome(e.name, e.path, "REFUSED", reasons=[*r.thin, *r.short, *store])
     return Outcome(e.name, e.path, "RECORDED", reasons=[f"K={k}: accepted {a}" for k, a in r.accepted.items()])
 
 
