@@ -221,6 +221,22 @@ def test_a_golden_recorded_in_a_batch_is_replayed_in_it(recorded_in_a_batch, cli
     assert "A batch of one already differs from the golden's rows" in out and "--batch 1 --batch-seed" not in out
 
 
+def test_a_refresh_names_the_kept_settings_a_flag_is_at_odds_with(recorded_in_a_batch, cli, tmp_path):
+    """A refresh keeps the golden's settings the flags do not change; a flag at odds with one was refused naming
+    flags the user never typed (--slot 1, --trace), with no way to drop --trace (found by a user test)."""
+    copy = tmp_path / "g.zarr"
+    shutil.copytree(recorded_in_a_batch, copy)
+    code, _, err = cli("record", copy, "--refresh", "--batch", "1", "--reason", "alone")
+    assert code == 2 and err.count("\n") == 1 and "(a refresh keeps the golden's own settings the flags given do " \
+        "not change: slot 1; --slot I changes it)" in err, err
+    traced = tmp_path / "t.zarr"
+    assert cli("record", traced, "--model", "tiny-llama", "--trace", "--k", "2", "--steps", "4", "--allow-thin")[0] == 0
+    code, _, err = cli("record", traced, "--refresh", "--batch", "2", "--reason", "in a batch")
+    assert code == 2 and "trace True; --no-trace changes it)" in err, err
+    code, out, err = cli("record", traced, "--refresh", "--batch", "2", "--no-trace", "--reason", "in a batch")
+    assert code == 0 and "module traces dropped" in out, out + err
+
+
 def test_a_damaged_batch_field_is_refused(recorded_in_a_batch, cli, tmp_path):
     from golden_edit import edit_meta
 

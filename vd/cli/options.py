@@ -88,9 +88,10 @@ Slot = Annotated[int | None, typer.Option("--slot", metavar="I", help="With --ba
                                           "(default: every slot in turn).")]
 BatchSeed = Annotated[int | None, typer.Option("--batch-seed", metavar="S", help="With --batch: the seed of the other "
                                                "members' prompts (default 0).")]
-RecordTrace = Annotated[bool, typer.Option("--trace", help="Also store each traced module's output digests and "
-                                           "statistics at every step (vd locate then names the first module a "
-                                           "replay's difference starts at).")]
+RecordTrace = Annotated[bool, typer.Option("--trace/--no-trace", help="Also store each traced module's output digests "
+                                           "and statistics at every step (vd locate then names the first module a "
+                                           "replay's difference starts at); --no-trace: a refresh of a traced golden "
+                                           "drops them.")]
 Locate = Annotated[bool, typer.Option("--locate", help="Where a forward's rows differ, name the first module whose "
                                       "output differs from the golden's traces (a golden recorded with --trace).")]
 ReplayVerify = Annotated[bool, typer.Option("--verify", help="Read every stored row first and check it against its "

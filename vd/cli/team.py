@@ -362,7 +362,33 @@ def settings_for(path: str, entry, overrides: dict):
         base = RecordSettings.of_golden(open_golden(path, sizes=False, volatile=False).meta)
     else:
         base = RecordSettings()
-    return dataclasses.replace(base, **overrides)
+    merged = dataclasses.replace(base, **overrides)
+    try:
+        merged.check()
+    except UsageError as e:  # a flag at odds with a setting the refresh keeps, which the user never typed
+        default = RecordSettings()
+        kept = [name for name in _KEPT_NAMED if name not in overrides and getattr(base, name) != getattr(default, name)
+                and _passes(dataclasses.replace(merged, **{name: getattr(default, name)}))]  # the ones at odds
+        if overrides and kept:
+            whose = "its declaration's" if entry is not None else "the golden's own"
+            raise UsageError(f"{e} (a refresh keeps {whose} settings the flags given do not change: "
+                             + ", ".join(f"{name} {getattr(base, name)}" for name in kept) + "; "
+                             + ", ".join(_KEPT_NAMED[name] for name in kept) + " changes it)") from None
+        raise
+    return merged
+
+
+def _passes(settings) -> bool:
+    try:
+        settings.check()
+    except UsageError:
+        return False
+    return True
+
+
+# Settings a refresh keeps that can be at odds with a flag given (`settings_for` names them when they are).
+_KEPT_NAMED = {"trace": "--no-trace", "batch": "--batch N", "slot": "--slot I", "batch_seed": "--batch-seed S",
+               "feed": "--feed", "head": "--head FILE"}
 
 
 @app.command(cls=Command, epilog=examples(
