@@ -104,15 +104,28 @@ class LocateReport:
     golden: str
     forwards: tuple[str, ...]  # one: against the golden's traces; two: between them
     ks: tuple[Located, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = ()
 
     @property
     def found(self) -> bool:
         return any(x.found for x in self.ks)
 
+    @property
+    def against(self) -> str:
+        """What the forward was held against, in words: the golden's traces, its own decode rows, itself in a
+        batch of N, or another forward."""
+        if len(self.forwards) == 1:
+            return "the golden's traces"
+        other = self.forwards[1]
+        return ("its own decode rows" if other == DECODE else f"itself in a batch of {batch_size(other)}"
+                if axis(other) else other)
+
     def to_json(self) -> dict:
+        other = self.forwards[1] if len(self.forwards) == 2 else None
         return {"golden": self.golden, "forwards": list(self.forwards),
-                "against": "golden traces" if len(self.forwards) == 1 else "between forwards",
-                "differs": self.found, "verify": [x.to_json() for x in self.ks]}
+                "against": "golden traces" if other is None else "decode rows" if other == DECODE
+                else f"batch of {batch_size(other)}" if axis(other) else "between forwards",
+                "differs": self.found, "verify": [x.to_json() for x in self.ks], "notes": list(self.notes)}
 
 
 def _calls(lay: RowLayout) -> list[tuple[str, np.ndarray, int | None]]:
@@ -354,6 +367,8 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
         if bad:
             raise UsageError(f"{g.url} has no K={bad[0]} (it holds {', '.join(map(str, g.ks))})")
         forwards = (forward,) if between is None else (forward, between)
+        if between is not None and between.startswith(BATCH) and g.decoded and not ks:
+            widths = (DECODE_K, *widths)  # the decode rows in a batch too, first, as `vd replay --batch` runs them
         g.check_files()  # every stored byte against the manifest: no verdict from a damaged golden
         m = model or _model(g, model_spec, device, forwards, allow_model_mismatch)
         out = []
@@ -362,6 +377,9 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
                 out.append(locate_k(m, g, k, forwards))
                 if on_k is not None:
                     on_k(out[-1])
-        return LocateReport(g.url, forwards, tuple(out))
+        batch = g.meta.get("batch")
+        notes = () if not batch else (f"{g.url} was recorded as one member of a batch of {batch['n']}; vd locate runs "
+                                      "its sequence alone (vd replay runs it in that batch)",)
+        return LocateReport(g.url, forwards, tuple(out), notes)
     finally:
         g.close()

@@ -507,9 +507,7 @@ def locate_page(report, command: str | Sequence[str] | None = None) -> str:
 def locate_section(plots: _Plots, fid: str, report) -> str:
     """The located differences of one golden (``vd locate``, ``vd replay --locate``) as HTML."""
     e = html.escape
-    against = ("the golden's module traces" if len(report.forwards) == 1
-               else f"forward {report.forwards[1]}")
-    out = [f"<h3>Where the difference starts: {e(report.forwards[0])} against {e(against)}</h3>"]
+    out = [f"<h3>Where the difference starts: {e(report.forwards[0])} against {e(report.against)}</h3>"]
     for x in report.ks:
         out.append(_located_block(plots, f"{fid}-loc-k{x.k}", x, len(report.forwards) == 2))
     return "\n".join(out)
@@ -519,10 +517,10 @@ def _located_block(plots: _Plots, fid: str, x, between: bool) -> str:
     e = html.escape
     if not x.found or x.first is None:
         text = "every row bit-identical" if not x.found else (x.note or "no traced module's output differs")
-        return f"<p><b>K={x.k}</b>: {e(text)}</p>"
+        return f"<p><b>{words.group(x.k)}</b>: {e(text)}</p>"
     f = x.first
-    head = (f"<p><b>K={x.k} {e(x.module_call)}</b>: first difference at <code>{e(f.name)}</code> ({e(f.what)}); "
-            f"{x.identical_before} traced outputs before it identical"
+    head = (f"<p><b>{words.group(x.k)} {e(x.module_call)}</b>: first difference at <code>{e(f.name)}</code> "
+            f"({e(f.what)}); {x.identical_before} traced outputs before it identical"
             + ("" if x.reproduces is not False else " (warning: the traced pass did not reproduce the rows)") + "</p>")
     rows = "".join(f"<tr><td>{'' if m.layer is None else m.layer}</td><td><code>{e(m.name)}</code></td>"
                    f"<td>{e(m.what)}</td><td>{_size(m):.4g}</td></tr>" for m in x.path)
@@ -557,8 +555,8 @@ def _locate_plot(plots: _Plots, fid: str, x, label: str) -> str:
     if at is not None:
         ax.plot([at], [sizes[at]], ls="none", marker="o", ms=9, mfc="none", mec=_RED, mew=2, gid="first",
                 label=f"first: {x.first.name}")
-    ax.set(title=f"K={x.k} {x.module_call}: difference by traced point (layers shaded in turn)",
+    ax.set(title=f"{words.group(x.k)} {x.module_call}: difference by traced point (layers shaded in turn)",
            xlabel="traced point, in the order the forward computes them", ylabel=f"{label} (linear scale)")
     ax.legend(loc="best", fontsize=7, frameon=False)
-    return _figure(fid, plots.svg(fig, fid), max(sizes, default=0.0), f"K={x.k}: {label} per traced point",
+    return _figure(fid, plots.svg(fig, fid), max(sizes, default=0.0), f"{words.group(x.k)}: {label} per traced point",
                    True, "locate")

@@ -318,7 +318,8 @@ def test_a_batch_is_located_where_the_sequence_alone_parts(smollm2_traced, cli, 
     code, out, err = cli("locate", smollm2_traced, "--forward", "sdpa", "--between", "batch:2",
                          "--report", tmp_path / "l.json")
     assert code == 1, out + err
-    (k2,) = json.loads((tmp_path / "l.json").read_text())["verify"]
+    decode, k2 = json.loads((tmp_path / "l.json").read_text())["verify"]  # the decode rows too, first (K 1)
+    assert decode["k"] == 1 and k2["k"] == 2
     assert k2["first_module"]["what"] == "attention output before o_proj" and k2["traced_pass_reproduces"]
     assert "sdpa against itself in a batch of 2: they differ" in out
     code, out, err = cli("locate", smollm2_traced, "--forward", "eager", "--between", "batch:2",
@@ -327,7 +328,7 @@ def test_a_batch_is_located_where_the_sequence_alone_parts(smollm2_traced, cli, 
         assert "every row bit-identical" in out, out + err
     else:
         assert code == 1 and "eager against itself in a batch of 2: they differ" in out, out + err
-        (k2,) = json.loads((tmp_path / "e.json").read_text())["verify"]
+        k2 = next(x for x in json.loads((tmp_path / "e.json").read_text())["verify"] if x["differs"])
         first = k2["first_module"]
         assert first["name"].startswith("model.layers.") and first["max_abs"] > 0, first
         assert k2["identical_before"] > 0 and k2["traced_pass_reproduces"]
@@ -335,6 +336,23 @@ def test_a_batch_is_located_where_the_sequence_alone_parts(smollm2_traced, cli, 
     assert code == 2 and "batch:N takes a batch size N of 2 to 64" in err, err
     code, out, err = cli("locate", smollm2_traced, "--between", "batch")  # (it said: no forward 'batch')
     assert code == 2 and "--between batch:N names the batch's size" in err, err
+
+
+def test_a_batch_locates_the_decode_rows_too(cli, tmp_path):
+    """tiny-llama's decode rows in a batch of two part from its rows alone at step 33 (as `vd replay --batch 2`
+    FAILs there), while its verify rows do not: `vd locate --between batch:2` ran the verify widths alone and said
+    "every row bit-identical", exit 0 (found by a user test)."""
+    golden = tmp_path / "g.zarr"
+    assert cli("record", golden, "--model", "tiny-llama")[0] == 0
+    assert cli("replay", golden, "--batch", "2")[0] == 1
+    code, out, err = cli("locate", golden, "--between", "batch:2")
+    assert code == 1 and "decode step 33: first difference at model.layers." in out, out + err
+    assert "eager against itself in a batch of 2: they differ" in out
+    member = tmp_path / "m.zarr"  # a golden recorded in a batch is located alone: said (it was not)
+    assert cli("record", member, "--model", "tiny-llama", "--batch", "2", "--k", "2", "--steps", "4")[0] == 0
+    code, out, err = cli("locate", member, "--between", "decode")
+    assert code in (0, 1) and f"note: {member} was recorded as one member of a batch of 2; vd locate runs its " \
+        "sequence alone" in out, out + err
 
 
 @pytest.mark.parametrize("forward", ["eager", "static"])

@@ -88,9 +88,9 @@ def locate(
         from vd.replayer.render import locate_page
 
         write_text(Path(html), locate_page(r, command=["vd", *sys.argv[1:]]))
-    against = ("the golden's traces" if between is None else "its own decode rows" if between == "decode"
-               else f"itself in a batch of {batch_size(between)}" if axis(between) else between)
-    out.print(f"{first} against {against}: " + ("they differ (above)" if r.found else "every row bit-identical"))
+    out.print(f"{first} against {r.against}: " + ("they differ (above)" if r.found else "every row bit-identical"))
+    for note in r.notes:
+        out.print(f"note: {note}")
     return EXIT_FAIL if r.found else EXIT_PASS
 
 
@@ -113,18 +113,24 @@ def _print(x) -> None:
         out.print(line)
 
 
+def group(k: int) -> str:
+    """How a located group is named: ``K=2``, or ``decode`` for the decode rows (K 1, `vd.store.format.DECODE_K`:
+    not imported here, which would bring zarr to a command's start)."""
+    return "decode" if k == 1 else f"K={k}"
+
+
 def located_lines(x) -> list[str]:
     """One K of `vd.replayer.locate.Located` in lines: where the rows first differ, the first module, the path."""
     if not x.found:
-        return [f"K={x.k}: " + (x.note or "every row bit-identical")]
+        return [f"{group(x.k)}: " + (x.note or "every row bit-identical")]
     if not x.call:
-        return [f"K={x.k}: {x.note}"]
+        return [f"{group(x.k)}: {x.note}"]
     rows = "" if x.rows_max_abs is None else f" (rows: max |Δ| {x.rows_max_abs:.4g})"
     f = x.first
     if f is None:
-        return [f"K={x.k} {x.call}: the rows differ{rows} but no traced module's output does"]
+        return [f"{group(x.k)} {x.call}: the rows differ{rows} but no traced module's output does"]
     when = "" if x.module_call == x.call else f" (its rows differ first at {x.call})"
-    head = (f"K={x.k} {x.module_call}{when}: first difference at {f.name} ({f.what}), {_how(f)}; the "
+    head = (f"{group(x.k)} {x.module_call}{when}: first difference at {f.name} ({f.what}), {_how(f)}; the "
             f"{x.identical_before} traced outputs before it identical{rows}")
     lines = [head] + [f"  {'layer ' + str(m.layer) if m.layer is not None else 'outside the layers'}: first at "
                       f"{m.name} ({m.what}), {_how(m)}" for m in x.path[:PATH_LINES]]
@@ -133,8 +139,8 @@ def located_lines(x) -> list[str]:
         lines.append(f"  ... {len(x.path) - PATH_LINES - 1} more layers (the JSON report holds each); last: "
                      f"{last.name} ({last.what}), {_how(last)}")
     if x.reproduces is False:
-        lines.append(f"  warning: the traced pass did not reproduce the forward's rows at K={x.k}: its module outputs "
-                     "may not be the forward's")
+        lines.append(f"  warning: the traced pass did not reproduce the forward's rows at {group(x.k)}: its module "
+                     "outputs may not be the forward's")
     return lines
 
 
