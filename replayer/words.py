@@ -612,10 +612,12 @@ def _own_checks_step(report: Report) -> NextStep:
     unreachable = any("more steps cannot reach it" in t for t in coverage)
     if report.reasons_of(("thin",)) or (coverage and not unreachable):
         parts += ["; " if len(parts) > 1 else ": ", "a thin or uncovered golden needs recording again with more "
-                  "steps (", Code("vd record GOLDEN --refresh --steps N"), ")"]
+                  "steps (", Code(f"vd record {shlex.quote(report.golden)} --refresh --steps {2 * report.steps}"),
+                  ")"]
     if unreachable:
         parts += ["; " if len(parts) > 1 else ": ", "accept counts the reference feed never makes need other widths "
-                  "or the drafter feed (", Code("vd record GOLDEN --refresh --k 2,4"), "), or a replay without ",
+                  "or the drafter feed (", Code(f"vd record {shlex.quote(report.golden)} --refresh --k 2,4"),
+                  "), or a replay without ",
                   Code("--require-coverage"), ""]
     return (*parts, ".")
 

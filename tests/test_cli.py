@@ -120,8 +120,19 @@ def test_coverage_the_reference_feed_cannot_reach_is_not_sent_to_more_steps(cli,
     code, out, err = cli("replay", tiny_golden, "--require-coverage", "--k", "3")
     assert code == 1 and "more steps cannot reach it" in out, out + err
     steps = out.split("next step:")[1]
-    assert "--steps N" not in steps and "need other widths or the drafter feed (vd record GOLDEN --refresh --k " \
-        "2,4), or a replay without --require-coverage." in steps, steps
+    assert "--steps" not in steps and f"need other widths or the drafter feed (vd record {tiny_golden} --refresh " \
+        "--k 2,4), or a replay without --require-coverage." in steps, steps  # the golden's path, not GOLDEN
+
+
+def test_a_thin_golden_is_sent_to_a_recording_it_can_run(cli, tmp_path):
+    """A golden stored thin (--allow-thin) FAILs every replay; its next step said `vd record GOLDEN --refresh
+    --steps N`, placeholders where the golden's path and a number belong (found by a user test)."""
+    golden = tmp_path / "thin.zarr"
+    assert cli("record", golden, "--model", "tiny-llama-mtp", "--feed", "mtp", "--k", "3", "--steps", "4",
+               "--allow-thin")[0] == 0
+    code, out, err = cli("replay", golden)
+    steps = out.split("next step:")[1]
+    assert code == 1 and f"more steps (vd record {golden} --refresh --steps 8)" in steps, out + err
 
 
 def test_a_fail_of_another_model_and_forward_says_both(cli, tiny_golden, tmp_path, monkeypatch):
