@@ -157,6 +157,13 @@ def test_the_bundle_shows_a_regression_before_an_equivalence_the_golden_shares(c
     failure = json.loads((tmp_path / "r.json.bundle" / "failure.json").read_text())
     assert (failure["k"], failure["kind"], failure["step"]) == (4, "verify", 4), failure
     assert "Look at the first divergence (K=4, eager, verify step 4 row 1 index 7" in out, out
+    # its slim form says of its own pair what the full golden says (it said "reported": its digests tell exact)
+    assert cli("slim", golden, tmp_path / "s.zarr")[0] == 0
+    code, out, err = cli("replay", tmp_path / "s.zarr", "--tolerance", "equivalence=exact", "--k", "3", "--report",
+                         tmp_path / "s.json")
+    own = json.loads((tmp_path / "s.json").read_text())["verify"][0]["equivalence"]["golden"]
+    assert own["judged"] and own["failing"] == [{"step": 13, "row": 0}] and not own["measured"], own
+    assert "fails (the golden's own: not judged)" in out, out + err
 
 
 def test_decode_forward_named_for_several_forwards_runs_once(cli, tiny_golden, tmp_path):

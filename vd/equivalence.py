@@ -271,11 +271,13 @@ class Accumulator:
                            judged=self.spec is not None, failing=failing)
 
 
-def unknown(rows: int, identical: int, flips: tuple[Place, ...], first: Place | None) -> Equivalence:
+def unknown(rows: int, identical: int, flips: tuple[Place, ...], first: Place | None, judged: bool = False,
+            failing: tuple[Place, ...] = ()) -> Equivalence:
     """The figures of pairs whose rows were not at hand (a slim golden): counts from the digests and argmaxes,
-    the element measures unknown."""
+    the element measures unknown; ``judged`` where the digests and argmaxes alone tell the pairs ``failing``."""
     nan = math.nan
-    return Equivalence(rows, identical, nan, nan, nan, nan, flips, first, measured=False)
+    return Equivalence(rows, identical, nan, nan, nan, nan, flips, first, judged=judged, failing=failing,
+                       measured=False)
 
 
 # Pairs of rows measured at once (`Accumulator.add`, `of_golden`): the measures make a handful of float32 and
@@ -312,9 +314,12 @@ def of_golden(golden: Golden, k: int, spec: Spec | None = None) -> Equivalence |
     differ = np.flatnonzero(~same)
     if not differ.size:
         return acc.result()
-    if not side.has_rows:
+    if not side.has_rows:  # judged where digests and argmaxes tell (exact, argmax: a flip fails any SPEC)
         r = acc.result()
-        return unknown(r.rows, r.identical, r.flips, r.first)
+        exact = spec is not None and spec.name == "exact"
+        failing = tuple(Place(int(at[i]) // k, int(at[i]) % k) for i in differ) if exact else r.flips
+        known = spec is not None and (spec.name in ("exact", "argmax") or bool(r.flips))
+        return unknown(r.rows, r.identical, r.flips, r.first, judged=known, failing=failing if known else ())
     for part in _blocks(differ, torch.device("cpu"), golden.info.vocab):  # a block at a time: memory flat in steps
         got = torch.from_numpy(int_bits(side.host_rows("verify", at[part]))).view(DTYPES[golden.logical].torch)
         ref = torch.from_numpy(int_bits(dec_side.host_rows("verify", dec[part])))
