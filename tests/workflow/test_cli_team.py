@@ -85,6 +85,7 @@ def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request)
     (project / "goldens" / "b.zip").unlink()
     code, out, err = cli("replay", "--suite")
     assert code == 2 and "b.zip does not exist" in out and "1 PASS, 1 ERROR of 2" in out
+    assert out.splitlines()[-2:] == ["b: next step:", "  - record it: vd record --suite b"], out  # (it said none)
 
 
 def test_a_suite_bundle_is_never_written_into_a_golden(cli, tmp_path, monkeypatch):

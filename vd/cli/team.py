@@ -163,8 +163,11 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
             out.print(line)
     out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads, shard, len(selected)),
               style="bold")
-    for o in outcomes:  # what to do about each golden that failed
-        for line in words.next_lines(o.report, o.name, bundles.get(o.name)) if o.report is not None else []:
+    for o in outcomes:  # what to do about each golden that failed (or is not there: pytest --vd says the same)
+        lines = [] if o.report is None else words.next_lines(o.report, o.name, bundles.get(o.name))
+        if o.report is None and "://" not in o.path and not os.path.lexists(o.path):
+            lines = ["next step:", f"  - record it: vd record --suite {o.name}"]
+        for line in lines:
             out.print(f"{o.name}: {line}" if line == "next step:" else line)
     return done.code
 
