@@ -63,7 +63,7 @@ def test_a_folder_declaring_in_both_files_is_refused_unless_one_is_named(tmp_pat
     ('[goldens.a]\npath = "a.zarr"\nk = [2, 2]', r"key 'k'"),
     ('[goldens.a]\npath = "a.zarr"\nsteps = 0', r"key 'steps': expected a step count"),
     ('[goldens.a]\npath = "a.zarr"\n[goldens.b]\npath = "./a.zarr"', r"\[goldens.b\] key 'path': './a.zarr' is also "
-                                                                       r"golden 'a'"),
+                                                                       r"golden a's"),
     ('[goldens.a]\nmodel = "x"', r"\[goldens.a\] has no 'path'"),
     ('[goldens.a]\npath = "a.zarr"\npolicy = "verify=close"', r"\[goldens.a\] key 'policy': unknown tolerance"),
     ('[goldens.a]\npath = "a.zarr"\nfeed = "drafty"', r"key 'feed'"),
