@@ -163,13 +163,20 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
             out.print(line)
     out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads, shard, len(selected)),
               style="bold")
-    for o in outcomes:  # what to do about each golden that failed (or is not there: pytest --vd says the same)
+    _print_next_steps(outcomes, bundles)
+    return done.code
+
+
+def _print_next_steps(outcomes, bundles: dict[str, str]) -> None:
+    """What to do about each golden of a suite replay that failed, or is not there (`pytest --vd` says the same)."""
+    from vd.replayer import words
+
+    for o in outcomes:
         lines = [] if o.report is None else words.next_lines(o.report, o.name, bundles.get(o.name))
         if o.report is None and "://" not in o.path and not os.path.lexists(o.path):
             lines = ["next step:", f"  - record it: vd record --suite {o.name}"]
         for line in lines:
             out.print(f"{o.name}: {line}" if line == "next step:" else line)
-    return done.code
 
 
 def _check_bundle_places(bundle: Path | None, names: list[str], outputs: dict, goldens: list[str]) -> None:
