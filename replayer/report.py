@@ -25,6 +25,7 @@ from vd.coverage import histogram
 from vd.equivalence import Equivalence
 from vd.policy import Policy
 from vd.replayer.comparison import Comparison, Failure, plain
+from vd.store.format import DECODE_K
 
 REPORT_VERSION = 1
 
@@ -261,6 +262,15 @@ class FailureRows:
     # (``--decode-forward``'s, else ``forward``), or a run in a batch (its n, slot and seed: ``--batch``).
     decode_forward: str | None = None
     batch: Mapping[str, Any] | None = None
+
+    @property
+    def axis(self) -> str:
+        """What failed, as a reason's ``what`` names it: ``rows`` (the golden's rows, or its draft rows, at a K),
+        ``decode`` (its decode rows), ``batch`` (rows run in a batch) or ``equivalence`` (a verify row judged
+        against the decode row of its position)."""
+        if self.kind == "equivalence":
+            return "equivalence"
+        return "batch" if self.batch is not None else "decode" if self.k == DECODE_K else "rows"
 
 
 @dataclass(frozen=True, slots=True)

@@ -311,15 +311,16 @@ def pair_rows(s: Session, k: int, name: str, steps: Sequence[Step], pair: Failin
                        decode_forward=s.settings.decode_forward or name)
 
 
-DECODE_RANK = 1
+# Which failure a first-divergence bundle shows, by its `FailureRows.axis` (the first here, then the first found):
+# the golden's rows differing at a K, then its decode rows, then rows in a batch, then a verify row failing the
+# policy's equivalence= against its decode row: a regression before a property the golden may well share.
+_SHOWN_FIRST = ("rows", "decode", "batch", "equivalence")
+DECODE_RANK = _SHOWN_FIRST.index("decode")
 
 
 def rank(f: FailureRows) -> int:
-    """Which failure a first-divergence bundle shows (the lowest first, then the first found): the golden's own
-    rows differing at a K (0), then its decode rows (`DECODE_RANK`), then rows in a batch (2), then a verify row
-    failing the policy's equivalence= against its decode row (3): a regression before a property the golden
-    may well share."""
-    return 3 if f.kind == "equivalence" else 2 if f.batch is not None else DECODE_RANK if f.k == DECODE_K else 0
+    """Where ``f`` stands in `_SHOWN_FIRST`."""
+    return _SHOWN_FIRST.index(f.axis)
 
 
 def wanted(found: FailureRows | None, r: int) -> bool:

@@ -719,11 +719,9 @@ def _accept_other_model(report: Report, declared: str | None, target: str) -> Ne
 
 
 def _failing_as(rows: FailureRows) -> tuple[str, ...]:
-    """The reasons (by ``what``) a bundle's rows are the first failure of: a verify pair judged against its decode
-    row, a batch's, the decode rows', else the rows (or draft rows) against the golden's."""
-    if rows.kind == "equivalence":
-        return ("equivalence",)
-    return ("batch",) if rows.batch is not None else ("decode",) if rows.k == DECODE_K else ("rows", "draft")
+    """The reasons (by ``what``) a bundle's rows are the first failure of (`FailureRows.axis`; a golden's rows
+    include its draft rows)."""
+    return ("rows", "draft") if rows.axis == "rows" else (rows.axis,)
 
 
 def _promotion(report: Report) -> tuple[NextStep, str]:
