@@ -146,18 +146,18 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     if entry is not None:
         settings = team.settings_for(out_path, entry, flags)
         changed = ", ".join("--" + name.replace("_", "-") for name in named)
-        out.print(f"recording {entry.name} as {entry.file or team.declaration_file(config)} declares it"
+        out.print(f"recording {entry.name} as {entry.file} declares it"
                   + (f", changed by {changed}" if changed else ""))
     else:
         given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
         settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
-    team.check_repin(entry, config)
+    team.check_repin(entry)
     note_journal(out_path)
     with reporting() as progress, resumable(out_path):
         r = do_record(out_path, settings, refresh=refresh, progress=progress, reason=reason or "first recording")
     code = _recorded(r)
     if code == EXIT_PASS:
-        team.repin(entry, config, out_path)
+        team.repin(entry, out_path)
         team.note_stale(entry)
     return code
 

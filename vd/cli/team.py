@@ -48,11 +48,6 @@ def _suite(config: Path | None):
     return load_suite(config)
 
 
-def declaration_file(config: Path | None) -> Path:
-    """The file that declares the suite (``config``, else the one found from here)."""
-    return _suite(config).file
-
-
 def record_entry(target: str, config: Path | None):
     """The declared golden a recording of one golden names (`vd.workflow.declare.declared`), whose declared
     settings it records, changed by the flags given; with ``config``, one that file must declare (else a usage
@@ -75,7 +70,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     check_writable("--summary", summary, [e.path for e in entries])
     for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
         check_no_golden(e.name, e.path, replace=True)
-        check_repin(e, config)
+        check_repin(e)
         _check_declared(e)
     from vd.replayer import words
     from vd.store import locate
@@ -87,13 +82,12 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
         for e in entries:  # each golden's pin set and its line printed as it is published: a suite cut short
             if locate(e.path).state() != "golden":  # recorded afresh: a cut-short one's journal is replaced
                 note_journal(e.path)
-            with resumable(e.path), pinned_if_cut_short(e, config, e.path):  # Ctrl-C, a CI timeout: no published
-                #                                                                  golden its pin refuses
+            with resumable(e.path), pinned_if_cut_short(e, e.path):  # Ctrl-C, a CI timeout: no golden its pin refuses
                 [o] = do_record([e], refresh_existing=refresh, reason=reason or "first recording", models=models,
                                 progress=progress)
             progress.end(failed=o.verdict == "ERROR")  # its last phase's line before the golden's own
             if o.verdict in ("RECORDED", "REFRESHED"):
-                repin(e, config, e.path)
+                repin(e, e.path)
             for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds,
                                             o.reasons or ([o.error] if o.error else [])):
                 out.print(line)
@@ -208,12 +202,12 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     entry = entry_for(target, config)
     path = _existing(target, entry, config)
     check_writable("--summary", summary, (path, candidate))
-    check_repin(entry, config)
+    check_repin(entry)
     _check_not_slim(path, candidate)
     from vd.workflow import refresh as R
 
     name = entry.name if entry is not None else None
-    with pinned_if_cut_short(entry, config, path):
+    with pinned_if_cut_short(entry, path):
         if candidate is not None:
             done = R.promote(candidate, path, reason=reason, name=name, allow_slim=allow_slim)
         else:
@@ -231,7 +225,7 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     if summary is not None:
         write_text(summary, done.summary)
     out.print(f"refreshed {done.url} to version {done.version}")
-    repin(entry, config, path)
+    repin(entry, path)
     note_stale(entry)
     return EXIT_PASS
 
@@ -266,11 +260,9 @@ def note_stale(entry) -> None:
                   "vd replay --suite call it stale until the declaration says the same")
 
 
-def repin(entry, config: Path | None, path: str) -> None:
+def repin(entry, path: str) -> None:
     """A refreshed golden whose declaration pins it: the pin set to its new content digest in the declaration
     file, so the change is in the same review as the golden's (`vd.workflow.declare.repin`), and said."""
-    if entry is not None and entry.file is None:  # (an entry always carries its file; this one was made by hand)
-        entry = dataclasses.replace(entry, file=_suite(config).file)
     from vd.workflow.declare import repin as write_pin
 
     digest = write_pin(entry, path)
@@ -279,7 +271,7 @@ def repin(entry, config: Path | None, path: str) -> None:
 
 
 @contextlib.contextmanager
-def pinned_if_cut_short(entry, config: Path | None, path: str):
+def pinned_if_cut_short(entry, path: str):
     """Around a recording or refresh of a pinned golden: cut short (Ctrl-C, a signal) after its new version was
     published (or left complete beside its path, which the next reader puts in place), the new pin is written
     all the same, so the refresh leaves no published golden its own pin refuses. Only a version this command
@@ -294,33 +286,26 @@ def pinned_if_cut_short(entry, config: Path | None, path: str):
         with contextlib.suppress(Exception):  # (the interruption is what the command reports)
             recovered(path)
             if _content_digest(path) not in (before, None):
-                repin(entry, config, path)
+                repin(entry, path)
         raise
 
 
 def _content_digest(path: str) -> str | None:
     """The content digest of the golden at ``path``, None where there is none (or it cannot be read)."""
-    from vd.store import locate, open_golden
+    from vd.store import content_digest_at
 
-    if locate(path).state() != "golden":
-        return None
     try:
-        g = open_golden(path)
+        return content_digest_at(path)
     except VdError:
         return None
-    try:
-        return g.content_digest()
-    finally:
-        g.close()
 
 
-def check_repin(entry, config: Path | None) -> None:
+def check_repin(entry) -> None:
     """Before a recording or refresh publishes a pinned golden: its declaration can take the new pin
     (`vd.workflow.declare.check_pin_writable`)."""
-    if entry is not None and entry.pin is not None:
-        from vd.workflow.declare import check_pin_writable
+    from vd.workflow.declare import check_pin_writable
 
-        check_pin_writable(entry.file or _suite(config).file, entry)
+    check_pin_writable(entry)
 
 
 def _next_beside(path: Path) -> bool:

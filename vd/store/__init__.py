@@ -13,11 +13,11 @@ from vd.store.format import FORMAT_VERSION
 from vd.store.location import Location, locate, root_meta
 from vd.store.migrate import migrate
 from vd.store.prefetch import Prefetcher
-from vd.store.read import Golden, open_golden
+from vd.store.read import Golden, content_digest_at, open_golden
 from vd.store.side import GoldenSide, SlimGoldenError
 from vd.store.slim import slim
 from vd.store.write import GoldenWriter, check_target
 
 __all__ = ["FORMAT_VERSION", "Golden", "GoldenSide", "GoldenWriter", "Location", "Prefetcher", "SlimGoldenError",
-           "check_target", "locate", "migrate", "open_golden", "root_meta",
+           "check_target", "content_digest_at", "locate", "migrate", "open_golden", "root_meta",
            "slim"]

@@ -385,6 +385,18 @@ def _run_meta(location: Location, url: str) -> Mapping:
     return run
 
 
+def content_digest_at(where: str | os.PathLike) -> str | None:
+    """The content digest of the golden at ``where`` (opened, then let go), None where there is none; a golden
+    that cannot be opened raises as `open_golden` does."""
+    if locate(where).state() != "golden":
+        return None
+    g = open_golden(where)
+    try:
+        return g.content_digest()
+    finally:
+        g.close()
+
+
 def open_golden(where: str | os.PathLike | Location, *, rows: str | os.PathLike | None = None,
                 sizes: bool = True, volatile: bool = True) -> Golden:
     """Open the golden at ``where`` (a directory, a ``.zip`` file or an ``s3://`` URL) and check its metadata;

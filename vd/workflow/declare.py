@@ -377,12 +377,13 @@ def shard(entries: list[Entry], spec: str | None) -> list[Entry]:
     return ordered[i - 1::n]
 
 
-def check_pin_writable(file: Path, entry: Entry) -> None:
-    """Refuse (`DeclarationError`), before anything is published, a golden whose pin `set_pin` could not change:
-    its pin's text not there once, or the file not writable. A refresh that published and then failed to write
-    the pin would leave a golden its own pin refuses."""
-    if entry.pin is None:
+def check_pin_writable(entry: Entry | None) -> None:
+    """Refuse (`DeclarationError`), before anything is published, a pinned golden whose pin `set_pin` could not
+    change in the file declaring it: its pin's text not there once, or the file not writable. A refresh that
+    published and then failed to write the pin would leave a golden its own pin refuses."""
+    if entry is None or entry.pin is None or entry.file is None:
         return
+    file = entry.file
     text = file.read_text()
     if text.count(f'"{entry.pin}"') + text.count(f"'{entry.pin}'") != 1:
         raise DeclarationError(f"{file}: golden {entry.name}'s pin {entry.pin} does not appear exactly once, so a "
@@ -421,14 +422,10 @@ def repin(entry: Entry | None, path: str) -> str | None:
     published and what to write by hand."""
     if entry is None or entry.pin is None or entry.file is None:
         return None
-    from vd.store import open_golden  # (only here: a declaration is read without the store)
+    from vd.store import content_digest_at  # (only here: a declaration is read without the store)
 
-    g = open_golden(path)
-    try:
-        digest = g.content_digest()
-    finally:
-        g.close()
-    if digest == entry.pin:
+    digest = content_digest_at(path)
+    if digest is None or digest == entry.pin:
         return None
     try:
         set_pin(entry.file, entry, digest)

@@ -232,10 +232,11 @@ class _Session:
         model (or the declared one) instead, as for a stale golden: that recording's own replay vouches for it,
         and a promotion cannot. A candidate of another forward stays refused, naming what to declare."""
         __tracebackhide__ = True
+        from vd.workflow.declare import check_pin_writable
         from vd.workflow.refresh import promote
 
         with _refused(entry.name):
-            _check_repin(entry)
+            check_pin_writable(entry)
             done = promote(candidate, entry.path, reason=f"pytest --vd-update ({who}, run {self.run}): {why}",
                            name=entry.name)
         if done.record_instead == {}:
@@ -260,24 +261,17 @@ class _Session:
 
     def _refresh(self, entry, who: str, model, why: str):
         __tracebackhide__ = True
+        from vd.workflow.declare import check_pin_writable
         from vd.workflow.refresh import refresh
         from vd.workflow.suite import record_settings
 
         s = record_settings(entry)
         model = model or self.models.get(s.model, s.device, s.dtype, s.head)
         with _refused(entry.name):
-            _check_repin(entry)
+            check_pin_writable(entry)
             done = refresh(entry.path, s, reason=f"pytest --vd-update ({who}, run {self.run}): {why}", name=entry.name,
                            model=model)
         self._done(entry, done)
-
-
-def _check_repin(entry) -> None:
-    """Before an update publishes a pinned golden: its declaration can take the new pin."""
-    from vd.workflow.declare import check_pin_writable
-
-    if entry.pin is not None and entry.file is not None:
-        check_pin_writable(entry.file, entry)
 
 
 def _root_meta(entry):
