@@ -110,21 +110,25 @@ class LocateReport:
     def found(self) -> bool:
         return any(x.found for x in self.ks)
 
+    def _held(self) -> tuple[str, str]:
+        """What the forward was held against: the JSON's ``against``, and the words the terminal and page use."""
+        if len(self.forwards) == 1:
+            return "golden traces", "the golden's traces"
+        other = self.forwards[1]
+        if other == DECODE:
+            return "decode rows", "its own decode rows"
+        if axis(other):
+            return f"batch of {batch_size(other)}", f"itself in a batch of {batch_size(other)}"
+        return "between forwards", other
+
     @property
     def against(self) -> str:
         """What the forward was held against, in words: the golden's traces, its own decode rows, itself in a
         batch of N, or another forward."""
-        if len(self.forwards) == 1:
-            return "the golden's traces"
-        other = self.forwards[1]
-        return ("its own decode rows" if other == DECODE else f"itself in a batch of {batch_size(other)}"
-                if axis(other) else other)
+        return self._held()[1]
 
     def to_json(self) -> dict:
-        other = self.forwards[1] if len(self.forwards) == 2 else None
-        return {"golden": self.golden, "forwards": list(self.forwards),
-                "against": "golden traces" if other is None else "decode rows" if other == DECODE
-                else f"batch of {batch_size(other)}" if axis(other) else "between forwards",
+        return {"golden": self.golden, "forwards": list(self.forwards), "against": self._held()[0],
                 "differs": self.found, "verify": [x.to_json() for x in self.ks], "notes": list(self.notes)}
 
 
