@@ -223,6 +223,19 @@ def test_python_m_vd_is_the_command_line():
     assert done.returncode == 0 and "record" in done.stdout and "replay" in done.stdout and "slim" in done.stdout
 
 
+@pytest.mark.parametrize("where", ["vd.cli.app.app", "vd.warm.forward"])
+def test_ctrl_c_before_a_command_runs_is_one_line(where):
+    """Ctrl-C in the first quarter second, while the command line is imported or typer builds its commands
+    (before `vd.cli.common.Group` handles a command's): one line and 130, not a traceback of typing or numpy."""
+    module, name = where.rsplit(".", 1)
+    code = (f"import importlib, os, signal; m = importlib.import_module({module!r}); "
+            f"m.{name} = lambda *a: os.kill(os.getpid(), signal.SIGINT); "
+            "from vd.launch import main; main()")
+    done = subprocess.run([sys.executable, "-c", code, "show", "g.zarr"], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr) == (130, "vd: aborted (Ctrl-C)\n")
+
+
 @pytest.mark.parametrize(("args", "code", "closed"), [
     (["show"], 0, ("stdout",)),
     (["replay", "--report", "{report}"], 0, ("stdout", "stderr")),

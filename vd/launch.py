@@ -7,11 +7,18 @@ import sys
 
 
 def main() -> None:
-    from vd import warm
+    """Ctrl-C while the command line is still being imported (before `vd.cli`'s own handling, which says what a
+    command left and how to go on) ends the process as that handling would: one line and exit code 130, not a
+    traceback of whatever module was importing."""
+    try:
+        from vd import warm
 
-    code = warm.forward(sys.argv)
-    if code is not None:
-        sys.exit(code)
-    from vd.cli import main as cli
+        code = warm.forward(sys.argv)
+        if code is not None:
+            sys.exit(code)
+        from vd.cli import main as cli
 
-    cli()
+        cli()  # (its commands' Ctrl-C is said by `vd.cli.common.Group`; typer's set-up before them is not)
+    except KeyboardInterrupt:
+        print("vd: aborted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
