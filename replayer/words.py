@@ -570,7 +570,8 @@ def next_steps(report: Report, declared: str | None, bundle: str | None = None) 
     rows = report.failure_rows
     if rows is not None and report.reasons_of(_failing_as(rows)):
         where = failure_place(rows.first_failure, rows.k) if rows.first_failure else f"{rows.kind} step {rows.step}"
-        tokens = "" if rows.tokens is None else f"; the step verified tokens {rows.tokens}" + (
+        fed = "decoded token" if rows.k == DECODE_K and rows.axis != "equivalence" else "verified tokens"
+        tokens = "" if rows.tokens is None else f"; the step {fed} {rows.tokens}" + (
             "" if rows.text is None else f" ({rows.text!r})")
         both = ("the candidate's rows in ", Code("rows.npz"), " (the golden is slim: add ", Code("--rows FULL"),
                 ", the full golden it was made from, for its rows too)") \

@@ -440,3 +440,19 @@ def test_code_torch_compile_traces_compiles_as_it_does_unwatched(monkeypatch):
     assert (graphs, breaks) == plain[:2] == (1, 0)
     assert stats["unique_graphs"] == plain[2]["unique_graphs"] == 1, stats
     assert found["MY_PLUGIN_SWITCH"] == "on"
+
+
+def test_a_decode_rows_first_divergence_names_the_token_it_decoded(perturbed):
+    """A failing decode row is one token decoded, not tokens verified: its "Look at" step says so."""
+    import dataclasses
+
+    from replayer.words import next_steps, plain_text
+    from vd.store.format import DECODE_K
+
+    rows = dataclasses.replace(perturbed.failure_rows, k=DECODE_K, tokens=[17], text="x")
+    reasons = [dataclasses.replace(r, what="decode") for r in perturbed.reasons]
+    decode = dataclasses.replace(perturbed, failure_rows=rows, reasons=reasons)
+    look, verify = (next(plain_text(s) for s in next_steps(r, None) if s[0].startswith("Look at"))
+                    for r in (decode, perturbed))
+    assert "; the step decoded token [17] ('x')" in look and "verified" not in look, look
+    assert "; the step verified tokens [" in verify, verify
