@@ -355,7 +355,7 @@ def test_damaged_goldens_exit_2(cli, tiny_copy, how):
         (tiny_copy / "zarr.json").write_text((tiny_copy / "zarr.json").read_text()[:50])
     else:
         damage(chunk(tiny_copy, 4, "logits", 6), how)
-    for cmd in ("show", "replay"):  # the replay's control moves steps 4-7 of K=4: their rows are read
+    for cmd in ("show", "history", "replay"):  # the replay's control moves steps 4-7 of K=4: their rows are read
         _one_line_error(*cli(cmd, tiny_copy), str(tiny_copy))
 
 

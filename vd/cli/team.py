@@ -417,14 +417,21 @@ def history(
     target: Annotated[str, typer.Argument(metavar="NAME|GOLDEN", help="A declared golden's name, or a golden.")],
     config: Annotated[Path | None, typer.Option(metavar="FILE", help=CONFIG_HELP)] = None,
 ) -> int:
-    """Print a golden's history: each version's reason, time, user and host, environment and changes."""
+    """Print a golden's history: each version's reason, time, user and host, environment and changes.
+
+    Every file is checked against the manifest first, as ``vd show`` does: a damaged golden exits 2 naming the
+    first damage, its history not shown as the golden's."""
     from vd.store import history as H
     from vd.store import open_golden
 
     entry = entry_for(target, config)
     g = open_golden(entry.path if entry is not None else target)
-    lines = H.lines(g.history)
-    out.print(f"{g.url}: {len(g.history)} version(s), content {g.content_digest()}")
+    try:  # (closed here: a reader's hold on this version would keep a refresh from removing it)
+        g.check_files()
+        lines = H.lines(g.history)
+        out.print(f"{g.url}: {len(g.history)} version(s), content {g.content_digest()}")
+    finally:
+        g.close()
     for line in lines or ["(no history: recorded before format 5)"]:
         out.print(line)
     return EXIT_PASS
