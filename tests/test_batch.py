@@ -237,6 +237,22 @@ def test_a_refresh_names_the_kept_settings_a_flag_is_at_odds_with(recorded_in_a_
     assert code == 0 and "module traces dropped" in out, out + err
 
 
+def test_no_batch_refreshes_a_golden_recorded_in_a_batch_alone(recorded_in_a_batch, cli, tmp_path):
+    """A refresh keeps the golden's batch, and --batch 1 records a batch of one (with a batch key), not the
+    sequence alone: --no-batch does, its summary saying so; with --batch, --slot or --batch-seed it is refused."""
+    from vd.store import open_golden
+
+    copy = tmp_path / "g.zarr"
+    shutil.copytree(recorded_in_a_batch, copy)
+    code, _, err = cli("record", copy, "--refresh", "--no-batch", "--slot", "0", "--reason", "alone")
+    assert code == 2 and err == "vd: error: --no-batch records the sequence alone: it does not go with --slot\n", err
+    code, out, err = cli("record", copy, "--refresh", "--no-batch", "--reason", "alone")
+    assert code == 0 and "batch: 2 -> None" in out, out + err
+    assert "batch" not in open_golden(copy).meta
+    code, out, _ = cli("show", copy)
+    assert code == 0 and "one member of a batch" not in out
+
+
 def test_a_damaged_batch_field_is_refused(recorded_in_a_batch, cli, tmp_path):
     from golden_edit import edit_meta
 

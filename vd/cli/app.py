@@ -80,6 +80,7 @@ def record(
     batch: o.RecordBatch = None,
     slot: o.Slot = None,
     batch_seed: o.BatchSeed = None,
+    no_batch: o.NoBatch = False,
     trace: o.RecordTrace = False,
     reason: o.Reason = None,
     summary: o.Summary = None,
@@ -103,6 +104,9 @@ def record(
         return _resumed(ctx, out_path)
     _check_record(out_path, refresh, summary, model, forward, device, threads, tolerance)
     preflight.check_record_widths(k)
+    if no_batch and (given := [f for f, v in (("--batch", batch), ("--slot", slot), ("--batch-seed", batch_seed))
+                               if v is not None]):
+        raise UsageError(f"--no-batch records the sequence alone: it does not go with {', '.join(given)}")
     preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp, recording=True)
     return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
 
@@ -138,6 +142,8 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
 
     named = [name for name in _SETTINGS if _given(ctx, name)]  # the setting flags given
     flags = {_SETTINGS[name]: _value(ctx.params[name]) for name in named}
+    if ctx.params["no_batch"]:  # alone: no batch, so neither a slot nor a seed of the others
+        flags.update(batch=None, slot=None, batch_seed=None)
     if refresh and locate(out_path).state() == "golden":
         return team.refresh_golden(out_path, config, reason or "vd record --refresh", summary, flags)
     from vd.recorder import RecordSettings

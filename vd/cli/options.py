@@ -84,6 +84,8 @@ Batch = Annotated[int | None, typer.Option("--batch", metavar="N", help="Also ru
 RecordBatch = Annotated[int | None, typer.Option("--batch", metavar="N", help="Record the sequence as one member of a "
                                                  "batch of N (others: other prompts, their own feeds); every replay "
                                                  "runs that batch again.")]
+NoBatch = Annotated[bool, typer.Option("--no-batch", help="Record the sequence alone: a refresh of a golden recorded "
+                                       "in a batch (or declared so) records it alone again.")]
 Slot = Annotated[int | None, typer.Option("--slot", metavar="I", help="With --batch: the golden's sequence's slot "
                                           "(default: every slot in turn).")]
 BatchSeed = Annotated[int | None, typer.Option("--batch-seed", metavar="S", help="With --batch: the seed of the other "

@@ -382,8 +382,8 @@ def _passes(settings) -> bool:
 
 
 # Settings a refresh keeps that can be at odds with a flag given (`settings_for` names them when they are).
-_KEPT_NAMED = {"trace": "--no-trace", "batch": "--batch N", "slot": "--slot I", "batch_seed": "--batch-seed S",
-               "feed": "--feed", "head": "--head FILE"}
+_KEPT_NAMED = {"trace": "--no-trace", "batch": "--batch N (or --no-batch)", "slot": "--slot I",
+               "batch_seed": "--batch-seed S", "feed": "--feed", "head": "--head FILE"}
 
 
 @app.command(cls=Command, epilog=examples(
