@@ -26,6 +26,7 @@ import torch
 
 from vd import env, protocol, warm
 from vd.errors import GoldenError
+from vd.models.specs import golden_dir, names_stored
 from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
@@ -50,6 +51,7 @@ from vd.replayer.session import (
     Opened,
     ReplaySettings,
     Session,
+    model_to_load,
     open_for_replay,
     open_golden_for,
     set_up,
@@ -135,9 +137,8 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
     finish = time.perf_counter() - t
     return Report(
         golden=g.url,
-        model=ModelFacts(m["spec"], m.get("name"), m["fingerprint"], model.identity().name,
-                         s.settings.model if s.settings.model not in (None, m["spec"]) else None,
-                         s.settings.allow_model_mismatch),
+        model=ModelFacts(m["spec"], m.get("name"), m["fingerprint"], model.identity().name, _replayed_spec(s),
+                         s.settings.allow_model_mismatch, *model_to_load(g, s.settings)),
         graphs="graphed" if all(graphed) else "eager" if not any(graphed) else "mixed",
         mtp=g.info.drafted, head=g.meta.get("mtp"), feed=g.info.feed, steps=g.info.steps, dtype=g.logical,
         variants=tuple(Variant(n, s.offered[n], n == g.info.forward, "graphed" if gr else "eager")
@@ -157,6 +158,13 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
         batch=None if s.batch is None else s.batch.describe(),
         golden_batch=None if s.recorded_batch is None else s.recorded_batch.describe(),
         candidate=None if s.candidate is None else s.candidate.url)
+
+
+def _replayed_spec(s: Session) -> str | None:
+    """``--model`` where it is not the golden's own model SPEC: neither as stored nor naming the same file (the
+    absolute path a command replaying a failure passes for a spec stored relative to its project)."""
+    asked, g = s.settings.model, s.golden
+    return None if asked is None or names_stored(asked, g.meta["model"], golden_dir(g.location)) else asked
 
 
 def _environment_reasons(s: Session, replayed_env: dict, verify: Sequence[KResult]) -> list[Reason]:

@@ -278,7 +278,10 @@ class ModelFacts:
     """The golden's model (its SPEC, name and fingerprint), the identity it was ``replayed_with`` and
     ``replayed_spec``: the model SPEC that ran when it was not the golden's own (a plug-in wrapping the
     golden's model, say), else None; ``mismatch_allowed``: whether the replay was told to run a model of
-    another fingerprint (``--allow-model-mismatch``), which the command replaying its failure passes again."""
+    another fingerprint (``--allow-model-mismatch``), which the command replaying its failure passes again.
+    ``ran`` and ``head_file``: the model SPEC and the MTP head file that ran, a file among them as resolved from
+    where the replay ran (a golden's spec stored relative to its project is resolved against the folder the
+    replay ran in): what a command replaying the failure from any folder passes, made absolute."""
 
     spec: str
     name: str | None
@@ -286,6 +289,8 @@ class ModelFacts:
     replayed_with: str
     replayed_spec: str | None
     mismatch_allowed: bool = False
+    ran: str | None = None
+    head_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

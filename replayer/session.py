@@ -298,27 +298,35 @@ def _reader(opened: Opened, device: torch.device) -> Prefetcher:
     return reader
 
 
+def model_to_load(g: Golden, s: ReplaySettings) -> tuple[str, str | None]:
+    """The model SPEC and MTP head file a replay of ``g`` loads: ``--model`` (with ``--head``, else no head) or
+    the golden's own (its stored head with it), a file among them resolved from here (`vd.models.specs`)."""
+    spec, stored_head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
+    if s.model is None:
+        return spec, s.head if s.head is not None else stored_head
+    return s.model, s.head
+
+
 def _load_model(opened: Opened, s: ReplaySettings, clock: Clock, progress: Progress
                 ) -> tuple[Prefetcher, VerifyModel]:
     """The golden's reader, started (the golden is read and hashed while the weights load), and the model. The
     golden's file listing is checked first: a missing, truncated or special file is refused before any model
     loads (a caller that hands a model in leaves that check to the reader, with the rest)."""
     g = opened.golden
-    spec, stored_head = stored(g.meta["model"], golden_dir(g.location))  # a file spec from here
-    check_forward_names(s.model or spec, list(s.forwards))  # before the model loads
+    spec, head = model_to_load(g, s)
+    check_forward_names(spec, list(s.forwards))  # before the model loads
     dev = s.device or g.info.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise preflight.no_cuda(g.url, s.device, g.info.device, cpu_forward_hint(g.info.forward, s.forwards))
-    head = s.head if s.head is not None or s.model is not None else stored_head
     device = check_device(dev)
     reader = opened.reader or _reader(opened, device)
     try:
         reader.check_listing()
         progress.phase("loading model", 0)
         t = time.perf_counter()
-        import_code(s.model or spec)
+        import_code(spec)
         clock.within["model_code"] = time.perf_counter() - t
-        return reader, load_model(s.model or spec, device=device, dtype=g.logical, head=head)
+        return reader, load_model(spec, device=device, dtype=g.logical, head=head)
     except BaseException:
         # Refused (a listing that is off, a model that will not load) or interrupted: the reader stops here. In a
         # process that goes on (a suite's next golden, a test session) a thread still reading would copy to the

@@ -525,10 +525,9 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
     if rows.batch is not None:
         cmd += ["--batch", str(rows.batch["n"]), *(["--slot", str(rows.batch["slot"])] if rows.batch["slot"]
                                                    is not None else []), "--batch-seed", str(rows.batch["seed"])]
-    for flag in ("model", "head", "device", "threads", "rows"):
-        if args.get(flag) is not None:
-            value = str(args[flag])
-            cmd += [f"--{flag}", _portable_spec(value) if flag == "model" else
+    for flag, value in _as_replayed(report, args).items():
+        if value is not None:
+            cmd += [f"--{flag}", portable_spec(value) if flag == "model" else
                     _absolute(value) if flag in ("head", "rows") else value]
     ran, recorded = (e.get("tp") or 1 for e in (report.environment.replayed, report.environment.recorded))
     if ran != recorded:  # (a replay takes the golden's degree unless told: `vd.cli.ranks.recorded`)
@@ -541,12 +540,26 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
     return [*cmd, "--report", out]
 
 
+def _as_replayed(report: Report, args: dict) -> dict[str, str | None]:
+    """The model, head, device, threads and full golden's rows a command replaying the failure passes: each as
+    ``args`` gives it (the flags the replay was given), else as the report says it ran where that is not the
+    golden's default from any folder: a model SPEC naming a file (stored relative to the golden's project, it
+    was resolved from the folder the replay ran in), the head file that ran, another device or thread count."""
+    m, ran, recorded = report.model, report.environment.replayed, report.environment.recorded
+    model = args.get("model") or (m.ran if m.ran is not None and portable_spec(m.ran) != m.spec else None)
+    head = args.get("head") or m.head_file  # (always: --model alone loads no head, a stored one may be relative)
+    device = args.get("device") or (ran.get("device") if ran.get("device") != recorded.get("device") else None)
+    threads = args.get("threads") or (ran.get("threads") if ran.get("threads") != recorded.get("threads") else None)
+    return {"model": model, "head": head, "device": device, "threads": None if threads is None else str(threads),
+            "rows": args.get("rows")}
+
+
 def _absolute(path: str) -> str:
     """A local path made absolute; a URL as it is."""
     return path if "://" in path else os.path.abspath(path)
 
 
-def _portable_spec(spec: str) -> str:
+def portable_spec(spec: str) -> str:
     """A model SPEC with its local file made absolute (``path/engine.py:factory``, ``llamacpp:PATH``, a
     checkpoint folder or a .gguf file); a preset or ``package.module:factory`` as it is."""
     if spec.startswith("llamacpp:"):
@@ -650,7 +663,7 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
     if report.rows.slim:
         full = shlex.quote(report.rows.source or "FULL")
         if own and report.replayed_spec is not None and _inconclusive(report):  # no candidate would be promoted
-            plugin = _portable_spec(str(report.replayed_spec))
+            plugin = portable_spec(str(report.replayed_spec))
             return ("If the change is intended, record the full golden this slim one was made from with it: ",
                     Code(shlex.join(["vd", "record", report.rows.source or "FULL", "--refresh", "--model", plugin])
                          + " --reason TEXT"),
@@ -679,7 +692,7 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
         return ("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
                 ", or record the golden again on the trusted build: ",
                 Code(f"vd record {shlex.quote(report.golden)} --refresh"), ".")
-    spec = None if report.replayed_spec is None else _portable_spec(report.replayed_spec)  # another model ran too
+    spec = None if report.replayed_spec is None else portable_spec(report.replayed_spec)  # another model ran too
     if declared is not None:  # the declaration says what a refresh records
         return (f"To make {forward} the golden's forward, declare it (", Code(f'forward = "{forward}"'),
                 *(() if spec is None else (" and ", Code(f'model = "{spec}"'))),
@@ -697,7 +710,7 @@ def _accept_other_model(report: Report, declared: str | None, target: str) -> Ne
     """How to accept what another model SPEC than the golden's computed (a plug-in engine over the golden's
     model): its rows promoted as a candidate, the golden staying of its model; or that SPEC made the golden's
     model. A refresh alone records the golden's own model again, which would not take the change."""
-    spec = _portable_spec(str(report.replayed_spec))
+    spec = portable_spec(str(report.replayed_spec))
     if _inconclusive(report):  # a promotion of these rows would be refused: only a recording vouches for them
         why = f"; {_no_promotion(report)}"
         if declared is not None:

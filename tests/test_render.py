@@ -456,3 +456,22 @@ def test_a_decode_rows_first_divergence_names_the_token_it_decoded(perturbed):
                     for r in (decode, perturbed))
     assert "; the step decoded token [17] ('x')" in look and "verified" not in look, look
     assert "; the step verified tokens [" in verify, verify
+
+
+def test_the_look_at_command_passes_the_head_and_device_that_ran(perturbed):
+    """The command replaying the first divergence passed --model alone: a replay given --head (or --device)
+    was reproduced with the golden's own head (device), and its draft rows then matched (a user test)."""
+    import dataclasses
+
+    from replayer.words import next_steps, plain_text
+
+    def look(report):
+        return next(plain_text(s) for s in next_steps(report, None) if s[0].startswith("Look at"))
+
+    assert "--head" not in look(perturbed) and "--device" not in look(perturbed)
+    headed = dataclasses.replace(perturbed, model=dataclasses.replace(perturbed.model, head_file="h2.safetensors"))
+    assert f"--head {os.path.abspath('h2.safetensors')} " in look(headed), look(headed)
+    env = perturbed.environment
+    moved = dataclasses.replace(perturbed, environment=dataclasses.replace(
+        env, replayed={**env.replayed, "device": "cuda", "threads": 3}))
+    assert "--device cuda --threads 3 " in look(moved), look(moved)

@@ -46,3 +46,33 @@ def test_a_golden_and_its_plugin_moved_together_replay_from_their_new_place(cli,
         f"{moved / 'engine.py'}:factory"
     code, out, err = cli("replay", moved / "g.zarr")
     assert code == 0 and out.rstrip().endswith("PASS"), out + err
+
+
+def test_a_failure_of_a_project_relative_model_replays_from_any_folder(cli, tmp_path, monkeypatch):
+    """A golden whose plug-in is stored relative to its project (the folder it was recorded in) resolves it
+    against the folder a replay runs in: the command a FAIL prints, and its bundle's command.sh, passed no
+    --model and failed from any other folder ('unknown model'); they pass the file that ran, made absolute, and
+    the replay they run still takes it as the golden's own model (its accept step a refresh, not a new model)."""
+    import shlex
+
+    project, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    shutil.copy(PLUGINS / "reseeded.py", project / "engine.py")
+    monkeypatch.chdir(project)
+    code, _, err = cli("record", "g.zarr", "--model", "engine.py:factory", "--k", "2", "--steps", "4",
+                       "--allow-thin")
+    assert code == 0 and open_golden(project / "g.zarr").meta["model"]["spec_base"] == "project", err
+    code, out, err = cli("replay", "g.zarr", "--forward", "sdpa")
+    assert code == 1, out + err
+    look = next(line for line in out.splitlines() if "Look at the first divergence" in line)
+    assert f"--model {project / 'engine.py'}:factory" in look, look
+    assert cli("replay", "g.zarr", "--forward", "sdpa", "--report", "r.json")[0] == 1
+    monkeypatch.chdir(elsewhere)
+    command = (project / "r.json.bundle" / "command.sh").read_text().splitlines()[-1]
+    assert f"--model {project / 'engine.py'}:factory" in command, command
+    argv = shlex.split(command.replace('"$@" ', "").replace('"$here/replay.json"', str(elsewhere / "again.json")))
+    code, again, err = cli(*argv)
+    assert code == 1 and "FAIL" in again.splitlines(), again + err  # as the original replay: not 2, no model
+    accept = next(line for line in again.splitlines() if "To make sdpa the golden's forward" in line)
+    assert "--refresh --forward sdpa --reason TEXT" in accept and "--model" not in accept, accept

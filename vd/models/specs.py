@@ -66,6 +66,22 @@ def resolve(spec: str | None, base: str | None, golden_dir: Path | None) -> str 
     return prefix + os.path.normpath(os.path.join(root, path)) + suffix
 
 
+def names_stored(asked: str, meta_model: Mapping, golden_dir: Path | None) -> bool:
+    """Whether the model SPEC ``asked`` names the golden's own (its metadata's ``model``): as stored, or naming
+    the same file; a spec stored relative to its project, from any folder: a path ending in the stored one (the
+    absolute spec a command replaying a failure passes, run from elsewhere)."""
+    spec: str = meta_model["spec"]
+    if asked == spec:
+        return True
+    mine, theirs = _split(asked, exists=False), _split(spec, exists=False)
+    if mine is None or theirs is None or mine[0] != theirs[0] or mine[2] != theirs[2]:
+        return False
+    path = Path(os.path.abspath(mine[1]))
+    if meta_model.get("spec_base") == "project":
+        return path.as_posix().endswith("/" + Path(theirs[1]).as_posix().lstrip("/"))
+    return path == Path(os.path.abspath(resolve(spec, meta_model.get("spec_base"), golden_dir)))
+
+
 def stored(meta_model: Mapping, golden_dir: Path | None) -> tuple[str, str | None]:
     """A golden's model spec and head file (its metadata's ``model``), resolved from here."""
     spec: str = meta_model["spec"]  # every golden has one (`vd.store.schema`)
