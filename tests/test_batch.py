@@ -283,3 +283,21 @@ def test_own_rows_are_told_from_another_members_and_from_garbage():
     assert not_own_rows(own + 0.8 * noise, own, other) is None  # beyond 5 %, within 25 % and nearer its own
     assert "from another member's" in not_own_rows(other, own, other)
     assert not_own_rows(own + 10 * noise, own, other) is not None  # garbage
+
+
+def test_a_batch_a_plugin_gets_wrong_is_named_as_the_plugins(batch_golden, cli):
+    """A plug-in's forward_batch returning float32 rows was blamed on vd.batch.BatchView; a trace handing each
+    member's points as the member ran ([L, ...], not [n, L, ...]) had its points dropped, and `vd locate` then
+    said the rows differ "but no traced module's output does" with nothing compared (a user test). Both are
+    the plug-in's, named, exit 2."""
+    code, out, err = cli("replay", batch_golden, "--model", PLUGIN.format("float32_batch"), "--batch", "2",
+                         "--k", "2")
+    last = err.splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and \
+        last.startswith(f"vd: error: {PLUGIN.format('float32_batch')} (its forward_batch): forward of "), out + err
+    code, out, err = cli("locate", batch_golden, "--model", PLUGIN.format("per_member_trace"), "--between",
+                         "batch:2", "--k", "2")
+    last = err.splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and last.startswith(f"vd: error: {PLUGIN.format('per_member_trace')}: "
+                                                                    "in a batch of 2 its trace handed") \
+        and "none of them [2, L, ...]" in last, out + err

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from vd import protocol
-from vd.errors import UsageError
+from vd.errors import ModelOutputError, UsageError
 from vd.layout import accepted
 from vd.loop import reference_drafts
 from vd.protocol import BatchedForwards, ModelIdentity, VerifyModel
@@ -140,6 +140,8 @@ class BatchView:
         self.companions: list[_Companion] = []
         self.slots: list[int] = []
         self._member = (0, 0)  # this call's slot and row count (`trace`)
+        # Errors about rows this view returns name the model's adapter and its batch method (`protocol.adapter_name`).
+        setattr(self, protocol.PLUGIN_SPEC, f"{protocol.adapter_name(model)} (its forward_batch)")
 
     def describe(self) -> dict:
         """The plan and the companions' prompt lengths, as a golden's ``batch`` metadata and a report state them."""
@@ -200,12 +202,22 @@ class BatchView:
         trace = protocol.tracer(self.model)
         assert trace is not None, "trace_forwards says which forwards trace"
 
+        handed = kept = 0
+
         def member(name: str, what: str, x: torch.Tensor) -> None:
+            nonlocal handed, kept
+            handed += 1
             if x.dim() == 3 and x.shape[0] == self.plan.n:
+                kept += 1
                 record(name, what, x[self._member[0], : self._member[1]])
 
         with trace.trace(member):
             yield
+        if handed and not kept:  # (its points would be compared with nothing, and the rows said to differ outside)
+            raise ModelOutputError(f"{protocol.adapter_name(self.model)}: in a batch of {self.plan.n} its trace "
+                                   f"handed {handed} output(s), none of them [{self.plan.n}, L, ...]: a batch's trace "
+                                   "hands each point once for the whole batch, member by member along its first "
+                                   "dimension (vd.protocol.ModuleTrace)")
 
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         slot = self._place()

@@ -295,7 +295,10 @@ class ModuleTrace(Protocol):
     ``record(name, what, output)`` for each traced point in the order the forward computes them: ``name`` a
     module's path (``model.layers.3.mlp.down_proj``), ``what`` what it is (``MLP down-projection``), ``output``
     its ``[len(tokens), ...]`` tensor for the call's tokens (a view the forward may reuse later: the caller copies
-    what it keeps; a value without one row per token is skipped). Tracing must not change the forward's rows. Only
+    what it keeps; a value without one row per token is skipped). In a batch (`BatchedForwards.forward_batch`,
+    ``vd locate --between batch:N``) each point is handed once for the whole batch, ``[n, L, ...]``: member ``i``
+    along the first dimension, right-padded to the longest member's ``L`` (a trace handing none so is refused).
+    Tracing must not change the forward's rows. Only
     the forwards `trace_forwards` names are traced: those whose kernels the trace follows (vd's HF adapter: HF's
     modules through hooks, its lean static step through the record it is handed, graphed ones without the graph,
     compiled ones at their regions' edges; `vd.models.trace`, `vd.models.lean`). The points a trace hands over
@@ -382,19 +385,19 @@ def owns_rows(model: object) -> bool:
 
 # -- how vd names an adapter in its errors -----------------------------------------------------------------
 
-_PLUGIN_SPEC = "_vd_plugin"  # the attribute `mark_plugin` sets on a plug-in's model
+PLUGIN_SPEC = "_vd_plugin"  # the attribute `mark_plugin` sets on a plug-in's model (errors name it)
 
 
 def mark_plugin(model: object, spec: str) -> None:
     """Note on a plug-in's model the spec that loaded it, for the errors that name it (`adapter_name`); a model
     that takes no new attributes (``__slots__``) is named by its class."""
     with contextlib.suppress(AttributeError, TypeError):
-        setattr(model, _PLUGIN_SPEC, spec)
+        setattr(model, PLUGIN_SPEC, spec)
 
 
 def adapter_name(model: object) -> str:
     """How errors name a model adapter: the plug-in spec that loaded it (`mark_plugin`), else its class."""
-    return getattr(model, _PLUGIN_SPEC, None) or f"{type(model).__module__}.{type(model).__qualname__}"
+    return getattr(model, PLUGIN_SPEC, None) or f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def protocol_members(proto: type = VerifyModel) -> list[str]:

@@ -83,3 +83,29 @@ def invariant(device, dtype):
 
 def variant(device, dtype):
     return Batched(load_model("tiny-llama", device=device, dtype=dtype), variant=True)
+
+
+class PerMemberTrace(Batched):
+    """``variant`` with tiny-llama's module trace: in a batch each member's points are handed as that member
+    runs, ``[L, ...]``, not once for the batch as ``[n, L, ...]`` (`vd.protocol.ModuleTrace`): refused."""
+
+    def trace_forwards(self):
+        return self.inner.trace_forwards()
+
+    def trace(self, record):
+        return self.inner.trace(record)
+
+
+class Float32Batch(Batched):
+    """``invariant`` whose batch returns float32 rows (its `forward`, the model's dtype)."""
+
+    def forward_batch(self, tokens):
+        return [rows.float() for rows in super().forward_batch(tokens)]
+
+
+def per_member_trace(device, dtype):
+    return PerMemberTrace(load_model("tiny-llama", device=device, dtype=dtype), variant=True)
+
+
+def float32_batch(device, dtype):
+    return Float32Batch(load_model("tiny-llama", device=device, dtype=dtype), variant=False)
