@@ -104,11 +104,16 @@ def record(
         return _resumed(ctx, out_path)
     _check_record(out_path, refresh, summary, model, forward, device, threads, tolerance)
     preflight.check_record_widths(k)
+    _check_batch(batch, slot, batch_seed, no_batch, feed == Feed.mtp)
+    return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
+
+
+def _check_batch(batch: int | None, slot: int | None, batch_seed: int | None, no_batch: bool, drafted: bool) -> None:
+    """A recording's batch flags: ``--no-batch`` (alone) with none of the others, the others as a replay's."""
     if no_batch and (given := [f for f, v in (("--batch", batch), ("--slot", slot), ("--batch-seed", batch_seed))
                                if v is not None]):
         raise UsageError(f"--no-batch records the sequence alone: it does not go with {', '.join(given)}")
-    preflight.check_batch(batch, slot, batch_seed, feed == Feed.mtp, recording=True)
-    return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
+    preflight.check_batch(batch, slot, batch_seed, drafted, recording=True)
 
 
 def _record_target(target: str, config: Path | None):
