@@ -764,6 +764,24 @@ def test_a_zip_golden_cut_short_is_named_as_such(cli, tiny_golden, tmp_path):
                         "end: truncated, damaged or not a zip)")
 
 
+@pytest.mark.parametrize(("offset", "byte", "raised"), [(0, 0x00, "BadZipFile: Bad magic number for central "
+                                                                "directory"),
+                                                        (6, 0xff, "NotImplementedError: zip file version")])
+def test_a_zip_golden_damaged_in_its_directory_exits_2(cli, tiny_golden, tmp_path, offset, byte, raised):
+    """A zip golden whose central directory is damaged within (its first entry's signature, or the version it
+    needs to extract) was an internal error, exit 3 (found by a user test): it is a zip that cannot be read."""
+    import struct
+
+    good, bad = tmp_path / "g.zip", tmp_path / "bad.zip"
+    assert cli("pack", tiny_golden, good)[0] == 0
+    data = bytearray(good.read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    data[struct.unpack("<I", data[end + 16:end + 20])[0] + offset] = byte  # the first central directory entry
+    bad.write_bytes(bytes(data))
+    for argv in (["verify", str(bad)], ["show", str(bad)], ["replay", str(bad)]):
+        _one_line_error(*cli(*argv), f"{bad} is not a readable zip file: {raised}")
+
+
 def test_a_bad_tolerance_is_refused_before_a_model_is_loaded(tmp_path):
     (r,) = _audit(tmp_path, ["record", "out.zarr", "--model", "tiny-llama", "--tolerance", "verify=ulp"])
     _one_line_error(r["code"], r["out"], r["err"], "unknown tolerance 'ulp'")

@@ -165,6 +165,7 @@ def peek(where: str | os.PathLike) -> Peek:
         return Peek("golden", golden_meta(doc, url))
     except GoldenError as e:
         return Peek("other", why=str(e))
+
     except OSError as e:
         return Peek("other", why=f"{url} cannot be read: {e.strerror or e}")
 
@@ -234,16 +235,21 @@ def check_zip_names(z: zipfile.ZipFile, where: str) -> None:
 
 
 def _zip_member(path: Path, key: str, url: str) -> bytes | None:
-    with zipfile.ZipFile(path) as z:
-        check_zip_names(z, url)
-        try:
-            info = z.getinfo(key)
-        except KeyError:
-            return None
-        if info.file_size > MAX_META:
-            raise GoldenCorruptError(f"{url}/{key} has {info.file_size} bytes, more than a golden's file may "
-                                     f"({MAX_META})")
-        return z.read(info)
+    """Member ``key`` of the zip golden at ``path`` (None where it has none); a zip damaged within (its directory
+    or a member's header: what `zipfile` raises BadZipFile, NotImplementedError or EOFError for) refused as one."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            check_zip_names(z, url)
+            try:
+                info = z.getinfo(key)
+            except KeyError:
+                return None
+            if info.file_size > MAX_META:
+                raise GoldenCorruptError(f"{url}/{key} has {info.file_size} bytes, more than a golden's file may "
+                                         f"({MAX_META})")
+            return z.read(info)
+    except (zipfile.BadZipFile, NotImplementedError, EOFError) as e:
+        raise NotAGoldenError(f"{url} is not a readable zip file: {type(e).__name__}: {e}") from e
 
 
 def recovered(where: str) -> bool:
