@@ -54,6 +54,20 @@ def test_a_missing_or_foreign_file_is_one_line(cli, tmp_path):
         assert "loading model" not in err, err  # (refused before the model loads)
 
 
+def test_a_junk_or_truncated_gguf_is_bad_input(cli, tmp_path):
+    """A .gguf llama.cpp cannot load (junk, or a download cut short) was an internal error, exit 3 (found by a
+    user test; the same file through the HF path was exit 2): it is bad input, one line."""
+    junk, cut = tmp_path / "junk.gguf", tmp_path / "cut.gguf"
+    junk.write_text("junk\n")
+    data = smollm2_path().read_bytes()
+    cut.write_bytes(data[: len(data) // 3])
+    for path in (junk, cut):
+        code, _, err = cli("record", tmp_path / "g.zarr", "--model", f"llamacpp:{path}", "--steps", "2")
+        assert code == 2 and err.strip().splitlines()[-1].startswith(
+            f"vd: error: llamacpp:{path}: llama.cpp cannot load it (not a GGUF model, or one truncated"), err
+    assert not (tmp_path / "g.zarr").exists()
+
+
 def test_a_batch_of_three_keeps_its_members_and_the_single_sequence_apart():
     """Three members of different lengths share each llama_decode (a prefill beside prefills, then verifies of
     other widths, one member rewound, a reorder): each member's rows are its own sequence's to rounding, the

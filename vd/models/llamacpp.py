@@ -158,9 +158,15 @@ class LlamaCppModel:
         """A llama.cpp context for forward ``name`` (made once, at the capacity asked for)."""
         llm = self._contexts.get(name)
         if llm is None or llm.n_ctx() < self.n_ctx:
-            llm = self.lib.Llama(model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.threads,
-                                 n_threads_batch=self.threads, logits_all=True, verbose=False,
-                                 flash_attn=name == "cpu-flash", n_gpu_layers=-1 if name == "offload" else 0)
+            try:
+                llm = self.lib.Llama(model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.threads,
+                                     n_threads_batch=self.threads, logits_all=True, verbose=False,
+                                     flash_attn=name == "cpu-flash", n_gpu_layers=-1 if name == "offload" else 0)
+            except ValueError as e:  # llama-cpp-python's word for a file llama.cpp refused: bad input, not a crash
+                if "Failed to load model" not in str(e):
+                    raise
+                raise ModelSpecError(f"{LLAMACPP}{self.path}: llama.cpp cannot load it (not a GGUF model, or one "
+                                     f"truncated, damaged or of an architecture it lacks): {e}") from e
             self._contexts[name] = llm
         return llm
 
