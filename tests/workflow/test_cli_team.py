@@ -412,3 +412,29 @@ def test_a_suite_refresh_cut_short_pins_what_it_published(project, cli, monkeypa
     monkeypatch.chdir(project)
     code, out, err = cli("replay", "--suite", "a")
     assert code == 0, out + err
+
+
+@pytest.mark.parametrize("where", ["_publish", "finish_removals"])
+def test_ctrl_c_after_a_refresh_published_says_so(cli, tiny_copy, monkeypatch, where):
+    """Ctrl-C after the refresh had published its new version (while the replaced one was being removed) printed
+    "vd: aborted (Ctrl-C)" alone, and the user refreshed again, adding a version (found by a user test): the
+    line says the golden was published, and where its history shows it. Cut short before, it says nothing so."""
+    import vd.workflow.refresh as R
+
+    real = getattr(R, where)
+
+    def cut_short(*args, **kwargs):
+        if where == "finish_removals":
+            real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(R, where, cut_short)
+    code, out, err = cli("refresh", tiny_copy, "--reason", "cut short")
+    last = err.splitlines()[-1]
+    versions = len(open_golden(tiny_copy).history)
+    if where == "_publish":
+        assert code == 130 and last == "vd: aborted (Ctrl-C)" and versions == 1, out + err
+    else:
+        assert code == 130 and versions == 2, out + err
+        assert last == f"vd: aborted (Ctrl-C); {tiny_copy} was published before it (version 2: vd history " \
+            f"{tiny_copy})", last

@@ -164,7 +164,7 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
         settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
     team.check_repin(entry)
     note_journal(out_path)
-    with reporting() as progress, resumable(out_path):
+    with reporting() as progress, resumable(out_path), team.published_if_cut_short(entry, out_path):
         r = do_record(out_path, settings, refresh=refresh, progress=progress, reason=reason or "first recording")
     code = _recorded(r)
     if code == EXIT_PASS:

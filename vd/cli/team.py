@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -82,7 +83,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
         for e in entries:  # each golden's pin set and its line printed as it is published: a suite cut short
             if locate(e.path).state() != "golden":  # recorded afresh: a cut-short one's journal is replaced
                 note_journal(e.path)
-            with resumable(e.path), pinned_if_cut_short(e, e.path):  # Ctrl-C, a CI timeout: no golden its pin refuses
+            with resumable(e.path), published_if_cut_short(e, e.path):  # Ctrl-C, a CI timeout: said, pinned
                 [o] = do_record([e], refresh_existing=refresh, reason=reason or "first recording", models=models,
                                 progress=progress)
             progress.end(failed=o.verdict == "ERROR")  # its last phase's line before the golden's own
@@ -207,7 +208,7 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     from vd.workflow import refresh as R
 
     name = entry.name if entry is not None else None
-    with pinned_if_cut_short(entry, path):
+    with published_if_cut_short(entry, path):
         if candidate is not None:
             done = R.promote(candidate, path, reason=reason, name=name, allow_slim=allow_slim)
         else:
@@ -271,33 +272,39 @@ def repin(entry, path: str) -> None:
 
 
 @contextlib.contextmanager
-def pinned_if_cut_short(entry, path: str):
-    """Around a recording or refresh of a pinned golden: cut short (Ctrl-C, a signal) after its new version was
-    published (or left complete beside its path, which the next reader puts in place), the new pin is written
-    all the same, so the refresh leaves no published golden its own pin refuses. Only a version this command
-    published is pinned: the content digest must have moved from what it was when the command began."""
-    if entry is None or entry.pin is None or "://" in path:
+def published_if_cut_short(entry, path: str):
+    """Around a recording or refresh of the golden at ``path``: cut short (Ctrl-C, a signal) after it published
+    its new version (or left it complete beside its path, which the next reader puts in place), the line the
+    interruption prints says so, with where its history shows it, since the command printed nothing of it; and
+    a declared pin is written all the same, so no published golden is refused by its own pin. Only a version
+    this command published counts: the golden's version or content digest must have moved from what they were
+    when it began (read from its root metadata)."""
+    if "://" in path:
         yield
         return
-    before = _content_digest(path)
+    before = _version(path)
     try:
         yield
-    except (KeyboardInterrupt, Terminated):
+    except (KeyboardInterrupt, Terminated) as e:
         with contextlib.suppress(Exception):  # (the interruption is what the command reports)
             recovered(path)
-            if _content_digest(path) not in (before, None):
-                repin(entry, path)
+            after = _version(path)
+            if after is not None and after != before:
+                e.add_note(f"{path} was published before it (version {after[0]}: vd history {shlex.quote(path)})")
+                if entry is not None and entry.pin is not None and after[1] != (before or (0, None))[1]:
+                    repin(entry, path)
         raise
 
 
-def _content_digest(path: str) -> str | None:
-    """The content digest of the golden at ``path``, None where there is none (or it cannot be read)."""
-    from vd.store import content_digest_at
+def _version(path: str) -> tuple[int, str | None] | None:
+    """The version (its history's length) and content digest of the golden at ``path``, from its root metadata;
+    None where it holds none."""
+    from vd.preflight import peek
 
-    try:
-        return content_digest_at(path)
-    except VdError:
+    seen = peek(path)
+    if seen.state != "golden" or seen.meta is None:
         return None
+    return len(seen.meta.get("history") or ()), seen.meta.get("content_digest")
 
 
 def check_repin(entry) -> None:
