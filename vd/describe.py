@@ -18,6 +18,7 @@ from vd.coverage import histogram
 from vd.equivalence import describe as describe_equivalence
 from vd.equivalence import of_golden
 from vd.policy import Policy
+from vd.preflight import made_from
 from vd.store import Golden, open_golden
 from vd.store.format import DECODE_K
 
@@ -127,7 +128,7 @@ def _digests_line(g: Golden) -> str:
 def _rows_text(g: Golden) -> str:
     if g.slim:
         src = (g.meta.get("rows") or {}).get("slim_of") or {}
-        return f"slim: no rows (made from {src.get('golden')}, created {src.get('created')})"
+        return f"slim: no rows (made from {made_from(g.url, g.meta)}, created {src.get('created')})"
     if g.info.version >= 4:
         return "rows as byte planes: high byte zstd-1 + crc32c, other bytes + crc32c"
     from vd.store.chunks import node

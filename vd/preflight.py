@@ -122,14 +122,27 @@ def slim_refusal(url: str, meta: Mapping[str, Any], candidate: str | None = None
     was made from left behind, stale; the way on names both (`vd.workflow.refresh`). None for a full golden."""
     if stored_rows(meta):
         return None
-    slim_of = meta["rows"].get("slim_of")
-    made_from = slim_of.get("golden") if isinstance(slim_of, Mapping) else None
-    full = str(made_from) if made_from else "FULL"
-    of = f" of {made_from}" if made_from else ""
+    full = made_from(url, meta) or "FULL"
+    of = f" of {full}" if full != "FULL" else ""
     how = ["vd", "refresh", full] + (["--from", candidate] if candidate is not None else [])
     return UsageError(f"{url} is slim (a vd slim form{of}), so a refresh would put a full golden in its place: "
                       f"refresh the full golden ({shlex.join(how)} --reason TEXT) and write its slim form again "
                       f"({shlex.join(['vd', 'slim', full, url])} --refresh)")
+
+
+def made_from(url: str, meta: Mapping[str, Any]) -> str | None:
+    """The full golden the slim golden at ``url`` (its vd metadata ``meta``) was made from, named from here: a
+    path stored from the slim golden's folder (``"base": "slim"``) joined to it (relative to the working directory
+    where it lies inside it); a path stored before that, as typed when it was made; None where none is stored."""
+    slim_of = (meta.get("rows") or {}).get("slim_of")
+    if not isinstance(slim_of, Mapping) or not slim_of.get("golden"):
+        return None
+    golden = slim_of["golden"]
+    if slim_of.get("base") != "slim" or "://" in url:
+        return str(golden)
+    path = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(url)), str(golden)))
+    here = os.path.relpath(path)
+    return path if here.startswith("..") else here
 
 
 def check_named(text: str) -> str:

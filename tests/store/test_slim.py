@@ -10,6 +10,7 @@ import pytest
 from golden_edit import edit_meta, edit_rows
 
 from vd.errors import GoldenCorruptError, GoldenError, UsageError
+from vd.preflight import made_from
 from vd.store import FORMAT_VERSION, locate, open_golden, slim
 
 PLUGINS = Path(__file__).parent.parent / "plugins"
@@ -25,7 +26,8 @@ def slim_golden(tiny_golden, tmp_path_factory):
 def test_a_slim_golden_keeps_everything_but_the_rows(tiny_golden, slim_golden):
     full, s = open_golden(tiny_golden), open_golden(slim_golden)
     assert s.slim and not full.slim and s.rows_source is None
-    assert s.meta["rows"]["stored"] is False and s.meta["rows"]["slim_of"]["golden"] == str(tiny_golden)
+    assert s.meta["rows"]["stored"] is False and s.meta["rows"]["slim_of"]["base"] == "slim"
+    assert made_from(str(slim_golden), s.meta) == str(tiny_golden)  # (stored from the slim golden's folder)
     assert s.prompt == full.prompt and s.ks == full.ks and s.meta["greedy"] == full.meta["greedy"]
     for k in full.ks:
         assert s.checked_log(k).same_steps(full.checked_log(k))
@@ -161,3 +163,23 @@ def test_a_slim_golden_is_accepted_through_its_full_golden(cli, tiny_copy, tmp_p
     assert cli("slim", tiny_copy, s, "--refresh")[0] == 0
     code, out, err = cli("replay", s, "--forward", "sdpa", "--k", "2")
     assert code == 0 and open_golden(s).slim, out + err
+
+
+def test_a_slim_goldens_full_golden_is_named_from_any_folder(cli, tiny_golden, tmp_path, monkeypatch):
+    """A slim golden made with a relative path (vd slim ../full/g.zarr s.zarr) stored that path as typed, and the
+    refusal of its refresh printed it: pasted from another folder, both commands failed (a user test). It is
+    stored from the slim golden's folder and named from wherever the refusal is printed."""
+    full, work = tmp_path / "full", tmp_path / "work"
+    full.mkdir()
+    work.mkdir()
+    shutil.copytree(tiny_golden, full / "g.zarr")
+    monkeypatch.chdir(work)
+    assert cli("slim", "../full/g.zarr", "s.zarr")[0] == 0
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")
+    code, _, err = cli("refresh", work / "s.zarr", "--reason", "x")
+    assert code == 2 and f"(vd refresh {full / 'g.zarr'} --reason TEXT)" in err and \
+        f"(vd slim {full / 'g.zarr'} {work / 's.zarr'} --refresh)" in err, err
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = cli("show", work / "s.zarr")
+    assert code == 0 and "slim: no rows (made from full/g.zarr," in out, out

@@ -29,8 +29,19 @@ def slim(source: str | os.PathLike, out: str | os.PathLike, *, refresh: bool = F
     if refresh:
         check_copy_target(locate(out), g, slim=True)
     return rewrite(g, out, refresh=refresh, rows=False, reason=f"slim form of {g.url}",
-                   updates={"rows": {"stored": False, "slim_of": {"golden": g.url, "created": g.meta.get("created"),
+                   updates={"rows": {"stored": False, "slim_of": {**_made_from(g.url, os.fspath(out)),
+                                                                  "created": g.meta.get("created"),
                                                                   "format_version": g.info.version}}})
+
+
+def _made_from(source: str, out: str) -> dict:
+    """How a slim golden at ``out`` names the full golden at ``source``: both local, by the path from the slim
+    golden's folder (``"base": "slim"``), which names it from any folder and in any checkout of the two
+    (`vd.preflight.made_from` reads it back); else as given."""
+    if "://" in source or "://" in out:
+        return {"golden": source}
+    return {"golden": os.path.relpath(os.path.abspath(source), os.path.dirname(os.path.abspath(out))),
+            "base": "slim"}
 
 
 def rewrite(g: Golden, out: str | os.PathLike, *, refresh: bool, rows: bool, updates: Mapping, reason: str
