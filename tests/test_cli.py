@@ -359,6 +359,16 @@ def test_damaged_goldens_exit_2(cli, tiny_copy, how):
         _one_line_error(*cli(cmd, tiny_copy), str(tiny_copy))
 
 
+def test_an_undeclared_golden_edited_in_its_metadata_says_how_to_go_on(cli, tiny_copy):
+    """An edited root metadata: `vd record` says pass --refresh, and the refresh, which reads its settings from
+    that metadata, refused with no way on (a user test); it says how to go on."""
+    edit_meta(tiny_copy, lambda m: m.update(prompt_text="x"), sealed=False)
+    for argv in (["record", tiny_copy, "--refresh", "--reason", "x"], ["refresh", tiny_copy, "--reason", "x"]):
+        _one_line_error(*cli(*argv), "does not hash to the golden's ID", "an undeclared golden is refreshed with "
+                        "the settings its metadata holds, so this one cannot be: restore it (version control, a "
+                        f"copy), or remove it and record it afresh (vd record {tiny_copy} with the flags")
+
+
 def test_non_golden_paths_exit_2(cli, tiny_golden, tmp_path):
     _one_line_error(*cli("replay", tmp_path / "nope.zarr"), "does not exist")
     (tmp_path / "dir").mkdir()

@@ -37,7 +37,7 @@ from vd.cli.common import (
     resumable,
     write_json,
 )
-from vd.errors import Terminated, UsageError, VdError
+from vd.errors import GoldenError, Terminated, UsageError, VdError
 from vd.outputs import check_bundle_place, write_text
 from vd.preflight import recovered
 from vd.workflow.declare import declared, entry_for
@@ -361,7 +361,12 @@ def settings_for(path: str, entry, overrides: dict):
         base = record_settings(entry)
     elif locate(path).state() == "golden":
         # (its root metadata alone: a damaged golden is refreshed as its declared one is, `vd.workflow.refresh`)
-        base = RecordSettings.of_golden(open_golden(path, sizes=False, volatile=False).meta)
+        try:
+            base = RecordSettings.of_golden(open_golden(path, sizes=False, volatile=False).meta)
+        except GoldenError as e:  # an undeclared golden's settings are its metadata's: none to refresh it with
+            raise type(e)(f"{e}; an undeclared golden is refreshed with the settings its metadata holds, so this "
+                          "one cannot be: restore it (version control, a copy), or remove it and record it afresh "
+                          f"(vd record {shlex.quote(path)} with the flags that made it)") from e
     else:
         base = RecordSettings()
     merged = dataclasses.replace(base, **overrides)
