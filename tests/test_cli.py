@@ -792,6 +792,15 @@ def test_a_zip_golden_damaged_in_its_directory_exits_2(cli, tiny_golden, tmp_pat
         _one_line_error(*cli(*argv), f"{bad} is not a readable zip file: {raised}")
 
 
+def test_one_kind_given_two_tolerances_is_refused(cli, tiny_golden):
+    """`--tolerance verify=kl:0.1 --tolerance verify=argmax` stored the last alone without a word (a user test);
+    a SPEC for every kind, then one kind's, still layers."""
+    _one_line_error(*cli("replay", tiny_golden, "--tolerance", "verify=kl:0.1", "--tolerance", "verify=argmax"),
+                    "--tolerance verify= given 2 times (kl:0.1, argmax): a kind takes one SPEC")
+    code, out, err = cli("replay", tiny_golden, "--k", "2", "--tolerance", "ulp:2", "--tolerance", "verify=exact")
+    assert code == 0 and "verify exact" in out and "prefill ulp:2" in out, out + err
+
+
 def test_a_bad_tolerance_is_refused_before_a_model_is_loaded(tmp_path):
     (r,) = _audit(tmp_path, ["record", "out.zarr", "--model", "tiny-llama", "--tolerance", "verify=ulp"])
     _one_line_error(r["code"], r["out"], r["err"], "unknown tolerance 'ulp'")

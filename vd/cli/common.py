@@ -457,11 +457,22 @@ def check_recording(model: str, forward: str | None, device: str, threads: int |
 
 
 def check_tolerances(items: list[str] | None) -> None:
-    """``--tolerance`` items that do not parse, refused before a model is loaded."""
+    """``--tolerance`` items that do not parse, refused before a model is loaded; and one kind named twice
+    (``verify=kl:0.1`` and ``verify=argmax``), of which the last alone would count. A SPEC without a kind is for
+    every kind, and an item naming one after it still sets that kind's (``ulp:2`` then ``verify=exact``)."""
     if items:
         from vd.policy import Policy
 
         Policy.parse(items)
+        named: dict[str, list[str]] = {}
+        for item in items:
+            kind, sep, spec = item.partition("=")
+            if sep:
+                named.setdefault(kind.strip(), []).append(spec.strip())
+        for kind, specs in named.items():
+            if len(specs) > 1:
+                raise UsageError(f"--tolerance {kind}= given {len(specs)} times ({', '.join(specs)}): a kind takes "
+                                 "one SPEC (the last would count alone)")
 
 
 # Variables a bundle's command.sh never sets: the shell's own, and anything that looks like a secret.
