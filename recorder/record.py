@@ -62,7 +62,10 @@ class RecordSettings:
     (``tolerances``), and what makes a reference acceptable (``require_coverage``, ``allow_thin``;
     ``allow_nonfinite`` stores NaN or Inf logits rather than refuse the recording); ``batch`` records the
     sequence as one member of a batch of that many (`vd.batch`: at ``slot``, default every slot in turn, its
-    companions from ``batch_seed``, default 0), which every replay of the golden then runs again."""
+    companions from ``batch_seed``, default 0), which every replay of the golden then runs again;
+    ``decode_forward`` computes the decode rows (the greedy continuation's one-token decodes, which the verify
+    rows are measured against) with another forward than ``forward`` (an engine that decodes with another
+    kernel than it verifies), which every replay then computes them with unless told otherwise."""
 
     model: str = DEFAULT_MODEL
     head: str | None = None
@@ -70,6 +73,7 @@ class RecordSettings:
     ks: tuple[int, ...] = DEFAULT_KS
     steps: int = DEFAULT_STEPS
     forward: str | None = None
+    decode_forward: str | None = None
     feed: str = "reference"
     device: str = "cpu"
     dtype: str = "bfloat16"
@@ -105,6 +109,7 @@ class RecordSettings:
         return cls(model=model.get("spec", DEFAULT_MODEL), head=model.get("head"),
                    prompt=meta.get("prompt_text", DEFAULT_PROMPT), ks=tuple(meta.get("k") or DEFAULT_KS),
                    steps=meta.get("steps", DEFAULT_STEPS), forward=meta.get("forward"),
+                   decode_forward=(meta.get("decode") or {}).get("forward"),
                    feed=meta.get("feed", "reference"), device=meta.get("device", "cpu"),
                    dtype=meta.get("dtype", "bfloat16"), threads=env.get("threads"),
                    deterministic=(meta.get("determinism") or {}).get("applied") is not None,
@@ -286,7 +291,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         progress.phase("writing golden", 0)
         meta = {**ahead.meta(result.thin),
                 "left_greedy": {str(k): s for k, s in result.left_greedy.items()},
-                "decode": {"steps": settings.steps * max(settings.ks)}, "policy": policy.to_json(),
+                "decode": _decode_meta(settings, forward), "policy": policy.to_json(),
                 "require_coverage": settings.require_coverage,
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
                 **({"trace": trace_meta(points)} if settings.trace else {})}
@@ -405,12 +410,35 @@ def _record_ks(runner: VerifyModel, model: VerifyModel, forward: str, writer: Go
 
 def _runner(model: VerifyModel, settings: RecordSettings, forward: str, tokens: list[int]) -> VerifyModel:
     """What the runs step: the model, or with ``--batch`` the view that runs the sequence as one member of the
-    model's batch (`vd.batch.BatchView`)."""
+    model's batch (`vd.batch.BatchView`). The decode forward, where one is asked, is checked to be offered (and
+    to run the batch)."""
+    decoder = _decoder(settings, forward)
+    if decoder is not None:
+        require_forwards(model, [decoder])
     if settings.batch is None:
         return model
-    batched(model, forward)
+    for name in [forward, *([decoder] if decoder else [])]:
+        batched(model, name)
     return BatchView(model, BatchPlan(settings.batch, settings.slot, settings.batch_seed or 0), tokens,
                      generated(settings.steps, settings.ks))
+
+
+def _decoder(settings: RecordSettings, forward: str) -> str | None:
+    """The forward that computes the decode rows where it is not the recording's ``forward``, else None."""
+    return None if settings.decode_forward in (None, forward) else settings.decode_forward
+
+
+def _decode_meta(settings: RecordSettings, forward: str) -> dict:
+    """The golden's ``decode`` metadata: its decode group's steps, and the forward that computed its rows where
+    it is not the golden's (FORMAT.md "Decode rows")."""
+    decoder = _decoder(settings, forward)
+    return {"steps": settings.steps * max(settings.ks), **({"forward": decoder} if decoder else {})}
+
+
+def _select(model: VerifyModel, name: str, tokens: list[int], settings: RecordSettings) -> None:
+    """Forward ``name`` selected and prepared (its graphs captured, its cache sized), as a replay's runs are."""
+    model.set_forward(name)
+    prepare(model, len(tokens), settings.steps, settings.ks)
 
 
 def _journal(resuming: tuple, settings: RecordSettings, refresh: bool, reason: str, model: VerifyModel,
@@ -455,8 +483,12 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
     non-finite row refused as a K's are (unless ``allow_nonfinite``). Its run's seconds into
     ``result.seconds["continuation"]``, the writes after it into ``result.seconds["store"]``."""
     seconds, steps = result.seconds, settings.steps * max(settings.ks)
+    forward = settings.forward or model.default_forward()
+    decoder = _decoder(settings, forward)
+    if decoder is not None:  # (the K runs go back to the recording's forward)
+        _select(model, decoder, tokens, settings)
     t = time.perf_counter()
-    progress.phase("greedy continuation", steps)
+    progress.phase("greedy continuation" + ("" if decoder is None else f" ({decoder})"), steps)
     layout = RowLayout(len(tokens), steps, F.DECODE_K)
     settled = _Settled(layout, writer.rows(layout, model.vocab_size, model.dtype), KeptDecode())
     run = run_verify(model, tokens, F.DECODE_K, steps, ReferenceFeed([]), on_step=progress.step,
@@ -472,6 +504,8 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
     _part(result, "store_files", at)
     seconds["store"] = seconds.get("store", 0.0) + time.perf_counter() - t
     assert settled.kept is not None
+    if decoder is not None:
+        _select(model, forward, tokens, settings)
     return greedy, settled.kept
 
 

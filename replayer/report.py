@@ -407,6 +407,9 @@ class Report:
     # With --locate: per forward whose rows differ, where the difference starts (`vd.replayer.locate.LocateReport`).
     located: tuple[Any, ...] = ()
     candidate: str | None = None  # where --save-candidate saved this replay's candidate
+    # The forward the golden's decode rows were computed with, where another than its own (vd record
+    # --decode-forward): a replay's default decode forward.
+    golden_decode_forward: str | None = None
 
     @property
     def verdict(self) -> str:
@@ -426,7 +429,8 @@ class Report:
                 "warmup": False,  # a process's first propose equals every later one: no discarded warm-up run
                 "feed": self.feed, "steps": self.steps, "dtype": self.dtype,
                 "variants": [plain(v) for v in self.variants], "determinism": plain(self.determinism),
-                "golden_forward": self.golden_forward, "policy": self.policy.to_json(),
+                "golden_forward": self.golden_forward, "golden_decode_forward": self.golden_decode_forward,
+                "policy": self.policy.to_json(),
                 "sensitivity": {kind: plain(s) for kind, s in self.sensitivity.items()},
                 "require_coverage": self.require_coverage, "verify": [v.to_json() for v in self.verify],
                 "verdict": self.verdict, "reasons": [r.text for r in self.reasons], "notes": list(self.notes),

@@ -188,6 +188,7 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
     else:
         reader = opened.reader or _reader(opened, model.device)
     try:
+        s = _decode_forward(g, model, s)
         forwards, offered, notes = _forwards(g, model, s, clock.within)
         candidate = CandidateWriter(s.save_candidate, g) if s.save_candidate is not None else None
     except BaseException as e:
@@ -212,6 +213,21 @@ def set_up(opened: Opened, s: ReplaySettings, model: VerifyModel | None, progres
     return Session(g, s, opened.policy, opened.ks, model, forwards, offered, reader, candidate, progress,
                    clock, tuple(notes + artifacts), recorded_env, determinism, _batch(g, model, forwards, s, asked),
                    _batch(g, model, forwards, s, _recorded_plan(recorded)))
+
+
+def _decode_forward(g: Golden, model: VerifyModel, s: ReplaySettings) -> ReplaySettings:
+    """``s`` with the forward the golden's decode rows were computed with (``decode.forward``, where another
+    than the golden's) as its decode forward, unless one was asked: refused, naming --decode-forward, where
+    this model does not offer it (a CUDA golden's graphed decode on a CPU)."""
+    recorded = (g.meta.get("decode") or {}).get("forward")
+    if s.decode_forward is not None or recorded is None or not g.decoded:
+        return s
+    offered = model.forwards()
+    if recorded not in offered:
+        raise UsageError(f"pass --decode-forward NAME: the golden's decode rows were computed with forward "
+                         f"{recorded!r}, which this model on {model.device.type} does not offer (it offers "
+                         f"{', '.join(offered)})")
+    return dataclasses.replace(s, decode_forward=recorded)
 
 
 def _recorded_plan(batch: Mapping[str, Any] | None) -> BatchPlan | None:

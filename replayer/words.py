@@ -520,7 +520,7 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
     # the decode rows (K = 1) run before any K's: the smallest K replayed runs them too
     k = rows.k if rows.k != DECODE_K else min(v.k for v in report.verify)
     cmd = ["vd", "replay", _absolute(report.golden), "--k", str(k), "--forward", rows.forward]
-    if rows.decode_forward not in (None, rows.forward):
+    if rows.decode_forward not in (None, report.golden_decode_forward or rows.forward):  # (not the default)
         cmd += ["--decode-forward", str(rows.decode_forward)]
     if rows.batch is not None:
         cmd += ["--batch", str(rows.batch["n"]), *(["--slot", str(rows.batch["slot"])] if rows.batch["slot"]
@@ -654,6 +654,56 @@ def other_forward(report: Report) -> str | None:
     return sorted(f for f in failing if f is not None)[0]
 
 
+def other_decoder(report: Report) -> str | None:
+    """Where only decode rows failed, computed with another forward than the golden's decode rows were (its
+    ``--decode-forward``, else its forward), that forward: what accepting them records (a refresh would record
+    the golden's own again). None otherwise."""
+    if report.decode is None or report.reasons_of(("rows", "draft", "batch")):
+        return None
+    failing = {j.comparison.variant for j in report.decode.comparisons if j.reasons}
+    own = report.golden_decode_forward or report.golden_forward
+    return sorted(failing)[0] if failing and own not in failing else None
+
+
+def _accept_decoder(report: Report, declared: str | None, target: str, decoder: str) -> NextStep:
+    """How to take ``decoder``'s decode rows as the golden's: a recording that computes them with it (the verify
+    rows still the golden's forward's)."""
+    if declared is not None:
+        return (f"To compute the golden's decode rows with {decoder}, declare it (",
+                Code(f'decode_forward = "{decoder}"'), f" in {declared}'s declaration) and refresh: ",
+                Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"), ".")
+    return (f"To compute the golden's decode rows with {decoder} (its verify rows still {report.golden_forward}'s), "
+            "record it so: ", Code(shlex.join(["vd", "record", target, "--refresh", "--decode-forward", decoder])
+                                   + " --reason TEXT"), ".")
+
+
+def _accept_slim(report: Report, forward: str | None) -> NextStep:
+    """`_accept_step` for a slim golden: the full golden it was made from accepts the change (promoted or
+    recorded), then is slimmed again."""
+    own = forward is None
+    full = shlex.quote(report.rows.source or "FULL")
+    if own and report.replayed_spec is not None and _inconclusive(report):  # no candidate would be promoted
+        plugin = portable_spec(str(report.replayed_spec))
+        return ("If the change is intended, record the full golden this slim one was made from with it: ",
+                Code(shlex.join(["vd", "record", report.rows.source or "FULL", "--refresh", "--model", plugin])
+                     + " --reason TEXT"),
+                ", then write its slim form again: ",
+                Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), f" ({_no_promotion(report)}).")
+    if own and report.replayed_spec is not None:  # another model's rows: a refresh would record the golden's own
+        how, saved = _promotion(report)
+        return ("If the change is intended, take these rows into the full golden this slim one was made from: ",
+                *how, Code(f"vd refresh {full} --from {shlex.quote(saved)} --reason TEXT"),
+                ", then write its slim form again: ",
+                Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
+    decoder = other_decoder(report)
+    record = f"vd record {full} --refresh --decode-forward {shlex.quote(decoder)} --reason TEXT" if decoder \
+        else f"vd refresh {full} --reason TEXT" if own else \
+        f"vd record {full} --refresh --forward {shlex.quote(str(forward))} --reason TEXT"
+    return ("If the change is intended, accept it in the full golden this slim one was made from: ", Code(record),
+            ", then write its slim form again: ",
+            Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
+
+
 def _accept_step(report: Report, declared: str | None) -> NextStep:
     """How to accept what failed: a refresh (it records the golden's own forward again); or, where only other
     forwards failed, a recording with the first of them, which a refresh would not make. A slim golden is not
@@ -661,26 +711,11 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
     forward = other_forward(report)
     own = forward is None
     if report.rows.slim:
-        full = shlex.quote(report.rows.source or "FULL")
-        if own and report.replayed_spec is not None and _inconclusive(report):  # no candidate would be promoted
-            plugin = portable_spec(str(report.replayed_spec))
-            return ("If the change is intended, record the full golden this slim one was made from with it: ",
-                    Code(shlex.join(["vd", "record", report.rows.source or "FULL", "--refresh", "--model", plugin])
-                         + " --reason TEXT"),
-                    ", then write its slim form again: ",
-                    Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), f" ({_no_promotion(report)}).")
-        if own and report.replayed_spec is not None:  # another model's rows: a refresh would record the golden's own
-            how, saved = _promotion(report)
-            return ("If the change is intended, take these rows into the full golden this slim one was made from: ",
-                    *how, Code(f"vd refresh {full} --from {shlex.quote(saved)} --reason TEXT"),
-                    ", then write its slim form again: ",
-                    Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
-        record = f"vd refresh {full} --reason TEXT" if own else \
-            f"vd record {full} --refresh --forward {shlex.quote(str(forward))} --reason TEXT"
-        return ("If the change is intended, accept it in the full golden this slim one was made from: ", Code(record),
-                ", then write its slim form again: ",
-                Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
+        return _accept_slim(report, forward)
     target = declared if declared is not None else report.golden
+    decoder = other_decoder(report)
+    if decoder is not None:
+        return _accept_decoder(report, declared, target, decoder)
     if own and report.replayed_spec is not None:
         return _accept_other_model(report, declared, target)
     if own and report.candidate is not None and not _inconclusive(report):

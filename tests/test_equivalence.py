@@ -134,13 +134,44 @@ def test_decode_forward_computes_the_decode_rows_each_forward_is_measured_agains
     # the decode rows alone fail: the next step still gives the replay writing their bundle (it gave none)
     assert "Look at the first divergence (decode, sdpa, prefill row 1 index 0) in its bundle " in out, out
     assert "--decode-forward sdpa" in (tmp_path / "r.json.bundle" / "command.sh").read_text()
-    assert f"To make sdpa the golden's forward, record it with it: vd record {tiny_golden} --refresh --forward sdpa " \
-           "--reason TEXT" in out and "vd refresh" not in out.split("next step:")[1].split("(vd refresh")[0], out
+    # (it said to record the golden with --forward sdpa, whose verify rows then failed: test_a_decode_forward_...)
+    assert "To compute the golden's decode rows with sdpa (its verify rows still eager's), record it so: vd record " \
+           f"{tiny_golden} --refresh --decode-forward sdpa --reason TEXT." in out and "vd refresh" not in out, out
     code, out, err = cli("replay", tiny_golden, "--k", "2", "--decode-forward", "eager", "--report",
                          tmp_path / "e.json")
     assert code == 0, out + err
     own = json.loads((tmp_path / "e.json").read_text())["verify"][0]["equivalence"]
     assert own["decode_forward"] == "eager" and own["forwards"][0]["identical"] == own["golden"]["identical"]
+
+
+def test_a_decode_forward_is_recorded_and_replayed_by_default(cli, tmp_path):
+    """`vd record --decode-forward sdpa`: the golden's decode rows are sdpa's (those a golden of sdpa holds), its
+    verify rows eager's; every replay computes the decode rows with sdpa (a PASS), another decode forward fails
+    them, and the next step records that one's (it said to record --forward NAME, whose verify rows then failed,
+    and back: a circle, found by a user test); naming the golden's forward records one forward again."""
+    from golden_edit import edit_meta
+
+    g, s = tmp_path / "g.zarr", tmp_path / "s.zarr"
+    common = ("--model", "tiny-llama", "--k", "2", "--steps", "4", "--allow-thin")
+    assert cli("record", g, *common, "--decode-forward", "sdpa")[0] == 0
+    assert cli("record", s, *common, "--forward", "sdpa")[0] == 0
+    meta = open_golden(g).meta
+    assert meta["decode"] == {"steps": 8, "forward": "sdpa"} and meta["forward"] == "eager"
+    assert np.array_equal(open_golden(g).summary(DECODE_K)[0], open_golden(s).summary(DECODE_K)[0])
+    code, out, err = cli("show", g)
+    assert code == 0 and "computed with sdpa: every replay computes them so" in out, out + err
+    code, out, err = cli("replay", g, "--report", tmp_path / "r.json")
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and r["decode"]["comparisons"][0]["variant"] == "sdpa", out + err
+    assert r["golden_decode_forward"] == "sdpa"
+    code, out, err = cli("replay", g, "--decode-forward", "eager")
+    step = f"record it so: vd record {g} --refresh --decode-forward eager --reason TEXT."
+    assert code == 1 and step in out and "--forward eager --decode-forward eager" in out, out + err
+    assert cli("record", g, "--refresh", "--decode-forward", "eager", "--reason", "one forward")[0] == 0
+    assert open_golden(g).meta["decode"] == {"steps": 8}
+    edit_meta(g, lambda m: m["decode"].update(forward="eager"))  # the golden's own forward: never stored so
+    code, out, err = cli("show", g)
+    assert code == 2 and "metadata field 'decode'" in err, out + err
 
 
 def test_the_bundle_shows_a_regression_before_an_equivalence_the_golden_shares(cli, tmp_path, monkeypatch):

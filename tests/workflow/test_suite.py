@@ -224,6 +224,26 @@ def test_a_batch_is_declared_and_a_golden_recorded_otherwise_is_stale(tmp_path, 
     assert RecordSettings.of_golden(open_golden(path).meta).batch is None
 
 
+def test_a_decode_forward_is_declared_and_a_golden_recorded_otherwise_is_stale(tmp_path, tiny):
+    """`decode_forward` declares the forward of the golden's decode rows (vd record --decode-forward): recorded
+    so, compared by status (a golden recorded without it is stale, and naming the golden's forward is none)."""
+    text = SUITE.replace('k = [2]\n', 'k = [2]\ndecode_forward = "sdpa"\n')
+    suite = _suite(tmp_path, text)
+    models = Models()
+    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    record_suite(suite.select(["b"]), models=models)
+    path = suite.entries["b"].path
+    assert open_golden(path).meta["decode"]["forward"] == "sdpa"
+    assert status(suite, suite.select(["b"]), check_models=False)[0].state == "current"
+    alone = _suite(tmp_path, SUITE)
+    stale = status(alone, alone.select(["b"]), check_models=False)[0]
+    assert stale.state == "stale" and stale.reasons == ["decode_forward: recorded 'sdpa', declared None"], stale
+    own = _suite(tmp_path, SUITE.replace('k = [2]\n', 'k = [2]\nforward = "eager"\ndecode_forward = "eager"\n'))
+    record_suite(own.select(["b"]), models=models, refresh_existing=True, reason="one forward")
+    assert "forward" not in open_golden(path).meta["decode"]
+    assert status(own, own.select(["b"]), check_models=False)[0].state == "current"
+
+
 def test_a_golden_recorded_with_a_forward_its_declaration_leaves_out_is_stale(tmp_path, tiny):
     """A declaration naming no forward means the model's default; `vd record b --refresh --forward sdpa` left the
     golden 'current' until a suite refresh silently recorded the default again. With the model loaded, status

@@ -65,6 +65,7 @@ def record(
     k: o.RecordWidths = "2,3,4",  # type: ignore[assignment]  # typer parses the default as it parses --k
     steps: o.Steps = 16,
     forward: o.RecordForward = None,
+    decode_forward: o.RecordDecodeForward = None,
     feed: o.FeedOpt = Feed.reference,
     head: o.RecordHead = None,
     device: o.RecordDevice = "cpu",
@@ -102,7 +103,7 @@ def record(
     out_path, entry = _record_target(_one(targets, "OUT"), config)
     if resume:
         return _resumed(ctx, out_path)
-    _check_record(out_path, refresh, summary, model, forward, device, threads, tolerance)
+    _check_record(out_path, refresh, summary, model, (forward, decode_forward), device, threads, tolerance)
     preflight.check_record_widths(k)
     _check_batch(batch, slot, batch_seed, no_batch, feed == Feed.mtp)
     return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
@@ -125,16 +126,20 @@ def _record_target(target: str, config: Path | None):
     return (target, None) if entry is None else (entry.path, entry)
 
 
-def _check_record(out_path: str, refresh: bool, summary: Path | None, model: str, forward: str | None, device: str,
-                  threads: int | None, tolerance: list[str] | None) -> None:
+def _check_record(out_path: str, refresh: bool, summary: Path | None, model: str,
+                  forwards: tuple[str | None, str | None], device: str, threads: int | None,
+                  tolerance: list[str] | None) -> None:
     """A recording's arguments checked before anything heavy is imported: the destination and --summary, the
-    model SPEC and forward, the device, the thread count and the policy."""
+    model SPEC and its forwards (``forwards``: the recording's and the decode rows', each where one is named),
+    the device, the thread count and the policy."""
     if summary is not None and not refresh:  # (one golden's first recording writes none)
         raise UsageError("--summary describes what a refresh changed: give it with --refresh (or --suite)")
     check_writable("--summary", summary, (out_path,))
     preflight.check_target(out_path, preflight.peek(out_path).state, refresh)
     check_no_golden("OUT", out_path, replace=True)  # OUT itself: check_target's (--refresh replaces it)
-    check_recording(model, forward, device, threads)
+    check_recording(model, forwards[0], device, threads)
+    if forwards[1] is not None:
+        check_model(model, [forwards[1]])
     check_tolerances(tolerance)
 
 
@@ -174,7 +179,8 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
 
 
 # The record flags that are settings, by the `vd.recorder.RecordSettings` field each sets.
-_SETTINGS = {"model": "model", "prompt": "prompt", "k": "ks", "steps": "steps", "forward": "forward", "feed": "feed",
+_SETTINGS = {"model": "model", "prompt": "prompt", "k": "ks", "steps": "steps", "forward": "forward",
+             "decode_forward": "decode_forward", "feed": "feed",
              "head": "head", "device": "device", "dtype": "dtype", "threads": "threads", "allow_thin": "allow_thin",
              "allow_nonfinite": "allow_nonfinite",
              "deterministic": "deterministic", "tolerance": "tolerances", "require_coverage": "require_coverage",

@@ -78,6 +78,10 @@ ReplayHead = Annotated[str | None, typer.Option(metavar="FILE", parser=parse_hea
 DecodeForward = Annotated[str | None, typer.Option("--decode-forward", metavar="NAME", help="Compute the decode "
                                                    "rows each forward's verify rows are measured against with this "
                                                    "forward (default: the forward itself).")]
+RecordDecodeForward = Annotated[str | None, typer.Option("--decode-forward", metavar="NAME", help="Compute the "
+                                                       "decode rows (what the verify rows are measured against) "
+                                                       "with this forward, as an engine that decodes with another "
+                                                       "kernel than it verifies; every replay then does.")]
 Batch = Annotated[int | None, typer.Option("--batch", metavar="N", help="Also run every step with the golden's "
                                            "sequence one member of a batch of N (others: other prompts, their own "
                                            "feeds), compared with the golden.")]

@@ -121,14 +121,18 @@ def check_meta(meta: Mapping, where: str) -> Info:
 
 def _decode_steps(meta: Mapping, version: int, steps: int, ks: tuple[int, ...], where: str) -> int | None:
     """The decode group's step count (``decode.steps``: the golden's steps times its widest K), None where the
-    golden stores no decode rows (before format 7, or recorded without)."""
+    golden stores no decode rows (before format 7, or recorded without); ``decode.forward``, where present, the
+    forward that computed them (another than the golden's)."""
     decode = meta.get("decode")
     if decode is None:
         return None
     want = steps * max(ks)
-    if version < F.DECODE_SINCE or not isinstance(decode, Mapping) or decode.get("steps") != want:
+    if version < F.DECODE_SINCE or not isinstance(decode, Mapping) or decode.get("steps") != want \
+            or not set(decode) <= {"steps", "forward"} or not isinstance(decode.get("forward", ""), str) \
+            or decode.get("forward") in ("", meta.get("forward")):
         raise GoldenCorruptError(f"{where}: metadata field 'decode' is {decode!r}, expected {{\"steps\": {want}}} "
-                                 f"(format {F.DECODE_SINCE} and later)")
+                                 f"and, where another forward than the golden's computed its rows, \"forward\": its "
+                                 f"name (format {F.DECODE_SINCE} and later)")
     return want
 
 

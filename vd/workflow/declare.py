@@ -55,6 +55,7 @@ KEYS = {
           "a list of distinct verify widths 2..16, like [2, 3, 4]"),
     "steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a step count of at least 1"),
     "forward": (lambda v: isinstance(v, str) and v != "", "a forward name"),
+    "decode_forward": (lambda v: isinstance(v, str) and v != "", "a forward name (vd record --decode-forward)"),
     "device": (lambda v: isinstance(v, str) and v.split(":")[0] in ("cpu", "cuda"), '"cpu", "cuda" or "cuda:N"'),
     "dtype": (lambda v: v in ("bfloat16", "float16", "float32"), '"bfloat16", "float16" or "float32"'),
     "threads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a thread count"),
@@ -86,6 +87,7 @@ class Entry:
     k: tuple[int, ...] | None = None
     steps: int | None = None
     forward: str | None = None
+    decode_forward: str | None = None  # the decode rows' forward, where another than ``forward``
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None

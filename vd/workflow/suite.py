@@ -30,8 +30,8 @@ from vd.workflow.declare import Entry
 from vd.workflow.refresh import refresh
 
 # What a stale check compares: the golden's recorded setting against the declaration's (resolved).
-_COMPARED = ("model", "head", "feed", "prompt", "ks", "steps", "dtype", "device", "forward", "tolerances",
-             "deterministic", "threads", "batch", "slot", "batch_seed")
+_COMPARED = ("model", "head", "feed", "prompt", "ks", "steps", "dtype", "device", "forward", "decode_forward",
+             "tolerances", "deterministic", "threads", "batch", "slot", "batch_seed")
 
 
 Key = tuple[str, str, str, str | None]  # a model as `Models` holds it: (spec, device, dtype, head)
@@ -140,6 +140,9 @@ def stale_reasons(entry: Entry, golden: Golden) -> list[str]:
         a, b = getattr(have, name), getattr(want, name)
         if name == "tolerances":  # as the policies they make: kl:1 is prefill=kl:1, verify=kl:1, draft=kl:1
             a, b = Policy.parse(a).terms(), Policy.parse(b).terms()
+        if name == "decode_forward":  # the golden's own forward named again is none other
+            a = None if a == have.forward else a
+            b = None if b == (want.forward or have.forward) else b
         if name not in skip and a != b:
             shown = "the default prompt" if b == DEFAULT_PROMPT else repr(list(b) if isinstance(b, tuple) else b)
             out.append(f"{name}: recorded {list(a) if isinstance(a, tuple) else a!r}, declared {shown}")
