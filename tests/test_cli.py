@@ -591,7 +591,7 @@ def test_a_plugin_raising_mid_run_is_named_exit_2(cli, tiny_golden, monkeypatch)
     spec = f"{PLUGINS / 'crashing.py'}:factory"
     code, out, err = cli("replay", tiny_golden, "--model", spec)
     _one_line_error(code, out, err, f"plug-in {spec}: its forward raised RuntimeError: kernel fault at step 2 "
-                                    "(traceback in ")
+                                    "(at decode step 2; traceback in ")
     trace = Path(err.split("traceback in ")[1].rstrip(")\n"))
     assert "crashing.py" in trace.read_text() and "kernel fault at step 2" in trace.read_text()
     trace.unlink()
@@ -1131,12 +1131,13 @@ EXITING = str(PLUGINS / "exiting.py")
 def test_a_plugin_ending_the_process_is_named_exit_2(cli, tmp_path, tiny_golden, factory, needle, command):
     """A plug-in that calls sys.exit(0) (which would read as PASS with no verdict), raises SystemExit(1) or a
     BaseException that is not an Exception (which would read as FAIL), or whose identity raises, is bad input:
-    exit 2, one line naming the plug-in, the method and what it raised, its traceback in the file named; a
-    recording leaves no golden."""
+    exit 2, one line naming the plug-in, the method and what it raised, the call of the run (a user test missed
+    it), its traceback in the file named; a recording leaves no golden."""
     out, spec = tmp_path / "g.zarr", f"{EXITING}:{factory}"
     args = ("record", out, "--steps", "4") if command == "record" else ("replay", tiny_golden)
     code, _, err = cli(*args, "--model", spec, "--k", "2")
-    _one_line_error(code, "", err, f"plug-in {spec}: {needle} (traceback in ")
+    at = "at decode step 1; " if "its forward" in needle else ""  # (its third call: the run names it)
+    _one_line_error(code, "", err, f"plug-in {spec}: {needle} ({at}traceback in ")
     trace = Path(err.split("traceback in ")[1].rstrip(")\n"))
     assert "exiting.py" in trace.read_text()
     trace.unlink()

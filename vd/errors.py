@@ -102,7 +102,19 @@ class ModelOutputError(VdError):
 
 class PluginError(VdError):
     """A plug-in's method raised while it ran: bad input (exit 2), named with what it raised; its traceback is
-    kept in a file the message names. A built-in engine that raises stays an internal error (exit 3)."""
+    kept in a file the message names (``traceback_file``), and ``where`` says which call of a run it was
+    (``K=2 step 4``, set by the run, `vd.loop.run_verify`). A built-in engine that raises stays an internal
+    error (exit 3)."""
+
+    def __init__(self, message: str, traceback_file: str | None = None):
+        self.message, self.traceback_file = message, traceback_file
+        self.where: str | None = None
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        said = [*([f"at {self.where}"] if self.where else []),
+                *([f"traceback in {self.traceback_file}"] if self.traceback_file else [])]
+        return self.message + (f" ({'; '.join(said)})" if said else "")
 
 
 class AdapterError(RuntimeError):

@@ -27,7 +27,7 @@ import torch
 
 from vd import protocol
 from vd.digest import digest
-from vd.errors import AdapterError, ModelOutputError, UsageError
+from vd.errors import AdapterError, ModelOutputError, PluginError, UsageError
 from vd.layout import RowLayout, Step, accepted
 from vd.protocol import VerifyModel
 
@@ -499,30 +499,41 @@ def run_verify(
     ``on_step(s)`` ticks once step ``s`` is logged. ``hold``: how many rows the run holds before it lets
     them go (`Hold`; None: it keeps every row).
     """
-    prefill, run = _prefill(model, prompt, k, hold)
-    last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
-    p = 0  # generated tokens committed so far
-    logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)
-    for s in range(steps):
-        tokens = feed.tokens(s, last, p, k, model.vocab_size)
-        assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
-        t0 = time.perf_counter()
-        rows = _issue(model, run, tokens)  # [K, V]
+    s: int | None = None  # the step running (None: the prefill), which a plug-in's error names
+    try:
+        prefill, run = _prefill(model, prompt, k, hold)
+        last = run.bootstrap = feed.start(model, run, lambda: _argmax(prefill[-1:])[0])
+        p = 0  # generated tokens committed so far
+        logged = None  # a step's record, logged once the next step's forward is issued (off the critical path)
+        for s in range(steps):
+            tokens = feed.tokens(s, last, p, k, model.vocab_size)
+            assert len(tokens) == k, f"feed gave {len(tokens)} tokens for K={k}"
+            t0 = time.perf_counter()
+            rows = _issue(model, run, tokens)  # [K, V]
+            if logged is not None:
+                _log(run, *logged, on_step)
+            if on_last is not None and s == steps - 1:
+                on_last(run, rows)
+                run.hold = None  # what is held now is on_last's: nothing more is let go
+            outs = _read_back(run, rows, t0)
+            computed = accepted(tokens, outs)
+            na = feed.accept(s, computed)
+            model.rewind(k - 1 - na)  # as a scheduler does: the rejected rows go, [last, accepted drafts] stay
+            last = feed.next_last(s, outs[na])
+            p += na + 1
+            logged = (s, tokens, rows, na, computed)
+            feed.after_commit(model, run, s, na, last)  # a drafter proposes the next step's drafts here
         if logged is not None:
             _log(run, *logged, on_step)
-        if on_last is not None and s == steps - 1:
-            on_last(run, rows)
-            run.hold = None  # what is held now is on_last's: nothing more is let go
-        outs = _read_back(run, rows, t0)
-        computed = accepted(tokens, outs)
-        na = feed.accept(s, computed)
-        model.rewind(k - 1 - na)  # as a scheduler does: the rejected rows go, [last, accepted drafts] stay
-        last = feed.next_last(s, outs[na])
-        p += na + 1
-        logged = (s, tokens, rows, na, computed)
-        feed.after_commit(model, run, s, na, last)  # a drafter proposes the next step's drafts here
-    if logged is not None:
-        _log(run, *logged, on_step)
-    run.last = last
-    run.check_returned()
+        run.last = last
+        run.check_returned()
+    except PluginError as e:  # (a plug-in's method that raised: which call of the run it was)
+        e.where = e.where or _call_name(k, s)
+        raise
     return run
+
+
+def _call_name(k: int, step: int | None) -> str:
+    """A call of a run at ``k`` as an error names it: ``the prefill of K=2``, ``K=2 step 4``, ``decode step 4``."""
+    group = "decode" if k == 1 else f"K={k}"
+    return f"the prefill of {'the decode rows' if k == 1 else group}" if step is None else f"{group} step {step}"

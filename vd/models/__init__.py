@@ -268,8 +268,8 @@ def _plugin_error(spec: str, what: str, e: BaseException) -> PluginError:
     """The one line for plug-in ``spec`` whose ``what`` (its factory, a method) raised ``e``, naming the file its
     traceback is written to."""
     first = str(e).splitlines()[0] if str(e) else ""
-    return PluginError(f"plug-in {spec}: its {what} raised {type(e).__name__}: {first} (traceback in "
-                       f"{write_traceback(e, 'vd-plugin-')})")
+    return PluginError(f"plug-in {spec}: its {what} raised {type(e).__name__}: {first}",
+                       write_traceback(e, "vd-plugin-"))
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
