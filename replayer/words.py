@@ -624,7 +624,12 @@ def _own_checks_step(report: Report) -> NextStep:
         parts.append(": a blind control means the policy is too loose to see a changed draft")
     coverage = [r.text for r in report.reasons_of(("coverage",))]
     unreachable = any("more steps cannot reach it" in t for t in coverage)
-    if report.reasons_of(("thin",)) or (coverage and not unreachable):
+    never = report.mtp and all(n == 0 for v in report.verify for n in v.accepted)
+    if report.reasons_of(("thin",)) and never:  # more steps of a head that never drafts a token accept nothing
+        parts += ["; " if len(parts) > 1 else ": ", "its draft head never drafted a token the model accepts (every "
+                  "accept count 0), which more steps will not change: record it with a head trained for this model "
+                  "(", Code("--head FILE"), ") or with the reference feed (", Code("--feed reference"), ")"]
+    elif report.reasons_of(("thin",)) or (coverage and not unreachable):
         parts += ["; " if len(parts) > 1 else ": ", "a thin or uncovered golden needs recording again with more "
                   "steps (", Code(f"vd record {shlex.quote(report.golden)} --refresh --steps {2 * report.steps}"),
                   ")"]

@@ -475,3 +475,23 @@ def test_the_look_at_command_passes_the_head_and_device_that_ran(perturbed):
     moved = dataclasses.replace(perturbed, environment=dataclasses.replace(
         env, replayed={**env.replayed, "device": "cuda", "threads": 3}))
     assert "--device cuda --threads 3 " in look(moved), look(moved)
+
+
+def test_a_thin_drafter_golden_whose_head_never_drafts_is_not_sent_to_more_steps(perturbed):
+    """A drafter golden whose every accept count is 0 (a head that never drafts a token the model accepts) was
+    told to record again with more steps, which changes nothing (a user test); it is told to change the head."""
+    import dataclasses
+
+    from replayer.report import Reason
+    from replayer.words import next_steps, plain_text
+
+    def own_checks(report):
+        return next(plain_text(s) for s in next_steps(report, None) if s[0].startswith("The golden's own checks"))
+
+    thin = (*perturbed.reasons, Reason("thin", "the reference is too thin"))
+    never = dataclasses.replace(perturbed, mtp=True, reasons=thin, verify=tuple(
+        dataclasses.replace(v, accepted=(0,) * len(v.accepted)) for v in perturbed.verify))
+    assert "its draft head never drafted a token the model accepts" in own_checks(never) \
+        and "--steps" not in own_checks(never), own_checks(never)
+    some = dataclasses.replace(perturbed, mtp=True, reasons=thin)
+    assert f"--refresh --steps {2 * perturbed.steps}" in own_checks(some)
