@@ -69,13 +69,18 @@ class CandidateWriter:
         self.writer.add(run.layout, log, rows, None, drafts)
 
     def publish(self, model: VerifyModel, spec: str, forward: str, controls: Mapping[int, bool], verdict: str,
-                inconclusive: Sequence[int] = ()) -> None:
+                inconclusive: Sequence[int] = (), decode_forward: str | None = None) -> None:
         """The candidate in place: the replayed rows, with ``controls`` (per K, whether the detection control
         fired) and ``inconclusive``, the Ks whose control showed nothing because the candidate's rows differ from
-        the golden's at its step already (`vd refresh --from` names them apart from a blind control)."""
+        the golden's at its step already (`vd refresh --from` names them apart from a blind control). Its decode
+        rows were computed with ``decode_forward`` (default ``forward``): its ``decode.forward`` says so where
+        that is another forward than its own, as a recording's does."""
         g = self.golden
         ident = model.identity()
         meta = {key: v for key, v in g.meta.items() if key not in _NOT_INHERITED}
+        if "decode" in meta:
+            decoder = decode_forward if decode_forward not in (None, forward) else None
+            meta["decode"] = {"steps": meta["decode"]["steps"], **({"forward": decoder} if decoder else {})}
         meta.update(
             model={"spec": spec, "head": g.meta["model"].get("head"), "name": ident.name,
                    "fingerprint": ident.fingerprint, "details": dict(ident.details),

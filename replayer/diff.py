@@ -91,15 +91,22 @@ def _diff(a: Golden, b: Golden, tolerances: Sequence[str]) -> DiffReport:
 
 
 def made_differently(a: Golden, b: Golden) -> list[str]:
-    """How the two recordings were made differently, beside what they asked (which must match): the forward, a
-    batch, the model's weights, the device, the packages. Said, not judged: the rows say whether it mattered."""
+    """How the two recordings were made differently, beside what they asked (which must match): the forward, the
+    decode rows' forward, a batch, the model's weights, the device, the packages. Said, not judged: the rows say
+    whether it mattered."""
     def batch(g: Golden) -> str:
         m = g.meta.get("batch")
         slot = "" if m is None or m["slot"] is None else f"slot {m['slot']}, "
         return "alone" if m is None else f"in a batch of {m['n']} ({slot}seed {m['seed']})"
 
     env_a, env_b = (g.meta.get("environment") or {} for g in (a, b))
-    pairs = [("forward", a.info.forward, b.info.forward), ("batch", batch(a), batch(b)),
+    def decoder(g: Golden) -> str:  # (the forward of its decode rows: its own, or vd record --decode-forward's)
+        return (g.meta.get("decode") or {}).get("forward") or g.info.forward
+
+    # (the decode rows' forward said where one golden names it apart from its forward: else "forward" says it)
+    named = any((g.meta.get("decode") or {}).get("forward") for g in (a, b))
+    pairs = [("forward", a.info.forward, b.info.forward),
+             *([("decode forward", decoder(a), decoder(b))] if named else []), ("batch", batch(a), batch(b)),
              ("model fingerprint", a.meta["model"].get("fingerprint"), b.meta["model"].get("fingerprint")),
              ("device", a.info.device, b.info.device),
              *((key, env_a.get(key), env_b.get(key)) for key in ("torch", "transformers", "cuda", "gpu"))]

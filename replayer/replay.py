@@ -117,7 +117,7 @@ def _save_candidate(s: Session, outcomes: Sequence[KOutcome]) -> list[str]:
     inconclusive = [o.result.k for o in outcomes if o.result.control is not None and o.result.control.inconclusive]
     failed = any(o.reasons for o in outcomes)
     s.candidate.publish(s.model, s.settings.model or s.golden.meta["model"]["spec"], s.forwards[0], controls,
-                        "FAIL" if failed else "PASS", inconclusive)
+                        "FAIL" if failed else "PASS", inconclusive, s.settings.decode_forward)
     s.clock.phases["write"] += time.perf_counter() - t
     return [f"candidate saved: {s.candidate.url} (review with vd diff, promote with vd refresh --from)"]
 

@@ -185,7 +185,7 @@ def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
         if s.candidate is not None:
             s.candidate.keep(DECODE_K, ran.run)
         if s.batch is not None:
-            in_batch, batch_failure = batch_axis(s, DECODE_K, decode_forward, log.steps)
+            in_batch, batch_failure = batch_axis(s, DECODE_K, decode_forward, log.steps, served=name)
             batches.append(in_batch)
             reasons += words.batch_reasons(DECODE_K, "decode rows", in_batch)
             failure = first_of(failure, batch_failure)
@@ -194,10 +194,12 @@ def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
     return KOutcome(result, tuple(reasons), failure), kept
 
 
-def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> tuple[BatchAxis, FailureRows | None]:
+def batch_axis(s: Session, k: int, name: str, steps: list[Step], served: str | None = None
+               ) -> tuple[BatchAxis, FailureRows | None]:
     """Forward ``name``'s run of ``steps`` at ``k`` with the golden's sequence one member of the model's batch
     (``s.batch``, `vd.batch`), judged against the golden like any run; its time counted as the batch's. With
-    the rows of its first failing step, where it fails (a first-divergence bundle's)."""
+    the rows of its first failing step, where it fails (a first-divergence bundle's): decode rows as the ones
+    forward ``served`` is measured against, computed with ``name``."""
     view = s.batch
     assert view is not None, "a batch axis is run only with --batch"
     t = time.perf_counter()
@@ -208,7 +210,7 @@ def batch_axis(s: Session, k: int, name: str, steps: list[Step]) -> tuple[BatchA
     s.clock.phases["batch"] += time.perf_counter() - t
     p = view.plan
     failure = None if ran.comparison.passed else failure_rows(
-        k, name, ran, protocol.decoder(s.model), decode_forward=name if k == DECODE_K else None,
+        k, served or name, ran, protocol.decoder(s.model), decode_forward=name if k == DECODE_K else None,
         batch=p.to_json())
     return BatchAxis(name, p.n, p.slot, p.seed, ran.comparison, tuple(view.slots), tuple(ran.run.step_ms)), failure
 

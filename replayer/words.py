@@ -160,7 +160,8 @@ def _accept_text(c: Comparison) -> str:
 
 def decode_reasons(name: str, decode_forward: str, c: Comparison) -> list[Reason]:
     """The decode rows (the greedy continuation's one-token decodes) a forward computed, against the golden's."""
-    label = "decode rows" + ("" if decode_forward == name else f" (computed with {decode_forward})")
+    label = "decode rows" + ("" if decode_forward == name else
+                             f" computed with {decode_forward} (for {name}'s verify rows)")
     return comparison_reasons(1, name, c, label=label, what="decode")
 
 
@@ -643,10 +644,13 @@ def _own_checks_step(report: Report) -> NextStep:
 
 def failing_forwards(report: Report) -> set[str | None]:
     """The forwards whose rows failed (None: rows of no one forward); failing decode rows count as the forward
-    that computed them (``--decode-forward``'s where one was named, whichever forward they were computed for)."""
+    that computed them (``--decode-forward``'s where one was named, whichever forward they were computed for),
+    those of the golden's own decode forward (`vd record --decode-forward`) as the golden's forward."""
     failing = {r.variant for r in report.reasons_of(("rows", "draft"))}
-    if report.decode is not None:
-        failing |= {j.comparison.variant for j in report.decode.comparisons if j.reasons}
+    if report.decode is not None:  # (the golden's own decode forward's rows: the golden's own, a refresh's)
+        own = report.golden_decode_forward or report.golden_forward
+        failing |= {report.golden_forward if j.comparison.variant == own else j.comparison.variant
+                    for j in report.decode.comparisons if j.reasons}
     return failing
 
 
@@ -825,8 +829,10 @@ def _axis_steps(report: Report) -> list[NextStep]:
         slot = b.slot if first is None or b.n == 1 else first[1]
         model = [] if report.replayed_spec is None else ["--model", report.replayed_spec]
         where = ([] if slot is None else ["--slot", str(slot)]) + ([] if k == DECODE_K else ["--k", str(k)])
-        cmd = ["vd", "replay", report.golden, *model, "--forward", b.forward, "--batch", str(b.n), "--batch-seed",
-               str(b.seed), *where]
+        # (decode rows in a batch are the decode forward's: named where it is not the golden's default)
+        ran = ["--forward", b.forward] if k != DECODE_K else [] \
+            if b.forward == (report.golden_decode_forward or report.golden_forward) else ["--decode-forward", b.forward]
+        cmd = ["vd", "replay", report.golden, *model, *ran, "--batch", str(b.n), "--batch-seed", str(b.seed), *where]
         out.append(("The rows depend on what shares their batch (see the reasons). Hold the golden's sequence at the "
                     "slot of the first difference: ", Code(shlex.join(cmd)), "; ", Code("--batch 1"), " tells a "
                     "batched kernel apart from the batch's composition; a golden recorded in a batch ", Code("vd show"),

@@ -3,6 +3,7 @@ equivalence as recorded and shown, each forward's as replayed, `equivalence=SPEC
 without decode rows saying so."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +131,7 @@ def test_decode_forward_computes_the_decode_rows_each_forward_is_measured_agains
     assert v["comparisons"][0]["variant"] == "eager" and v["comparisons"][0]["passed"]
     assert v["equivalence"]["decode_forward"] == "sdpa" and v["equivalence"]["forwards"][0]["variant"] == "eager"
     (why,) = r["reasons"]
-    assert why.startswith("decode rows (computed with sdpa), eager: "), why
+    assert why.startswith("decode rows computed with sdpa (for eager's verify rows), eager: "), why
     # the decode rows alone fail: the next step still gives the replay writing their bundle (it gave none)
     assert "Look at the first divergence (decode, sdpa, prefill row 1 index 0) in its bundle " in out, out
     assert "--decode-forward sdpa" in (tmp_path / "r.json.bundle" / "command.sh").read_text()
@@ -167,7 +168,22 @@ def test_a_decode_forward_is_recorded_and_replayed_by_default(cli, tmp_path):
     code, out, err = cli("replay", g, "--decode-forward", "eager")
     step = f"record it so: vd record {g} --refresh --decode-forward eager --reason TEXT."
     assert code == 1 and step in out and "--forward eager --decode-forward eager" in out, out + err
+    # A candidate's decode rows are labelled with the forward that computed them (its own forward's: no label): a
+    # promoted one replays (it failed its own replay, a user test), and one of sdpa is readable (it was refused).
+    for flags, name in ((("--decode-forward", "eager"), "c.zarr"), (("--forward", "sdpa"), "c2.zarr")):
+        assert cli("replay", g, *flags, "--save-candidate", tmp_path / name)[0] == 1
+        assert open_golden(tmp_path / name).meta["decode"] == {"steps": 8}
+    promoted = tmp_path / "p.zarr"
+    shutil.copytree(g, promoted)
+    assert cli("refresh", promoted, "--from", tmp_path / "c.zarr", "--reason", "eager's decode")[0] == 0
+    assert cli("replay", promoted)[0] == 0
+    code, out, _ = cli("diff", g, promoted)
+    assert "made differently: decode forward: sdpa vs eager" in out, out
+    code, out, _ = cli("diff", g, s)  # (s: sdpa's golden, its decode rows the same)
+    assert "made differently: forward: eager vs sdpa" in out and "decode forward" not in out, out
     assert cli("record", g, "--refresh", "--decode-forward", "eager", "--reason", "one forward")[0] == 0
+    code, out, _ = cli("diff", s, g)
+    assert "made differently: forward: sdpa vs eager" in out, out
     assert open_golden(g).meta["decode"] == {"steps": 8}
     edit_meta(g, lambda m: m["decode"].update(forward="eager"))  # the golden's own forward: never stored so
     code, out, err = cli("show", g)

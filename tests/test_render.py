@@ -495,3 +495,23 @@ def test_a_thin_drafter_golden_whose_head_never_drafts_is_not_sent_to_more_steps
         and "--steps" not in own_checks(never), own_checks(never)
     some = dataclasses.replace(perturbed, mtp=True, reasons=thin)
     assert f"--refresh --steps {2 * perturbed.steps}" in own_checks(some)
+
+
+def test_the_golden_decode_forwards_own_failing_rows_are_accepted_by_a_refresh(perturbed):
+    """A golden whose decode rows are sdpa's (vd record --decode-forward sdpa), its decode rows failing under sdpa
+    alone: the step said to make sdpa the golden's forward (--forward sdpa: its verify rows would then be
+    sdpa's, a user test); they are the golden's own, which a refresh records again."""
+    import dataclasses
+
+    from replayer.report import Reason
+    from replayer.words import next_steps, plain_text
+
+    decode = perturbed.decode
+    judged = dataclasses.replace(decode.comparisons[0], reasons=(Reason("decode", "decode rows differ"),),
+                                 comparison=dataclasses.replace(decode.comparisons[0].comparison, variant="sdpa"))
+    report = dataclasses.replace(perturbed, golden_decode_forward="sdpa", reasons=judged.reasons,
+                                 decode=dataclasses.replace(decode, comparisons=(judged,)),
+                                 model=dataclasses.replace(perturbed.model, replayed_spec=None))
+    steps = [plain_text(s) for s in next_steps(report, None)]
+    assert any(s.startswith("If the change is intended, accept it: vd refresh") for s in steps), steps
+    assert not any("--forward sdpa" in s or "--decode-forward" in s for s in steps), steps
