@@ -196,6 +196,7 @@ def _batch_axis(model: VerifyModel, g: Golden, k: int, forward: str, n: int) -> 
     ``n`` (`vd.batch`: every slot in turn, companions from seed 0), traced at the first call whose rows differ."""
     if g.info.drafted_at(k):
         raise UsageError("--between batch:N runs the reference feed's steps in a batch: a drafter golden has none")
+    forward = _decoder(g, forward) if k == DECODE_K else forward  # (decode rows are the decode forward's)
     model.set_forward(forward)
     batched(model, forward)
     view = BatchView(model, BatchPlan(n, None, 0), g.prompt, generated(g.info.steps, g.ks))
@@ -223,15 +224,28 @@ def _two(g: Golden, k: int, run: Callable[[int], VerifyModel], plain: list[np.nd
                    profile=profile)
 
 
+def _decoder(g: Golden, forward: str) -> str:
+    """The forward that computes the decode rows ``forward``'s verify rows are held against: the golden's decode
+    forward (`vd record --decode-forward`), as a replay's, else ``forward``."""
+    return (g.meta.get("decode") or {}).get("forward") or forward
+
+
+def _set(model: VerifyModel, forward: str) -> VerifyModel:
+    model.set_forward(forward)
+    return model
+
+
 def _decode_axis(model: VerifyModel, g: Golden, k: int, forward: str) -> Located:
     """``--between decode``: under ``forward``, the first verify row (in step order) whose decode row (the same
     tokens at the same positions, one-token decode: `vd.equivalence.decode_map`) differs from it, and the first
     module whose output differs between that row of the verify call and the decode call."""
     if not g.decoded:
         raise UsageError(f"{g.url} stores no decode rows (recorded before format 7): --between decode needs them")
-    model.set_forward(forward)
+    decoder = _decoder(g, forward)
+    if decoder != forward:
+        check_traceable(model, decoder, "--between decode")
     lay, dlay = g.layout(k), g.layout(DECODE_K)
-    plain, dplain = _digests(model, g, k), _digests(model, g, DECODE_K)
+    plain, dplain = _digests(_set(model, forward), g, k), _digests(_set(model, decoder), g, DECODE_K)
     mapping = decode_map(g.log(k), lay.prompt, g.log(DECODE_K).tokens[:, 0].tolist(), dlay.steps)
     at = np.flatnonzero(mapping >= 0)
     differ = (plain[lay.offset("verify") + at] != dplain[dlay.offset("verify") + mapping[at]]).any(1)
@@ -239,8 +253,8 @@ def _decode_axis(model: VerifyModel, g: Golden, k: int, forward: str) -> Located
         return Located(k, False, note=f"{at.size} verify rows have a decode row; all bit-identical")
     row = int(at[np.argmax(differ)])
     s, i, j = row // k, row % k, int(mapping[row])
-    verify, ok_v = _traced(model, g, k, s + 1 + lay.drafted, plain, keep=True)
-    decode, ok_d = _traced(model, g, DECODE_K, j + 1, dplain, keep=True)
+    verify, ok_v = _traced(_set(model, forward), g, k, s + 1 + lay.drafted, plain, keep=True)
+    decode, ok_d = _traced(_set(model, decoder), g, DECODE_K, j + 1, dplain, keep=True)
     mine = verify.traced[s + 1 + lay.drafted]
     one = Call(mine.points, rows=[r[i:i + 1] for r in mine.rows])
     first, before, path, compared, profile = _compare_rows(one, decode.traced[j + 1])
@@ -381,9 +395,11 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
                 out.append(locate_k(m, g, k, forwards))
                 if on_k is not None:
                     on_k(out[-1])
-        batch = g.meta.get("batch")
-        notes = () if not batch else (f"{g.url} was recorded as one member of a batch of {batch['n']}; vd locate runs "
-                                      "its sequence alone (vd replay runs it in that batch)",)
+        batch, decoder = g.meta.get("batch"), (g.meta.get("decode") or {}).get("forward")
+        notes = (() if not batch else (f"{g.url} was recorded as one member of a batch of {batch['n']}; vd locate "
+                                       "runs its sequence alone (vd replay runs it in that batch)",)) \
+            + (() if not decoder or len(forwards) < 2 or not axis(forwards[1]) else
+               (f"{g.url}'s decode rows are {decoder}'s (vd record --decode-forward): they are run with it",))
         return LocateReport(g.url, forwards, tuple(out), notes)
     finally:
         g.close()

@@ -416,3 +416,15 @@ def test_a_drafter_golden_parting_at_its_prefill_is_located_without_a_false_warn
     code, out, err = cli("locate", path, "--forward", "sdpa", "--report", report)
     assert code == 1 and "K=2 the prefill" in out and "did not reproduce" not in out + err, out + err
     assert json.loads(report.read_text())["verify"][0]["traced_pass_reproduces"] is True
+
+
+def test_a_golden_decode_forward_is_located_against(cli, tmp_path):
+    """A golden whose decode rows are sdpa's (vd record --decode-forward sdpa): `vd locate --between decode` held
+    eager's verify rows against eager's own decode rows and said "every row bit-identical", exit 0, where every
+    replay measures them against sdpa's (a user test). It runs the decode rows with sdpa, and says so."""
+    g = tmp_path / "g.zarr"
+    assert cli("record", g, "--model", "tiny-llama", "--k", "2", "--steps", "4", "--allow-thin", "--trace",
+               "--decode-forward", "sdpa")[0] == 0
+    code, out, err = cli("locate", g, "--between", "decode")
+    assert code == 1 and "first difference at model.layers.0.self_attn" in out, out + err
+    assert f"note: {g}'s decode rows are sdpa's (vd record --decode-forward): they are run with it" in out, out
