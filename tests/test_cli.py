@@ -980,6 +980,7 @@ def test_a_phase_that_failed_is_not_said_done(cli, tmp_path, monkeypatch):
     ('model = "tiny-lama"', "unknown model 'tiny-lama'"),
     ('model = "tiny-llama"\nthreads = 99', "--threads must be 1 to"),
     ('model = "tiny-llama"\nforward = "flash"', "no forward 'flash'"),
+    ('model = "tiny-llama"\ndecode_forward = "nope"', "no forward 'nope'"),
 ])  # (a bad policy or batch is the declaration's own error, before any of this)
 def test_a_suite_with_a_declaration_that_cannot_work_records_nothing(cli, tmp_path, monkeypatch, declared, said):
     """A declared golden a single `vd record` would refuse from its flags alone: the suite recorded the goldens

@@ -25,6 +25,7 @@ from vd.cli.common import (
     Command,
     app,
     check_distinct,
+    check_model,
     check_no_golden,
     check_recording,
     check_writable,
@@ -102,12 +103,14 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
 def _check_declared(e) -> None:
     """What `vd record` checks of its flags before anything heavy is imported, checked of a declared golden's
     settings, so that a suite one of whose declarations cannot work is refused whole, not after the goldens before
-    it were recorded: the model SPEC and forward, the device and the thread count (the policy and the batch are
+    it were recorded: the model SPEC and forwards, the device and the thread count (the policy and the batch are
     the declaration's own checks, `vd.workflow.declare`)."""
     from vd.models import DEFAULT_MODEL
 
     try:
         check_recording(e.model or DEFAULT_MODEL, e.forward, e.device or "cpu", e.threads)
+        if e.decode_forward is not None:
+            check_model(e.model or DEFAULT_MODEL, [e.decode_forward])
     except VdError as err:  # (an unknown model is a ModelSpecError)
         raise UsageError(f"golden {e.name!r} cannot be recorded as declared: {err}") from None
 
