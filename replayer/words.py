@@ -420,14 +420,15 @@ def decision_lines(k: int, old: StepLog, new: StepLog) -> list[str]:
 
 
 def rows_headline(rows: Sequence[tuple[int, str, int, int, float, int, str]]) -> list[str]:
-    """One line for the rows that moved, if any."""
+    """One line for the rows that moved, if any: how many, of all the golden's rows (every K's and the decode
+    group's: "2 of 342" reads as of the decode rows otherwise, a user test)."""
     moved = [r for r in rows if r[2]]
     if not moved:
         return []
     ks = sorted({r[0] for r in moved} - {DECODE_K})
     where = ([f"at K={ks}"] if ks else []) + (["in the decode rows"] if any(r[0] == DECODE_K for r in moved) else [])
-    return [f"rows moved {' and '.join(where)}: {sum(r[2] for r in moved)} of {sum(r[3] for r in rows)} rows, "
-            f"max |delta| {max(r[4] for r in moved):.4g}, {sum(r[5] for r in moved)} argmax flip(s)"]
+    return [f"rows moved {' and '.join(where)}: {sum(r[2] for r in moved)} of the golden's {sum(r[3] for r in rows)} "
+            f"rows, max |delta| {max(r[4] for r in moved):.4g}, {sum(r[5] for r in moved)} argmax flip(s)"]
 
 
 def _k_cell(k: int) -> str:

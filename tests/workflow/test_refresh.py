@@ -166,10 +166,11 @@ def test_the_change_summary_names_the_decode_rows_as_such():
 
     rows = [(2, "verify", 0, 8, 0.0, 0, ""), (DECODE_K, "prefill", 0, 33, 0.0, 0, ""),
             (DECODE_K, "verify", 2, 24, 0.5, 1, "3, 5")]
-    assert words.rows_headline(rows) == ["rows moved in the decode rows: 2 of 65 rows, max |delta| 0.5, "
-                                         "1 argmax flip(s)"]
+    assert words.rows_headline(rows) == ["rows moved in the decode rows: 2 of the golden's 65 rows, max |delta| "
+                                         "0.5, 1 argmax flip(s)"]
     md = words.refresh_markdown("t", "r", words.changes_markdown([], rows, []))
     assert "| decode | decode | 2 | 24 | 0.5 | 1 | 3, 5 |" in md and "| decode | prefill | 0 | 33 |" in md
     assert "| 2 | verify | 0 | 8 |" in md and "| steps that moved |" in md
     rows[0] = (2, "verify", 1, 8, 0.25, 0, "1")
-    assert words.rows_headline(rows)[0].startswith("rows moved at K=[2] and in the decode rows: 3 of 65 rows")
+    assert words.rows_headline(rows)[0].startswith("rows moved at K=[2] and in the decode rows: 3 of the golden's "
+                                                   "65 rows")
