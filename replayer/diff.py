@@ -100,13 +100,11 @@ def made_differently(a: Golden, b: Golden) -> list[str]:
         return "alone" if m is None else f"in a batch of {m['n']} ({slot}seed {m['seed']})"
 
     env_a, env_b = (g.meta.get("environment") or {} for g in (a, b))
-    def decoder(g: Golden) -> str:  # (the forward of its decode rows: its own, or vd record --decode-forward's)
-        return (g.meta.get("decode") or {}).get("forward") or g.info.forward
-
     # (the decode rows' forward said where one golden names it apart from its forward: else "forward" says it)
-    named = any((g.meta.get("decode") or {}).get("forward") for g in (a, b))
+    decoders = [g.decode_forward or g.info.forward for g in (a, b)]
+    named = a.decode_forward is not None or b.decode_forward is not None
     pairs = [("forward", a.info.forward, b.info.forward),
-             *([("decode forward", decoder(a), decoder(b))] if named else []), ("batch", batch(a), batch(b)),
+             *([("decode forward", *decoders)] if named else []), ("batch", batch(a), batch(b)),
              ("model fingerprint", a.meta["model"].get("fingerprint"), b.meta["model"].get("fingerprint")),
              ("device", a.info.device, b.info.device),
              *((key, env_a.get(key), env_b.get(key)) for key in ("torch", "transformers", "cuda", "gpu"))]

@@ -227,7 +227,7 @@ def _two(g: Golden, k: int, run: Callable[[int], VerifyModel], plain: list[np.nd
 def _decoder(g: Golden, forward: str) -> str:
     """The forward that computes the decode rows ``forward``'s verify rows are held against: the golden's decode
     forward (`vd record --decode-forward`), as a replay's, else ``forward``."""
-    return (g.meta.get("decode") or {}).get("forward") or forward
+    return g.decode_forward or forward
 
 
 def _set(model: VerifyModel, forward: str) -> VerifyModel:
@@ -395,7 +395,7 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
                 out.append(locate_k(m, g, k, forwards))
                 if on_k is not None:
                     on_k(out[-1])
-        batch, decoder = g.meta.get("batch"), (g.meta.get("decode") or {}).get("forward")
+        batch, decoder = g.meta.get("batch"), g.decode_forward
         notes = (() if not batch else (f"{g.url} was recorded as one member of a batch of {batch['n']}; vd locate "
                                        "runs its sequence alone (vd replay runs it in that batch)",)) \
             + (() if not decoder or len(forwards) < 2 or not axis(forwards[1]) else

@@ -158,7 +158,7 @@ def report_of(s: Session, outcomes: Sequence[KOutcome], notes: Sequence[str], de
         batch=None if s.batch is None else s.batch.describe(),
         golden_batch=None if s.recorded_batch is None else s.recorded_batch.describe(),
         candidate=None if s.candidate is None else s.candidate.url,
-        golden_decode_forward=(g.meta.get("decode") or {}).get("forward"))
+        golden_decode_forward=g.decode_forward)
 
 
 def _replayed_spec(s: Session) -> str | None:

@@ -416,6 +416,12 @@ class Report:
         return "FAIL" if self.reasons else "PASS"
 
     @property
+    def decoder(self) -> str:
+        """The forward a replay computes the decode rows with unless told another: the golden's decode forward
+        (`vd record --decode-forward`), else its forward."""
+        return self.golden_decode_forward or self.golden_forward
+
+    @property
     def replayed_spec(self) -> str | None:
         """The model SPEC that ran, where it is not the golden's own (see `ModelFacts`)."""
         return self.model.replayed_spec

@@ -219,7 +219,7 @@ def _decode_forward(g: Golden, model: VerifyModel, s: ReplaySettings) -> ReplayS
     """``s`` with the forward the golden's decode rows were computed with (``decode.forward``, where another
     than the golden's) as its decode forward, unless one was asked: refused, naming --decode-forward, where
     this model does not offer it (a CUDA golden's graphed decode on a CPU)."""
-    recorded = (g.meta.get("decode") or {}).get("forward")
+    recorded = g.decode_forward
     if s.decode_forward is not None or recorded is None or not g.decoded:
         return s
     offered = model.forwards()

@@ -648,11 +648,13 @@ def failing_forwards(report: Report) -> set[str | None]:
     that computed them (``--decode-forward``'s where one was named, whichever forward they were computed for),
     those of the golden's own decode forward (`vd record --decode-forward`) as the golden's forward."""
     failing = {r.variant for r in report.reasons_of(("rows", "draft"))}
-    if report.decode is not None:  # (the golden's own decode forward's rows: the golden's own, a refresh's)
-        own = report.golden_decode_forward or report.golden_forward
-        failing |= {report.golden_forward if j.comparison.variant == own else j.comparison.variant
-                    for j in report.decode.comparisons if j.reasons}
-    return failing
+    # (the golden's own decode forward's rows: the golden's own, a refresh's)
+    return failing | {report.golden_forward if d == report.decoder else d for d in _failing_decoders(report)}
+
+
+def _failing_decoders(report: Report) -> set[str]:
+    """The forwards whose decode rows failed against the golden's."""
+    return set() if report.decode is None else {j.comparison.variant for j in report.decode.comparisons if j.reasons}
 
 
 def other_forward(report: Report) -> str | None:
@@ -668,11 +670,10 @@ def other_decoder(report: Report) -> str | None:
     """Where only decode rows failed, computed with another forward than the golden's decode rows were (its
     ``--decode-forward``, else its forward), that forward: what accepting them records (a refresh would record
     the golden's own again). None otherwise."""
-    if report.decode is None or report.reasons_of(("rows", "draft", "batch")):
+    if report.reasons_of(("rows", "draft", "batch")):
         return None
-    failing = {j.comparison.variant for j in report.decode.comparisons if j.reasons}
-    own = report.golden_decode_forward or report.golden_forward
-    return sorted(failing)[0] if failing and own not in failing else None
+    failing = _failing_decoders(report)
+    return sorted(failing)[0] if failing and report.decoder not in failing else None
 
 
 def _accept_decoder(report: Report, declared: str | None, target: str, decoder: str) -> NextStep:
@@ -830,9 +831,9 @@ def _axis_steps(report: Report) -> list[NextStep]:
         slot = b.slot if first is None or b.n == 1 else first[1]
         model = [] if report.replayed_spec is None else ["--model", report.replayed_spec]
         where = ([] if slot is None else ["--slot", str(slot)]) + ([] if k == DECODE_K else ["--k", str(k)])
-        # (decode rows in a batch are the decode forward's: named where it is not the golden's default)
-        ran = ["--forward", b.forward] if k != DECODE_K else [] \
-            if b.forward == (report.golden_decode_forward or report.golden_forward) else ["--decode-forward", b.forward]
+        ran = ["--forward", b.forward]
+        if k == DECODE_K:  # (decode rows in a batch are the decode forward's: named where it is not the default)
+            ran = [] if b.forward == report.decoder else ["--decode-forward", b.forward]
         cmd = ["vd", "replay", report.golden, *model, *ran, "--batch", str(b.n), "--batch-seed", str(b.seed), *where]
         out.append(("The rows depend on what shares their batch (see the reasons). Hold the golden's sequence at the "
                     "slot of the first difference: ", Code(shlex.join(cmd)), "; ", Code("--batch 1"), " tells a "

@@ -113,7 +113,7 @@ def _decode_line(g: Golden) -> str:
     if not g.slim:
         g.verify_rows(DECODE_K)  # every decode row against its digest, as each K's rows
     n = g.layout(DECODE_K).steps
-    by = (g.meta.get("decode") or {}).get("forward")
+    by = g.decode_forward
     return (f"decode    {n} one-token decode rows of the greedy continuation (group k{DECODE_K}"
             + ("" if by is None else f", computed with {by}: every replay computes them so") + "), each verify row "
             "whose input is the continuation compared with the decode row of its position")

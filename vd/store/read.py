@@ -114,6 +114,12 @@ class Golden:
         return self.array(f"k{k}/{name}", F.small_shapes(self.layout(k))[name], F.SMALL_DTYPES[name]).read()
 
     @property
+    def decode_forward(self) -> str | None:
+        """The forward that computed the golden's decode rows where it is another than its own (``decode.forward``:
+        `vd record --decode-forward`), else None."""
+        return (self.meta.get("decode") or {}).get("forward")
+
+    @property
     def traced(self) -> bool:
         """Whether the golden holds module traces (``vd record --trace``)."""
         return self.meta.get("trace") is not None
