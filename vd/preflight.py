@@ -178,7 +178,6 @@ def peek(where: str | os.PathLike) -> Peek:
         return Peek("golden", golden_meta(doc, url))
     except GoldenError as e:
         return Peek("other", why=str(e))
-
     except OSError as e:
         return Peek("other", why=f"{url} cannot be read: {e.strerror or e}")
 

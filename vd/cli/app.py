@@ -149,6 +149,7 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     names it (``entry``), or refresh the golden at ``out_path``; a declared pin is set to what was recorded."""
     from vd.cli import team
     from vd.store import locate
+    from vd.workflow.declare import check_pin_writable
 
     named = [name for name in _SETTINGS if _given(ctx, name)]  # the setting flags given
     flags = {_SETTINGS[name]: _value(ctx.params[name]) for name in named}
@@ -167,7 +168,7 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     else:
         given = {name: v for name, v in ctx.params.items() if v is not None}  # None: the setting's default
         settings = RecordSettings(**{field: _value(given[name]) for name, field in _SETTINGS.items() if name in given})
-    team.check_repin(entry)
+    check_pin_writable(entry)
     note_journal(out_path)
     with reporting() as progress, resumable(out_path), team.published_if_cut_short(entry, out_path):
         r = do_record(out_path, settings, refresh=refresh, progress=progress, reason=reason or "first recording")

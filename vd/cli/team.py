@@ -41,7 +41,7 @@ from vd.cli.common import (
 from vd.errors import GoldenError, Terminated, UsageError, VdError
 from vd.outputs import check_bundle_place, write_text
 from vd.preflight import recovered
-from vd.workflow.declare import declared, entry_for
+from vd.workflow.declare import check_pin_writable, declared, entry_for
 
 
 def _suite(config: Path | None):
@@ -72,7 +72,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     check_writable("--summary", summary, [e.path for e in entries])
     for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
         check_no_golden(e.name, e.path, replace=True)
-        check_repin(e)
+        check_pin_writable(e)  # (before anything is published: a pin it could not write)
         _check_declared(e)
     from vd.replayer import words
     from vd.store import locate
@@ -206,7 +206,7 @@ def refresh_golden(target: str, config: Path | None, reason: str, summary: Path 
     entry = entry_for(target, config)
     path = _existing(target, entry, config)
     check_writable("--summary", summary, (path, candidate))
-    check_repin(entry)
+    check_pin_writable(entry)
     _check_not_slim(path, candidate)
     from vd.workflow import refresh as R
 
@@ -294,7 +294,7 @@ def published_if_cut_short(entry, path: str):
             after = _version(path)
             if after is not None and after != before:
                 e.add_note(f"{path} was published before it (version {after[0]}: vd history {shlex.quote(path)})")
-                if entry is not None and entry.pin is not None and after[1] != (before or (0, None))[1]:
+                if before is None or after[1] != before[1]:  # (its content moved: `repin` writes a pinned one's)
                     repin(entry, path)
         raise
 
@@ -308,14 +308,6 @@ def _version(path: str) -> tuple[int, str | None] | None:
     if seen.state != "golden" or seen.meta is None:
         return None
     return len(seen.meta.get("history") or ()), seen.meta.get("content_digest")
-
-
-def check_repin(entry) -> None:
-    """Before a recording or refresh publishes a pinned golden: its declaration can take the new pin
-    (`vd.workflow.declare.check_pin_writable`)."""
-    from vd.workflow.declare import check_pin_writable
-
-    check_pin_writable(entry)
 
 
 def _next_beside(path: Path) -> bool:
