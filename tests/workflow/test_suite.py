@@ -47,6 +47,21 @@ def _suite(tmp_path, text=SUITE):
     return load_suite(tmp_path / "vd.toml")
 
 
+def _holding(tiny) -> Models:
+    """Models holding the session's tiny-llama already (nothing loaded again)."""
+    models = Models()
+    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    return models
+
+
+def _declared_b(tmp_path, tiny, lines: str):
+    """Golden b declared with ``lines`` added and recorded so: its path (status calls it current)."""
+    suite = _suite(tmp_path, SUITE.replace('k = [2]\n', f'k = [2]\n{lines}\n'))
+    record_suite(suite.select(["b"]), models=_holding(tiny))
+    assert status(suite, suite.select(["b"]), check_models=False)[0].state == "current"
+    return suite.entries["b"].path
+
+
 def test_a_suite_is_recorded_and_replayed_with_its_model_loaded_once(tmp_path, perturbed):
     suite = _suite(tmp_path)
     models = Models()
@@ -128,8 +143,7 @@ def test_shards_split_the_suite_by_name(tmp_path):
 
 def test_status_finds_missing_stale_and_orphaned_goldens(tmp_path, tiny):
     suite = _suite(tmp_path)
-    models = Models()
-    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    models = _holding(tiny)
     record_suite(suite.select(["a", "b"]), models=models)
     shutil.copytree(suite.entries["a"].path, tmp_path / "goldens" / "old.zarr")  # no declaration names it
     states = {s.name: s for s in status(suite, suite.select(), models=models)}
@@ -152,8 +166,7 @@ def test_status_finds_missing_stale_and_orphaned_goldens(tmp_path, tiny):
 
 def test_a_model_whose_fingerprint_moved_makes_its_goldens_stale(tmp_path, tiny):
     suite = _suite(tmp_path)
-    models = Models()
-    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    models = _holding(tiny)
     record_suite(suite.select(["a"]), models=models)
     other = Models()
     other.held[("tiny-llama", "cpu", "bfloat16", None)] = _Reweighted(tiny)
@@ -183,8 +196,7 @@ def test_a_declared_policy_stays_current_and_a_refresh_keeps_it(tmp_path, tiny):
 
     text = SUITE.replace('k = [2]\n', 'k = [2]\npolicy = ["kl:0.5", "equivalence=kl:1", "decisions=margin:0.5"]\n')
     suite = _suite(tmp_path, text)
-    models = Models()
-    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    models = _holding(tiny)
     record_suite(suite.select(["b"]), models=models)
     want = {"prefill": "kl:0.5", "verify": "kl:0.5", "draft": "kl:0.5", "decisions": "margin:0.5",
             "equivalence": "kl:1"}
@@ -207,14 +219,8 @@ def test_a_batch_is_declared_and_a_golden_recorded_otherwise_is_stale(tmp_path, 
     from vd.recorder import RecordSettings
     from vd.workflow.refresh import refresh
 
-    text = SUITE.replace('k = [2]\n', 'k = [2]\nbatch = 2\nslot = 1\n')
-    suite = _suite(tmp_path, text)
-    models = Models()
-    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
-    record_suite(suite.select(["b"]), models=models)
-    path = suite.entries["b"].path
+    path = _declared_b(tmp_path, tiny, "batch = 2\nslot = 1")
     assert open_golden(path).meta["batch"]["n"] == 2 and open_golden(path).meta["batch"]["slot"] == 1
-    assert status(suite, suite.select(["b"]), check_models=False)[0].state == "current"
     alone = _suite(tmp_path, SUITE)
     stale = status(alone, alone.select(["b"]), check_models=False)[0]
     assert stale.state == "stale" and stale.reasons[0].startswith("batch: recorded 2, declared None"), stale
@@ -227,19 +233,13 @@ def test_a_batch_is_declared_and_a_golden_recorded_otherwise_is_stale(tmp_path, 
 def test_a_decode_forward_is_declared_and_a_golden_recorded_otherwise_is_stale(tmp_path, tiny):
     """`decode_forward` declares the forward of the golden's decode rows (vd record --decode-forward): recorded
     so, compared by status (a golden recorded without it is stale, and naming the golden's forward is none)."""
-    text = SUITE.replace('k = [2]\n', 'k = [2]\ndecode_forward = "sdpa"\n')
-    suite = _suite(tmp_path, text)
-    models = Models()
-    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
-    record_suite(suite.select(["b"]), models=models)
-    path = suite.entries["b"].path
+    path = _declared_b(tmp_path, tiny, 'decode_forward = "sdpa"')
     assert open_golden(path).meta["decode"]["forward"] == "sdpa"
-    assert status(suite, suite.select(["b"]), check_models=False)[0].state == "current"
     alone = _suite(tmp_path, SUITE)
     stale = status(alone, alone.select(["b"]), check_models=False)[0]
     assert stale.state == "stale" and stale.reasons == ["decode_forward: recorded 'sdpa', declared None"], stale
     own = _suite(tmp_path, SUITE.replace('k = [2]\n', 'k = [2]\nforward = "eager"\ndecode_forward = "eager"\n'))
-    record_suite(own.select(["b"]), models=models, refresh_existing=True, reason="one forward")
+    record_suite(own.select(["b"]), models=_holding(tiny), refresh_existing=True, reason="one forward")
     assert "forward" not in open_golden(path).meta["decode"]
     assert status(own, own.select(["b"]), check_models=False)[0].state == "current"
 
@@ -251,8 +251,7 @@ def test_a_golden_recorded_with_a_forward_its_declaration_leaves_out_is_stale(tm
     from vd.recorder import record
 
     suite = _suite(tmp_path)
-    models = Models()
-    models.held[("tiny-llama", "cpu", "bfloat16", None)] = tiny
+    models = _holding(tiny)
     record_suite(suite.select(["b"]), models=models)
     assert status(suite, suite.select(["b"]), models=models)[0].state == "current"
     sdpa = dataclasses.replace(record_settings(suite.entries["b"]), forward="sdpa")
