@@ -291,8 +291,8 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
         progress.phase("writing golden", 0)
         meta = {**ahead.meta(result.thin),
                 "left_greedy": {str(k): s for k, s in result.left_greedy.items()},
-                "decode": _decode_meta(settings, forward), "policy": policy.to_json(),
-                "require_coverage": settings.require_coverage,
+                "decode": F.decode_meta(settings.steps * max(settings.ks), forward, settings.decode_forward),
+                "policy": policy.to_json(), "require_coverage": settings.require_coverage,
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
                 **({"trace": trace_meta(points)} if settings.trace else {})}
         at = _part(result, "write_describe", t)  # the metadata
@@ -426,13 +426,6 @@ def _runner(model: VerifyModel, settings: RecordSettings, forward: str, tokens: 
 def _decoder(settings: RecordSettings, forward: str) -> str | None:
     """The forward that computes the decode rows where it is not the recording's ``forward``, else None."""
     return None if settings.decode_forward in (None, forward) else settings.decode_forward
-
-
-def _decode_meta(settings: RecordSettings, forward: str) -> dict:
-    """The golden's ``decode`` metadata: its decode group's steps, and the forward that computed its rows where
-    it is not the golden's (FORMAT.md "Decode rows")."""
-    decoder = _decoder(settings, forward)
-    return {"steps": settings.steps * max(settings.ks), **({"forward": decoder} if decoder else {})}
 
 
 def _select(model: VerifyModel, name: str, tokens: list[int], settings: RecordSettings) -> None:

@@ -79,8 +79,7 @@ class CandidateWriter:
         ident = model.identity()
         meta = {key: v for key, v in g.meta.items() if key not in _NOT_INHERITED}
         if "decode" in meta:
-            decoder = decode_forward if decode_forward not in (None, forward) else None
-            meta["decode"] = {"steps": meta["decode"]["steps"], **({"forward": decoder} if decoder else {})}
+            meta["decode"] = F.decode_meta(meta["decode"]["steps"], forward, decode_forward)
         meta.update(
             model={"spec": spec, "head": g.meta["model"].get("head"), "name": ident.name,
                    "fingerprint": ident.fingerprint, "details": dict(ident.details),

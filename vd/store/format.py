@@ -66,6 +66,12 @@ SUMMARY = ("digests", "stats")  # a K's per-row digests and statistics
 ROW_ARRAYS = {"prefill": ("prefill",), "verify": ("logits",), "draft": ("bootstrap_logits", "draft_logits")}
 
 
+def decode_meta(steps: int, forward: str, decode_forward: str | None) -> dict:
+    """A golden's ``decode`` metadata: its decode group's ``steps``, and the forward that computed its rows where
+    that is another than the golden's ``forward`` (`vd record --decode-forward`; never equal to it)."""
+    return {"steps": steps, **({"forward": decode_forward} if decode_forward not in (None, forward) else {})}
+
+
 def row_array_names(drafted: bool) -> list[str]:
     """The row arrays a K group holds."""
     return [n for kind in ("prefill", "verify", *(["draft"] if drafted else [])) for n in ROW_ARRAYS[kind]]
