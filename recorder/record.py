@@ -45,7 +45,7 @@ from vd.store import format as F
 from vd.store.processes import pool_for
 from vd.store.read import open_golden
 from vd.store.write import KRows
-from vd.tracing import check_traceable, trace_k, trace_meta
+from vd.tracing import Point, check_traceable, trace_k, trace_meta
 
 # An ordinary instruction for the instruct model. (With an earlier two-sentence prompt SmolLM2's
 # continuation was one its draft head rarely predicted: no full accept at K=4 in 16 steps.)
@@ -278,7 +278,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
     # no interpreter lock with them (`vd.store.processes`).
     with GoldenWriter(location, refresh=refresh, pool=pool, checked=True) as writer:
         writer.write_prompt(tokens)  # (in the decode run's host slack)
-        greedy, decode = _record_decode(runner, writer, tokens, settings, progress, result)
+        greedy, decode, decode_points = _record_decode(runner, writer, tokens, settings, progress, result)
         writer.journal = _journal(resuming, settings, refresh, reason, model, tokens, greedy)
         ahead = _Ahead(model, settings, forward, greedy, golden_dir(location), writer)  # (in the K runs' slack)
         points = _record_ks(runner, model, forward, writer, tokens, (greedy, decode), settings, progress, result,
@@ -294,7 +294,7 @@ def _record(location: Location, settings: RecordSettings, policy: Policy, refres
                 "decode": F.decode_meta(settings.steps * max(settings.ks), forward, settings.decode_forward),
                 "policy": policy.to_json(), "require_coverage": settings.require_coverage,
                 **({"batch": runner.describe()} if isinstance(runner, BatchView) else {}),
-                **({"trace": trace_meta(points)} if settings.trace else {})}
+                **({"trace": trace_meta(points, decode_points)} if settings.trace else {})}
         at = _part(result, "write_describe", t)  # the metadata
         meta.update(_artifacts(forward, writer, result, ahead.compiled))
         _part(result, "write_artifacts", at)  # a compiled forward's Inductor artifacts (written by a process)
@@ -356,8 +356,9 @@ def _set_forward(model: VerifyModel, settings: RecordSettings) -> str:
     its name."""
     forward = settings.forward or model.default_forward()
     require_forwards(model, [forward])
-    if settings.trace:
-        check_traceable(model, forward, "--trace")
+    if settings.trace:  # (the decode forward's decode rows are traced too)
+        for name in dict.fromkeys([forward, settings.decode_forward or forward]):
+            check_traceable(model, name, "--trace")
     model.set_forward(forward)
     return forward
 
@@ -468,13 +469,14 @@ def _model(settings: RecordSettings, model: VerifyModel | None, progress: Progre
 
 
 def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], settings: RecordSettings,
-                   progress: Progress, result: RecordResult) -> tuple[list[int], KeptDecode]:
+                   progress: Progress, result: RecordResult) -> tuple[list[int], KeptDecode, list[Point] | None]:
     """The greedy continuation by one-token decode: a run at K = 1 (each step verifies the token the last one
     chose, accepting nothing, as plain decode does), its rows written to ``writer`` as the decode group
     (`vd.store.format.DECODE_K`) and kept for the verify-against-decode figures (`_own_equivalence`); the
     continuation's ``steps + 1`` tokens (``steps``: the settings' steps times their widest K) and those rows; a
-    non-finite row refused as a K's are (unless ``allow_nonfinite``). Its run's seconds into
-    ``result.seconds["continuation"]``, the writes after it into ``result.seconds["store"]``."""
+    non-finite row refused as a K's are (unless ``allow_nonfinite``); with ``--trace``, the points its traced pass
+    traced (`vd.tracing.trace_k`), else None. Its run's seconds into ``result.seconds["continuation"]``, the
+    writes after it into ``result.seconds["store"]``, the traced pass's into ``result.seconds["trace"]``."""
     seconds, steps = result.seconds, settings.steps * max(settings.ks)
     forward = settings.forward or model.default_forward()
     decoder = _decoder(settings, forward)
@@ -497,9 +499,15 @@ def _record_decode(model: VerifyModel, writer: GoldenWriter, tokens: list[int], 
     _part(result, "store_files", at)
     seconds["store"] = seconds.get("store", 0.0) + time.perf_counter() - t
     assert settled.kept is not None
+    points = None
+    if settings.trace:  # (a recording with --trace runs no batch: ``model`` is the model itself)
+        t = time.perf_counter()
+        progress.phase("tracing the decode rows", 0)
+        points = trace_k(model, decoder or forward, writer, tokens, log, summary, False)
+        seconds["trace"] = time.perf_counter() - t
     if decoder is not None:
         _select(model, forward, tokens, settings)
-    return greedy, settled.kept
+    return greedy, settled.kept, points
 
 
 def _record_k(model: VerifyModel, writer: GoldenWriter, tokens: list[int],

@@ -169,7 +169,8 @@ def _traced(model: VerifyModel, g: Golden, k: int, upto: int, plain: np.ndarray,
 
 def locate_k(model: VerifyModel, g: Golden, k: int, forwards: Sequence[str]) -> Located:
     """The first module where ``forwards[0]`` parts from the golden's traces (one forward) or from
-    ``forwards[1]`` (two), on the golden's steps at ``k`` (`Located`)."""
+    ``forwards[1]`` (two), on the golden's steps at ``k`` (`Located`). At the decode group against the golden's
+    traces, ``forwards[0]`` is the forward that computes the decode rows (`_decoder`)."""
     if len(forwards) == 2 and forwards[1] == DECODE:
         return _decode_axis(model, g, k, forwards[0])
     if len(forwards) == 2 and forwards[1].startswith(BATCH):
@@ -276,7 +277,7 @@ def _against_golden(model: VerifyModel, g: Golden, k: int, forward: str, plain: 
     traced, reproduces = _traced(model, g, k, hit, plain, keep=False)
     gd, gs = g.trace(k)
     name, _, step = calls[hit]
-    found = _compare_golden(g.trace_points(), gd, gs, traced, calls)
+    found = _compare_golden(g.trace_points(k), gd, gs, traced, calls)
     if found is None:
         return Located(k, True, step, name, reproduces=reproduces,
                        note="the rows differ but no traced module's output does")
@@ -348,11 +349,11 @@ def _compare_rows(a: Call, b: Call) -> tuple[Module | None, int, tuple[Module, .
 
 
 def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[str],
-           allow_mismatch: bool = False) -> VerifyModel:
-    """The golden's model (or ``spec``), checked to trace each forward and, as a replay checks it, to be the golden's
-    (its vocabulary; its fingerprint unless ``allow_mismatch``)."""
+           allow_mismatch: bool = False, decoders: Sequence[str] = ()) -> VerifyModel:
+    """The golden's model (or ``spec``), checked to trace each forward (and the decode rows' ``decoders``) and, as a
+    replay checks it, to be the golden's (its vocabulary; its fingerprint unless ``allow_mismatch``)."""
     golden_spec, head = stored(g.meta["model"], golden_dir(g.location))
-    forwards = [f for f in forwards if not axis(f)]
+    forwards = list(dict.fromkeys(f for f in (*forwards, *decoders) if not axis(f)))
     check_forward_names(spec or golden_spec, forwards)  # before the model loads
     model = load_model(spec or golden_spec, device=check_device(device or g.info.device), dtype=g.logical,
                        head=head if spec is None else None)
@@ -385,20 +386,22 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
         if bad:
             raise UsageError(f"{g.url} has no K={bad[0]} (it holds {', '.join(map(str, g.ks))})")
         forwards = (forward,) if between is None else (forward, between)
-        if between is not None and between.startswith(BATCH) and g.decoded and not ks:
-            widths = (DECODE_K, *widths)  # the decode rows in a batch too, first, as `vd replay --batch` runs them
+        decode = not ks and (g.traced_at(DECODE_K) if between is None else between.startswith(BATCH) and g.decoded)
+        widths = (DECODE_K, *widths) if decode else widths  # the decode rows first, as a replay runs them
         g.check_files()  # every stored byte against the manifest: no verdict from a damaged golden
-        m = model or _model(g, model_spec, device, forwards, allow_model_mismatch)
+        decoders = (_decoder(g, forward),) if between is None and decode else ()
+        m = model or _model(g, model_spec, device, forwards, allow_model_mismatch, decoders)
         out = []
         with torch.inference_mode():
             for k in widths:
-                out.append(locate_k(m, g, k, forwards))
+                out.append(locate_k(m, g, k, decoders if k == DECODE_K and decoders else forwards))
                 if on_k is not None:
                     on_k(out[-1])
         batch, decoder = g.meta.get("batch"), g.decode_forward
+        runs_decode = decode or (len(forwards) == 2 and axis(forwards[1]))
         notes = (() if not batch else (f"{g.url} was recorded as one member of a batch of {batch['n']}; vd locate "
                                        "runs its sequence alone (vd replay runs it in that batch)",)) \
-            + (() if not decoder or len(forwards) < 2 or not axis(forwards[1]) else
+            + (() if not decoder or not runs_decode else
                (f"{g.url}'s decode rows are {decoder}'s (vd record --decode-forward): they are run with it",))
         return LocateReport(g.url, forwards, tuple(out), notes)
     finally:

@@ -510,6 +510,7 @@ def locate_section(plots: _Plots, fid: str, report) -> str:
     out = [f"<h3>Where the difference starts: {e(report.forwards[0])} against {e(report.against)}</h3>"]
     for x in report.ks:
         out.append(_located_block(plots, f"{fid}-loc-k{x.k}", x, len(report.forwards) == 2))
+    out += [f"<p>note: {e(note)}</p>" for note in report.notes]
     return "\n".join(out)
 
 

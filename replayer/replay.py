@@ -31,7 +31,7 @@ from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
 from vd.replayer import words
-from vd.replayer.locate import LocateReport, locate_k
+from vd.replayer.locate import Located, LocateReport, locate_k
 from vd.replayer.report import (
     Determinism,
     Environments,
@@ -57,6 +57,7 @@ from vd.replayer.session import (
     set_up,
 )
 from vd.store import Location
+from vd.store.format import DECODE_K
 
 __all__ = ["PHASES", "ReplaySettings", "control_steps", "open_for_replay", "replay"]
 
@@ -82,7 +83,7 @@ def replay(golden: str | os.PathLike | Location | Opened, settings: ReplaySettin
         outcomes = [replay_k(s, k, decoded) for k in s.ks]
         s.reader.check_files()  # no damaged golden reaches a verdict
         notes = _save_candidate(s, outcomes)
-        located = _located(s, outcomes) if s.settings.locate and s.golden.traced else ()
+        located = _located(s, outcomes, decode) if s.settings.locate and s.golden.traced else ()
         return dataclasses.replace(report_of(s, outcomes, notes, decode), located=located)
     except GoldenError:
         s.reader.check_files()  # a damaged file, named, before whatever it broke
@@ -93,18 +94,35 @@ def replay(golden: str | os.PathLike | Location | Opened, settings: ReplaySettin
         s.golden.close()  # a refresh in this process may then remove the version replayed
 
 
-def _located(s: Session, outcomes: Sequence[KOutcome]) -> tuple[LocateReport, ...]:
-    """``--locate``: per forward, at each K where its rows are not the golden's bit for bit, the first module whose
-    output differs from the golden's traces (`vd.replayer.locate`)."""
+def _located(s: Session, outcomes: Sequence[KOutcome], decode: KOutcome | None) -> tuple[LocateReport, ...]:
+    """``--locate``: per forward, at each K where its rows are not the golden's bit for bit, and at the decode rows
+    where its decode forward's are not (a golden whose decode rows were traced), the first module whose output
+    differs from the golden's traces (`vd.replayer.locate`; a decode forward's decode rows located once)."""
     out = []
+    traced = decode is not None and s.golden.traced_at(DECODE_K)
+    decode_differs = {j.comparison.variant for j in decode.result.comparisons
+                      if not j.comparison.equal} if decode is not None and traced else set()
+    by_decoder: dict[str, Located] = {}
     for name in s.forwards:
-        differ = [o.result.k for o in outcomes for j in o.result.comparisons
-                  if j.comparison.variant == name and not j.comparison.equal]
-        if differ:
-            s.progress.phase(f"locating {name}", 0)
-            with torch.inference_mode():
-                ks = tuple(locate_k(s.model, s.golden, k, (name,)) for k in differ)
-            out.append(LocateReport(s.golden.url, (name,), ks))
+        decoder = s.settings.decode_forward or name
+        differ = ([DECODE_K] if decoder in decode_differs else []) + [
+            o.result.k for o in outcomes for j in o.result.comparisons
+            if j.comparison.variant == name and not j.comparison.equal]
+        if not differ:
+            continue
+        s.progress.phase(f"locating {name}", 0)
+        ks = []
+        with torch.inference_mode():
+            for k in differ:
+                if k != DECODE_K:
+                    ks.append(locate_k(s.model, s.golden, k, (name,)))
+                    continue
+                if decoder not in by_decoder:
+                    by_decoder[decoder] = locate_k(s.model, s.golden, k, (decoder,))
+                ks.append(by_decoder[decoder])
+        notes = (f"its decode rows are {decoder}'s (--decode-forward): they were located with it",) \
+            if decoder != name and DECODE_K in differ else ()
+        out.append(LocateReport(s.golden.url, (name,), tuple(ks), notes))
     return tuple(out)
 
 

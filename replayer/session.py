@@ -33,7 +33,7 @@ from vd.progress import Progress
 from vd.protocol import VerifyModel
 from vd.replayer.candidate import CandidateWriter
 from vd.store import Golden, Location, Prefetcher, open_golden
-from vd.store.format import DECODE_SINCE
+from vd.store.format import DECODE_K, DECODE_SINCE
 from vd.tracing import check_traceable
 
 PHASES = ("open", "load", "setup", "prepare", "run", "wait_golden", "compare", "control", "batch", "write", "finish")
@@ -263,8 +263,9 @@ def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings, seconds: dict[st
         raise UsageError("--save-candidate keeps one forward's rows; replay one --forward")
     if s.locate and not g.traced:  # a suite's untraced golden: said, not refused (one golden is, by the CLI)
         notes.append("--locate: this golden holds no module traces (record it with vd record --trace)")
-    elif s.locate:
-        for f in forwards:
+    elif s.locate:  # (and the decode forwards, where the golden's decode rows were traced)
+        decoders = [s.decode_forward or f for f in forwards] if g.traced_at(DECODE_K) and g.decoded else []
+        for f in dict.fromkeys([*forwards, *decoders]):
             check_traceable(model, f, "--locate")
     return forwards, offered, notes
 

@@ -12,6 +12,7 @@ import torch
 from golden_edit import edit_meta
 
 from vd.models import load_model
+from vd.models.hf import HFModel
 
 PLANTED = str(Path(__file__).parent / "plugins" / "planted.py") + ":factory"
 
@@ -85,7 +86,8 @@ def test_a_planted_difference_is_located_against_the_golden_traces(planted_golde
                          "--report", tmp_path / "r.json", "--html", tmp_path / "r.html")
     assert code == 1, out + err
     (loc,) = json.loads((tmp_path / "r.json").read_text())["locate"]
-    (k2,) = loc["verify"]
+    decode, k2 = loc["verify"]  # (the planted forward computes the decode rows too: they part there first)
+    assert (decode["k"], decode["module_call"], decode["first_module"]["name"]) == (1, "the prefill", module)
     assert loc["against"] == "golden traces" and k2["module_call"] == "the prefill" and k2["traced_pass_reproduces"]
     first = k2["first_module"]
     assert (first["name"], first["what"]) == (module, what) and first["rows_differ"] >= 1
@@ -428,3 +430,61 @@ def test_a_golden_decode_forward_is_located_against(cli, tmp_path):
     code, out, err = cli("locate", g, "--between", "decode")
     assert code == 1 and "first difference at model.layers.0.self_attn" in out, out + err
     assert f"note: {g}'s decode rows are sdpa's (vd record --decode-forward): they are run with it" in out, out
+
+
+def test_a_decode_only_difference_is_located_at_its_module(cli, tmp_path):
+    """A replay whose verify rows equal the golden's and whose decode rows do not (an engine's one-token decode
+    kernel changed: here `--decode-forward sdpa` on an eager golden): `vd replay --locate` printed no location,
+    since the decode rows were not traced. They are now (`trace.decode`), and the decode rows are located with
+    the decode forward that computed them, once; `vd locate` does the same, the decode rows first, and a golden
+    whose decode rows were not traced (recorded before) is located at its K alone, saying so in `vd show`."""
+    g, report = tmp_path / "g.zarr", tmp_path / "r.json"
+    assert cli("record", g, "--model", "tiny-llama", "--k", "2", "--steps", "4", "--allow-thin", "--trace")[0] == 0
+    code, out, err = cli("show", g)
+    assert code == 0 and "points per row at every K and the decode rows" in out, out + err
+    code, out, err = cli("replay", g, "--decode-forward", "sdpa", "--locate", "--report", report,
+                         "--html", tmp_path / "r.html")
+    assert code == 1, out + err
+    page = (tmp_path / "r.html").read_text()
+    assert "<b>decode the prefill</b>" in page and "note: its decode rows are sdpa&#x27;s" in page, page
+    (loc,) = json.loads(report.read_text())["locate"]
+    (decode,) = loc["verify"]  # (eager's K=2 rows are the golden's: nothing located there)
+    assert decode["k"] == 1 and decode["module_call"] == "the prefill" and decode["traced_pass_reproduces"]
+    assert decode["first_module"]["what"] == "attention output before o_proj", decode
+    assert loc["notes"] == ["its decode rows are sdpa's (--decode-forward): they were located with it"]
+    assert "  decode the prefill: first difference at model.layers.0.self_attn.o_proj" in out, out
+    code, out, err = cli("replay", g, "--forward", "eager", "--forward", "sdpa", "--decode-forward", "sdpa",
+                         "--locate", "--report", report)
+    assert code == 1, out + err
+    eager, sdpa = json.loads(report.read_text())["locate"]
+    assert [x["k"] for x in eager["verify"]] == [1] and [x["k"] for x in sdpa["verify"]] == [1, 2]
+    assert eager["verify"][0] == sdpa["verify"][0] and sdpa["notes"] == []
+    code, out, err = cli("locate", g, "--forward", "sdpa")
+    assert code == 1 and out.startswith("decode the prefill: first difference at model.layers.0.self_attn.o_proj")
+    assert "K=2 the prefill: first difference" in out, out
+    edit_meta(g, lambda m: m["trace"].pop("decode"))  # as recorded before the decode rows were traced
+    assert cli("verify", g)[0] == 0
+    code, out, err = cli("show", g)
+    assert code == 0 and "points per row at every K (not the decode rows)" in out, out + err
+    code, out, err = cli("replay", g, "--decode-forward", "sdpa", "--locate")
+    assert code == 1 and "where eager parts" not in out and "Traceback" not in err, out + err
+    code, out, err = cli("locate", g, "--forward", "sdpa")
+    assert code == 1 and out.startswith("K=2 the prefill: first difference"), out + err
+
+
+def test_a_golden_decode_forward_traces_its_decode_rows(cli, tmp_path, monkeypatch):
+    """`vd record --trace --decode-forward sdpa`: the decode rows are sdpa's, traced under sdpa (refused where the
+    decode forward cannot be traced), and `vd locate` holds sdpa's decode rows against them: identical."""
+    g = tmp_path / "g.zarr"
+    with monkeypatch.context() as m:
+        m.setattr(HFModel, "trace_forwards", lambda self: ["eager"])
+        code, out, err = cli("record", g, "--model", "tiny-llama", "--k", "2", "--steps", "4", "--trace",
+                             "--decode-forward", "sdpa")
+        assert code == 2 and "--trace: forward 'sdpa' cannot be traced" in err and not g.exists(), out + err
+    assert cli("record", g, "--model", "tiny-llama", "--k", "2", "--steps", "4", "--allow-thin", "--trace",
+               "--decode-forward", "sdpa")[0] == 0
+    code, out, err = cli("locate", g)
+    assert code == 0 and out.startswith("decode: every row bit-identical\nK=2: every row bit-identical"), out + err
+    assert "decode rows are sdpa's (vd record --decode-forward): they are run with it" in out, out
+    code, out, err = cli("locate", g, "--forward", "sdpa")
+    assert code == 1 and out.startswith("decode: every row bit-identical\nK=2 the prefill: first difference"), out

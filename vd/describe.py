@@ -39,7 +39,8 @@ def describe(where: str | os.PathLike) -> Iterator[str]:
         yield (f"batch     recorded as one member of a batch of {batch['n']} ({slots_text(batch['slot'])}, "
                f"companions from seed {batch['seed']}); every replay runs that batch again")
     if g.traced:
-        yield (f"trace     module traces of {len(g.trace_points())} points per row at every K (vd record --trace): "
+        where = "every K and the decode rows" if g.traced_at(DECODE_K) else "every K (not the decode rows)"
+        yield (f"trace     module traces of {len(g.trace_points())} points per row at {where} (vd record --trace): "
                "vd locate names the first module a replay's difference starts at")
     yield f"policy    {Policy.parse((), g.meta.get('policy')).describe()}"
     yield from _environment(g.meta.get("environment") or {})

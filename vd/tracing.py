@@ -193,6 +193,8 @@ def row_name(run: Run, flat: int) -> str:
     raise IndexError(flat)
 
 
-def trace_meta(points: Sequence[Point]) -> dict:
-    """The golden's ``trace`` metadata (FORMAT.md "Module traces")."""
-    return {"points": [[n, w] for n, w in points], "stats": list(TRACE_STATS), "lanes": LANES}
+def trace_meta(points: Sequence[Point], decode: Sequence[Point] | None = None) -> dict:
+    """The golden's ``trace`` metadata (FORMAT.md "Module traces"): the K groups' points and, where the decode
+    rows were traced too, the decode forward's (``decode``)."""
+    return {"points": [[n, w] for n, w in points], "stats": list(TRACE_STATS), "lanes": LANES,
+            **({} if decode is None else {"decode": [[n, w] for n, w in decode]})}

@@ -160,8 +160,10 @@ def _small_arrays(g, k: int, prompt: list[int]) -> dict:
     total = len(prompt) + s * k + (1 + s * (k - 1) if g.drafted_at(k) else 0)
     if g.version >= 3:
         small.update(digests=((total, 6), "int64"), stats=((total, 5), "float64"))
-    if "trace" in g.meta and k != 1:
-        t, m = len(prompt) + (1 if g.drafted_at(k) else 0) + s * k, len(g.meta["trace"]["points"])
+    trace = g.meta.get("trace") or {}
+    points = trace.get("decode") if k == 1 else trace.get("points")  # (the decode rows traced: "decode" lists them)
+    if points:
+        t, m = len(prompt) + (1 if g.drafted_at(k) else 0) + s * k, len(points)
         small.update(trace_digests=((t, m, 6), "int64"), trace_stats=((t, m, 2), "float32"))
     return small
 
@@ -434,11 +436,12 @@ def test_the_lm_head_trace_is_the_logits_rows(made, name):
     """A traced golden's LM head point is its logits: its trace rows (the prefill's, the bootstrap decode's, the
     steps', in call order) have the digests and the max |x| of the golden's rows, recomputed from the rows."""
     g = S.Golden(made[name])
-    points = [tuple(p) for p in g.meta["trace"]["points"]]
-    assert points[-1] == ("lm_head", "LM head") and g.meta["trace"]["stats"] == ["absmax", "norm"]
-    head = len(points) - 1
+    trace = g.meta["trace"]
+    assert [tuple(p) for p in trace["points"]][-1] == ("lm_head", "LM head") and trace["stats"] == ["absmax", "norm"]
+    assert [tuple(p) for p in trace["decode"]][-1] == ("lm_head", "LM head")  # the decode rows are traced too
     bits = S.digest_bits(g.vocab * S.STORAGE[g.logical].itemsize // 2)
-    for k in g.ks:
+    for k in [1, *g.ks]:
+        head = len(trace["decode" if k == 1 else "points"]) - 1
         rows = g.rows(k)
         called = [rows["prefill"]] + ([rows["draft"][:1]] if g.drafted_at(k) else []) + [rows["verify"]]
         ordered = np.concatenate(called)

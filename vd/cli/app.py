@@ -468,6 +468,8 @@ def _replayed(result, data: dict, declared: str | None = None) -> int:
             for x in r.ks:
                 for line in located_lines(x):
                     out.print("  " + line)
+            for note in r.notes:
+                out.print(f"  note: {note}")
     out.print(result.verdict, style="bold")
     if data.get("bundle"):
         out.print(words.bundle_line(data["bundle"]))

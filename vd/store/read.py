@@ -124,13 +124,20 @@ class Golden:
         """Whether the golden holds module traces (``vd record --trace``)."""
         return self.meta.get("trace") is not None
 
-    def trace_points(self) -> list[tuple[str, str]]:
-        return [(n, w) for n, w in self.meta["trace"]["points"]]
+    def traced_at(self, k: int) -> bool:
+        """Whether group ``k`` holds module traces: every K of a traced golden, its decode rows where they were
+        traced too (``trace.decode``: goldens recorded with ``--trace`` since the decode rows were)."""
+        return self.traced and (k != F.DECODE_K or "decode" in self.meta["trace"])
+
+    def trace_points(self, k: int | None = None) -> list[tuple[str, str]]:
+        """The points traced at every K (``k`` None or a K), or at the decode rows (``k`` the decode group)."""
+        trace = self.meta["trace"]
+        return [(n, w) for n, w in trace["decode" if k == F.DECODE_K else "points"]]
 
     def trace(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """K's module traces: digests ``int64 [T, M, 6]`` and statistics ``float32 [T, M, 2]``, ``T`` its
-        prefill, bootstrap (drafter feed) and verify rows in call order, ``M`` the traced points."""
-        lay, m = self.layout(k), len(self.trace_points())
+        """K's (or the decode rows') module traces: digests ``int64 [T, M, 6]`` and statistics ``float32 [T, M,
+        2]``, ``T`` its prefill, bootstrap (drafter feed) and verify rows in call order, ``M`` its traced points."""
+        lay, m = self.layout(k), len(self.trace_points(k))
         rows = lay.prompt + (1 if lay.drafted else 0) + lay.steps * lay.k
         return (self.array(f"k{k}/{F.TRACE_DIGESTS}", (rows, m, 6), np.dtype("<i8")).read(),
                 self.array(f"k{k}/{F.TRACE_STATS}", (rows, m, 2), np.dtype("<f4")).read())
@@ -285,7 +292,7 @@ class Golden:
         self.stored_prompt()
         for k in self.groups:
             self.checked_log(k)
-            if self.traced and k in self.ks:  # (the decode rows are not traced)
+            if self.traced_at(k):
                 self.trace(k)
             if self.slim:
                 self.summary(k)

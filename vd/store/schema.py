@@ -219,10 +219,11 @@ _TYPED = (
      '{"K": step, ...}'),
     ("batch", lambda v: isinstance(v, Mapping) and _ints([v.get("n")], 1, 65) and _ints([v.get("seed")], 0, 1 << 63)
      and (v.get("slot") is None or _ints([v.get("slot")], 0, v["n"])), '{"n": N, "slot": I or null, "seed": S}'),
-    ("trace", lambda v: isinstance(v, Mapping) and isinstance(v.get("points"), list) and 0 < len(v["points"]) <= 1 << 16
-     and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in v["points"])
+    ("trace", lambda v: isinstance(v, Mapping) and _points(v.get("points"))
+     and ("decode" not in v or _points(v["decode"]))
      and v.get("stats") == ["absmax", "norm"] and v.get("lanes") == 6,
-     '{"points": [[module, what], ...], "stats": ["absmax", "norm"], "lanes": 6}'),
+     '{"points": [[module, what], ...], "stats": ["absmax", "norm"], "lanes": 6, "decode": [[module, what], ...] '
+     'or absent}'),
     ("candidate", lambda v: isinstance(v, Mapping) and isinstance(v.get("control", {}), Mapping),
      "a candidate's description"),
     ("compiled", lambda v: isinstance(v, Mapping) and v.get("artifacts") == F.INDUCTOR_ARTIFACTS
@@ -230,6 +231,12 @@ _TYPED = (
      and isinstance(v.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", v["sha256"]) is not None,
      f'{{"artifacts": "{F.INDUCTOR_ARTIFACTS}", "bytes": N, "sha256": HEX, ...}}'),
 )
+
+
+def _points(v: object) -> bool:
+    """A list of traced points (`vd.tracing`): 1 to 65,536 ``[module path, what it is]`` pairs of strings."""
+    return (isinstance(v, list) and 0 < len(v) <= 1 << 16
+            and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in v))
 
 
 def _str_or_none(v: object) -> bool:

@@ -59,7 +59,7 @@ def rewrite(g: Golden, out: str | os.PathLike, *, refresh: bool, rows: bool, upd
             stored = None if g.slim else g.verify_rows(k)  # read whole, each chunk and row checked
             drafts = g.small(k, "drafts") if g.info.drafted_at(k) else None
             w.add(g.layout(k), g.checked_log(k), stored if rows else None, g.summary(k), drafts)
-            if g.traced and k != F.DECODE_K:  # module traces (vd record --trace) stay with the golden
+            if g.traced_at(k):  # module traces (vd record --trace) stay with the golden
                 w.add_trace(k, *g.trace(k))
         meta = {key: v for key, v in g.meta.items() if key not in F.WRITTEN}
         meta.update(logits=F.logits_meta(g.logical), **updates)
