@@ -112,8 +112,8 @@ def test_the_golden_own_forward_matches_its_traces(planted_golden, cli):
 def test_a_traced_pass_that_does_not_reproduce_the_rows_is_refused(cli, tmp_path):
     code, out, err = cli("record", tmp_path / "g.zarr", "--model", PLANTED, "--dtype", "float32", "--steps", "1",
                          "--k", "2", "--allow-thin", "--forward", "unsteady", "--trace")
-    assert code == 2 and "--trace: forward 'unsteady' run again traced did not reproduce its own rows at K=2 " \
-        "(prefill row " in err and not (tmp_path / "g.zarr").exists(), err
+    assert code == 2 and "--trace: forward 'unsteady' run again traced did not reproduce its own rows at the " \
+        "decode rows (prefill row " in err and not (tmp_path / "g.zarr").exists(), err  # (traced first)
 
 
 def test_nothing_before_the_located_module_differs_by_plain_hooks(planted_golden):
@@ -195,9 +195,10 @@ def test_sdpa_against_an_eager_smollm2_golden_is_located_where_plain_hooks_see_i
     path = smollm2_traced
     code, out, err = cli("replay", path, "--forward", "sdpa", "--locate", "--report", tmp_path / "r.json")
     assert code == 1, out + err
-    (k2,) = json.loads((tmp_path / "r.json").read_text())["locate"][0]["verify"]
+    decode, k2 = json.loads((tmp_path / "r.json").read_text())["locate"][0]["verify"]  # (sdpa decodes too)
     first = k2["first_module"]
     assert first["what"] == "attention output before o_proj" and k2["module_call"] == "the prefill"
+    assert decode["k"] == 1 and decode["module_call"] == "the prefill" and decode["first_module"] == first
     m = load_model("smollm2", device=torch.device("cpu"), dtype=torch.bfloat16)
     leaves = [(n, mod) for n, mod in m.model.named_modules() if n and not list(mod.children())]
     from vd.store import open_golden
@@ -343,13 +344,19 @@ def test_a_batch_is_located_where_the_sequence_alone_parts(smollm2_traced, cli, 
 def test_a_batch_locates_the_decode_rows_too(cli, tmp_path):
     """tiny-llama's decode rows in a batch of two part from its rows alone at step 33 (as `vd replay --batch 2`
     FAILs there), while its verify rows do not: `vd locate --between batch:2` ran the verify widths alone and said
-    "every row bit-identical", exit 0 (found by a user test)."""
+    "every row bit-identical", exit 0 (found by a user test). Whether a batch moves them depends on the host's
+    matrix kernels (on AMD EPYC hosts at decode step 33; on an Intel Xeon not at all): locate must agree with the
+    replay either way, the decode rows first."""
     golden = tmp_path / "g.zarr"
     assert cli("record", golden, "--model", "tiny-llama")[0] == 0
-    assert cli("replay", golden, "--batch", "2")[0] == 1
+    replayed = cli("replay", golden, "--batch", "2")[0]
     code, out, err = cli("locate", golden, "--between", "batch:2")
-    assert code == 1 and "decode step 33: first difference at model.layers." in out, out + err
-    assert "eager against itself in a batch of 2: they differ" in out
+    assert code == replayed, out + err
+    if replayed == 0:
+        assert out.startswith("decode: every row bit-identical\nK=2: every row bit-identical"), out + err
+    else:
+        assert out.startswith("decode ") and ": first difference at model.layers." in out, out + err
+        assert "eager against itself in a batch of 2: they differ" in out
     member = tmp_path / "m.zarr"  # a golden recorded in a batch is located alone: said (it was not)
     assert cli("record", member, "--model", "tiny-llama", "--batch", "2", "--k", "2", "--steps", "4")[0] == 0
     code, out, err = cli("locate", member, "--between", "decode")

@@ -23,6 +23,7 @@ from vd.errors import ModelOutputError, UsageError
 from vd.layout import StepLog
 from vd.loop import DrafterFeed, ReplayFeed, Run, run_verify
 from vd.protocol import VerifyModel
+from vd.store.format import DECODE_K
 
 if TYPE_CHECKING:
     from vd.store.write import GoldenWriter
@@ -174,8 +175,9 @@ def trace_k(model: VerifyModel, forward: str, writer: GoldenWriter, prompt: Sequ
     digests = summarise(run.rows_by_kind())[0]
     differ = np.flatnonzero((digests != summary[0]).any(1))
     if differ.size:
+        group = "the decode rows" if log.k == DECODE_K else f"K={log.k}"
         raise ModelOutputError(f"--trace: forward {forward!r} run again traced did not reproduce its own rows at "
-                               f"K={log.k} ({row_name(run, int(differ[0]))}): its module traces would not be its "
+                               f"{group} ({row_name(run, int(differ[0]))}): its module traces would not be its "
                                "own; nothing stored")
     d, st = traced.arrays()
     writer.add_trace(log.k, d, st)
