@@ -238,10 +238,12 @@ def test_a_decode_forward_is_declared_and_a_golden_recorded_otherwise_is_stale(t
     alone = _suite(tmp_path, SUITE)
     stale = status(alone, alone.select(["b"]), check_models=False)[0]
     assert stale.state == "stale" and stale.reasons == ["decode_forward: recorded 'sdpa', declared None"], stale
+    assert stale.recorded["decode_forward"] == "sdpa" and stale.to_json()["recorded"]["decode_forward"] == "sdpa"
     own = _suite(tmp_path, SUITE.replace('k = [2]\n', 'k = [2]\nforward = "eager"\ndecode_forward = "eager"\n'))
     record_suite(own.select(["b"]), models=_holding(tiny), refresh_existing=True, reason="one forward")
     assert "forward" not in open_golden(path).meta["decode"]
-    assert status(own, own.select(["b"]), check_models=False)[0].state == "current"
+    current = status(own, own.select(["b"]), check_models=False)[0]
+    assert current.state == "current" and current.recorded["decode_forward"] is None
 
 
 def test_a_golden_recorded_with_a_forward_its_declaration_leaves_out_is_stale(tmp_path, tiny):

@@ -510,7 +510,8 @@ def _print_status(states, orphans: list[str], no_models: bool, base: Path, prune
     for s in states:
         r, env = s.recorded, s.recorded.get("environment") or {}
         made = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "gpu_name", "cpu_model") if env.get(k))
-        t.add_row(s.name, s.state, str(r.get("version") or "-"), r.get("forward") or "-",
+        forward = (r.get("forward") or "-") + (f" (decode {r['decode_forward']})" if r.get("decode_forward") else "")
+        t.add_row(s.name, s.state, str(r.get("version") or "-"), forward,
                   (r.get("fingerprint") or "-")[:19], made or "-", s.last or "-", shown(s.path))
     out.print(t)
     for s in states:

@@ -77,7 +77,7 @@ def _one(e: Entry, check_models: bool, models: Models, last: tuple[str, str | No
     m, env = g.meta["model"], g.meta.get("environment") or {}
     history = g.history
     s.recorded = {"version": len(history) or None, "fingerprint": m["fingerprint"], "forward": g.info.forward,
-                  "device": g.info.device, "created": g.meta.get("created"),
+                  "decode_forward": g.decode_forward, "device": g.info.device, "created": g.meta.get("created"),
                   "environment": {k: env.get(k) for k in ("vd", "torch", "transformers", "gpu_name", "cpu_model")},
                   "reason": history[-1].get("reason") if history else None, "slim": g.slim}
     s.reasons = stale_reasons(e, g)
