@@ -105,6 +105,7 @@ class LocateReport:
     forwards: tuple[str, ...]  # one: against the golden's traces; two: between them
     ks: tuple[Located, ...] = field(default_factory=tuple)
     notes: tuple[str, ...] = ()
+    decoder: str | None = None  # with --between decode: the forward that computed the decode rows, where another
 
     @property
     def found(self) -> bool:
@@ -116,7 +117,7 @@ class LocateReport:
             return "golden traces", "the golden's traces"
         other = self.forwards[1]
         if other == DECODE:
-            return "decode rows", "its own decode rows"
+            return "decode rows", "its own decode rows" if self.decoder is None else f"{self.decoder}'s decode rows"
         if axis(other):
             return f"batch of {batch_size(other)}", f"itself in a batch of {batch_size(other)}"
         return "between forwards", other
@@ -403,6 +404,7 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
                                        "runs its sequence alone (vd replay runs it in that batch)",)) \
             + (() if not decoder or not runs_decode else
                (f"{g.url}'s decode rows are {decoder}'s (vd record --decode-forward): they are run with it",))
-        return LocateReport(g.url, forwards, tuple(out), notes)
+        held = _decoder(g, forward) if between == DECODE else forward
+        return LocateReport(g.url, forwards, tuple(out), notes, None if held == forward else held)
     finally:
         g.close()

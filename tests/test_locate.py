@@ -437,6 +437,7 @@ def test_a_golden_decode_forward_is_located_against(cli, tmp_path):
     code, out, err = cli("locate", g, "--between", "decode")
     assert code == 1 and "first difference at model.layers.0.self_attn" in out, out + err
     assert f"note: {g}'s decode rows are sdpa's (vd record --decode-forward): they are run with it" in out, out
+    assert "eager against sdpa's decode rows: they differ (above)" in out, out  # (not "its own")
 
 
 def test_a_decode_only_difference_is_located_at_its_module(cli, tmp_path):
