@@ -278,6 +278,10 @@ def _against_golden(model: VerifyModel, g: Golden, k: int, forward: str, plain: 
     traced, reproduces = _traced(model, g, k, hit, plain, keep=False)
     gd, gs = g.trace(k)
     name, _, step = calls[hit]
+    if not set(g.trace_points(k)) & set(traced.points()):
+        return Located(k, True, step, name, reproduces=reproduces,
+                       note="the rows differ, but the golden's traces and this run's share no traced point (another "
+                            "adapter's points?): nothing to compare")
     found = _compare_golden(g.trace_points(k), gd, gs, traced, calls)
     if found is None:
         return Located(k, True, step, name, reproduces=reproduces,
@@ -387,8 +391,8 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
         if bad:
             raise UsageError(f"{g.url} has no K={bad[0]} (it holds {', '.join(map(str, g.ks))})")
         forwards = (forward,) if between is None else (forward, between)
-        decode = not ks and (g.traced_at(DECODE_K) if between is None else between.startswith(BATCH) and g.decoded)
-        widths = (DECODE_K, *widths) if decode else widths  # the decode rows first, as a replay runs them
+        decode = g.decoded and (g.traced_at(DECODE_K) if between is None else between.startswith(BATCH))
+        widths = (DECODE_K, *widths) if decode else widths  # the decode rows first, whatever --k, as a replay
         g.check_files()  # every stored byte against the manifest: no verdict from a damaged golden
         decoders = (_decoder(g, forward),) if between is None and decode else ()
         m = model or _model(g, model_spec, device, forwards, allow_model_mismatch, decoders)
@@ -403,7 +407,10 @@ def locate(where: str | os.PathLike | Location, forward: str, between: str | Non
         notes = (() if not batch else (f"{g.url} was recorded as one member of a batch of {batch['n']}; vd locate "
                                        "runs its sequence alone (vd replay runs it in that batch)",)) \
             + (() if not decoder or not runs_decode else
-               (f"{g.url}'s decode rows are {decoder}'s (vd record --decode-forward): they are run with it",))
+               (f"{g.url}'s decode rows are {decoder}'s (vd record --decode-forward): they are run with it",)) \
+            + (() if between is not None or not g.decoded or decode else
+               (f"{g.url} was traced before vd traced the decode rows: located at its K alone (vd record GOLDEN "
+                "--refresh traces them)",))
         held = _decoder(g, forward) if between == DECODE else forward
         return LocateReport(g.url, forwards, tuple(out), notes, None if held == forward else held)
     finally:

@@ -521,7 +521,7 @@ def _located_block(plots: _Plots, fid: str, x, between: bool) -> str:
         return f"<p><b>{words.group(x.k)}</b>: {e(text)}</p>"
     f = x.first
     head = (f"<p><b>{words.group(x.k)} {e(x.module_call)}</b>: first difference at <code>{e(f.name)}</code> "
-            f"({e(f.what)}); {x.identical_before} traced outputs before it identical"
+            f"({e(f.what)}); {e(words.before_words(x.identical_before))}"
             + ("" if x.reproduces is not False else " (warning: the traced pass did not reproduce the rows)") + "</p>")
     rows = "".join(f"<tr><td>{'' if m.layer is None else m.layer}</td><td><code>{e(m.name)}</code></td>"
                    f"<td>{e(m.what)}</td><td>{_size(m):.4g}</td></tr>" for m in x.path)

@@ -31,7 +31,7 @@ from vd.policy import Policy, sensitivity
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
 from vd.replayer import words
-from vd.replayer.locate import Located, LocateReport, locate_k
+from vd.replayer.locate import LocateReport, locate_k
 from vd.replayer.report import (
     Determinism,
     Environments,
@@ -95,35 +95,47 @@ def replay(golden: str | os.PathLike | Location | Opened, settings: ReplaySettin
 
 
 def _located(s: Session, outcomes: Sequence[KOutcome], decode: KOutcome | None) -> tuple[LocateReport, ...]:
-    """``--locate``: per forward, at each K where its rows are not the golden's bit for bit, and at the decode rows
-    where its decode forward's are not (a golden whose decode rows were traced), the first module whose output
-    differs from the golden's traces (`vd.replayer.locate`; a decode forward's decode rows located once)."""
-    out = []
-    traced = decode is not None and s.golden.traced_at(DECODE_K)
-    decode_differs = {j.comparison.variant for j in decode.result.comparisons
-                      if not j.comparison.equal} if decode is not None and traced else set()
-    by_decoder: dict[str, Located] = {}
+    """``--locate``: the first module whose output differs from the golden's traces (`vd.replayer.locate`), per
+    forward at each K where its rows are not the golden's bit for bit, and per decode forward at the decode rows
+    where its are not (a golden whose decode rows were traced), first: with the forward's own report where it
+    computed them, else in a report of its own."""
+    out, decoders = [], _decode_located(s, decode)
     for name in s.forwards:
-        decoder = s.settings.decode_forward or name
-        differ = ([DECODE_K] if decoder in decode_differs else []) + [
-            o.result.k for o in outcomes for j in o.result.comparisons
-            if j.comparison.variant == name and not j.comparison.equal]
-        if not differ:
+        differ = [o.result.k for o in outcomes for j in o.result.comparisons
+                  if j.comparison.variant == name and not j.comparison.equal]
+        own = decoders.pop(name, None)
+        if differ:
+            s.progress.phase(f"locating {name}", 0)
+            with torch.inference_mode():
+                ks = tuple(locate_k(s.model, s.golden, k, (name,)) for k in differ)
+            out.append(LocateReport(s.golden.url, (name,), ks) if own is None else
+                       dataclasses.replace(own, ks=own.ks + ks))
+        elif own is not None:
+            out.append(own)
+    return (*decoders.values(), *out)
+
+
+def _decode_located(s: Session, decode: KOutcome | None) -> dict[str, LocateReport]:
+    """Per decode forward whose decode rows differ: where they part from the golden's traces (or, for a golden
+    traced before its decode rows were, a note that they are not located)."""
+    out: dict[str, LocateReport] = {}
+    for j in () if decode is None else decode.result.comparisons:
+        decoder = j.comparison.variant
+        if j.comparison.equal or decoder in out:
             continue
-        s.progress.phase(f"locating {name}", 0)
-        ks = []
+        served = [n for n in s.forwards if (s.settings.decode_forward or n) == decoder]
+        notes = () if served == [decoder] else (
+            f"the decode rows {decoder} computes for {', '.join(served)}'s verify rows (--decode-forward)",)
+        if not s.golden.traced_at(DECODE_K):
+            out[decoder] = LocateReport(s.golden.url, (decoder,), (), notes + (
+                f"its decode rows differ, but {s.golden.url} was traced before vd traced the decode rows: they are "
+                "not located (vd record GOLDEN --refresh traces them)",))
+            continue
+        s.progress.phase(f"locating {decoder}'s decode rows", 0)
         with torch.inference_mode():
-            for k in differ:
-                if k != DECODE_K:
-                    ks.append(locate_k(s.model, s.golden, k, (name,)))
-                    continue
-                if decoder not in by_decoder:
-                    by_decoder[decoder] = locate_k(s.model, s.golden, k, (decoder,))
-                ks.append(by_decoder[decoder])
-        notes = (f"its decode rows are {decoder}'s (--decode-forward): they were located with it",) \
-            if decoder != name and DECODE_K in differ else ()
-        out.append(LocateReport(s.golden.url, (name,), tuple(ks), notes))
-    return tuple(out)
+            out[decoder] = LocateReport(s.golden.url, (decoder,), (locate_k(s.model, s.golden, DECODE_K, (decoder,)),),
+                                        notes)
+    return out
 
 
 def _save_candidate(s: Session, outcomes: Sequence[KOutcome]) -> list[str]:

@@ -59,6 +59,12 @@ def group(k: int) -> str:
     return "decode" if k == DECODE_K else f"K={k}"
 
 
+def before_words(n: int) -> str:
+    """How many traced outputs before a located module's are identical, in words (`vd.replayer.locate`)."""
+    return "the first traced output" if n == 0 else \
+        f"the {n} traced output{'s' if n > 1 else ''} before it identical"
+
+
 def mismatch_place(m: Mismatch | None) -> str:
     """Where two sets of rows first differ, with both values where the golden's rows were at hand."""
     if m is None:

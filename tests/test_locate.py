@@ -13,6 +13,7 @@ from golden_edit import edit_meta
 
 from vd.models import load_model
 from vd.models.hf import HFModel
+from vd.store import open_golden
 
 PLANTED = str(Path(__file__).parent / "plugins" / "planted.py") + ":factory"
 
@@ -254,8 +255,8 @@ def test_the_lean_static_step_traces_the_points_hf_modules_do(cli, tmp_path):
     code, out, err = cli("locate", path, "--forward", "eager", "--k", "2", "--report", tmp_path / "l.json")
     assert code == 1 and "first difference at model.layers.0.self_attn.o_proj (attention output before o_proj)" \
         in out, out + err
-    k2 = json.loads((tmp_path / "l.json").read_text())["verify"][0]
-    assert k2["points_compared"] == len(points) - 2 * 2  # the rotary points, two per layer, eager has not
+    k2 = json.loads((tmp_path / "l.json").read_text())["verify"][-1]
+    assert k2["k"] == 2 and k2["points_compared"] == len(points) - 2 * 2  # the rotary points eager has not
 
 
 def test_a_slim_golden_keeps_its_traces_and_a_damaged_trace_is_refused(cli, tmp_path):
@@ -454,30 +455,80 @@ def test_a_decode_only_difference_is_located_at_its_module(cli, tmp_path):
                          "--html", tmp_path / "r.html")
     assert code == 1, out + err
     page = (tmp_path / "r.html").read_text()
-    assert "<b>decode the prefill</b>" in page and "note: its decode rows are sdpa&#x27;s" in page, page
-    (loc,) = json.loads(report.read_text())["locate"]
-    (decode,) = loc["verify"]  # (eager's K=2 rows are the golden's: nothing located there)
-    assert decode["k"] == 1 and decode["module_call"] == "the prefill" and decode["traced_pass_reproduces"]
-    assert decode["first_module"]["what"] == "attention output before o_proj", decode
-    assert loc["notes"] == ["its decode rows are sdpa's (--decode-forward): they were located with it"]
-    assert "  decode the prefill: first difference at model.layers.0.self_attn.o_proj" in out, out
+    assert "<b>decode the prefill</b>" in page and "note: the decode rows sdpa computes for eager&#x27;s" in page
+    (loc,) = json.loads(report.read_text())["locate"]  # (eager's K=2 rows are the golden's: nothing located)
+    (decode,) = loc["verify"]
+    assert loc["forwards"] == ["sdpa"] and decode["k"] == 1 and decode["module_call"] == "the prefill"
+    assert decode["first_module"]["what"] == "attention output before o_proj" and decode["traced_pass_reproduces"]
+    assert loc["notes"] == ["the decode rows sdpa computes for eager's verify rows (--decode-forward)"]
+    assert "where sdpa parts from the golden's module traces:\n  decode the prefill: first difference at " \
+        "model.layers.0.self_attn.o_proj" in out, out
     code, out, err = cli("replay", g, "--forward", "eager", "--forward", "sdpa", "--decode-forward", "sdpa",
                          "--locate", "--report", report)
     assert code == 1, out + err
-    eager, sdpa = json.loads(report.read_text())["locate"]
-    assert [x["k"] for x in eager["verify"]] == [1] and [x["k"] for x in sdpa["verify"]] == [1, 2]
-    assert eager["verify"][0] == sdpa["verify"][0] and sdpa["notes"] == []
-    code, out, err = cli("locate", g, "--forward", "sdpa")
-    assert code == 1 and out.startswith("decode the prefill: first difference at model.layers.0.self_attn.o_proj")
-    assert "K=2 the prefill: first difference" in out, out
-    edit_meta(g, lambda m: m["trace"].pop("decode"))  # as recorded before the decode rows were traced
+    (sdpa,) = json.loads(report.read_text())["locate"]  # (its decode rows located once, with its K rows)
+    assert sdpa["forwards"] == ["sdpa"] and [x["k"] for x in sdpa["verify"]] == [1, 2]
+    assert sdpa["notes"] == ["the decode rows sdpa computes for eager, sdpa's verify rows (--decode-forward)"]
+    for ks in ([], ["--k", "2"]):  # (the decode rows whatever --k, as a replay runs them)
+        code, out, err = cli("locate", g, "--forward", "sdpa", *ks)
+        assert code == 1 and out.startswith("decode the prefill: first difference at model.layers.0.self_attn.o_proj")
+        assert "K=2 the prefill: first difference" in out, out
+    for name in ("trace_digests", "trace_stats"):  # as recorded before the decode rows were traced
+        shutil.rmtree(g / "k1" / name)
+    edit_meta(g, lambda m: m["trace"].pop("decode"))
     assert cli("verify", g)[0] == 0
     code, out, err = cli("show", g)
     assert code == 0 and "points per row at every K (not the decode rows)" in out, out + err
     code, out, err = cli("replay", g, "--decode-forward", "sdpa", "--locate")
-    assert code == 1 and "where eager parts" not in out and "Traceback" not in err, out + err
+    assert code == 1 and "Traceback" not in err, out + err
+    assert f"where sdpa parts from the golden's module traces:\n  note: the decode rows sdpa computes for eager's " \
+        f"verify rows (--decode-forward)\n  note: its decode rows differ, but {g} was traced before vd traced the " \
+        "decode rows: they are not located (vd record GOLDEN --refresh traces them)" in out, out
     code, out, err = cli("locate", g, "--forward", "sdpa")
     assert code == 1 and out.startswith("K=2 the prefill: first difference"), out + err
+    assert f"note: {g} was traced before vd traced the decode rows: located at its K alone" in out, out
+    code, out, err = cli("record", g, "--refresh", "--reason", "trace the decode rows")
+    assert code == 0 and "module traces of the decode rows added" in out, out + err
+    assert open_golden(g).traced_at(1)
+
+
+def test_decode_traces_the_metadata_does_not_match_are_damage(cli, tmp_path):
+    """Traces of the decode rows are checked with every file, as the rows are (an adversarial test): claimed
+    without a decode group, lost from a resealed golden (a plain replay, which reads none of them, passed it),
+    there without the metadata's claim, or naming no point this forward traces."""
+    base = tmp_path / "g.zarr"
+    assert cli("record", base, "--model", "tiny-llama", "--k", "2", "--steps", "4", "--allow-thin", "--trace")[0] == 0
+
+    def forged(name: str, change, drop: tuple[str, ...] = ()) -> Path:
+        g = tmp_path / name
+        shutil.copytree(base, g)
+        for rel in drop:
+            shutil.rmtree(g / rel)
+        edit_meta(g, change)
+        return g
+
+    g = forged("nodecode.zarr", lambda m: [m.pop("decode"), m["logs"].pop("1")], ("k1",))
+    for args in (["verify", g], ["locate", g, "--forward", "sdpa"], ["replay", g]):
+        code, out, err = cli(*args)
+        assert code == 2 and "lists decode-row points (trace.decode), but the golden stores no decode rows" in err, \
+            (args, out, err)
+    g = forged("lost.zarr", lambda m: None, ("k1/trace_digests",))
+    for args in (["verify", g], ["replay", g], ["show", g], ["pack", g, tmp_path / "p.zip"]):
+        code, out, err = cli(*args)
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and last.endswith("k1/trace_digests is missing") and "Traceback" not in err, (args, out, err)
+    g = forged("undeclared.zarr", lambda m: m["trace"].pop("decode"))
+    for args in (["verify", g], ["replay", g]):
+        code, out, err = cli(*args)
+        assert code == 2 and "k1 holds module traces its metadata does not declare (trace.decode)" in err, \
+            (args, out, err)
+    g = forged("renamed.zarr", lambda m: m["trace"].update(decode=[[f"x{i}", "y"] for i in range(27)]))
+    code, out, err = cli("locate", g, "--forward", "sdpa")
+    assert code == 1 and "decode the prefill: the rows differ, but the golden's traces and this run's share no " \
+        "traced point" in out, out + err
+    g = forged("huge.zarr", lambda m: m["trace"].update(decode=[["a" * 100, "b"]] * 70000))
+    code, out, err = cli("verify", g)
+    assert code == 2 and "metadata field 'trace' is {" in err and len(err) < 1000, err[:300]
 
 
 def test_a_golden_decode_forward_traces_its_decode_rows(cli, tmp_path, monkeypatch):
@@ -496,3 +547,8 @@ def test_a_golden_decode_forward_traces_its_decode_rows(cli, tmp_path, monkeypat
     assert "decode rows are sdpa's (vd record --decode-forward): they are run with it" in out, out
     code, out, err = cli("locate", g, "--forward", "sdpa")
     assert code == 1 and out.startswith("decode: every row bit-identical\nK=2 the prefill: first difference"), out
+    static = tmp_path / "s.zarr"  # (the lean static step traces the rotated queries and keys too)
+    assert cli("record", static, "--model", "tiny-llama", "--k", "2", "--steps", "4", "--allow-thin", "--trace",
+               "--decode-forward", "static")[0] == 0
+    code, out, err = cli("show", static)
+    assert code == 0 and "module traces of 27 points per row at every K, and of 31 points at the decode rows" in out

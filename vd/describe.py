@@ -39,9 +39,11 @@ def describe(where: str | os.PathLike) -> Iterator[str]:
         yield (f"batch     recorded as one member of a batch of {batch['n']} ({slots_text(batch['slot'])}, "
                f"companions from seed {batch['seed']}); every replay runs that batch again")
     if g.traced:
-        where = "every K and the decode rows" if g.traced_at(DECODE_K) else "every K (not the decode rows)"
-        yield (f"trace     module traces of {len(g.trace_points())} points per row at {where} (vd record --trace): "
-               "vd locate names the first module a replay's difference starts at")
+        n, m = len(g.trace_points()), len(g.trace_points(DECODE_K)) if g.traced_at(DECODE_K) else None
+        where = ("every K (not the decode rows)" if m is None else "every K and the decode rows" if m == n else
+                 f"every K, and of {m} points at the decode rows (their forward's)")
+        yield (f"trace     module traces of {n} points per row at {where} (vd record --trace): vd locate names the "
+               "first module a replay's difference starts at")
     yield f"policy    {Policy.parse((), g.meta.get('policy')).describe()}"
     yield from _environment(g.meta.get("environment") or {})
     yield f"storage   {g.location.nbytes() / 1e6:.1f} MB; {_rows_text(g)}"

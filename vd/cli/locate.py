@@ -128,10 +128,12 @@ def located_lines(x) -> list[str]:
     rows = "" if x.rows_max_abs is None else f" (rows: max |Δ| {x.rows_max_abs:.4g})"
     f = x.first
     if f is None:
-        return [f"{group(x.k)} {x.call}: the rows differ{rows} but no traced module's output does"]
+        return [f"{group(x.k)} {x.call}: " + (x.note or f"the rows differ{rows} but no traced module's output does")]
+    from vd.replayer.words import before_words  # (after the run: the store is imported by then)
+
     when = "" if x.module_call == x.call else f" (its rows differ first at {x.call})"
-    head = (f"{group(x.k)} {x.module_call}{when}: first difference at {f.name} ({f.what}), {_how(f)}; the "
-            f"{x.identical_before} traced outputs before it identical{rows}")
+    head = (f"{group(x.k)} {x.module_call}{when}: first difference at {f.name} ({f.what}), {_how(f)}; "
+            f"{before_words(x.identical_before)}{rows}")
     lines = [head] + [f"  {'layer ' + str(m.layer) if m.layer is not None else 'outside the layers'}: first at "
                       f"{m.name} ({m.what}), {_how(m)}" for m in x.path[:PATH_LINES]]
     if len(x.path) > PATH_LINES:

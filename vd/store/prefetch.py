@@ -94,6 +94,7 @@ class Prefetcher:
         queued so far."""
         self.golden.check_sizes()
         self.units.extend(_Unit("hash", FILES, partial(self.golden.check_file, key)) for key in listed)
+        self.units.append(_Unit("traces", FILES, self.golden.check_traces))  # (after their files' hashes)
 
     def _plan(self, k: int) -> list[_Unit]:
         names = [*F.step_log_arrays(self.golden.info.version), *F.SUMMARY]

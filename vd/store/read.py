@@ -137,10 +137,26 @@ class Golden:
     def trace(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """K's (or the decode rows') module traces: digests ``int64 [T, M, 6]`` and statistics ``float32 [T, M,
         2]``, ``T`` its prefill, bootstrap (drafter feed) and verify rows in call order, ``M`` its traced points."""
+        digests, stats = self._trace_arrays(k)
+        return digests.read(), stats.read()
+
+    def _trace_arrays(self, k: int) -> tuple[Array, Array]:
+        """Group ``k``'s two trace arrays, there and of their shapes and dtypes (their documents read, no chunk)."""
         lay, m = self.layout(k), len(self.trace_points(k))
         rows = lay.prompt + (1 if lay.drafted else 0) + lay.steps * lay.k
-        return (self.array(f"k{k}/{F.TRACE_DIGESTS}", (rows, m, 6), np.dtype("<i8")).read(),
-                self.array(f"k{k}/{F.TRACE_STATS}", (rows, m, 2), np.dtype("<f4")).read())
+        return (self.array(f"k{k}/{F.TRACE_DIGESTS}", (rows, m, 6), np.dtype("<i8")),
+                self.array(f"k{k}/{F.TRACE_STATS}", (rows, m, 2), np.dtype("<f4")))
+
+    def check_traces(self) -> None:
+        """The module traces the metadata claims there, of their shapes (a replay reads none of them, and would
+        pass a golden that lost them), and none it does not claim."""
+        listed = self.manifest or {}
+        for k in self.groups:
+            if self.traced_at(k):
+                self._trace_arrays(k)
+            elif f"k{k}/{F.TRACE_DIGESTS}/zarr.json" in listed or f"k{k}/{F.TRACE_STATS}/zarr.json" in listed:
+                raise GoldenCorruptError(f"{self.url}/k{k} holds module traces its metadata does not declare "
+                                         "(trace" + (".decode" if k == F.DECODE_K and self.traced else "") + ")")
 
     def stored_prompt(self) -> list[int]:
         """The prompt array, checked against the metadata's copy of it."""
@@ -273,6 +289,7 @@ class Golden:
         if self.manifest is not None:
             for key in self.manifest:
                 self.check_file(key)
+            self.check_traces()
         else:
             self.check_contents()
         if self.rows_source is not None and self.rows_source is not self:
@@ -293,7 +310,7 @@ class Golden:
         for k in self.groups:
             self.checked_log(k)
             if self.traced_at(k):
-                self.trace(k)
+                self.trace(k)  # (their chunks read and checked too)
             if self.slim:
                 self.summary(k)
             else:

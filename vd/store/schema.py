@@ -70,8 +70,15 @@ def _field(meta: Mapping, key: str, kind: type[_T], where: str, test: Callable[[
            want: str = "") -> _T:
     v = meta.get(key)
     if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or not test(v):
-        raise GoldenCorruptError(f"{where}: metadata field {key!r} is {v!r}, expected {want or kind.__name__}")
+        raise GoldenCorruptError(f"{where}: metadata field {key!r} is {_shown(v)}, expected {want or kind.__name__}")
     return v
+
+
+def _shown(v: object, most: int = 200) -> str:
+    """A metadata value in an error's one line: its repr, cut after ``most`` characters (a forged field can hold
+    megabytes)."""
+    r = repr(v)
+    return r if len(r) <= most else f"{r[:most]}... ({len(r):,} characters)"
 
 
 def _ints(v: object, low: int, high: int) -> TypeGuard[list[int]]:
@@ -107,6 +114,10 @@ def check_meta(meta: Mapping, where: str) -> Info:
     _check_settings(meta, logical, where)
     _check_tokens(meta, vocab, where)
     decode = _decode_steps(meta, version, steps, tuple(ks), where)
+    trace = meta.get("trace")
+    if isinstance(trace, Mapping) and "decode" in trace and decode is None:
+        raise GoldenCorruptError(f"{where}: metadata field 'trace' lists decode-row points (trace.decode), but the "
+                                 "golden stores no decode rows")
     _check_logs(meta, tuple(ks), steps, vocab, version >= F.MANIFEST_SINCE, where, decode)
     if version >= F.VOLATILE_SINCE:
         _check_written(meta, vocab, decode, where)
@@ -130,9 +141,9 @@ def _decode_steps(meta: Mapping, version: int, steps: int, ks: tuple[int, ...], 
     if version < F.DECODE_SINCE or not isinstance(decode, Mapping) or decode.get("steps") != want \
             or not set(decode) <= {"steps", "forward"} or not isinstance(decode.get("forward", ""), str) \
             or decode.get("forward") in ("", meta.get("forward")):
-        raise GoldenCorruptError(f"{where}: metadata field 'decode' is {decode!r}, expected {{\"steps\": {want}}} "
-                                 f"and, where another forward than the golden's computed its rows, \"forward\": its "
-                                 f"name (format {F.DECODE_SINCE} and later)")
+        raise GoldenCorruptError(f"{where}: metadata field 'decode' is {_shown(decode)}, expected {{\"steps\": "
+                                 f"{want}}} and, where another forward than the golden's computed its rows, "
+                                 f"\"forward\": its name (format {F.DECODE_SINCE} and later)")
     return want
 
 
@@ -277,7 +288,7 @@ def check_run(run: Mapping, where: str) -> None:
 def _check_typed(meta: Mapping, where: str) -> None:
     for key, test, want in _TYPED:
         if meta.get(key) is not None and not test(meta[key]):
-            raise GoldenCorruptError(f"{where}: metadata field {key!r} is {meta[key]!r}, expected {want}")
+            raise GoldenCorruptError(f"{where}: metadata field {key!r} is {_shown(meta[key])}, expected {want}")
 
 
 def _check_tokens(meta: Mapping, vocab: int, where: str) -> None:

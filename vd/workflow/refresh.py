@@ -33,6 +33,7 @@ from vd.replayer import ReplaySettings, replay, words
 from vd.replayer.diff import diff
 from vd.store import Golden, Location, check_target, locate, manifest, open_golden
 from vd.store import history as H
+from vd.store.format import DECODE_K
 from vd.store.local import finish_removals
 from vd.store.read import recording_difference
 from vd.store.write import reseal
@@ -302,6 +303,8 @@ def summarise(old: Golden | None, new: Golden, asked: list[str], unreadable: str
     if old.traced and not new.traced:  # (a promoted candidate: a replay traces nothing)
         lines.append("module traces dropped: the new version holds none (vd record GOLDEN --refresh --trace "
                      "records them again)")
+    elif old.traced and new.decoded and not old.traced_at(DECODE_K) and new.traced_at(DECODE_K):
+        lines.append("module traces of the decode rows added (vd locate locates a difference there too)")
     env = numerics_differences(old.meta.get("environment") or {}, new.meta.get("environment") or {})
     lines += [f"environment: {d}" for d in env]
     differ = recording_difference(old, new)
