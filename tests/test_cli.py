@@ -1335,3 +1335,18 @@ def test_a_file_where_a_folder_is_named_is_said_so(cli, tmp_path, monkeypatch):
     code, out, err = cli("replay", "--suite", "--config", tmp_path)
     assert code == 2 and "is a folder; --config names the declaration file" in err, out + err
     assert afile.read_text() == ""
+
+
+def test_a_refresh_names_the_golden_model_refusing_a_forward(tiny_golden, tmp_path):
+    """`vd record TINY --refresh --forward nosuch` said "model smollm2 has no forward" (the --model default) of a
+    tiny-llama golden (a user test): the golden's own model is named, before torch is imported; --model given
+    names that one."""
+    cases = [(["record", str(tiny_golden), "--refresh", "--forward", "nosuch", "--reason", "x"],
+              "model tiny-llama has no forward 'nosuch'"),
+             (["record", str(tiny_golden), "--refresh", "--decode-forward", "nosuch", "--reason", "x"],
+              "model tiny-llama has no forward 'nosuch'"),
+             (["record", str(tiny_golden), "--refresh", "--model", "smollm2", "--forward", "nosuch", "--reason", "x"],
+              "model smollm2 has no forward 'nosuch'")]
+    for r, (argv, needle) in zip(_audit(tmp_path, *[argv for argv, _ in cases]), cases):
+        assert not r["heavy"], (argv, r["heavy"])
+        _one_line_error(r["code"], r["out"], r["err"], needle)

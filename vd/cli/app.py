@@ -5,8 +5,10 @@ history and status, are `vd.cli.team`'s). Command bodies are a few lines over `v
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -103,7 +105,8 @@ def record(
     out_path, entry = _record_target(_one(targets, "OUT"), config)
     if resume:
         return _resumed(ctx, out_path)
-    _check_record(out_path, refresh, summary, model, (forward, decode_forward), device, threads, tolerance)
+    _check_record(out_path, refresh, summary, _model_of(ctx, out_path, entry), (forward, decode_forward), device,
+                  threads, tolerance)
     preflight.check_record_widths(k)
     _check_batch(batch, slot, batch_seed, no_batch, feed == Feed.mtp)
     return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
@@ -115,6 +118,22 @@ def _check_batch(batch: int | None, slot: int | None, batch_seed: int | None, no
                                if v is not None]):
         raise UsageError(f"--no-batch records the sequence alone: it does not go with {', '.join(given)}")
     preflight.check_batch(batch, slot, batch_seed, drafted, recording=True)
+
+
+def _model_of(ctx: typer.Context, out_path: str, entry) -> str:
+    """The model SPEC a recording's forwards are checked against up front: ``--model``, else the declaration's,
+    else (a refresh) the golden's own, else the default."""
+    model = ctx.params["model"]
+    if _given(ctx, "model"):
+        return model
+    if entry is not None:
+        return entry.model or model
+    peek = preflight.peek(out_path) if ctx.params["refresh"] else None
+    if peek is None or peek.meta is None or not isinstance(peek.meta.get("model"), Mapping):
+        return model
+    from vd.models.specs import stored
+
+    return stored(peek.meta["model"], Path(os.path.abspath(out_path)).parent)[0]
 
 
 def _record_target(target: str, config: Path | None):
