@@ -106,16 +106,16 @@ def failure_text(f: Failure | None) -> str:
 # -- reasons ---------------------------------------------------------------------------------------------------
 
 
-def comparison_reasons(k: int, name: str, c: Comparison, label: str | None = None, what: str = "rows"
-                       ) -> list[Reason]:
+def comparison_reasons(k: int, name: str, c: Comparison, label: str | None = None, what: str = "rows",
+                       shown: str | None = None) -> list[Reason]:
     """One reason per kind of row that fails (its policy, or a changed decision); ``label`` heads it (default
-    ``verify K=2``), ``what`` it is about."""
+    ``verify K=2``), then the forward (``shown``, default ``name``); ``what`` it is about."""
     out, sm = [], c.summary
     flips = {kind: [f for f in c.unallowed_flips if f.kind == kind] for kind in ("prefill", "verify", "draft")}
     slim = "" if c.measured else " (the golden is slim: name its full golden with --rows to measure the rows)"
     if (sm["verify"].rows_failed or sm["prefill"].rows_failed or flips["verify"] or flips["prefill"]
             or c.changed_accepts):
-        head = _rows_head(label or f"verify K={k}", name, c)
+        head = _rows_head(label or f"verify K={k}", shown or name, c)
         out.append(Reason(what, head + _flip_text(flips["prefill"]) + _flip_text(flips["verify"]) + _accept_text(c)
                           + slim, k, name))
     if "draft" in sm and (sm["draft"].rows_failed or flips["draft"]):
@@ -166,9 +166,8 @@ def _accept_text(c: Comparison) -> str:
 
 def decode_reasons(name: str, decode_forward: str, c: Comparison) -> list[Reason]:
     """The decode rows (the greedy continuation's one-token decodes) a forward computed, against the golden's."""
-    label = "decode rows" + ("" if decode_forward == name else
-                             f" computed with {decode_forward} (for {name}'s verify rows)")
-    return comparison_reasons(1, name, c, label=label, what="decode")
+    label = "decode rows" + ("" if decode_forward == name else f" (for {name}'s verify rows)")
+    return comparison_reasons(1, name, c, label=label, what="decode", shown=decode_forward)
 
 
 def batch_reasons(k: int, label: str, b: BatchAxis) -> list[Reason]:
@@ -528,8 +527,9 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
     # the decode rows (K = 1) run before any K's: the smallest K replayed runs them too
     k = rows.k if rows.k != DECODE_K else min(v.k for v in report.verify)
     cmd = ["vd", "replay", _absolute(report.golden), "--k", str(k), "--forward", rows.forward]
-    if rows.decode_forward not in (None, report.golden_decode_forward or rows.forward):  # (not the default)
-        cmd += ["--decode-forward", str(rows.decode_forward)]
+    decoder = rows.decode_forward if rows.k == DECODE_K else _decoder_of(report, rows.forward)
+    if decoder not in (None, report.golden_decode_forward or rows.forward):  # (not the default)
+        cmd += ["--decode-forward", str(decoder)]
     if rows.batch is not None:
         cmd += ["--batch", str(rows.batch["n"]), *(["--slot", str(rows.batch["slot"])] if rows.batch["slot"]
                                                    is not None else []), "--batch-seed", str(rows.batch["seed"])]
@@ -546,6 +546,13 @@ def reproduce_command(report: Report, args: dict, out: str) -> list[str]:
     if args.get("allow_model_mismatch"):
         cmd.append("--allow-model-mismatch")
     return [*cmd, "--report", out]
+
+
+def _decoder_of(report: Report, forward: str) -> str:
+    """The forward whose decode rows the replay measured ``forward``'s verify rows against: its own, or the one
+    decode forward that ran (``--decode-forward``, or the golden's)."""
+    ran = [] if report.decode is None else [j.comparison.variant for j in report.decode.comparisons]
+    return forward if forward in ran or len(ran) != 1 else ran[0]
 
 
 def _as_replayed(report: Report, args: dict) -> dict[str, str | None]:
@@ -669,7 +676,16 @@ def other_forward(report: Report) -> str | None:
     failing = failing_forwards(report)
     if not failing or report.golden_forward in failing or None in failing:
         return None
-    return sorted(f for f in failing if f is not None)[0]
+    verify = {r.variant for r in report.reasons_of(("rows", "draft"))}  # (a forward's own rows before decode rows)
+    return sorted(f for f in (verify & failing or failing) if f is not None)[0]
+
+
+def decoder_with(report: Report, forward: str) -> str | None:
+    """Where ``forward`` (`other_forward`) is to become the golden's forward and another forward's decode rows
+    failed too (``--decode-forward``, not the golden's decode forward), that forward: the golden's decode
+    forward to record with it."""
+    others = _failing_decoders(report) - {report.decoder, forward}
+    return sorted(others)[0] if others else None
 
 
 def other_decoder(report: Report) -> str | None:
@@ -685,13 +701,17 @@ def other_decoder(report: Report) -> str | None:
 def _accept_decoder(report: Report, declared: str | None, target: str, decoder: str) -> NextStep:
     """How to take ``decoder``'s decode rows as the golden's: a recording that computes them with it (the verify
     rows still the golden's forward's)."""
+    spec = None if report.replayed_spec is None else portable_spec(report.replayed_spec)  # (its forward's model)
     if declared is not None:
         return (f"To compute the golden's decode rows with {decoder}, declare it (",
-                Code(f'decode_forward = "{decoder}"'), f" in {declared}'s declaration) and refresh: ",
+                Code(f'decode_forward = "{decoder}"'), *(() if spec is None else (" and ", Code(f'model = "{spec}"'))),
+                f" in {declared}'s declaration) and refresh: ",
                 Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"), ".")
-    return (f"To compute the golden's decode rows with {decoder} (its verify rows still {report.golden_forward}'s), "
-            "record it so: ", Code(shlex.join(["vd", "record", target, "--refresh", "--decode-forward", decoder])
-                                   + " --reason TEXT"), ".")
+    model = [] if spec is None else ["--model", spec]
+    return (f"To compute the golden's decode rows with {decoder} (its verify rows still {report.golden_forward}'s"
+            f"{'' if spec is None else f', its model {spec}'}), record it so: ",
+            Code(shlex.join(["vd", "record", target, "--refresh", *model, "--decode-forward", decoder])
+                 + " --reason TEXT"), ".")
 
 
 def _accept_slim(report: Report, forward: str | None) -> NextStep:
@@ -713,9 +733,11 @@ def _accept_slim(report: Report, forward: str | None) -> NextStep:
                 ", then write its slim form again: ",
                 Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
     decoder = other_decoder(report)
+    also = None if own else decoder_with(report, str(forward))
     record = f"vd record {full} --refresh --decode-forward {shlex.quote(decoder)} --reason TEXT" if decoder \
         else f"vd refresh {full} --reason TEXT" if own else \
-        f"vd record {full} --refresh --forward {shlex.quote(str(forward))} --reason TEXT"
+        f"vd record {full} --refresh --forward {shlex.quote(str(forward))}" \
+        + ("" if also is None else f" --decode-forward {shlex.quote(also)}") + " --reason TEXT"
     return ("If the change is intended, accept it in the full golden this slim one was made from: ", Code(record),
             ", then write its slim form again: ",
             Code(f"vd slim {full} {shlex.quote(report.golden)} --refresh"), ".")
@@ -745,15 +767,20 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
                 ", or record the golden again on the trusted build: ",
                 Code(f"vd record {shlex.quote(report.golden)} --refresh"), ".")
     spec = None if report.replayed_spec is None else portable_spec(report.replayed_spec)  # another model ran too
+    also = decoder_with(report, str(forward))  # (and its decode rows another forward's)
     if declared is not None:  # the declaration says what a refresh records
         return (f"To make {forward} the golden's forward, declare it (", Code(f'forward = "{forward}"'),
+                *(() if also is None else (" and ", Code(f'decode_forward = "{also}"'))),
                 *(() if spec is None else (" and ", Code(f'model = "{spec}"'))),
                 f" in {declared}'s declaration) and refresh: ",
                 Code(f"vd refresh {shlex.quote(declared)} --reason TEXT"), ".")
     model = [] if spec is None else ["--model", spec]
-    return (f"To make {forward} the golden's forward{'' if spec is None else f' and {spec} its model'}, record it "
-            "with it: ", Code(shlex.join(["vd", "record", target, "--refresh", *model, "--forward", str(forward)])
-                              + " --reason TEXT"),
+    decode = [] if also is None else ["--decode-forward", also]
+    its = "" if also is None else f" (its decode rows {also}'s)"
+    return (f"To make {forward} the golden's forward{its}{'' if spec is None else f' and {spec} its model'}, record "
+            "it with it: ",
+            Code(shlex.join(["vd", "record", target, "--refresh", *model, "--forward", str(forward), *decode])
+                 + " --reason TEXT"),
             f" (vd refresh records the golden's own, {report.golden_forward}"
             + ("" if spec is None else f" of {report.model.spec}") + ").")
 

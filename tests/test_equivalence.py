@@ -131,7 +131,7 @@ def test_decode_forward_computes_the_decode_rows_each_forward_is_measured_agains
     assert v["comparisons"][0]["variant"] == "eager" and v["comparisons"][0]["passed"]
     assert v["equivalence"]["decode_forward"] == "sdpa" and v["equivalence"]["forwards"][0]["variant"] == "eager"
     (why,) = r["reasons"]
-    assert why.startswith("decode rows computed with sdpa (for eager's verify rows), eager: "), why
+    assert why.startswith("decode rows (for eager's verify rows), sdpa: "), why
     # the decode rows alone fail: the next step still gives the replay writing their bundle (it gave none)
     assert "Look at the first divergence (decode, sdpa, prefill row 1 index 0) in its bundle " in out, out
     assert "--decode-forward sdpa" in (tmp_path / "r.json.bundle" / "command.sh").read_text()
@@ -191,25 +191,26 @@ def test_a_decode_forward_is_recorded_and_replayed_by_default(cli, tmp_path):
 
 
 def test_the_bundle_shows_a_regression_before_an_equivalence_the_golden_shares(cli, tmp_path, monkeypatch):
-    """16 steps of tiny-llama fail equivalence=exact at K=3 (step 13), as its golden does; a build moving one K=4
-    verify row sent the first-divergence bundle (and the next step) to that K=3 pair, and nothing captured the
+    """A golden whose own verify rows fail equivalence=exact at K=2 (as tiny-llama's eager rows did at K=3 step 13
+    on some hosts; here, host-independent, against sdpa's decode rows: --decode-forward sdpa); a build moving one
+    K=4 verify row sent the first-divergence bundle (and the next step) to that K=2 pair, and nothing captured the
     regression (found by a user test). Rows differing from the golden's come first, whatever their K."""
     golden = tmp_path / "g.zarr"
-    assert cli("record", golden, "--model", "tiny-llama")[0] == 0
+    assert cli("record", golden, "--model", "tiny-llama", "--decode-forward", "sdpa")[0] == 0
     monkeypatch.setenv("VD_PERTURB_STEP", "4")
     monkeypatch.setenv("VD_PERTURB_K", "4")
     code, out, err = cli("replay", golden, "--model", f"{PLUGINS / 'perturb.py'}:factory", "--tolerance",
                          "equivalence=exact", "--report", tmp_path / "r.json")
-    assert code == 1 and "verify K=3, eager: 1 of 40 verify rows fail equivalence=exact" in out, out + err
+    assert code == 1 and "verify K=2, eager: " in out and " verify rows fail equivalence=exact" in out, out + err
     failure = json.loads((tmp_path / "r.json.bundle" / "failure.json").read_text())
     assert (failure["k"], failure["kind"], failure["step"]) == (4, "verify", 4), failure
     assert "Look at the first divergence (K=4, eager, verify step 4 row 1 index 7" in out, out
-    # its slim form says of its own pair what the full golden says (it said "reported": its digests tell exact)
+    # its slim form says of its own pairs what the full golden says (it said "reported": its digests tell exact)
     assert cli("slim", golden, tmp_path / "s.zarr")[0] == 0
-    code, out, err = cli("replay", tmp_path / "s.zarr", "--tolerance", "equivalence=exact", "--k", "3", "--report",
+    code, out, err = cli("replay", tmp_path / "s.zarr", "--tolerance", "equivalence=exact", "--k", "2", "--report",
                          tmp_path / "s.json")
     own = json.loads((tmp_path / "s.json").read_text())["verify"][0]["equivalence"]["golden"]
-    assert own["judged"] and own["failing"] == [{"step": 13, "row": 0}] and not own["measured"], own
+    assert own["judged"] and own["failing"] and not own["measured"], own
     assert "fails (the golden's own: not judged)" in out, out + err
 
 

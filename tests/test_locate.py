@@ -552,3 +552,30 @@ def test_a_golden_decode_forward_traces_its_decode_rows(cli, tmp_path, monkeypat
                "--decode-forward", "static")[0] == 0
     code, out, err = cli("show", static)
     assert code == 0 and "module traces of 27 points per row at every K, and of 31 points at the decode rows" in out
+
+
+def test_an_engine_whose_decode_kernel_alone_changed_is_located_and_accepted(cli, tmp_path):
+    """The case the decode traces are for (a user test's plug-in): a build whose one-token decode moves one module's
+    output by one ULP, its K-token verify untouched. Its replay FAILs on the decode rows alone and --locate names
+    that module at the first decode step, with or without --k; the next steps reproduce the K's failure with the
+    decode forward that ran and record the plug-in's decode forward with the plug-in as the model (the command
+    printed dropped --model); with it as the golden's forward, its decode rows are its own."""
+    g, report = tmp_path / "g.zarr", tmp_path / "r.json"
+    assert cli("record", g, "--model", "tiny-llama", "--k", "2", "--steps", "4", "--allow-thin", "--trace")[0] == 0
+    spec = str(Path(__file__).parent / "plugins" / "decode_planted.py") + ":factory"
+    code, out, err = cli("replay", g, "--model", spec, "--decode-forward", "decplant", "--locate", "--report", report)
+    assert code == 1, out + err
+    (loc,) = json.loads(report.read_text())["locate"]
+    (decode,) = loc["verify"]
+    assert loc["forwards"] == ["decplant"] and decode["k"] == 1 and decode["module_call"] == "step 0"
+    assert decode["first_module"]["name"] == "model.layers.1.mlp.down_proj", decode
+    assert "  decode step 0: first difference at model.layers.1.mlp.down_proj (MLP down projection)" in out, out
+    assert f"record it so: vd record {g} --refresh --model {spec} --decode-forward decplant --reason TEXT" in out, out
+    code, out, err = cli("locate", g, "--model", spec, "--forward", "decplant", "--k", "2")
+    assert code == 1 and out.startswith("decode step 0: first difference at model.layers.1.mlp.down_proj"), out + err
+    assert "K=2: every row bit-identical" in out, out
+    code, out, err = cli("replay", g, "--forward", "static", "--decode-forward", "sdpa")  # both rows moved
+    assert code == 1, out + err
+    assert f"vd replay {g} --k 2 --forward static --decode-forward sdpa --tolerance" in out, out
+    assert "To make static the golden's forward (its decode rows sdpa's), record it with it: vd record " \
+        f"{g} --refresh --forward static --decode-forward sdpa --reason TEXT" in out, out  # (not "make sdpa")

@@ -438,3 +438,16 @@ def test_ctrl_c_after_a_refresh_published_says_so(cli, tiny_copy, monkeypatch, w
         assert code == 130 and versions == 2, out + err
         assert last == f"vd: aborted (Ctrl-C); {tiny_copy} was published before it (version 2: vd history " \
             f"{tiny_copy})", last
+
+
+def test_a_suite_replay_prints_where_each_golden_parts(tmp_path, monkeypatch, cli):
+    """`vd replay --suite --locate` wrote where a forward parts into the JSON and HTML, and printed nothing of it
+    (a user test): each golden's locations are printed under its verdict, as `vd replay --locate` prints them."""
+    (tmp_path / "vd.toml").write_text('[goldens.t]\npath = "t.zarr"\nmodel = "tiny-llama"\nk = [2]\nsteps = 4\n'
+                                      'allow_thin = true\ntrace = true\n')
+    monkeypatch.chdir(tmp_path)
+    assert cli("record", "--suite")[0] == 0
+    code, out, err = cli("replay", "--suite", "--decode-forward", "sdpa", "--locate")
+    assert code == 1, out + err
+    assert "    where sdpa parts from the golden's module traces:\n      decode the prefill: first difference at " \
+        "model.layers.0.self_attn.o_proj" in out, out

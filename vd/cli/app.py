@@ -105,8 +105,7 @@ def record(
     out_path, entry = _record_target(_one(targets, "OUT"), config)
     if resume:
         return _resumed(ctx, out_path)
-    _check_record(out_path, refresh, summary, _model_of(ctx, out_path, entry), (forward, decode_forward), device,
-                  threads, tolerance)
+    _check_record(ctx, out_path, entry, summary, (forward, decode_forward), tolerance)
     preflight.check_record_widths(k)
     _check_batch(batch, slot, batch_seed, no_batch, feed == Feed.mtp)
     return _record_one(ctx, out_path, refresh, reason, summary, config, entry)
@@ -145,12 +144,13 @@ def _record_target(target: str, config: Path | None):
     return (target, None) if entry is None else (entry.path, entry)
 
 
-def _check_record(out_path: str, refresh: bool, summary: Path | None, model: str,
-                  forwards: tuple[str | None, str | None], device: str, threads: int | None,
-                  tolerance: list[str] | None) -> None:
+def _check_record(ctx: typer.Context, out_path: str, entry, summary: Path | None,
+                  forwards: tuple[str | None, str | None], tolerance: list[str] | None) -> None:
     """A recording's arguments checked before anything heavy is imported: the destination and --summary, the
-    model SPEC and its forwards (``forwards``: the recording's and the decode rows', each where one is named),
-    the device, the thread count and the policy."""
+    model SPEC (`_model_of`) and its forwards (``forwards``: the recording's and the decode rows', each where one
+    is named), the device, the thread count and the policy."""
+    refresh, device, threads = ctx.params["refresh"], ctx.params["device"], ctx.params["threads"]
+    model = _model_of(ctx, out_path, entry)
     if summary is not None and not refresh:  # (one golden's first recording writes none)
         raise UsageError("--summary describes what a refresh changed: give it with --refresh (or --suite)")
     check_writable("--summary", summary, (out_path,))
@@ -480,15 +480,10 @@ def _replayed(result, data: dict, declared: str | None = None) -> int:
     for line in words.replay_lines(result):
         out.print(line)
     if result.located:
-        from vd.cli.locate import located_lines
+        from vd.cli.locate import reports_lines
 
-        for r in result.located:
-            out.print(f"where {r.forwards[0]} parts from the golden's module traces:")
-            for x in r.ks:
-                for line in located_lines(x):
-                    out.print("  " + line)
-            for note in r.notes:
-                out.print(f"  note: {note}")
+        for line in reports_lines(result.located):
+            out.print(line)
     out.print(result.verdict, style="bold")
     if data.get("bundle"):
         out.print(words.bundle_line(data["bundle"]))

@@ -119,6 +119,17 @@ def group(k: int) -> str:
     return "decode" if k == 1 else f"K={k}"
 
 
+def reports_lines(located) -> list[str]:
+    """A replay's ``--locate`` results (`vd.replayer.locate.LocateReport` each) in lines, as `vd replay` prints
+    them (and `vd replay --suite`, under each golden)."""
+    lines = []
+    for r in located:
+        lines.append(f"where {r.forwards[0]} parts from the golden's module traces:")
+        lines += ["  " + line for x in r.ks for line in located_lines(x)]
+        lines += [f"  note: {note}" for note in r.notes]
+    return lines
+
+
 def located_lines(x) -> list[str]:
     """One K of `vd.replayer.locate.Located` in lines: where the rows first differ, the first module, the path."""
     if not x.found:

@@ -156,13 +156,23 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
                                                       environ).parent)
     if html is not None:  # (after the bundles: each golden's next step names its own)
         render.write_suite_html(html, listed, command=["vd", *sys.argv[1:]], bundles=bundles)
-    for o in outcomes:
-        for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, done.details(o), bullet="- "):
-            out.print(line)
+    _print_outcomes(outcomes, done)
     out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads, shard, len(selected)),
               style="bold")
     _print_next_steps(outcomes, bundles)
     return done.code
+
+
+def _print_outcomes(outcomes, done) -> None:
+    """Each golden's verdict and reasons, and where its forwards part from its traces (``--locate``)."""
+    from vd.cli.locate import reports_lines
+    from vd.replayer import words
+
+    for o in outcomes:
+        for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds, done.details(o), bullet="- "):
+            out.print(line)
+        for line in reports_lines(() if o.report is None else o.report.located):
+            out.print(f"    {line}")
 
 
 def _print_next_steps(outcomes, bundles: dict[str, str]) -> None:
