@@ -334,6 +334,9 @@ def test_a_traced_graphed_or_compiled_golden_locates_the_other(cli, tmp_path, re
     code, out, err = cli("record", path, "--model", "tiny-qwen2", "--device", "cuda", "--steps", "8", "--forward",
                          recorded, "--trace", "--allow-thin")
     assert code == 0, err
+    from vd.store import open_golden
+
+    assert open_golden(path).traced_at(1)  # (the decode rows' traced pass reproduced them too)
     code, out, err = cli("replay", path, "--forward", replayed, "--locate", "--report", tmp_path / "r.json")
     r = json.loads((tmp_path / "r.json").read_text())
     assert code in (0, 1), err
