@@ -1350,3 +1350,14 @@ def test_a_refresh_names_the_golden_model_refusing_a_forward(tiny_golden, tmp_pa
     for r, (argv, needle) in zip(_audit(tmp_path, *[argv for argv, _ in cases]), cases):
         assert not r["heavy"], (argv, r["heavy"])
         _one_line_error(r["code"], r["out"], r["err"], needle)
+
+
+def test_a_plugin_spec_is_printed_as_it_is_not_as_an_emoji():
+    """rich turned `crashing.py:factory: its forward raised` into `crashing.py🏭 its forward raised` in suite output
+    (its emoji codes; a user test): vd's consoles print text as it is."""
+    from vd.cli.common import err, out
+
+    for console in (out, err):
+        with console.capture() as captured:
+            console.print("plug-in crashing.py:factory: its forward raised; :smile: [bold]x[/bold]")
+        assert captured.get() == "plug-in crashing.py:factory: its forward raised; :smile: [bold]x[/bold]\n"

@@ -93,6 +93,10 @@ def test_an_edited_field_is_said_to_be_an_edit(golden, tmp_path):
     edit_meta(marker, lambda m: m.update(format=99), sealed=False)
     with pytest.raises(NotAGoldenError, match="not a vd golden: its vd metadata's 'format' is 99, not 'vd-golden'"):
         open_golden(marker)
+    edit_meta(golden, lambda m: m.pop("golden_id"), sealed=False)  # (it said "the golden's ID None")
+    with pytest.raises(GoldenCorruptError, match="metadata field 'golden_id' is missing or malformed: the metadata "
+                                                 "was edited or damaged after"):
+        open_golden(golden)
 
 
 @pytest.mark.parametrize("field, value, said", [

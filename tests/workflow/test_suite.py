@@ -246,6 +246,19 @@ def test_a_decode_forward_is_declared_and_a_golden_recorded_otherwise_is_stale(t
     assert current.state == "current" and current.recorded["decode_forward"] is None
 
 
+def test_a_declared_trace_the_golden_lacks_is_stale(tmp_path, tiny):
+    """`trace = true` declared over a golden recorded without traces left it "current" and a suite record left it
+    untraced (a user test): status calls it stale, both ways, so that a refresh records the traces."""
+    path = _declared_b(tmp_path, tiny, "")
+    traced = _suite(tmp_path, SUITE.replace('k = [2]\n', 'k = [2]\ntrace = true\n'))
+    stale = status(traced, traced.select(["b"]), check_models=False)[0]
+    assert stale.state == "stale" and stale.reasons == ["trace: recorded False, declared True"], stale
+    record_suite(traced.select(["b"]), models=_holding(tiny), refresh_existing=True, reason="traced")
+    assert open_golden(path).traced and status(traced, traced.select(["b"]), check_models=False)[0].state == "current"
+    alone = _suite(tmp_path, SUITE)
+    assert status(alone, alone.select(["b"]), check_models=False)[0].reasons == ["trace: recorded True, declared False"]
+
+
 def test_a_golden_recorded_with_a_forward_its_declaration_leaves_out_is_stale(tmp_path, tiny):
     """A declaration naming no forward means the model's default; `vd record b --refresh --forward sdpa` left the
     golden 'current' until a suite refresh silently recorded the default again. With the model loaded, status

@@ -210,9 +210,11 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-# Markup off (model names hold brackets); wide when piped so lines and tables stay whole in logs.
-out = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
+# Markup and emoji codes off (model names hold brackets, a plug-in spec ":factory:"); wide when piped so lines and
+# tables stay whole in logs.
+out = Console(highlight=False, markup=False, emoji=False, soft_wrap=True,
+              width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
 GOLDEN_HELP = "a .zarr directory, a .zip file or s3://bucket/prefix"
 GOLDEN_OR_NAME = f"{GOLDEN_HELP}, or a declared golden's name"
 CONFIG_HELP = "The file declaring the suite (default: vd.toml, or a pyproject.toml with a tool.vd table, here " \

@@ -89,7 +89,10 @@ def check_meta(meta: Mapping, where: str) -> dict[str, list]:
     for key in manifest:  # a listed name that leads outside the golden is read, or copied, from nowhere
         check_member(key, where)
     stored = meta.get("golden_id")
-    if not isinstance(stored, str) or stored != golden_id(meta):
+    if not isinstance(stored, str):
+        raise GoldenCorruptError(f"{where}: metadata field 'golden_id' is missing or malformed: the metadata was "
+                                 "edited or damaged after the golden was written")
+    if stored != golden_id(meta):
         raise GoldenCorruptError(f"{where}: the metadata does not hash to the golden's ID {stored!r}: it was edited "
                                  "or damaged after the golden was written")
     return dict(manifest)

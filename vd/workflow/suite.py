@@ -31,7 +31,7 @@ from vd.workflow.refresh import refresh
 
 # What a stale check compares: the golden's recorded setting against the declaration's (resolved).
 _COMPARED = ("model", "head", "feed", "prompt", "ks", "steps", "dtype", "device", "forward", "decode_forward",
-             "tolerances", "deterministic", "threads", "batch", "slot", "batch_seed")
+             "tolerances", "deterministic", "threads", "batch", "slot", "batch_seed", "trace")
 
 
 Key = tuple[str, str, str, str | None]  # a model as `Models` holds it: (spec, device, dtype, head)
