@@ -216,6 +216,8 @@ def test_decisions_margin_from_the_command_line(cli, tiny_golden, tmp_path):
     assert code == 0 and r["policy"]["decisions"] == "margin:0.5", out + err
     assert "decisions=margin:0.5" in r["sensitivity"]["verify"]["catches"]
     _one_line_error(*cli("replay", tiny_golden, "--tolerance", "decisions=margin:0"), "decisions=margin:X")
+    _one_line_error(*cli("replay", tiny_golden, "--tolerance", "decisions=margin:-1"),  # (it said "unknown term")
+                    "decisions=margin:X needs a finite X > 0, not '-1'")
 
 
 def test_python_m_vd_is_the_command_line():

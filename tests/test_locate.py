@@ -137,15 +137,15 @@ def test_two_equal_forwards_agree(tiny_golden, cli):
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "holds no module traces: record it with vd record --trace, or compare two forwards here with vd locate "
-         "--between NAME"),
+    ([], "holds no module traces: record it with vd record --trace (vd record {tiny} --refresh --trace --reason "
+         "TEXT), or compare two forwards here with vd locate --between NAME"),
     (["--between", "eager", "--model", "tests/plugins/perturb.py:factory"],
      "forward 'eager' cannot be traced: the model (a Perturbed) implements no vd.protocol.ModuleTrace, which "
      "tracing its modules needs"),
 ])
 def test_what_locate_cannot_do_is_refused(tiny_golden, cli, args, message):
     code, out, err = cli("locate", tiny_golden, *args)
-    assert code == 2 and message in err and "Traceback" not in err, err
+    assert code == 2 and message.format(tiny=tiny_golden) in err and "Traceback" not in err, err
 
 
 def test_another_model_is_refused_as_a_replay_refuses_it(tiny_golden, cli):

@@ -128,8 +128,9 @@ def parse_decisions(text: str) -> float | None:
     except ValueError:
         x = float("nan")
     if not (x > 0 and math.isfinite(x)):
-        raise UsageError(f"unknown decisions term {text!r}: use decisions=strict or decisions=margin:X (X > 0, the "
-                         "golden top-1/top-2 logit margin below which an argmax flip is allowed)")
+        what = f"decisions=margin:X needs a finite X > 0, not {m[1]!r}" if m else f"unknown decisions term {text!r}"
+        raise UsageError(f"{what}: use decisions=strict or decisions=margin:X (X > 0, the golden top-1/top-2 logit "
+                         "margin below which an argmax flip is allowed)")
     return x
 
 

@@ -408,7 +408,8 @@ def batch_size(between: str) -> int:
 def untraced(where: str, flag: str = "") -> UsageError:
     """The refusal of ``vd locate`` (``flag`` empty) or ``--locate`` on a golden recorded without ``--trace``."""
     return UsageError(f"{flag + ': ' if flag else ''}{where} holds no module traces: record it with vd record "
-                      "--trace, or compare two forwards here with vd locate --between NAME")
+                      f"--trace ({shlex.join(['vd', 'record', where, '--refresh', '--trace'])} --reason TEXT), or "
+                      "compare two forwards here with vd locate --between NAME")
 
 
 def axis(between: str | None) -> bool:
