@@ -124,8 +124,9 @@ def _decode_located(s: Session, decode: KOutcome | None) -> dict[str, LocateRepo
         if j.comparison.equal or decoder in out:
             continue
         served = [n for n in s.forwards if (s.settings.decode_forward or n) == decoder]
+        why = "the golden's decode forward" if decoder == s.golden.decode_forward else "--decode-forward"
         notes = () if served == [decoder] else (
-            f"the decode rows {decoder} computes for {', '.join(served)}'s verify rows (--decode-forward)",)
+            f"the decode rows {decoder} computes for {', '.join(served)}'s verify rows ({why})",)
         if not s.golden.traced_at(DECODE_K):
             out[decoder] = LocateReport(s.golden.url, (decoder,), (), notes + (
                 f"its decode rows differ, but {s.golden.url} was traced before vd traced the decode rows: they are "
