@@ -90,11 +90,11 @@ class Prefetcher:
             self.units.append(_Unit("rows source", FILES, source.check_files))
 
     def _listing(self, listed: Mapping[str, list]) -> None:
-        """The file listing checked (`Golden.check_sizes`), then a unit per listed file to hash, after the units
-        queued so far."""
+        """The file listing checked (`Golden.check_sizes`, and `Golden.check_traces`), then a unit per listed file
+        to hash, after the units queued so far."""
         self.golden.check_sizes()
+        self.golden.check_traces()  # (the trace arrays the metadata claims: a replay reads none of them)
         self.units.extend(_Unit("hash", FILES, partial(self.golden.check_file, key)) for key in listed)
-        self.units.append(_Unit("traces", FILES, self.golden.check_traces))  # (after their files' hashes)
 
     def _plan(self, k: int) -> list[_Unit]:
         names = [*F.step_log_arrays(self.golden.info.version), *F.SUMMARY]
