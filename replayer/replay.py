@@ -123,7 +123,7 @@ def _decode_located(s: Session, decode: KOutcome | None) -> dict[str, LocateRepo
         decoder = j.comparison.variant
         if j.comparison.equal or decoder in out:
             continue
-        served = [n for n in s.forwards if (s.settings.decode_forward or n) == decoder]
+        served = s.served_by(decoder)
         why = "the golden's decode forward" if decoder == s.golden.decode_forward else "--decode-forward"
         notes = () if served == [decoder] else (
             f"the decode rows {decoder} computes for {', '.join(served)}'s verify rows ({why})",)

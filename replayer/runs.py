@@ -167,14 +167,14 @@ def replay_decode(s: Session) -> tuple[KOutcome | None, dict[str, DecodeRows]]:
     failure: FailureRows | None = None
     ran_by: dict[str, DecodeRows] = {}  # per decode forward: run once, whichever forwards it serves
     for name in s.forwards:
-        decode_forward = s.settings.decode_forward or name
+        decode_forward = s.settings.decoder(name)
         if decode_forward in ran_by:  # (--decode-forward F with several --forward: F's decode rows run once)
             kept[name] = ran_by[decode_forward]
             continue
         s.progress.phase(f"decode {decode_forward}", g.layout(DECODE_K).steps)
         rows = KeptDecode()
         ran = _forward(s, DECODE_K, decode_forward, log.steps, rows.observe)
-        served = [n for n in s.forwards if (s.settings.decode_forward or n) == decode_forward]  # its rows serve them
+        served = s.served_by(decode_forward)  # its rows serve them
         why = tuple(words.decode_reasons(", ".join(served), decode_forward, ran.comparison))
         reasons += why
         judged.append(Judged(ran.comparison, why))
@@ -310,7 +310,7 @@ def pair_rows(s: Session, k: int, name: str, steps: Sequence[Step], pair: Failin
     return FailureRows(k=k, forward=name, kind="equivalence", step=at.step, golden=pair.decode[None],
                        candidate=pair.verify[None], tokens=tokens, first_failure=first,
                        text=None if decoder is None else decoder.decode(tokens),
-                       decode_forward=s.settings.decode_forward or name)
+                       decode_forward=s.settings.decoder(name))
 
 
 # Which failure a first-divergence bundle shows, by its `FailureRows.axis` (the first here, then the first found):

@@ -74,6 +74,10 @@ class ReplaySettings:
     pin: str | None = None  # the content digest the golden must have (a suite declaration's ``pin``)
     verify: bool = False  # read every row and check it against its digest and statistics first
 
+    def decoder(self, forward: str) -> str:
+        """The forward that computes the decode rows ``forward``'s verify rows are measured against."""
+        return self.decode_forward or forward
+
 
 @dataclass(slots=True)
 class Clock:
@@ -128,6 +132,10 @@ class Session:
     batch: BatchView | None = None  # with --batch: the model's batch, the golden's sequence one member of it
     # A golden recorded in a batch (its ``batch`` metadata): every run replays its sequence in that batch again.
     recorded_batch: BatchView | None = None
+
+    def served_by(self, decoder: str) -> list[str]:
+        """The forwards replayed whose verify rows ``decoder``'s decode rows are measured against."""
+        return [n for n in self.forwards if self.settings.decoder(n) == decoder]
 
     @property
     def runner(self) -> VerifyModel:
@@ -264,7 +272,7 @@ def _forwards(g: Golden, model: VerifyModel, s: ReplaySettings, seconds: dict[st
     if s.locate and not g.traced:  # a suite's untraced golden: said, not refused (one golden is, by the CLI)
         notes.append("--locate: this golden holds no module traces (record it with vd record --trace)")
     elif s.locate:  # (and the decode forwards, where the golden's decode rows were traced)
-        decoders = [s.decode_forward or f for f in forwards] if g.traced_at(DECODE_K) and g.decoded else []
+        decoders = [s.decoder(f) for f in forwards] if g.traced_at(DECODE_K) and g.decoded else []
         for f in dict.fromkeys([*forwards, *decoders]):
             check_traceable(model, f, "--locate")
     return forwards, offered, notes

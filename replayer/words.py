@@ -660,9 +660,14 @@ def failing_forwards(report: Report) -> set[str | None]:
     """The forwards whose rows failed (None: rows of no one forward); failing decode rows count as the forward
     that computed them (``--decode-forward``'s where one was named, whichever forward they were computed for),
     those of the golden's own decode forward (`vd record --decode-forward`) as the golden's forward."""
-    failing = {r.variant for r in report.reasons_of(("rows", "draft"))}
     # (the golden's own decode forward's rows: the golden's own, a refresh's)
-    return failing | {report.golden_forward if d == report.decoder else d for d in _failing_decoders(report)}
+    return _failing_rows(report) | {report.golden_forward if d == report.decoder else d
+                                    for d in _failing_decoders(report)}
+
+
+def _failing_rows(report: Report) -> set[str | None]:
+    """The forwards whose own rows (verify, prefill, draft) failed against the golden's."""
+    return {r.variant for r in report.reasons_of(("rows", "draft"))}
 
 
 def _failing_decoders(report: Report) -> set[str]:
@@ -676,8 +681,8 @@ def other_forward(report: Report) -> str | None:
     failing = failing_forwards(report)
     if not failing or report.golden_forward in failing or None in failing:
         return None
-    verify = {r.variant for r in report.reasons_of(("rows", "draft"))}  # (a forward's own rows before decode rows)
-    return sorted(f for f in (verify & failing or failing) if f is not None)[0]
+    own = _failing_rows(report) & failing  # (a forward's own rows before its decode rows)
+    return sorted(f for f in (own or failing) if f is not None)[0]
 
 
 def decoder_with(report: Report, forward: str) -> str | None:
