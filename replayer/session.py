@@ -155,8 +155,18 @@ def check_pin(g: Golden, pin: str | None) -> None:
 
 
 def open_golden_for(where: str | os.PathLike | Location, s: ReplaySettings) -> Opened:
-    """Open the golden (its metadata only) and check what the settings ask of it."""
+    """Open the golden (its metadata only) and check what the settings ask of it (`check_asked`)."""
     g = open_golden(where, rows=s.rows, sizes=False)  # the files' listing is checked by the reader (`_reader`)
+    try:
+        return check_asked(g, s)
+    except BaseException:
+        g.close()
+        raise
+
+
+def check_asked(g: Golden, s: ReplaySettings) -> Opened:
+    """What the settings ask of the open golden ``g``, checked before any model loads (its widths, the batch,
+    its pin, the policy): refused with a `vd.errors.VdError`; else ``g`` opened for a replay under them."""
     preflight.check_threads(s.threads)
     ks = tuple(s.ks) or tuple(g.ks)
     preflight.check_widths(g.url, ks, g.ks)

@@ -38,6 +38,16 @@ def project(tmp_path, monkeypatch, cli):
     return tmp_path
 
 
+@pytest.mark.parametrize("flags, why", [(("--k", "9"), "has no verify width [9]"),
+                                         (("--forward", "nosuch"), "has no forward 'nosuch'")])
+def test_a_suite_refuses_what_its_goldens_cannot_do_before_loading_a_model(project, cli, flags, why):
+    """A width no golden holds or a forward no model offers is each golden's ERROR before its model loads (it
+    loaded the model first, then refused: seconds of a GPU model's load for a typo)."""
+    code, out, err = cli("replay", "--suite", *flags)
+    assert code == 2 and out.count(why) == 2 and "ERROR: 2 ERROR of 2 golden(s); 0 model load(s)" in out, out + err
+    assert "loading" not in err, err
+
+
 def test_a_suite_replays_with_one_verdict_and_its_reports(project, cli, request):
     plugin = str(request.config.rootpath / PERTURB)
     code, out, err = cli("replay", "--suite", "--report", "r.json", "--junit", "j.xml", "--html", "h.html")

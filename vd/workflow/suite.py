@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from vd.errors import GoldenError, ModelMismatchError, VdError, system_refusal
+from vd.models import check_forward_names
 from vd.models.specs import golden_dir, stored
 from vd.policy import Policy
 from vd.progress import SILENT, Progress
@@ -25,6 +26,7 @@ from vd.protocol import VerifyModel, require_model
 from vd.recorder import DEFAULT_PROMPT, RecordSettings, record
 from vd.replayer import ReplaySettings, replay
 from vd.replayer.report import Report
+from vd.replayer.session import check_asked
 from vd.store import Golden, check_target, locate, open_golden
 from vd.workflow.declare import Entry
 from vd.workflow.refresh import refresh
@@ -203,16 +205,19 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
     models = models or Models(replay_plan(entries, settings) if model is None else ())
 
     def one(e: Entry) -> Outcome:
-        g = open_golden(e.path)
+        pinned = settings if e.pin is None else dataclasses.replace(settings, pin=e.pin)  # (pytest: it was not)
+        g = open_golden(e.path, rows=settings.rows, sizes=False)  # (its listing: the replay's reader checks it)
         try:
             stale = stale_reasons(e, g)
             if stale:
                 raise GoldenError("stale, the declaration changed since it was recorded: " + "; ".join(stale)
                                   + f"; record it again: vd record --suite {e.name} --refresh --reason TEXT")
-            m = model or models.get(*replay_key(settings, g), progress)
-            pinned = settings if e.pin is None else dataclasses.replace(settings, pin=e.pin)  # (pytest: it was not)
-            report = replay(g.location, pinned, model=m, progress=progress)
+            opened = check_asked(g, pinned)  # a width it lacks, an unknown forward: refused before a model loads
+            key = replay_key(settings, g)
+            if model is None:
+                check_forward_names(key[0], list(settings.forwards))
             content = g.content_digest()
+            report = replay(opened, pinned, model=model or models.get(*key, progress), progress=progress)
         finally:
             g.close()  # a refresh in this process (pytest --vd-update) may then remove this version
         return Outcome(e.name, e.path, report.verdict, report=report, content=content)
