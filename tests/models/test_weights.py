@@ -87,3 +87,24 @@ def test_vd_cache_info_and_clear(cli, smollm2, tmp_path, monkeypatch):
     monkeypatch.setenv("VD_CACHE", "off")
     assert weights.root() is None and weights.entry_path(smollm2_path(), "bfloat16") is None
     assert "the cache is off" in cli("cache", "info")[1]
+
+
+@pytest.mark.slow
+def test_a_conversion_and_its_cache_entry_compute_the_same_decode_rows(tmp_path, monkeypatch):
+    """A machine's first load converts the GGUF; later ones memory-map the cache's safetensors, whose tensors sat
+    8 bytes past a 64-byte boundary. On an AMD EPYC (MKL) a one-row matmul rounds by its operands' alignment, so
+    a float32 golden recorded by the first load failed every later replay at its decode rows (found by a test
+    run on such a host). Both loads now place every weight as PyTorch allocates a tensor."""
+    monkeypatch.setenv("VD_CACHE_DIR", str(tmp_path / "cache"))
+    fresh = load_model("smollm2", dtype="float32")  # converted (and stored)
+    assert weights.ready(weights.entry_path(smollm2_path(), "float32"))
+    cached = load_model("smollm2", dtype="float32")  # read from the cache
+    rows = []
+    for m in (fresh, cached):
+        held = [*m.model.parameters(), *m.model.buffers()]
+        assert all(t.data_ptr() % checkpoints.ALIGNMENT == 0 for t in held)
+        ids = m.encode(PROMPT)
+        m.reset()
+        m.forward(ids)
+        rows.append(torch.cat([m.forward([t]) for t in ids[:6]]))  # one-token decodes
+    assert torch.equal(rows[0], rows[1])

@@ -48,6 +48,7 @@ def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> 
     model, tok, fp = _converted(path, dtype) if path.is_file() and path.suffix == ".gguf" else (
         *from_pretrained(path, dtype), None)
     model.to(device)
+    aligned(model)
     encode: Codec
     if tok is not None:
         encode, tokenizer = TokenizerCodec(tok), type(tok).__name__
@@ -55,6 +56,22 @@ def load_checkpoint(path: Path, *, device: torch.device, dtype: torch.dtype) -> 
         encode, tokenizer = ByteCodec(model.config.vocab_size), "none: UTF-8 bytes"
     return HFModel(model, name=f"{type(model).__name__} from {path.name}", encode=encode,
                    details={"source": str(path), "tokenizer": tokenizer}, fingerprinter=first_known(fp))
+
+
+ALIGNMENT = 64  # bytes: where PyTorch's CPU allocator places a tensor of its own
+
+
+def aligned(model: torch.nn.Module) -> None:
+    """Every CPU parameter and buffer of ``model`` moved, where it is not, into memory of its own, aligned as
+    PyTorch allocates a tensor. A checkpoint memory-mapped by safetensors leaves its tensors at the file's
+    offsets (8 bytes past a 64-byte boundary in the converted-weights cache), a GGUF's conversion at others, and
+    a CPU BLAS may round a one-row matmul (every decode row's) differently by its operands' alignment: on an AMD
+    EPYC (MKL), the decode rows of SmolLM2 in float32 loaded from its fresh conversion were not those of the same
+    weights loaded from the cache, so a golden recorded by a machine's first load failed every later replay."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.device.type == "cpu" and t.data_ptr() % ALIGNMENT:
+                t.data = t.data.clone()  # (a tied weight is one parameter: moved once, for both)
 
 
 def _converted(gguf: Path, dtype: torch.dtype) -> tuple[Any, Any, str]:
