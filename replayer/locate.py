@@ -359,7 +359,7 @@ def _model(g: Golden, spec: str | None, device: str | None, forwards: Sequence[s
     replay checks it, to be the golden's (its vocabulary; its fingerprint unless ``allow_mismatch``)."""
     golden_spec, head = stored(g.meta["model"], golden_dir(g.location))
     forwards = list(dict.fromkeys(f for f in (*forwards, *decoders) if not axis(f)))
-    check_forward_names(spec or golden_spec, forwards)  # before the model loads
+    check_forward_names(spec or golden_spec, forwards, device or g.info.device)  # before the model loads
     model = load_model(spec or golden_spec, device=check_device(device or g.info.device), dtype=g.logical,
                        head=head if spec is None else None)
     require_forwards(model, forwards)

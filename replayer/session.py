@@ -349,8 +349,8 @@ def _load_model(opened: Opened, s: ReplaySettings, clock: Clock, progress: Progr
     loads (a caller that hands a model in leaves that check to the reader, with the rest)."""
     g = opened.golden
     spec, head = model_to_load(g, s)
-    check_forward_names(spec, list(s.forwards))  # before the model loads
     dev = s.device or g.info.device
+    check_forward_names(spec, list(s.forwards), dev)  # before the model loads
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise preflight.no_cuda(g.url, s.device, g.info.device, cpu_forward_hint(g.info.forward, s.forwards))
     device = check_device(dev)

@@ -233,6 +233,9 @@ def environment_reason(differences: Sequence[str], hint: str | None) -> Reason:
 def steps_reason(k: int, changed: Sequence[int], a: Any, b: Any, total: int) -> Reason:
     """A diff's K whose recordings verified other tokens or accepted other counts (``a``, ``b``: the first
     changed step's `vd.layout.Step` of each)."""
+    if k == DECODE_K:  # (one-token decodes: each step's token is the one the step before chose; none accepts)
+        return Reason("steps", f"{group(k)}: {len(changed)} of {total} steps decoded from another token: the greedy "
+                      f"continuations part (first at step {changed[0]}: {list(a.tokens)} vs {list(b.tokens)})", k)
     return Reason("steps", f"{group(k)}: {len(changed)} of {total} steps verified other tokens or accepted another "
                   f"count (first at step {changed[0]}: {_step(a)} vs {_step(b)})", k)
 

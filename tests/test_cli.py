@@ -436,10 +436,17 @@ def test_replay_unknown_forward_exits_2(cli, tiny_golden):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_cuda_only_forward_asked_on_the_cpu_says_so(cli, tiny_golden):
     """`--forward graphed` where the model runs on the CPU: the line says it runs on CUDA only, not just that the
-    model lacks it."""
-    _one_line_error(*cli("replay", tiny_golden, "--forward", "graphed", "--forward", "eager"),
-                    "model tiny-llama (random weights, seed 0) has no forward 'graphed'",
-                    "(graphed runs on CUDA only: --device cuda)")
+    model lacks it; before the model loads (it loaded first, a user test found), for a replay, a recording, a
+    declared golden's recording (`vd status` and a suite replay's next step say so of one not recorded yet) and
+    `vd locate`."""
+    for args in [("replay", tiny_golden, "--forward", "graphed", "--forward", "eager"),
+                 ("record", "x.zarr", "--model", "tiny-llama", "--forward", "graphed"),
+                 ("record", "x.zarr", "--model", "tiny-llama", "--decode-forward", "graphed"),
+                 ("locate", tiny_golden, "--between", "graphed")]:
+        code, out, err = cli(*args)
+        _one_line_error(code, out, err, "model tiny-llama has no forward 'graphed' on device 'cpu'",
+                        "(graphed runs on CUDA only: --device cuda;")
+        assert "loading" not in err, args
 
 
 def test_replay_of_a_forward_this_device_lacks_names_the_choice(cli, tiny_copy):
@@ -996,6 +1003,9 @@ def test_a_suite_with_a_declaration_that_cannot_work_records_nothing(cli, tmp_pa
     code, out, err = cli("status", "--no-models")  # says so of the missing golden before anyone records it
     assert code == 1 and "  b: vd record --suite would refuse it: golden 'b' cannot be recorded as declared: " in out
     assert said in out and "  a: " not in out, out + err
+    code, out, err = cli("replay", "--suite")  # its next step is not a recording that would be refused
+    assert code == 2 and "  - record it: vd record --suite a" in out.splitlines(), out + err
+    assert "  - change its declaration: golden 'b' cannot be recorded as declared: " in out and said in out, out
 
 
 def test_a_stale_golden_replayed_by_name_says_so(cli, tmp_path, monkeypatch):

@@ -100,3 +100,17 @@ def test_diff_says_how_the_goldens_were_made_and_judges_bs_own_equivalence(cli, 
     code, out, err = cli("diff", paths["sdpa"], paths["sdpa"], "--tolerance", "equivalence=exact")
     assert code == 1 and "verify K=2, B (sdpa):" in out and "fail equivalence=exact" in out, out
     assert cli("diff", paths["eager"], paths["eager"], "--tolerance", "equivalence=exact")[0] == 0
+
+
+def test_the_steps_reason_of_decode_rows_names_no_accept_count():
+    """Two recordings whose greedy continuations part: the decode rows' steps are one-token decodes, each fed
+    the token the step before chose, which accept nothing ("[5] accepting 0 vs [7] accepting 0" said so)."""
+    from vd.layout import Step
+    from vd.replayer import words
+
+    decode = words.steps_reason(1, [3, 4], Step((5,), 0), Step((7,), 0), 16).text
+    assert decode == ("decode: 2 of 16 steps decoded from another token: the greedy continuations part (first at "
+                      "step 3: [5] vs [7])") and "accepting" not in decode
+    verify = words.steps_reason(2, [3], Step((5, 6), 1), Step((5, 6), 0), 16).text
+    assert verify == ("K=2: 1 of 16 steps verified other tokens or accepted another count (first at step 3: "
+                      "[5, 6] accepting 1 vs [5, 6] accepting 0)")

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from golden_edit import chunk, flip_byte
 
 from vd.store import open_golden
@@ -50,6 +51,18 @@ def warm(tmp_path_factory, tiny):
 def project(pytester, warm):
     pytester.makefile(".toml", vd=SUITE)
     return pytester
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_missing_golden_that_cannot_be_recorded_here_says_why(pytester, warm):
+    """Its way on is not a recording `vd record` would refuse (a CUDA-only forward on the CPU): the declaration
+    to change, and why."""
+    pytester.makefile(".toml", vd=SUITE + 'forward = "graphed"\n')
+    r = pytester.runpytest("--vd")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*golden missing*", "*(change its declaration: golden 'tiny' cannot be recorded as "
+                            "declared: model tiny-llama has no forward 'graphed' on device 'cpu'*"])
+    assert "record it" not in r.stdout.str()
 
 
 def test_goldens_are_collected_recorded_when_missing_and_replayed(project):

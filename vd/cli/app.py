@@ -158,7 +158,7 @@ def _check_record(ctx: typer.Context, out_path: str, entry, summary: Path | None
     check_no_golden("OUT", out_path, replace=True)  # OUT itself: check_target's (--refresh replaces it)
     check_recording(model, forwards[0], device, threads)
     if forwards[1] is not None:
-        check_model(model, [forwards[1]])
+        check_model(model, [forwards[1]], device)
     check_tolerances(tolerance)
 
 

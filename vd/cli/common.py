@@ -441,11 +441,12 @@ def check_replay(golden: str, meta: Mapping[str, Any] | None, ks, model: str | N
                                 cpu_forward_hint(str(meta.get("forward")), forwards))
 
 
-def check_model(spec: str, forwards: list[str]) -> None:
-    """A SPEC that names nothing, or a forward no built-in model has, refused without importing torch."""
+def check_model(spec: str, forwards: list[str], device: str | None = None) -> None:
+    """A SPEC that names nothing, or a forward no built-in model has (or, given the ``device``, has on CUDA
+    alone), refused without importing torch."""
     from vd.models import check_forward_names
 
-    check_forward_names(spec, forwards)
+    check_forward_names(spec, forwards, device)
 
 
 def check_recording(model: str, forward: str | None, device: str, threads: int | None) -> None:
@@ -453,8 +454,8 @@ def check_recording(model: str, forward: str | None, device: str, threads: int |
     imported: the model SPEC and forward, the device, the thread count."""
     from vd.models.device import check_device_name
 
-    check_model(model, [forward] if forward else [])
     check_device_name(device)
+    check_model(model, [forward] if forward else [], device)
     preflight.check_threads(threads)
 
 

@@ -25,9 +25,7 @@ from vd.cli.common import (
     Command,
     app,
     check_distinct,
-    check_model,
     check_no_golden,
-    check_recording,
     check_writable,
     err,
     examples,
@@ -38,10 +36,10 @@ from vd.cli.common import (
     resumable,
     write_json,
 )
-from vd.errors import GoldenError, Terminated, UsageError, VdError
+from vd.errors import GoldenError, Terminated, UsageError
 from vd.outputs import check_bundle_place, write_text
 from vd.preflight import recovered
-from vd.workflow.declare import check_pin_writable, declared, entry_for
+from vd.workflow.declare import check_pin_writable, check_recordable, declared, entry_for
 
 
 def _suite(config: Path | None):
@@ -73,7 +71,7 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
     for e in entries:  # a declared golden inside another is never written (itself: --refresh's to replace)
         check_no_golden(e.name, e.path, replace=True)
         check_pin_writable(e)  # (before anything is published: a pin it could not write)
-        _check_declared(e)
+        check_recordable(e)
     from vd.replayer import words
     from vd.store import locate
     from vd.workflow.suite import Models, exit_code, record_key
@@ -98,21 +96,6 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
         write_text(summary, words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""],
                                                           o.changes) for o in outcomes]))
     return exit_code(outcomes)
-
-
-def _check_declared(e) -> None:
-    """What `vd record` checks of its flags before anything heavy is imported, checked of a declared golden's
-    settings, so that a suite one of whose declarations cannot work is refused whole, not after the goldens before
-    it were recorded: the model SPEC and forwards, the device and the thread count (the policy and the batch are
-    the declaration's own checks, `vd.workflow.declare`)."""
-    from vd.models import DEFAULT_MODEL
-
-    try:
-        check_recording(e.model or DEFAULT_MODEL, e.forward, e.device or "cpu", e.threads)
-        if e.decode_forward is not None:
-            check_model(e.model or DEFAULT_MODEL, [e.decode_forward])
-    except VdError as err:  # (an unknown model is a ModelSpecError)
-        raise UsageError(f"golden {e.name!r} cannot be recorded as declared: {err}") from None
 
 
 def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str | None, report: Path | None,
@@ -159,7 +142,7 @@ def replay_suite(names: list[str], config: Path | None, asked: dict, shard: str 
     _print_outcomes(outcomes, done)
     out.print(words.suite_total(done.verdict, [o.verdict for o in outcomes], models.loads, shard, len(selected)),
               style="bold")
-    _print_next_steps(outcomes, bundles)
+    _print_next_steps(outcomes, bundles, entries)
     return done.code
 
 
@@ -175,14 +158,19 @@ def _print_outcomes(outcomes, done) -> None:
             out.print(f"    {line}")
 
 
-def _print_next_steps(outcomes, bundles: dict[str, str]) -> None:
-    """What to do about each golden of a suite replay that failed, or is not there (`pytest --vd` says the same)."""
+def _print_next_steps(outcomes, bundles: dict[str, str], entries) -> None:
+    """What to do about each golden of a suite replay that failed, or is not there (`pytest --vd` says the same):
+    record it, or, where `vd record` would refuse its declaration here, why."""
     from vd.replayer import words
 
-    for o in outcomes:
+    for o, e in zip(outcomes, entries, strict=True):
         lines = [] if o.report is None else words.next_lines(o.report, o.name, bundles.get(o.name))
         if o.report is None and "://" not in o.path and not os.path.lexists(o.path):
             lines = ["next step:", f"  - record it: vd record --suite {o.name}"]
+            try:
+                check_recordable(e)
+            except UsageError as err:
+                lines[1] = f"  - change its declaration: {err}"
         for line in lines:
             out.print(f"{o.name}: {line}" if line == "next step:" else line)
 
@@ -484,7 +472,7 @@ def status(
     for s in states:  # what `vd record --suite` would say of a missing one, said now
         if s.state == "missing":
             try:
-                _check_declared(suite.entries[s.name])
+                check_recordable(suite.entries[s.name])
             except UsageError as e:
                 s.reasons.append(f"vd record --suite would refuse it: {e}")
     orphans = S.orphans(suite) if not names else []

@@ -88,10 +88,10 @@ def check_gguf(path: str | Path) -> None:
         raise ModelSpecError(f"{LLAMACPP}{path}: not a .gguf file")
 
 
-def check_forward_names(spec: str, names: list[str]) -> None:
+def check_forward_names(spec: str, names: list[str], device: str | None = None) -> None:
     """A UsageError naming every forward in ``names`` that no built-in model offers, for a ``spec`` that
-    names a built-in model (a plug-in's forwards are known only once it is loaded); a llama.cpp GGUF that is
-    not there, refused as early."""
+    names a built-in model (a plug-in's forwards are known only once it is loaded), or, given the ``device``,
+    one that runs on CUDA only asked on another; a llama.cpp GGUF that is not there, refused as early."""
     kind = spec_kind(spec)
     if kind == "llamacpp":
         check_gguf(spec[len(LLAMACPP):])
@@ -101,6 +101,11 @@ def check_forward_names(spec: str, names: list[str]) -> None:
     if unknown:
         raise UsageError(f"model {spec} has no forward {', '.join(map(repr, unknown))}; its forwards are among "
                          f"{', '.join(BUILTIN_FORWARDS)} (`vd forwards` lists those this machine runs)")
+    cuda = [n for n in names if n in CUDA_ONLY]
+    if cuda and device is not None and not device.startswith("cuda"):
+        raise UsageError(f"model {spec} has no forward {', '.join(map(repr, cuda))} on device {device!r} "
+                         f"({', '.join(cuda)} run{'s' if len(cuda) == 1 else ''} on CUDA only: --device cuda; "
+                         "`vd forwards` lists those this machine runs)")
 
 
 def _plugin_module(target: str) -> ModuleType:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from vd.errors import UsageError
+from vd.errors import UsageError, VdError
 from vd.preflight import check_batch
 
 FILES = ("vd.toml", "pyproject.toml")
@@ -435,3 +435,22 @@ def repin(entry: Entry | None, path: str) -> str | None:
         raise DeclarationError(f"{path} was published, but its pin in {entry.file} could not be written "
                                f"({str(e).splitlines()[0]}): set pin = \"{digest}\" for {entry.name} by hand") from e
     return digest
+
+
+def check_recordable(e: Entry) -> None:
+    """What `vd record` checks of its flags before anything heavy is imported, checked of a declared golden's
+    settings (the model SPEC and forwards on its device, the device, the thread count; the policy and the batch
+    are the declaration's own checks): a suite one of whose declarations cannot work here is refused whole, not
+    after the goldens before it were recorded, and a missing golden's next step says so rather than name a
+    recording that would be refused."""
+    from vd.models import DEFAULT_MODEL, check_forward_names
+    from vd.models.device import check_device_name
+    from vd.preflight import check_threads
+
+    device = e.device or "cpu"
+    try:
+        check_device_name(device)
+        check_forward_names(e.model or DEFAULT_MODEL, [f for f in (e.forward, e.decode_forward) if f], device)
+        check_threads(e.threads)
+    except VdError as err:  # (an unknown model is a ModelSpecError)
+        raise UsageError(f"golden {e.name!r} cannot be recorded as declared: {err}") from None

@@ -215,7 +215,7 @@ def replay_suite(entries: Sequence[Entry], settings: ReplaySettings = ReplaySett
             opened = check_asked(g, pinned)  # a width it lacks, an unknown forward: refused before a model loads
             key = replay_key(settings, g)
             if model is None:
-                check_forward_names(key[0], list(settings.forwards))
+                check_forward_names(key[0], list(settings.forwards), key[1])
             content = g.content_digest()
             report = replay(opened, pinned, model=model or models.get(*key, progress), progress=progress)
         finally:
