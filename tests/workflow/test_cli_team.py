@@ -310,6 +310,26 @@ def test_prune_removes_orphans_only_once_confirmed(project, cli):
     assert not (project / "goldens" / "kept.zarr").exists() and (project / "goldens" / "a.zarr").is_dir()
 
 
+def test_prune_never_removes_a_golden_another_declaration_names(project, cli):
+    """A golden that another declaration names (the project's pyproject.toml beside a vd.toml read with --config;
+    a shared folder's own vd.toml for a golden declared there and found beside this suite's) is no orphan: `vd
+    status --prune --yes` removed them (a user test lost a project's goldens and their histories)."""
+    import shutil
+
+    (project / "pyproject.toml").write_text('[tool.vd.goldens.other]\npath = "goldens/other.zarr"\n')
+    shutil.copytree(project / "goldens" / "a.zarr", project / "goldens" / "other.zarr")
+    (project / "goldens" / "vd.toml").write_text('[goldens.shared]\npath = "shared.zarr"\n')
+    shutil.copytree(project / "goldens" / "a.zarr", project / "goldens" / "shared.zarr")
+    shutil.copytree(project / "goldens" / "a.zarr", project / "goldens" / "lost.zarr")
+    code, out, err = cli("status", "--no-models", "--config", "vd.toml", "--prune", "--yes")
+    assert code == 0 and "removed 1 orphan golden(s)" in out and "orphan: goldens/lost.zarr" in out, out + err
+    assert "other.zarr" not in out and "shared.zarr" not in out, out
+    assert (project / "goldens" / "other.zarr").is_dir() and (project / "goldens" / "shared.zarr").is_dir()
+    (project / "goldens" / "vd.toml").write_text("[goldens.shared\n")  # one vd cannot read might name it: kept
+    code, out, err = cli("status", "--no-models", "--config", "vd.toml", "--prune", "--yes")
+    assert code == 0 and "orphan" not in out and (project / "goldens" / "shared.zarr").is_dir(), out + err
+
+
 def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_path, cli, monkeypatch):
     """`vd record OUT --config FILE` records the golden FILE declares at OUT (or by the name OUT) with its
     declared settings, changed only by the flags given; an OUT FILE does not declare is refused (exit 2).

@@ -147,7 +147,7 @@ def find(start: Path | None = None) -> Path | None:
     for folder in (here, *here.parents):
         py = folder / "pyproject.toml"
         if (folder / "vd.toml").is_file():
-            if _declares(py):
+            if declares(py):
                 raise DeclarationError(f"{folder} declares goldens twice, in vd.toml and in pyproject.toml's "
                                        "[tool.vd]: keep one (or name the one meant: --config FILE, in pytest "
                                        "--vd-config FILE)")
@@ -157,7 +157,7 @@ def find(start: Path | None = None) -> Path | None:
     return None
 
 
-def _declares(pyproject: Path) -> bool:
+def declares(pyproject: Path) -> bool:
     """Whether ``pyproject`` is a readable pyproject.toml with a ``[tool.vd]`` table."""
     try:
         return pyproject.is_file() and "vd" in _read(pyproject).get("tool", {})

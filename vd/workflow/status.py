@@ -24,7 +24,7 @@ from vd.preflight import recovered
 from vd.progress import SILENT, Progress
 from vd.store import Golden, locate, open_golden
 from vd.store.location import Directory, ZipFile
-from vd.workflow.declare import Entry, Suite
+from vd.workflow.declare import DeclarationError, Entry, Suite, declares, load_suite
 from vd.workflow.suite import Key, Models, plan_of, stale_reasons
 
 
@@ -194,9 +194,28 @@ def orphans(suite: Suite) -> list[str]:
             if str(child) in declared or child.name.startswith("."):
                 continue
             where = ZipFile(child) if child.suffix == ".zip" else Directory(child)
-            if where.state() == "golden":
+            if where.state() == "golden" and not _declared_by_another(child, suite):
                 found.append(str(child))
     return found
+
+
+def _declared_by_another(child: Path, suite: Suite) -> bool:
+    """Whether a declaration other than the suite's, in ``child``'s folder or one above it (a vd.toml, a
+    pyproject.toml with [tool.vd]), names ``child``, or cannot be read and so might: a golden another suite
+    declares (a project's other declaration, named apart with --config; a shared folder's own) is no orphan of
+    this one, and `prune` would remove it."""
+    own, target = suite.file.resolve(), child.resolve()
+    for folder in (target.parent, *target.parent.parents):
+        for file in (folder / "vd.toml", folder / "pyproject.toml"):
+            if file.resolve() == own or not (file.is_file() if file.name == "vd.toml" else declares(file)):
+                continue
+            try:
+                other = load_suite(file)
+            except DeclarationError:
+                return True
+            if any(Path(e.path).resolve() == target for e in other.entries.values() if "://" not in e.path):
+                return True
+    return False
 
 
 def prune(paths: Sequence[str]) -> None:
