@@ -773,7 +773,7 @@ def _accept_step(report: Report, declared: str | None) -> NextStep:
     if own:
         return ("If the change is intended, accept it: ", Code(f"vd refresh {shlex.quote(target)} --reason TEXT"),
                 ", or record the golden again on the trusted build: ",
-                Code(f"vd record {shlex.quote(report.golden)} --refresh"), ".")
+                Code(f"vd record {shlex.quote(report.golden)} --refresh --reason TEXT"), ".")
     spec = None if report.replayed_spec is None else portable_spec(report.replayed_spec)  # another model ran too
     also = decoder_with(report, str(forward))  # (and its decode rows another forward's)
     if declared is not None:  # the declaration says what a refresh records

@@ -371,7 +371,7 @@ def test_an_undeclared_golden_edited_in_its_metadata_says_how_to_go_on(cli, tiny
                         f"copy), or remove it and record it afresh (vd record {tiny_copy} with the flags")
 
 
-def test_non_golden_paths_exit_2(cli, tiny_golden, tmp_path):
+def test_non_golden_paths_exit_2(cli, tiny_golden, tmp_path, monkeypatch):
     _one_line_error(*cli("replay", tmp_path / "nope.zarr"), "does not exist")
     (tmp_path / "dir").mkdir()
     _one_line_error(*cli("replay", tmp_path / "dir"), "not a vd golden")
@@ -385,6 +385,12 @@ def test_non_golden_paths_exit_2(cli, tiny_golden, tmp_path):
                  ["slim", tiny_golden, ""], ["pack", tiny_golden, ""],
                  ["record", "", "--model", "tiny-llama"], ["history", ""], ["refresh", "", "--reason", "r"]):
         _one_line_error(*cli(*argv), "'': an empty path names no golden")
+    # one slash after the scheme wrote a local folder s3:/ and said "wrote s3:/goldens/g.zarr" (a user test)
+    monkeypatch.chdir(tmp_path)
+    for argv in (["pack", tiny_golden, "s3:/goldens/g.zarr"], ["record", "S3:goldens/g.zarr", "--model", "tiny-llama"],
+                 ["replay", "s3:/goldens/g.zarr"]):
+        _one_line_error(*cli(*argv), "a URL needs two slashes after its scheme (s3://bucket/prefix)")
+    assert not os.path.lexists("s3:") and not os.path.lexists("S3:goldens")
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -12,6 +12,7 @@ import ctypes
 import importlib.metadata
 import json
 import os
+import re
 import shlex
 import stat
 import zipfile
@@ -150,7 +151,13 @@ def check_named(text: str) -> str:
     empty argument (an unset variable in a CI script, say) meant."""
     if not text:
         raise UsageError("'': an empty path names no golden")
+    if _MISTYPED_URL.match(text):  # (a local folder named s3:, which a CI log shows as an upload)
+        raise UsageError(f"{text}: a URL needs two slashes after its scheme (s3://bucket/prefix); a local path "
+                         f"starting so: ./{text}")
     return text
+
+
+_MISTYPED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:(?!//)/|^[sS]3:(?!//)")
 
 
 def peek(where: str | os.PathLike) -> Peek:

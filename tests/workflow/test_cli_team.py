@@ -330,6 +330,16 @@ def test_prune_never_removes_a_golden_another_declaration_names(project, cli):
     assert code == 0 and "orphan" not in out and (project / "goldens" / "shared.zarr").is_dir(), out + err
 
 
+def test_a_declared_goldens_refresh_by_vd_record_needs_a_reason(project, cli):
+    """`vd refresh a` and `vd record --suite --refresh` ask a reason; `vd record a --refresh` recorded one of its own
+    ("vd record --refresh") into a declared golden's history and rewrote its pin (a user test)."""
+    code, out, err = cli("record", "a", "--refresh")
+    assert code == 2 and "--refresh of a, which" in err and "needs --reason TEXT" in err, out + err
+    assert len(open_golden(project / "goldens" / "a.zarr").history) == 1
+    code, out, err = cli("record", "a", "--refresh", "--reason", "a new kernel")
+    assert code == 0 and open_golden(project / "goldens" / "a.zarr").history[-1]["reason"] == "a new kernel", err
+
+
 def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_path, cli, monkeypatch):
     """`vd record OUT --config FILE` records the golden FILE declares at OUT (or by the name OUT) with its
     declared settings, changed only by the flags given; an OUT FILE does not declare is refused (exit 2).

@@ -68,6 +68,7 @@ def test_a_folder_declaring_in_both_files_is_refused_unless_one_is_named(tmp_pat
     ('[goldens.a]\npath = "a.zarr"\npolicy = "verify=close"', r"\[goldens.a\] key 'policy': unknown tolerance"),
     ('[goldens.a]\npath = "a.zarr"\nfeed = "drafty"', r"key 'feed'"),
     ('[defaults]\npath = "x"\n[goldens.a]\npath = "a.zarr"', r"\[defaults\] cannot set 'path'"),
+    (f'[defaults]\npin = "sha256:{"0" * 64}"\n[goldens.a]\npath = "a.zarr"', r"\[defaults\] cannot set 'pin'"),
     ('goldens = 3', r"must be a table|no goldens"),
     ('[golden.a]\npath = "a.zarr"', r"unknown key golden"),
     ('[goldens."../goldens/tiny"]\npath = "a.zarr"', r"\[goldens.../goldens/tiny\]: a golden's name is a name"),

@@ -175,6 +175,9 @@ def _record_one(ctx: typer.Context, out_path: str, refresh: bool, reason: str | 
     if ctx.params["no_batch"]:  # alone: no batch, so neither a slot nor a seed of the others
         flags.update(batch=None, slot=None, batch_seed=None)
     if refresh and locate(out_path).state() == "golden":
+        if entry is not None and not reason:  # as vd refresh and a suite's refresh ask it
+            raise UsageError(f"--refresh of {entry.name}, which {entry.file} declares, needs --reason TEXT: it goes "
+                             "into the golden's history")
         return team.refresh_golden(out_path, config, reason or "vd record --refresh", summary, flags)
     from vd.recorder import RecordSettings
     from vd.recorder import record as do_record

@@ -300,8 +300,9 @@ def _entries(file: Path, table: Mapping, where: str) -> dict[str, Entry]:
     if extra:
         raise DeclarationError(f"{file}: unknown key {prefix}{extra[0]} (a suite has 'goldens' and 'defaults')")
     defaults = _table(file, table.get("defaults", {}), f"{prefix}defaults")
-    if "path" in defaults:
-        raise DeclarationError(f"{file}: [{prefix}defaults] cannot set 'path': each golden has its own")
+    for own in ("path", "pin"):  # (a pin is one golden's content digest)
+        if own in defaults:
+            raise DeclarationError(f"{file}: [{prefix}defaults] cannot set {own!r}: each golden has its own")
     goldens = table.get("goldens")
     if not isinstance(goldens, Mapping) or not goldens:
         raise DeclarationError(f"{file}: no goldens declared (add a [{prefix}goldens.NAME] table with a path)")
