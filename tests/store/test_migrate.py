@@ -49,3 +49,17 @@ def test_a_damaged_chunk_of_a_golden_without_a_manifest_is_found_by_a_replay(tmp
     flip_byte(path / "k2" / "logits.lo" / "c" / "1" / "0" / "0" / "0")
     with pytest.raises(GoldenCorruptError, match=r"k2/logits\.lo"):
         replay(path, ReplaySettings(ks=(2,), control=False))
+
+
+def test_a_refresh_replaces_an_earlier_migration_not_another_golden(tmp_path, tiny_golden):
+    """`vd migrate OLD NEW --refresh` over a golden of other numbers replaced it and its history without a word
+    (a user test); over an earlier migration of OLD it is what --refresh is for."""
+    import shutil
+
+    shutil.copytree(tiny_golden, tmp_path / "other.zarr")
+    with pytest.raises(UsageError, match="holds other numbers than .* --refresh replaces only an earlier migration"):
+        migrate(DATA / "tiny-llama-v6.zarr", tmp_path / "other.zarr", refresh=True)
+    assert open_golden(tmp_path / "other.zarr").content_digest() == open_golden(tiny_golden).content_digest()
+    migrate(DATA / "tiny-llama-v6.zarr", tmp_path / "new.zarr")
+    again = open_golden(migrate(DATA / "tiny-llama-v6.zarr", tmp_path / "new.zarr", refresh=True))
+    assert again.content_digest() == open_golden(DATA / "tiny-llama-v6.zarr").content_digest()
