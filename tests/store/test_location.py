@@ -296,3 +296,49 @@ def test_a_root_document_that_is_no_json_object_is_said_in_words(tiny_golden, tm
     (g / "zarr.json").write_bytes(doc)
     with pytest.raises(GoldenError, match=re.escape(f"{g}/zarr.json is unreadable: {said}")):
         open_golden(g)
+
+
+def test_s3_folder_markers_are_no_part_of_a_golden(s3, monkeypatch):
+    """An empty object whose key ends in "/" (the AWS console's "Create folder", rclone) under a golden's prefix:
+    every read waited VD_S3_WAIT_S (60 s) and then said a refresh was publishing it (a user test). And a prefix
+    with an empty folder (s3://b/a//g.zarr), written, was never found again: refused."""
+    import botocore.session
+
+    rows = write(s3, ks=(2,))
+    bucket, _, prefix = s3[len("s3://"):].partition("/")
+    client = botocore.session.get_session().create_client("s3")
+    for key in (f"{prefix}/", f"{prefix}/k2/"):
+        client.put_object(Bucket=bucket, Key=key, Body=b"")
+    monkeypatch.setenv("VD_S3_WAIT_S", "0.5")
+    assert np.array_equal(open_golden(s3).verify_rows(2)["verify"], rows[2]["verify"])
+    with pytest.raises(UsageError, match=r"an empty folder in an S3 prefix \('//'\)"):
+        locate(f"s3://{bucket}/a//g.zarr")
+
+
+def test_a_hung_s3_endpoint_is_one_line_in_bounded_time(cli, monkeypatch):
+    """An endpoint that accepts connections and never answers (a stopped server): vd waited minutes without a word
+    (botocore's 60 s per attempt, s3fs's five tries; a user test gave up after 200 s). Now VD_S3_TIMEOUT_S per try."""
+    import socket
+    import time
+
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # (one cached for another endpoint would be asked instead)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)  # connections complete in the backlog; nothing is ever read or answered
+    try:
+        for name, value in {"AWS_ACCESS_KEY_ID": "vd", "AWS_SECRET_ACCESS_KEY": "vd-secret", "AWS_REGION": "us-east-1",
+                            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
+                            "VD_S3_TIMEOUT_S": "0.5"}.items():
+            monkeypatch.setenv(name, value)
+        t = time.monotonic()
+        code, out, err = cli("verify", "s3://goldens/hung.zarr")
+        assert code == 2 and "ReadTimeoutError" in err and "each try waits VD_S3_TIMEOUT_S seconds" in err, err
+        assert time.monotonic() - t < 30 and len(err.strip().splitlines()) == 1, err
+        monkeypatch.setenv("VD_S3_TIMEOUT_S", "soon")
+        code, out, err = cli("verify", "s3://goldens/hung.zarr")
+        assert code == 2 and "VD_S3_TIMEOUT_S='soon': give seconds" in err, err
+    finally:
+        server.close()
+        s3fs.S3FileSystem.clear_instance_cache()

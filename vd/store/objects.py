@@ -95,11 +95,31 @@ _CREDENTIALS_HELP = ("S3 credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_
                      "~/.aws/credentials")
 
 
+TIMEOUT_ENV = "VD_S3_TIMEOUT_S"
+
+
+def _timeouts() -> dict:
+    """s3fs's client settings: a connection and each read given ``VD_S3_TIMEOUT_S`` seconds (default 20; botocore
+    waited 60 on each of its attempts and s3fs tried five times, so a hung endpoint held a command for minutes
+    without a word), tried twice by each."""
+    raw = os.environ.get(TIMEOUT_ENV, "20")
+    try:
+        seconds = float(raw)
+        if not 0 < seconds < 1e6:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"{TIMEOUT_ENV}={raw!r}: give seconds, a number above 0") from None
+    return {"config_kwargs": {"connect_timeout": seconds, "read_timeout": seconds,
+                              "retries": {"max_attempts": 2, "mode": "standard"}}}
+
+
 def _failure(what: str, e: Exception) -> GoldenError:
     """The one line for an S3 call that failed: ``what`` ("read s3://…"), the error, and where credentials come
     from when none were found."""
     first = str(e).splitlines()[0] if str(e) else ""
     hint = f" ({_CREDENTIALS_HELP})" if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError") else ""
+    if "Timeout" in type(e).__name__:
+        hint = f" (the endpoint did not answer; each try waits {TIMEOUT_ENV} seconds)"
     return GoldenError(f"cannot {what}: {type(e).__name__}: {first}{hint}")
 
 
@@ -112,6 +132,8 @@ class ObjectPrefix:
         bucket, _, prefix = self.url[len("s3://"):].partition("/")
         if not bucket or not prefix:
             raise UsageError(f"{url}: an S3 golden needs a bucket and a prefix (s3://bucket/path/name.zarr)")
+        if "" in prefix.split("/"):  # (written, then listed under another prefix than read: a golden never found)
+            raise UsageError(f"{url}: an empty folder in an S3 prefix ('//'): s3://bucket/path/name.zarr")
         self._stores: dict[bool, Store] = {}
 
     # -- the live prefix ------------------------------------------------------------------------------------
@@ -122,7 +144,9 @@ class ObjectPrefix:
                 import s3fs  # noqa: F401  (zarr's FsspecStore needs it for s3://)
             except ImportError as e:
                 raise UsageError(f"{self.url}: S3 goldens need s3fs (pip install 'vd-goldens[s3]')") from e
-            self._stores[read_only] = zarr.storage.FsspecStore.from_url(self.url, read_only=read_only)
+            store = zarr.storage.FsspecStore.from_url(self.url, read_only=read_only, storage_options=_timeouts())
+            store.fs.retries = 2  # (s3fs's own, around botocore's: 5 by default, each waiting out a timeout)
+            self._stores[read_only] = store
         return self._stores[read_only]
 
     def _call(self, what: str, coro):
@@ -175,7 +199,9 @@ class ObjectPrefix:
     def _take(self, root: bytes) -> Directory | None:
         """Copy every key of the golden whose root is ``root`` into a temporary directory; None (and nothing
         kept) when the root changed meanwhile."""
-        keys = [k for k in self._list() if k != "zarr.json"]
+        # A key ending in "/" is a folder marker (the AWS console's "Create folder", rclone), no file of a golden:
+        # read, it is nothing, which looked like a publish under way until VD_S3_WAIT_S ran out.
+        keys = [k for k in self._list() if k != "zarr.json" and k and not k.endswith("/")]
         where = Path(tempfile.mkdtemp(prefix="vd-s3-"))
         store = self._store(True)
         limit = asyncio.Semaphore(_PARALLEL)
