@@ -90,6 +90,21 @@ def test_a_golden_named_from_outside_its_project_keeps_its_pin(declared, cli, mo
     assert cli("replay", "--suite")[0] == 0
 
 
+def test_a_first_recording_named_from_outside_its_project_takes_its_declaration(tmp_path, cli, monkeypatch,
+                                                                                 tmp_path_factory):
+    """`vd record sub/zeta.zarr` from a folder above a declaration in sub/ recorded the default model and settings
+    (SmolLM2, 64 steps, about three minutes) where the same command run in sub/ records zeta as declared (a user
+    test): a golden not recorded yet is looked up in the declaration found from its folder, as one on disk is."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "vd.toml").write_text('[goldens.zeta]\npath = "zeta.zarr"\nmodel = "tiny-llama"\n'
+                                              'k = [2]\nsteps = 4\n')
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("record", "sub/zeta.zarr")
+    assert code == 0 and f"recording zeta as {tmp_path / 'sub' / 'vd.toml'} declares it" in out, out + err
+    g = open_golden(tmp_path / "sub" / "zeta.zarr")
+    assert g.ks == [2] and g.info.steps == 4 and g.meta["model"]["spec"] == "tiny-llama"
+
+
 def test_a_refresh_cut_short_in_its_publish_leaves_no_golden_its_pin_refuses(declared, cli, monkeypatch):
     """A suite refresh published by renames (`VD_PUBLISH_FALLBACK`) and interrupted (Ctrl-C) with the path empty:
     `vd status` said missing (no reader had put the new version in place), and once one did, every replay refused

@@ -232,13 +232,15 @@ def entry_for(target: str, config: str | os.PathLike | None = None) -> Entry | N
 
 def _declarations(target: str) -> list[tuple[Path, bool]]:
     """The declarations a command on one golden reads for ``target``, each with whether it is looked up by name
-    too: the one `find` finds from the working directory (by name or path); then, where ``target`` is a golden
-    on disk, the one found from the golden's own folder, if another (by path only: a name is the project's
-    where the command runs). A golden named from outside its project is still checked against its pin, and a
-    refresh of it writes its new pin there."""
+    too: the one `find` finds from the working directory (by name or path); then, where ``target`` is a local
+    path (a golden on disk, or one to record into an existing folder), the one found from the golden's own
+    folder, if another (by path only: a name is the project's where the command runs). A golden named from
+    outside its project is still checked against its pin, a refresh of it writes its new pin there, and a first
+    recording of it takes its declared settings (it took the defaults, a user test found)."""
     here = find()
     files = [(here, True)] if here is not None else []
-    if "://" not in target and os.path.lexists(target):
+    local = "://" not in target
+    if local and (os.path.lexists(target) or Path(target).absolute().parent.is_dir()):
         beside = find(Path(target).absolute().parent)
         if beside is not None and beside != here:
             files.append((beside, False))
