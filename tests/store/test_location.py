@@ -342,3 +342,27 @@ def test_a_hung_s3_endpoint_is_one_line_in_bounded_time(cli, monkeypatch):
     finally:
         server.close()
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_failed_s3_upload_leaves_no_upload_running(s3, monkeypatch):
+    """One key's upload fails (the server died): the others in flight are cancelled before the error is raised.
+    `asyncio.gather` left them running, so a process that ended then printed a traceback per key (a user test)."""
+    import asyncio
+    import time
+
+    real_set, done, failed = zarr.storage.FsspecStore.set, [], []
+
+    async def set_slowly(self, key, value):
+        if key.startswith("k2/") and not failed:
+            failed.append(key)
+            raise OSError("connection reset")
+        await asyncio.sleep(0.3)
+        await real_set(self, key, value)
+        done.append(time.monotonic())
+
+    monkeypatch.setattr(zarr.storage.FsspecStore, "set", set_slowly)
+    with pytest.raises(GoldenError, match="connection reset"):
+        write(s3, ks=(2,))
+    raised = time.monotonic()
+    time.sleep(1.0)
+    assert failed and not [t for t in done if t > raised]  # no upload went on after the error was raised

@@ -123,6 +123,21 @@ def _failure(what: str, e: Exception) -> GoldenError:
     return GoldenError(f"cannot {what}: {type(e).__name__}: {first}{hint}")
 
 
+async def _all(coros: list) -> list:
+    """Every coroutine run at once, their results; the first failure cancels the others and is raised once they are
+    over. (`asyncio.gather` left them running: an upload whose server died printed a traceback per key still in
+    flight when the process ended, a user test found.)"""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as e:
+        first: BaseException = e
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    return [t.result() for t in tasks]
+
+
 class ObjectPrefix:
     """A golden under ``s3://bucket/prefix`` (see the module's docstring)."""
 
@@ -218,7 +233,7 @@ class ObjectPrefix:
             return True
 
         async def every() -> bool:
-            return all(await asyncio.gather(*(one(k) for k in keys)))
+            return all(await _all([one(k) for k in keys]))
 
         try:
             complete = self._call("read", every())
@@ -294,7 +309,7 @@ class ObjectPrefix:
             keys = list(staged_keys(staged))
 
             async def upload():
-                await asyncio.gather(*(put(k) for k in keys[:-1]))
+                await _all([put(k) for k in keys[:-1]])
 
             self._call("write", upload())
             for key in sorted(old - set(keys)):  # the replaced golden's keys this one has not
