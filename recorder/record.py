@@ -124,6 +124,8 @@ class RecordSettings:
         out = []
         for f in fields(self):
             a, b = getattr(other, f.name), getattr(self, f.name)
+            if f.name == "tolerances" and b is not None:  # as the policies they make (prefill=exact is the default)
+                a, b = Policy.parse(a or ()).terms(), Policy.parse(b).terms()
             if (b is not None or f.name == "batch") and a != b:  # batch None: alone, a setting of its own
                 out.append(f"{f.name}: {_listed(a)} -> {_listed(b)}")
         return out

@@ -1,6 +1,7 @@
 """A reviewed refresh: a new version only with a reason and only when sound, a change summary against the
 version it replaces, the golden's history, and a replay's candidate promoted without re-recording."""
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -50,6 +51,19 @@ def test_a_refresh_asked_to_change_a_setting_says_so(golden, tiny):
     assert "asked: steps: 4 -> 6" in r.changes
     assert any(c.startswith("rows not compared:") and "steps (4 vs 6)" in c for c in r.changes)
     assert open_golden(golden).info.steps == 6
+
+
+def test_a_policy_that_names_a_default_asks_no_change_again(golden, tiny):
+    """A policy declared with a default in it (prefill=exact) is the policy recorded, and a refresh asking it
+    again said "asked: tolerances: ['verify=argmax'] -> ['verify=argmax', 'prefill=exact']" every time, into the
+    history too (a user test), where vd status called the golden current. A real change is still said."""
+    asked = RecordSettings(model="tiny-llama", steps=4, ks=(2, 3), tolerances=("verify=argmax", "prefill=exact"))
+    refresh(golden, asked, reason="argmax", model=tiny)
+    again = refresh(golden, asked, reason="again", model=tiny)
+    assert not [c for c in again.changes if "tolerances" in c], again.changes
+    other = dataclasses.replace(asked, tolerances=("verify=argmax", "prefill=ulp:1"))
+    assert "asked: tolerances: ['verify=argmax'] -> ['prefill=ulp:1', 'verify=argmax']" in refresh(
+        golden, other, reason="looser", model=tiny).changes
 
 
 def test_a_refresh_to_another_forward_says_it_once(golden, tiny):
