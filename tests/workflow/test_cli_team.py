@@ -340,6 +340,32 @@ def test_a_declared_goldens_refresh_by_vd_record_needs_a_reason(project, cli):
     assert code == 0 and open_golden(project / "goldens" / "a.zarr").history[-1]["reason"] == "a new kernel", err
 
 
+def test_a_declared_plugin_file_is_relative_to_its_declaration(tmp_path, cli, monkeypatch, request):
+    """`model = "engine.py:factory"` beside the declaration: from a subfolder (tests/) a suite replay looked for
+    tests/engine.py, and so did vd status and a refresh; with --config from elsewhere, ./engine.py (a user test).
+    A declaration's paths are relative to its folder, the model's file too; the golden's own stored spec is
+    found from a subfolder of its project."""
+    import shutil
+
+    shutil.copy(request.config.rootpath / PERTURB.split(":")[0], tmp_path / "engine.py")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "pyproject.toml").write_text('[tool.vd.goldens.alpha]\npath = "goldens/alpha.zarr"\n'
+                                             'model = "engine.py:factory"\nk = [2]\nsteps = 4\n')
+    monkeypatch.chdir(tmp_path / "tests")
+    code, out, err = cli("record", "--suite")
+    assert code == 0 and "RECORDED" in out, out + err
+    assert open_golden(tmp_path / "goldens" / "alpha.zarr").meta["model"]["spec"] == "engine.py:factory"  # portable
+    code, out, err = cli("replay", "--suite")
+    assert code == 0 and "PASS: 1 PASS of 1 golden(s)" in out, out + err
+    code, out, err = cli("status")
+    assert code == 0 and "current" in out, out + err
+    code, out, err = cli("record", "alpha", "--refresh", "--reason", "again")
+    assert code == 0 and "asked:" not in out, out + err
+    monkeypatch.chdir(tmp_path.parent)
+    code, out, err = cli("replay", "alpha", "--config", tmp_path / "pyproject.toml")
+    assert code == 0 and out.rstrip().endswith("PASS"), out + err
+
+
 def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_path, cli, monkeypatch):
     """`vd record OUT --config FILE` records the golden FILE declares at OUT (or by the name OUT) with its
     declared settings, changed only by the flags given; an OUT FILE does not declare is refused (exit 2).

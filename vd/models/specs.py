@@ -3,10 +3,13 @@
 A spec naming a file (a plug-in ``path/to/file.py:factory``, ``llamacpp:PATH.gguf``, a checkpoint directory
 or ``.gguf`` file, an MTP head file) is stored with that path relative to the project (the directory vd
 ran in) when the file lies inside it, else relative to the folder holding the golden when it lies there,
-else as typed; the golden notes which (``spec_base``, ``head_base``: ``project`` or ``golden``). A replay
-(or a refresh, or a suite) resolves it back against the same base, so a golden recorded on one machine
-names the same file on another checkout. Presets and ``package.module:factory`` plug-ins are portable as
-they are. Imports nothing heavy.
+else relative to the nearest folder above the directory vd ran in that holds the golden and the file (a
+command run in the project's tests/), else as typed; the golden notes which (``spec_base``, ``head_base``:
+``project`` or ``golden``). A replay (or a refresh, or a suite) resolves it back against the same base (a
+project file not in the working directory is looked for in the folders above it, then above the golden), so a
+golden recorded on one machine names the same file on another checkout, from the project or a subfolder. A
+suite declaration's model file is relative to the declaring file (`anchored`). Presets and
+``package.module:factory`` plug-ins are portable as they are. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -41,10 +44,20 @@ def portable(spec: str | None, golden_dir: Path | None) -> tuple[str | None, str
         return spec, None
     prefix, path, suffix = parts
     absolute = Path(os.path.abspath(path))
-    for base, root in (("project", Path.cwd()), ("golden", golden_dir)):
+    for base, root in (("project", Path.cwd()), ("golden", golden_dir), *_projects_above(golden_dir)):
         if root is not None and absolute.is_relative_to(os.path.abspath(root)):
             return prefix + absolute.relative_to(os.path.abspath(root)).as_posix() + suffix, base
     return spec, None
+
+
+def _projects_above(golden_dir: Path | None) -> list[tuple[str, Path]]:
+    """The folders above the working directory that hold the golden too (nearest first; not the filesystem's
+    root): the project a command run in its subfolder (tests/) works in, which `resolve` finds again from there."""
+    if golden_dir is None:
+        return []
+    golden = Path(os.path.abspath(golden_dir))
+    return [("project", folder) for folder in Path(os.path.abspath(Path.cwd())).parents
+            if folder.parent != folder and golden.is_relative_to(folder)]
 
 
 @overload
@@ -55,7 +68,9 @@ def resolve(spec: None, base: str | None, golden_dir: Path | None) -> None: ...
 
 def resolve(spec: str | None, base: str | None, golden_dir: Path | None) -> str | None:
     """A stored spec back to one naming the file from here (unchanged where it has no base, or where the
-    base is the golden's folder and the golden is not local)."""
+    base is the golden's folder and the golden is not local). The project is the folder vd ran in when it
+    recorded: the working directory, or, where the file is not there (a command run in a subfolder of the
+    project, its tests/), the nearest folder above it, else above the golden, that holds it."""
     if spec is None or base not in ("project", "golden"):
         return spec
     root = Path.cwd() if base == "project" else golden_dir
@@ -63,7 +78,23 @@ def resolve(spec: str | None, base: str | None, golden_dir: Path | None) -> str 
     if root is None or parts is None:
         return spec
     prefix, path, suffix = parts
+    if base == "project" and not os.path.isabs(path) and not (root / path).exists():
+        above = [*Path.cwd().parents, *([golden_dir, *golden_dir.parents] if golden_dir is not None else [])]
+        root = next((folder for folder in above if (folder / path).exists()), root)
     return prefix + os.path.normpath(os.path.join(root, path)) + suffix
+
+
+def anchored(spec: str, base: Path) -> str:
+    """A declared SPEC naming a file by a relative path (``file.py:factory``, ``llamacpp:PATH``, a checkpoint
+    that exists there), made absolute from ``base``, the declaring file's folder, as a declared ``path`` is;
+    a preset or a ``package.module:factory`` plug-in unchanged."""
+    parts = _split(spec, exists=False)
+    if parts is None:
+        return spec
+    prefix, path, suffix = parts
+    if os.path.isabs(path) or not (prefix or suffix or (base / path).exists()):
+        return spec
+    return prefix + os.path.normpath(os.path.join(base, path)) + suffix
 
 
 def names_stored(asked: str, meta_model: Mapping, golden_dir: Path | None) -> bool:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from vd.errors import UsageError, VdError
+from vd.models.specs import anchored
 from vd.preflight import check_batch
 
 FILES = ("vd.toml", "pyproject.toml")
@@ -348,6 +349,9 @@ def _table(file: Path, body, at: str) -> dict:
 def _entry(name: str, values: Mapping, file: Path, at: str) -> Entry:
     v = dict(values)
     v["path"] = resolve(v["path"], file.parent.absolute())
+    for spec in ("model", "head"):  # a file they name is relative to the declaring file too
+        if spec in v:
+            v[spec] = anchored(v[spec], file.parent.absolute())
     if "k" in v:
         v["k"] = tuple(v["k"])
     if "policy" in v:

@@ -17,6 +17,7 @@ published whole through its location. Refused, nothing is published and the old 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import shutil
@@ -26,6 +27,7 @@ from pathlib import Path
 from vd import preflight
 from vd.env import numerics_differences
 from vd.errors import CandidateOutdatedError, GoldenCorruptError, GoldenError, UsageError, naming
+from vd.models.specs import golden_dir, names_stored
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
 from vd.recorder import RecordSettings, record
@@ -139,8 +141,14 @@ def _refuse_slim(old: Golden, candidate: str | None = None) -> None:
 
 
 def settings_changes(old: Golden | None, settings: RecordSettings) -> list[str]:
-    """What ``settings`` change from what recorded ``old``."""
-    return [] if old is None else [f"asked: {c}" for c in settings.changes_from(RecordSettings.of_golden(old.meta))]
+    """What ``settings`` change from what recorded ``old`` (a model SPEC naming the golden's own model file from
+    here, or from its declaration, is no change: `vd.models.specs.names_stored`)."""
+    if old is None:
+        return []
+    have = RecordSettings.of_golden(old.meta)
+    if settings.model is not None and names_stored(settings.model, old.meta["model"], golden_dir(old.location)):
+        settings = dataclasses.replace(settings, model=have.model)
+    return [f"asked: {c}" for c in settings.changes_from(have)]
 
 
 def promote(candidate: str | os.PathLike, where: str | os.PathLike, *, reason: str,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vd.errors import GoldenError, VdError
+from vd.models.specs import golden_dir, stored
 from vd.preflight import recovered
 from vd.progress import SILENT, Progress
 from vd.store import Golden, locate, open_golden
@@ -124,10 +125,11 @@ def status_key(g: Golden) -> Key:
     here (fingerprints cover weights and config, not the device they sit on)."""
     import torch
 
-    m, device = g.meta["model"], g.info.device
+    device = g.info.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         device = "cpu"
-    return (m["spec"], device, g.logical, m.get("head"))
+    spec, head = stored(g.meta["model"], golden_dir(g.location))  # a file it names, from here
+    return (spec, device, g.logical, head)
 
 
 def _fingerprint(g: Golden, model) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vd.errors import GoldenError, ModelMismatchError, VdError, system_refusal
 from vd.models import check_forward_names
-from vd.models.specs import golden_dir, stored
+from vd.models.specs import golden_dir, names_stored, stored
 from vd.policy import Policy
 from vd.progress import SILENT, Progress
 from vd.protocol import VerifyModel, require_model
@@ -142,6 +142,8 @@ def stale_reasons(entry: Entry, golden: Golden) -> list[str]:
         a, b = getattr(have, name), getattr(want, name)
         if name == "tolerances":  # as the policies they make: kl:1 is prefill=kl:1, verify=kl:1, draft=kl:1
             a, b = Policy.parse(a).terms(), Policy.parse(b).terms()
+        if name == "model" and names_stored(b, golden.meta["model"], golden_dir(golden.location)):
+            a = b  # its own model's file, named from its declaration's folder
         if name == "decode_forward":  # the golden's own forward named again is none other
             a = None if a == have.forward else a
             b = None if b == (want.forward or have.forward) else b
