@@ -196,6 +196,8 @@ def test_record_refresh_re_records_what_the_golden_says(tmp_path, cli, monkeypat
     ('[goldens.a]\npath = "a.zarr"\nstep = 3\n', "[goldens.a] unknown key 'step'"),
     pytest.param('[goldens.a]\npath = "a.zarr"\nbatch = 2\nslot = 5\n', "a batch of 2 has slots 0 to 1",
                  id="a-slot-outside-its-batch"),
+    pytest.param('[goldens.a]\npath = "a.zarr"\nslot = 1\n',  # in its keys' words (it said "key 'batch': --slot")
+                 "[goldens.a]: slot places the golden's sequence in a batch: pass batch = N too", id="a-slot-alone"),
     pytest.param('[goldens.a]\npath = "a.zarr"\n[goldens.b]\npath = "a.zarr/b.zarr"\n',
                  "are one inside the other", id="one-golden-inside-another"),
     pytest.param('[goldens.b]\npath = "a.zarr/b.zarr"\n[goldens.a]\npath = "a.zarr/"\n',
@@ -265,6 +267,8 @@ def test_status_ties_the_last_replay_to_the_version_it_judged(project, cli):
     assert cli("refresh", "a", "--reason", "5 steps now")[0] == 0
     (project / "goldens" / "b.zip").unlink()
     assert last() == {"a": "PASS (of another version)", "b": None}
+    code, out, err = cli("status", "--no-models", "--report", "gone.json")  # said "is not a suite report: [Errno 2]"
+    assert code == 2 and "--report gone.json does not exist (the JSON report of a vd replay --suite" in err, err
 
 
 def test_status_names_a_golden_whose_files_git_ignores(project, cli):
@@ -364,6 +368,20 @@ def test_a_declared_plugin_file_is_relative_to_its_declaration(tmp_path, cli, mo
     monkeypatch.chdir(tmp_path.parent)
     code, out, err = cli("replay", "alpha", "--config", tmp_path / "pyproject.toml")
     assert code == 0 and out.rstrip().endswith("PASS"), out + err
+
+
+def test_a_declared_golden_not_recorded_yet_says_how_to_record_it(project, cli):
+    """`vd replay a` of a declared golden not recorded said only "goldens/a.zarr does not exist", where a suite
+    replay and pytest --vd say how to record it; `vd history nosuch` did not list the declared names (a user
+    test)."""
+    import shutil
+
+    shutil.rmtree(project / "goldens" / "a.zarr")
+    for args in (("replay", "a"), ("show", "a"), ("history", "a"), ("verify", "a")):
+        code, out, err = cli(*args)
+        assert code == 2 and "a, which" in err and "is not recorded yet (vd record --suite a)" in err, (args, err)
+    code, out, err = cli("history", "nosuch")
+    assert code == 2 and "declares no golden of that name (it declares a, b)" in err, err
 
 
 def test_record_of_one_declared_golden_takes_its_declaration_from_config(tmp_path, cli, monkeypatch):

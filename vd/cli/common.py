@@ -34,7 +34,15 @@ from typer.core import TyperCommand, TyperGroup
 
 import vd
 from vd import preflight
-from vd.errors import ModelSpecError, Terminated, UsageError, VdError, system_refusal, write_traceback
+from vd.errors import (
+    GoldenNotFoundError,
+    ModelSpecError,
+    Terminated,
+    UsageError,
+    VdError,
+    system_refusal,
+    write_traceback,
+)
 from vd.outputs import ReaderGone, json_text, stream, to_stdout, write_text
 from vd.progress import Lines
 
@@ -405,6 +413,9 @@ def golden_path(target: str, config: str | os.PathLike | None = None) -> str:
 
     entry = declared(target, config)
     if entry is not None and entry.name == target:
+        if "://" not in entry.path and not os.path.lexists(entry.path):
+            raise GoldenNotFoundError(f"{entry.path} does not exist: {target}, which {entry.file} declares, is not "
+                                      f"recorded yet (vd record --suite {target})")
         return entry.path
     if entry is None and target and "://" not in target and not os.path.lexists(target):
         try:  # a mistyped name: "does not exist" alone hid the names a declaration here holds

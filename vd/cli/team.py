@@ -29,6 +29,7 @@ from vd.cli.common import (
     check_writable,
     err,
     examples,
+    golden_path,
     note_journal,
     out,
     reading_environment,
@@ -429,8 +430,7 @@ def history(
     from vd.store import history as H
     from vd.store import open_golden
 
-    entry = entry_for(target, config)
-    g = open_golden(entry.path if entry is not None else target)
+    g = open_golden(golden_path(target, config))
     try:  # (closed here: a reader's hold on this version would keep a refresh from removing it)
         g.check_files()
         lines = H.lines(g.history)

@@ -365,8 +365,10 @@ def _entry(name: str, values: Mapping, file: Path, at: str) -> Entry:
     try:
         check_batch(v.get("batch"), v.get("slot"), v.get("batch_seed"), v.get("feed") == "mtp",
                     recording=True)
-    except UsageError as e:
-        raise DeclarationError(f"{at} key 'batch': {e}") from e
+    except UsageError as e:  # (its words are the flags'; a declaration's are its keys)
+        said = re.sub(r"--(batch-seed|batch|slot)( N)?", lambda m: m[1].replace("-", "_") + (" = N" if m[2] else ""),
+                      str(e)).replace("without batch", "without a batch")
+        raise DeclarationError(f"{at}: {said}") from e
     return Entry(name=name, file=file, **v)
 
 

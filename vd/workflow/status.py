@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vd.errors import GoldenError, VdError
+from vd.errors import GoldenError, UsageError, VdError, system_refusal
 from vd.models.specs import golden_dir, stored
 from vd.preflight import recovered
 from vd.progress import SILENT, Progress
@@ -179,7 +179,12 @@ def _last_verdicts(report: str | None) -> dict[str, tuple[str, str | None]]:
     try:
         data = json.loads(Path(report).read_text())
         return {g["name"]: (g["verdict"], g.get("content_digest")) for g in data["goldens"]}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except FileNotFoundError:
+        raise UsageError(f"--report {report} does not exist (the JSON report of a vd replay --suite --report)") \
+            from None
+    except OSError as e:
+        raise UsageError(f"--report {report} cannot be read: {system_refusal(e)}") from None
+    except (ValueError, KeyError, TypeError) as e:
         raise GoldenError(f"--report {report} is not a suite report (vd replay --suite --report): {e}") from e
 
 
