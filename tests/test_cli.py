@@ -987,7 +987,8 @@ def test_a_phase_that_failed_is_not_said_done(cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = cli("record", "--suite")
     lines = err.splitlines()
-    assert code == 2 and lines[0] == "vd: loading ckpt" and lines[1].startswith("vd: loading ckpt: failed after ")
+    ckpt = tmp_path / "ckpt"  # (a declared model's folder, from the declaring file's)
+    assert code == 2 and lines[0] == f"vd: loading {ckpt}" and lines[1].startswith(f"vd: loading {ckpt}: failed after ")
     assert "done" not in err, err
 
 
