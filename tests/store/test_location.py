@@ -366,3 +366,31 @@ def test_a_failed_s3_upload_leaves_no_upload_running(s3, monkeypatch):
     raised = time.monotonic()
     time.sleep(1.0)
     assert failed and not [t for t in done if t > raised]  # no upload went on after the error was raised
+
+
+def test_a_placeholder_whose_writer_died_here_is_said_at_once(s3, monkeypatch):
+    """A write cut short (its writer killed) leaves the placeholder root; a reader on the writer's host waited
+    VD_S3_WAIT_S (60 s) for a process that no longer runs, then said "record it again" (a user test restored it
+    with vd pack --refresh). It says so at once, naming both ways to write it again."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    write(s3)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    holder = {"host": socket.gethostname(), "pid": gone.pid, "token": "x", "since": "2026-12-08T00:00:00+00:00"}
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": {"vd_partial": holder}}
+    store = zarr.storage.FsspecStore.from_url(s3, read_only=False)
+    sync(store.set("zarr.json", default_buffer_prototype().buffer.from_bytes(json.dumps(doc).encode())))
+    monkeypatch.setenv("VD_S3_WAIT_S", "60")
+    t = time.monotonic()
+    with pytest.raises(NotAGoldenError, match=rf"holds a write cut short: its writer, .* pid {gone.pid} .*, no longer "
+                                              r"runs; write it again \(vd record --refresh, vd pack SOURCE DEST"):
+        open_golden(s3)
+    assert time.monotonic() - t < 10

@@ -87,11 +87,11 @@ def record_suite(names: list[str], config: Path | None, refresh: bool, reason: s
                 [o] = do_record([e], refresh_existing=refresh, reason=reason or "first recording", models=models,
                                 progress=progress)
             progress.end(failed=o.verdict == "ERROR")  # its last phase's line before the golden's own
-            if o.verdict in ("RECORDED", "REFRESHED"):
-                repin(e, e.path)
             for line in words.outcome_lines(o.name, o.verdict, o.path, o.seconds,
                                             o.reasons or ([o.error] if o.error else [])):
                 out.print(line)
+            if o.verdict in ("RECORDED", "REFRESHED"):  # (said after the golden's line: its pin, under it)
+                repin(e, e.path)
             outcomes.append(o)
     if summary is not None:
         write_text(summary, words.record_summary(reason, [(o.name, o.verdict, o.reasons or [o.error or ""],

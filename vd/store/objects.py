@@ -203,11 +203,14 @@ class ObjectPrefix:
                 if copy is not None:
                     self._copy = copy
                     return copy
+            if isinstance(holder, dict) and _dead_here(holder):  # nothing to wait for: its writer is gone
+                raise NotAGoldenError(f"{self.url} holds a write cut short: its writer, {_who(holder)}, no longer "
+                                      "runs; write it again (vd record --refresh, vd pack SOURCE DEST --refresh)")
             if time.monotonic() >= deadline:
                 what = (f"is being written by {_who(holder)}, or that write was interrupted" if isinstance(holder, dict)
                         else "kept changing while it was read (a refresh is publishing it)")
-                raise NotAGoldenError(f"{self.url} {what}: waited {wait:.0f} s ({WAIT_ENV}); record it again if "
-                                      "the writer died")
+                raise NotAGoldenError(f"{self.url} {what}: waited {wait:.0f} s ({WAIT_ENV}); write it again (vd "
+                                      "record --refresh, vd pack SOURCE DEST --refresh) if the writer died")
             time.sleep(pause)
             pause = min(2.0, pause * 2)
 
