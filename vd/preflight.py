@@ -251,6 +251,28 @@ def check_zip_names(z: zipfile.ZipFile, where: str) -> None:
         if name in seen:
             raise GoldenCorruptError(f"{where} holds two members named {name!r} (one shadows the other): refused")
         seen.add(name)
+    _check_zip_bounds(z, where)
+
+
+def _check_zip_bounds(z: zipfile.ZipFile, where: str) -> None:
+    """Refuse a zip golden holding bytes outside the archive vd wrote: before its first member (a file cat'ed in
+    front, another zip) or after its end-of-archive record, which vd writes without a comment (anything
+    appended). Its members and manifest still checked, so a user test's `verify` said "intact" of a file that
+    is not what was written."""
+    first = min((i.header_offset for i in z.infolist()), default=0)
+    if first:
+        raise GoldenCorruptError(f"{where} has {first} bytes before its first member, no part of a golden: refused")
+    if z.fp is None:
+        return
+    z.fp.seek(0, os.SEEK_END)
+    size = z.fp.tell()
+    z.fp.seek(max(0, size - _EOCD))
+    tail = z.fp.read(_EOCD)
+    if len(tail) < _EOCD or tail[:4] != b"PK\x05\x06" or tail[-2:] != b"\x00\x00":
+        raise GoldenCorruptError(f"{where} has bytes after its end-of-archive record, no part of a golden: refused")
+
+
+_EOCD = 22  # bytes: a zip's end-of-central-directory record without a comment, the last of the file
 
 
 def _zip_member(path: Path, key: str, url: str) -> bytes | None:

@@ -1,7 +1,7 @@
 """A zip golden's member names, checked once when it is opened: a member repeated (a later copy, which a
 reader would take, shadowing the one the manifest hashed) or named outside the golden (``../x``, ``/abs``)
 is refused, by the command line's first look (`vd.preflight`) and by the store itself; and a manifest that
-lists such a name is refused as well."""
+lists such a name is refused as well; and bytes outside the archive vd wrote."""
 
 import json
 import warnings
@@ -48,6 +48,19 @@ def test_a_duplicate_member_is_refused_by_verify_and_replay(cli, packed, member)
     refused(cli("replay", packed, "--model", "tiny-llama"), "two members", repr(name))
     with pytest.raises(GoldenCorruptError, match="two members"):
         open_golden(packed)  # the store's own check, without the command line's first look
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_bytes_outside_the_archive_are_refused(cli, packed, where, tmp_path):
+    """Another zip cat'ed in front, or anything appended: its members and manifest still checked, so `vd verify`
+    said "intact" of a file that is not the one vd wrote (a user test)."""
+    data = packed.read_bytes()
+    packed.write_bytes(data + data if where == "before" else data + b"junk\n")
+    said = "bytes before its first member" if where == "before" else "bytes after its end-of-archive record"
+    refused(cli("verify", packed), said)
+    refused(cli("replay", packed, "--model", "tiny-llama"), said)
+    with pytest.raises(GoldenCorruptError, match=said):
+        open_golden(packed)
 
 
 @pytest.mark.parametrize("name", ["../x", "/abs", "k2/../../x"])
