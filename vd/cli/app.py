@@ -33,7 +33,6 @@ from vd.cli.common import (
     check_model,
     check_no_golden,
     check_outside,
-    check_recording,
     check_replay,
     check_tolerances,
     check_writable,
@@ -156,9 +155,9 @@ def _check_record(ctx: typer.Context, out_path: str, entry, summary: Path | None
     check_writable("--summary", summary, (out_path,))
     preflight.check_target(out_path, preflight.peek(out_path).state, refresh)
     check_no_golden("OUT", out_path, replace=True)  # OUT itself: check_target's (--refresh replaces it)
-    check_recording(model, forwards[0], device, threads)
-    if forwards[1] is not None:
-        check_model(model, [forwards[1]], device)
+    from vd.models import check_recording
+
+    check_recording(model, [f for f in forwards if f is not None], device, threads)
     check_tolerances(tolerance)
 
 

@@ -460,16 +460,6 @@ def check_model(spec: str, forwards: list[str], device: str | None = None) -> No
     check_forward_names(spec, forwards, device)
 
 
-def check_recording(model: str, forward: str | None, device: str, threads: int | None) -> None:
-    """What a recording's flags (or a declared golden's settings) can be refused for before anything heavy is
-    imported: the model SPEC and forward, the device, the thread count."""
-    from vd.models.device import check_device_name
-
-    check_device_name(device)
-    check_model(model, [forward] if forward else [], device)
-    preflight.check_threads(threads)
-
-
 def check_tolerances(items: list[str] | None) -> None:
     """``--tolerance`` items that do not parse, refused before a model is loaded; and one kind named twice
     (``verify=kl:0.1`` and ``verify=argmax``), of which the last alone would count. A SPEC without a kind is for

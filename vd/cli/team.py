@@ -40,7 +40,7 @@ from vd.cli.common import (
 from vd.errors import GoldenError, Terminated, UsageError
 from vd.outputs import check_bundle_place, write_text
 from vd.preflight import recovered
-from vd.workflow.declare import check_pin_writable, check_recordable, declared, entry_for
+from vd.workflow.declare import check_pin_writable, check_recordable, declared, entry_for, recording_refusal
 
 
 def _suite(config: Path | None):
@@ -167,11 +167,9 @@ def _print_next_steps(outcomes, bundles: dict[str, str], entries) -> None:
     for o, e in zip(outcomes, entries, strict=True):
         lines = [] if o.report is None else words.next_lines(o.report, o.name, bundles.get(o.name))
         if o.report is None and "://" not in o.path and not os.path.lexists(o.path):
-            lines = ["next step:", f"  - record it: vd record --suite {o.name}"]
-            try:
-                check_recordable(e)
-            except UsageError as err:
-                lines[1] = f"  - change its declaration: {err}"
+            why = recording_refusal(e)
+            lines = ["next step:", f"  - record it: vd record --suite {o.name}" if why is None else
+                     f"  - change its declaration: {why}"]
         for line in lines:
             out.print(f"{o.name}: {line}" if line == "next step:" else line)
 
@@ -470,11 +468,9 @@ def status(
         states = S.status(suite, suite.select(names or []), check_models=not no_models,
                           report=None if report is None else str(report), progress=progress)
     for s in states:  # what `vd record --suite` would say of a missing one, said now
-        if s.state == "missing":
-            try:
-                check_recordable(suite.entries[s.name])
-            except UsageError as e:
-                s.reasons.append(f"vd record --suite would refuse it: {e}")
+        why = recording_refusal(suite.entries[s.name]) if s.state == "missing" else None
+        if why is not None:
+            s.reasons.append(f"vd record --suite would refuse it: {why}")
     orphans = S.orphans(suite) if not names else []
     _print_status(states, orphans, no_models, suite.file.parent, prune)
     if prune and orphans and _prune_confirmed(orphans, yes):

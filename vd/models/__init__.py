@@ -108,6 +108,19 @@ def check_forward_names(spec: str, names: list[str], device: str | None = None) 
                          "`vd forwards` lists those this machine runs)")
 
 
+def check_recording(spec: str, forwards: list[str], device: str, threads: int | None) -> None:
+    """What a recording of ``spec`` with ``forwards`` (the recording's and the decode rows', those named) on
+    ``device`` can be refused for before anything heavy is imported: the device name, the model SPEC and its
+    forwards there, the thread count. `vd record`'s flags and a declared golden's settings
+    (`vd.workflow.declare.check_recordable`) both pass here."""
+    from vd.models.device import check_device_name
+    from vd.preflight import check_threads
+
+    check_device_name(device)
+    check_forward_names(spec, forwards, device)
+    check_threads(threads)
+
+
 def _plugin_module(target: str) -> ModuleType:
     """The module a plug-in spec names: a ``.py`` file (its folder put first on ``sys.path``, as Python does for a
     script, so it imports the modules beside it), or a module on the import path."""

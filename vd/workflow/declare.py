@@ -452,14 +452,19 @@ def check_recordable(e: Entry) -> None:
     are the declaration's own checks): a suite one of whose declarations cannot work here is refused whole, not
     after the goldens before it were recorded, and a missing golden's next step says so rather than name a
     recording that would be refused."""
-    from vd.models import DEFAULT_MODEL, check_forward_names
-    from vd.models.device import check_device_name
-    from vd.preflight import check_threads
+    why = recording_refusal(e)
+    if why is not None:
+        raise UsageError(why)
 
-    device = e.device or "cpu"
+
+def recording_refusal(e: Entry) -> str | None:
+    """Why `vd record` would refuse the declared golden ``e`` here (`check_recordable`), None where it would not:
+    said by `vd status` and as a missing golden's next step (a suite replay's, `pytest --vd`'s)."""
+    from vd.models import DEFAULT_MODEL, check_recording
+
     try:
-        check_device_name(device)
-        check_forward_names(e.model or DEFAULT_MODEL, [f for f in (e.forward, e.decode_forward) if f], device)
-        check_threads(e.threads)
+        check_recording(e.model or DEFAULT_MODEL, [f for f in (e.forward, e.decode_forward) if f],
+                        e.device or "cpu", e.threads)
     except VdError as err:  # (an unknown model is a ModelSpecError)
-        raise UsageError(f"golden {e.name!r} cannot be recorded as declared: {err}") from None
+        return f"golden {e.name!r} cannot be recorded as declared: {err}"
+    return None

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from vd.errors import CandidateOutdatedError, GoldenBusyError, UsageError, VdError, system_refusal
+from vd.errors import CandidateOutdatedError, GoldenBusyError, VdError, system_refusal
 
 if TYPE_CHECKING:
     from vd.workflow.refresh import Refreshed
@@ -211,15 +211,13 @@ class _Session:
         way on a failure names (a golden not recorded yet is recorded: vd refresh refuses one). Where the test
         hands in its own model (``own_model``), vd refresh would record the declared one, not the test's."""
         from vd.store import locate
-        from vd.workflow.declare import check_recordable
+        from vd.workflow.declare import recording_refusal
         from vd.workflow.suite import record_settings, stale_now
 
         if locate(entry.path).state() in ("absent", "partial"):  # partial: an interrupted S3 write
-            try:
-                check_recordable(entry)
-            except UsageError as e:
-                return ["golden missing"], f"change its declaration: {e}"
-            return ["golden missing"], f"record it: vd record --suite {entry.name}, or pytest --vd-update"
+            why = recording_refusal(entry)
+            return ["golden missing"], (f"record it: vd record --suite {entry.name}, or pytest --vd-update"
+                                        if why is None else f"change its declaration: {why}")
         accept = f"accept an intended change: pytest --vd-update, or vd refresh {entry.name} --reason TEXT"
         if own_model:
             accept = (f"accept an intended change: pytest --vd-update keeps the rows of the model this test ran "
